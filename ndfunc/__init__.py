@@ -1,0 +1,30 @@
+"""ndfunc: JAX's sharding model on PyTorch.
+
+Declare a PartitionSpec per value over named mesh axes; ndfunc lays values out as DTensors on
+real ranks (`nf.init()` under torchrun) or simulated ones (`nf.simulate(n)`).
+"""
+
+from ndfunc import sharding as sharding
+from ndfunc import tree as tree
+from ndfunc.config import ParallelConfig as ParallelConfig
+from ndfunc.runtime import init as init
+from ndfunc.runtime import is_simulated as is_simulated
+from ndfunc.runtime import rank as rank
+from ndfunc.runtime import simulate as simulate
+from ndfunc.runtime import world_size as world_size
+from ndfunc.sharding.mesh import get_mesh as get_mesh
+from ndfunc.sharding.mesh import make_mesh as make_mesh
+from ndfunc.sharding.mesh import set_mesh as set_mesh
+from ndfunc.sharding.visualize import visualize_sharding as visualize_sharding
+from ndfunc.transfer import device_get as device_get
+from ndfunc.transfer import device_put as device_put
+from ndfunc.transfer import make_array_from_callback as make_array_from_callback
+from ndfunc.transfer import sharding_of as sharding_of
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ParallelConfig", "device_get", "device_put", "get_mesh", "init", "is_simulated",
+    "make_array_from_callback", "make_mesh", "rank", "set_mesh", "sharding", "sharding_of",
+    "simulate", "tree", "visualize_sharding", "world_size",
+]

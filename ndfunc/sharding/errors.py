@@ -1,0 +1,32 @@
+"""Errors raised for malformed or impossible shardings.
+
+Every error says what was expected, what came, and what to do. They all derive from
+`ShardingError`, itself a `ValueError`, so callers can catch the family or one member.
+"""
+
+from __future__ import annotations
+
+
+class ShardingError(ValueError):
+    """A PartitionSpec, mesh or sharding that cannot be honoured."""
+
+
+class DuplicateAxisError(ShardingError):
+    """A mesh axis appears more than once in one PartitionSpec."""
+
+
+class UnknownAxisError(ShardingError):
+    """A PartitionSpec (or rule) names a mesh axis the mesh does not have."""
+
+
+class RankError(ShardingError):
+    """A PartitionSpec has more entries than the value has dims."""
+
+
+class IndivisibleError(ShardingError):
+    """A dim's size is not a multiple of the number of blocks its axes split it into."""
+
+
+def where(path: str | None) -> str:
+    """The prefix that names a value in an error message: `'layers.0.wq': ` or nothing."""
+    return f"{path!r}: " if path else ""

@@ -1,0 +1,90 @@
+"""PartitionSpec <-> DTensor placements, over an abstract mesh.
+
+A spec is per tensor dim (which axes split it, major to minor); placements are per mesh axis
+(which dim it splits). DTensor applies placements left to right in mesh order, each splitting the
+block left by the previous ones. That is JAX's order exactly when a dim's axes are listed in mesh
+order. Otherwise an axis must split a dim that a *later* mesh axis, more major in the spec, has
+already split: DTensor's `_StridedShard(dim, split_factor=k)` says so, with k the product of the
+sizes of those more-major, later axes.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Sequence
+
+from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
+
+from ndfunc.sharding.errors import ShardingError
+from ndfunc.sharding.mesh import AbstractMesh
+from ndfunc.sharding.partition_spec import PartitionSpec
+
+
+def spec_to_placements(mesh: AbstractMesh, spec: PartitionSpec) -> tuple:
+    """One placement per mesh axis for `spec`; `Replicate()` for axes the spec does not use."""
+    position = {name: i for i, name in enumerate(mesh.axis_names)}
+    placements: list = [Replicate()] * len(position)
+    for dim, entry in enumerate(spec):
+        axes = spec.dim_axes(dim)
+        for i, axis in enumerate(axes):
+            split_factor = math.prod(
+                mesh.axis_size(major) for major in axes[:i] if position[major] > position[axis]
+            )
+            placements[position[axis]] = (
+                Shard(dim) if split_factor == 1 else _StridedShard(dim, split_factor=split_factor)
+            )
+    return tuple(placements)
+
+
+def placements_to_spec(mesh: AbstractMesh, placements: Sequence, ndim: int) -> PartitionSpec:
+    """The PartitionSpec whose placements are `placements` (the inverse of `spec_to_placements`).
+
+    Raises:
+        ShardingError: for a `Partial` placement (a pending sum has no PartitionSpec), a placement
+            on a dim the value does not have, or a `_StridedShard` no spec produces.
+    """
+    placements = tuple(placements)
+    if len(placements) != len(mesh.axis_names):
+        raise ShardingError(
+            f"expected one placement per mesh axis {mesh.axis_names}, got {len(placements)}: {placements}."
+        )
+    dim_axes: dict[int, list[str]] = {}
+    for axis, placement in zip(mesh.axis_names, placements):
+        if isinstance(placement, Replicate):
+            continue
+        if isinstance(placement, Partial):
+            raise ShardingError(
+                f"placement {placement} on mesh axis {axis!r} is a pending sum, which no "
+                f"PartitionSpec describes; reduce it first (redistribute to Replicate or Shard)."
+            )
+        if not isinstance(placement, (Shard, _StridedShard)):
+            raise ShardingError(f"unsupported placement {placement!r} on mesh axis {axis!r}.")
+        dim = placement.dim if placement.dim >= 0 else placement.dim + ndim
+        if not 0 <= dim < ndim:
+            raise ShardingError(
+                f"placement {placement} on mesh axis {axis!r} shards dim {placement.dim}, but the "
+                f"value has rank {ndim}."
+            )
+        dim_axes.setdefault(dim, []).append(axis)
+    entries: list = [None] * (max(dim_axes) + 1 if dim_axes else 0)
+    for dim, axes in dim_axes.items():
+        entries[dim] = _major_to_minor(mesh, placements, dim, axes)
+    return PartitionSpec(*entries)
+
+
+def _major_to_minor(mesh: AbstractMesh, placements: tuple, dim: int, axes: list[str]) -> tuple[str, ...]:
+    # At most a handful of axes share a dim (the mesh has four), so try every order and keep the
+    # one whose placements are the ones given.
+    position = {name: i for i, name in enumerate(mesh.axis_names)}
+    given = [placements[position[a]] for a in axes]
+    for order in itertools.permutations(axes):
+        spec = PartitionSpec(*([None] * dim), order)
+        produced = spec_to_placements(mesh, spec)
+        if [produced[position[a]] for a in axes] == given:
+            return order
+    raise ShardingError(
+        f"placements {placements} split dim {dim} over {tuple(axes)} in a way no PartitionSpec "
+        f"describes (a _StridedShard split factor that matches no order of those axes)."
+    )

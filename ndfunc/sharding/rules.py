@@ -1,0 +1,104 @@
+"""From parameter trees to PartitionSpecs: regex rules on paths, and logical axis names.
+
+Two ways a model says how it is sharded, both pure:
+- `match_rules`: `(regex, spec)` pairs over leaf paths (`layers.0.attn.wq`), first match wins.
+- `logical_to_mesh`: the model names each dim (`('embed', 'mlp')`), a strategy maps names to
+  mesh axes (Flax linen's logical axis rules). Changing strategy is changing that mapping.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from typing import Any
+
+from ndfunc.sharding.errors import ShardingError
+from ndfunc.sharding.partition_spec import PartitionSpec
+from ndfunc.tree import PyTree, tree_map_with_path
+
+MeshAxes = None | str | tuple[str, ...]
+LogicalRules = Sequence[tuple[str, MeshAxes]]
+
+
+def match_rules(rules: Sequence[tuple[str, PartitionSpec]], tree: PyTree) -> PyTree:
+    """A tree of `P` for `tree`: each leaf takes the spec of the first rule whose regex
+    `re.search`es its path. Scalars (rank-0 leaves) get `P()`.
+
+    Example:
+        >>> rules = [(r'attn\\.w[qkv]$', P(None, 'tp')), (r'.*', P())]
+        >>> match_rules(rules, {'attn': {'wq': torch.zeros(4, 8)}, 'step': torch.zeros(())})
+        {'attn': {'wq': P(None, 'tp')}, 'step': P()}
+
+    Raises:
+        ShardingError: a leaf no rule matches (its path and every pattern are listed).
+    """
+    compiled = [(re.compile(pattern), spec) for pattern, spec in rules]
+
+    def spec_for(path: str, leaf: Any) -> PartitionSpec:
+        if getattr(leaf, "ndim", None) == 0 or isinstance(leaf, (int, float, bool)):
+            return PartitionSpec()
+        for regex, spec in compiled:
+            if regex.search(path):
+                return spec
+        patterns = ", ".join(repr(pattern) for pattern, _ in rules) or "(none)"
+        raise ShardingError(
+            f"no rule matches the parameter {path!r}; patterns tried, in order: {patterns}. "
+            f"Add a rule for it, or end the list with ('.*', P()) to replicate what is left."
+        )
+
+    return tree_map_with_path(spec_for, tree)
+
+
+def _is_axes_leaf(node: Any) -> bool:
+    return isinstance(node, tuple) and all(n is None or isinstance(n, str) for n in node)
+
+
+def logical_to_mesh(axes_tree: PyTree, rules: LogicalRules) -> PyTree:
+    """Map a tree of logical dim names (a tuple per tensor, e.g. `('vocab', 'embed')`) to `P`s.
+
+    Flax linen semantics: rules are walked in order, as priorities; a rule gives its mesh axes
+    to the dim with its logical name if that dim has none yet and this tensor has not used any of
+    those axes. So a dim takes the first rule for its name whose axes are still free; a rule of
+    `None`, or no usable rule, leaves the dim unsharded.
+
+    Example:
+        >>> rules = [('embed', ('dp_shard', 'cp')), ('mlp', 'tp'), ('vocab', 'tp')]
+        >>> logical_to_mesh({'w1': ('embed', 'mlp'), 'emb': ('vocab', 'embed')}, rules)
+        {'emb': P('tp', ('dp_shard', 'cp')), 'w1': P(('dp_shard', 'cp'), 'tp')}
+
+    Raises:
+        ShardingError: a logical name repeated within one tensor's axes.
+    """
+    normalized = [(name, _as_axes(axes)) for name, axes in rules]
+
+    def to_spec(path: str, names: tuple) -> PartitionSpec:
+        seen = [n for n in names if n is not None]
+        duplicates = sorted({n for n in seen if seen.count(n) > 1})
+        if duplicates:
+            raise ShardingError(
+                f"{path!r} names logical axis {duplicates[0]!r} twice in {names}; each dim of a "
+                f"tensor needs its own logical name (e.g. 'embed' and 'embed_out')."
+            )
+        # Rules are priorities, as in Flax: walk the rules in order and give each one to its
+        # dim if that dim is still unassigned and none of the rule's mesh axes is taken.
+        unassigned = object()
+        entries: list = [unassigned if n is not None else None for n in names]
+        for rule_name, mesh_axes in normalized:
+            if rule_name not in names:
+                continue
+            dim = names.index(rule_name)
+            taken = {a for e in entries if isinstance(e, tuple) for a in e}
+            if entries[dim] is unassigned and not taken & set(mesh_axes or ()):
+                entries[dim] = mesh_axes
+        entries = [None if e is unassigned else e for e in entries]
+        return PartitionSpec(*entries)
+
+    return tree_map_with_path(to_spec, axes_tree, is_leaf=_is_axes_leaf)
+
+
+def _as_axes(axes: MeshAxes) -> tuple[str, ...] | None:
+    if axes is None:
+        return None
+    if isinstance(axes, str):
+        return (axes,)
+    return tuple(axes)

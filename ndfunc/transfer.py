@@ -1,0 +1,165 @@
+"""Moving values onto ranks and back: `device_put`, `device_get`, `make_array_from_callback`.
+
+A sharded value is a DTensor whose placements come from a `NamedSharding`. Building one never
+communicates: each rank takes its own block (`sharding.shard_indices(shape)[rank]`) of a value it
+already has, or asks a callback for just that block. Reading one back gathers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed._local_tensor import LocalTensor, local_tensor_mode
+from torch.distributed.tensor import DTensor
+
+from ndfunc.sharding.errors import ShardingError, where
+from ndfunc.sharding.mesh import AbstractMesh, Mesh
+from ndfunc.sharding.named_sharding import NamedSharding, resolve_sharding
+from ndfunc.tree import PyTree, tree_broadcast_prefix, tree_map_with_path
+
+Index = tuple[slice, ...]
+
+
+def sharding_of(x: torch.Tensor) -> NamedSharding | None:
+    """The NamedSharding of a DTensor (None for a plain tensor, which every rank holds whole)."""
+    if not isinstance(x, DTensor):
+        return None
+    device_mesh = x.device_mesh
+    names = device_mesh.mesh_dim_names
+    if names is None:
+        raise ShardingError("a DTensor on a DeviceMesh without mesh_dim_names has no named sharding.")
+    mesh = Mesh(AbstractMesh(tuple(zip(names, device_mesh.mesh.shape))), device_mesh)
+    return NamedSharding.from_placements(mesh, x.placements, x.ndim)
+
+
+def make_array_from_callback(
+    shape: Sequence[int], sharding: NamedSharding, callback: Callable[[Index], Any]
+) -> DTensor:
+    """A DTensor of global `shape` laid out by `sharding`, each rank's block from `callback(index)`.
+
+    `index` is that rank's tuple of `slice`s into the global value; each rank asks only for its own
+    block (in simulation, each simulated rank asks once), so no rank ever holds the whole value.
+
+    Example:
+        >>> full = torch.arange(32.).reshape(8, 4)
+        >>> x = nf.make_array_from_callback(full.shape, NamedSharding(mesh, P('dp')), lambda i: full[i])
+    """
+    sharding = resolve_sharding(sharding)
+    return _assemble(tuple(shape), sharding, lambda rank, index: callback(index))
+
+
+def device_put(tree: PyTree, shardings: PyTree) -> PyTree:
+    """Lay out every tensor of `tree` as its sharding says, as DTensors.
+
+    `shardings` is a prefix tree of `NamedSharding` (or of `P` under `with mesh:`): one sharding can
+    stand for a whole subtree. A plain tensor is a global value every rank holds; each rank keeps
+    its own block. A DTensor is redistributed.
+    """
+    shardings = tree_broadcast_prefix(
+        shardings, tree, is_leaf=_is_sharding, prefix_name="shardings", full_name="values"
+    )
+    return tree_map_with_path(_put_leaf, tree, shardings)
+
+
+def _put_leaf(path: str, x: Any, sharding: Any) -> DTensor:
+    sharding = resolve_sharding(sharding, path)
+    if not isinstance(sharding.mesh, Mesh):
+        raise ShardingError(
+            f"{where(path)}device_put needs a sharding over a Mesh of ranks, got one over "
+            f"{sharding.mesh!r}; build the mesh with nf.make_mesh."
+        )
+    if isinstance(x, DTensor):
+        if x.device_mesh == sharding.mesh.device_mesh and tuple(x.placements) == sharding.placements:
+            return x
+        x = _gather(x)
+    if not isinstance(x, torch.Tensor):
+        x = torch.as_tensor(x)
+    x = x.detach()
+    # Each rank's block is a copy, so the DTensor never aliases (or pins) the caller's tensor.
+    return _assemble(tuple(x.shape), sharding, lambda rank, index: _on_rank(x, rank)[index].clone(), path)
+
+
+def device_get(tree: PyTree) -> PyTree:
+    """Every DTensor of `tree` gathered to a full, plain tensor (the same on every rank)."""
+    return tree_map_with_path(lambda path, x: _gather(x), tree)
+
+
+def _gather(x: Any) -> Any:
+    if isinstance(x, DTensor):
+        with _quiet_redistribute():
+            x = x.full_tensor()
+    if isinstance(x, LocalTensor):
+        mode = local_tensor_mode()
+        with mode.disable() if mode is not None else contextlib.nullcontext():
+            x = x.reconcile()
+    return x
+
+
+def _assemble(
+    shape: tuple[int, ...],
+    sharding: NamedSharding,
+    block: Callable[[int, Index], Any],
+    path: str | None = None,
+) -> DTensor:
+    indices = sharding.shard_indices(shape, path)
+    expected = sharding.shard_shape(shape, path)
+    device_mesh = sharding.mesh.device_mesh
+    mode = local_tensor_mode()
+    if mode is not None:
+        with mode.disable():
+            blocks = {r: _checked(_on_rank(block(r, indices[r]), r), expected, r, path) for r in sorted(mode.ranks)}
+            local = LocalTensor(blocks)
+    else:
+        r = dist.get_rank()
+        local = _checked(block(r, indices[r]), expected, r, path)
+        if sharding.mesh.device_type != "cpu":
+            local = local.to(torch.device(sharding.mesh.device_type, torch.accelerator.current_device_index()))
+    return DTensor.from_local(
+        local,
+        device_mesh,
+        sharding.placements,
+        run_check=False,
+        shape=torch.Size(shape),
+        stride=torch.empty(shape, device="meta").stride(),
+    )
+
+
+def _on_rank(x: Any, rank: int) -> Any:
+    """Rank `rank`'s value of `x` (in simulation a tensor can differ across ranks)."""
+    return x._local_tensors[rank] if isinstance(x, LocalTensor) else x
+
+
+def _checked(block: Any, expected: tuple[int, ...], rank: int, path: str | None) -> torch.Tensor:
+    if not isinstance(block, torch.Tensor):
+        block = torch.as_tensor(block)
+    if tuple(block.shape) != expected:
+        raise ShardingError(
+            f"{where(path)}rank {rank}'s block has shape {tuple(block.shape)}, but the sharding "
+            f"gives each rank a block of shape {expected}; the callback must return exactly "
+            f"`full[index]` for the index it is given."
+        )
+    return block
+
+
+def _is_sharding(x: Any) -> bool:
+    from ndfunc.sharding.partition_spec import PartitionSpec
+
+    return isinstance(x, (NamedSharding, PartitionSpec))
+
+
+@contextlib.contextmanager
+def _quiet_redistribute():
+    # DTensor logs a performance warning when it gathers a dim split over several mesh axes in
+    # more than one step; for a one-off device_get that is expected, not a problem to report.
+    logger = logging.getLogger("torch.distributed.tensor._redistribute")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)

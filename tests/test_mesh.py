@@ -1,0 +1,80 @@
+import pytest
+import torch.distributed as dist
+
+import ndfunc as nf
+from ndfunc.sharding import AbstractMesh, NamedSharding, P, ShardingError, UnknownAxisError
+
+
+def test_abstract_mesh():
+    mesh = AbstractMesh({"dp_shard": 4, "tp": 2})
+    assert mesh.axis_names == ("dp_shard", "tp")
+    assert mesh.shape == {"dp_shard": 4, "tp": 2}
+    assert mesh.size == 8 and mesh.axis_size("tp") == 2
+    assert mesh.coordinate(5) == (2, 1)  # row-major, last axis fastest
+    assert mesh == AbstractMesh([("dp_shard", 4), ("tp", 2)])
+    assert mesh != AbstractMesh({"tp": 2, "dp_shard": 4})  # order matters
+    assert repr(mesh) == "AbstractMesh({'dp_shard': 4, 'tp': 2})"
+    mesh.shape["tp"] = 9
+    assert mesh.axis_size("tp") == 2
+
+
+@pytest.mark.parametrize(
+    "shape, message",
+    [
+        ({"dp": 0}, "mesh axis 'dp' has size 0; sizes must be integers >= 1"),
+        ({"": 2}, "mesh axis names must be non-empty strings, got ''"),
+        ([("dp", 2), ("dp", 2)], "mesh axis 'dp' appears twice"),
+        ({"dp": 2.0}, "mesh axis 'dp' has size 2.0"),
+    ],
+)
+def test_abstract_mesh_validates(shape, message):
+    with pytest.raises(ShardingError, match=message):
+        AbstractMesh(shape)
+
+
+def test_unknown_axis_size():
+    with pytest.raises(UnknownAxisError, match=r"mesh has no axis 'cp'; its axes are \('dp', 'tp'\)"):
+        AbstractMesh({"dp": 2, "tp": 2}).axis_size("cp")
+
+
+def test_make_mesh_in_simulation():
+    with nf.simulate(8):
+        mesh = nf.make_mesh({"dp_shard": 4, "tp": 2})
+        assert mesh.axis_names == ("dp_shard", "tp") and mesh.size == 8
+        assert mesh.abstract == AbstractMesh({"dp_shard": 4, "tp": 2})
+        assert mesh.device_mesh.mesh.tolist() == [[0, 1], [2, 3], [4, 5], [6, 7]]
+        assert nf.make_mesh(dp=8).shape == {"dp": 8}
+
+
+def test_make_mesh_wrong_world_size():
+    with nf.simulate(8):
+        with pytest.raises(ShardingError, match="mesh dp=4 x tp=4 has 16 ranks but the world has 8; choose axis sizes whose product is 8"):
+            nf.make_mesh(dp=4, tp=4)
+
+
+def test_make_mesh_without_ranks():
+    assert not dist.is_initialized()
+    with pytest.raises(RuntimeError, match=r"make_mesh found no ranks: run inside `with nf.simulate\(n\):`"):
+        nf.make_mesh(dp=1)
+
+
+def test_bare_specs_under_a_mesh():
+    mesh = AbstractMesh({"tp": 2})
+    from ndfunc.sharding.named_sharding import resolve_sharding
+
+    with pytest.raises(ShardingError, match=r"a bare P\('tp'\) needs a mesh: wrap the call in `with mesh:`"):
+        resolve_sharding(P("tp"))
+    with nf.set_mesh(mesh):
+        assert nf.get_mesh() is mesh
+        assert resolve_sharding(P("tp")) == NamedSharding(mesh, P("tp"))
+    assert nf.get_mesh() is None
+
+
+def test_with_mesh_nests_and_restores():
+    with nf.simulate(4):
+        outer, inner = nf.make_mesh(dp=4), nf.make_mesh(dp=2, tp=2)
+        with outer:
+            with inner:
+                assert nf.get_mesh() is inner
+            assert nf.get_mesh() is outer
+        assert nf.get_mesh() is None
