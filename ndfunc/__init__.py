@@ -10,6 +10,7 @@ from ndfunc.config import ParallelConfig as ParallelConfig
 from ndfunc.runtime import init as init
 from ndfunc.runtime import is_simulated as is_simulated
 from ndfunc.runtime import rank as rank
+from ndfunc.runtime import shutdown as shutdown
 from ndfunc.runtime import simulate as simulate
 from ndfunc.runtime import world_size as world_size
 from ndfunc.sharding.mesh import get_mesh as get_mesh
@@ -25,6 +26,6 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ParallelConfig", "device_get", "device_put", "get_mesh", "init", "is_simulated",
-    "make_array_from_callback", "make_mesh", "rank", "set_mesh", "sharding", "sharding_of",
+    "make_array_from_callback", "make_mesh", "rank", "set_mesh", "sharding", "sharding_of", "shutdown",
     "simulate", "tree", "visualize_sharding", "world_size",
 ]

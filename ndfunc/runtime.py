@@ -75,6 +75,18 @@ def init(backend: str | None = None) -> None:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
 
 
+def shutdown() -> None:
+    """Leave the world `nf.init()` joined: wait for every rank, then tear the process group down.
+
+    Call it once at the end of a torchrun script; a process that exits with gloo's threads still
+    running can abort. Inside `nf.simulate` it does nothing (the block's exit tears down).
+    """
+    if not dist.is_initialized() or is_simulated():
+        return
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 def rank() -> int:
     """This process's rank (0 without a world; 0 in simulation, where one process plays all)."""
     return dist.get_rank() if dist.is_initialized() else 0

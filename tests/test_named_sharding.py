@@ -42,7 +42,7 @@ def test_from_placements():
 
 
 def test_from_placements_rejects_what_no_spec_describes():
-    with pytest.raises(ShardingError, match=r"split dim 1 over \('dp_replicate', 'tp'\) in a way no PartitionSpec describes"):
+    with pytest.raises(ShardingError, match=r"on mesh axes \('dp_replicate', 'tp'\) split dim 1 in a way no PartitionSpec describes"):
         NamedSharding.from_placements(MESH, (Shard(1), Replicate(), Replicate(), _StridedShard(1, split_factor=2)), 2)
     with pytest.raises(ShardingError, match=r"shards dim 2, but the value has rank 2"):
         NamedSharding.from_placements(MESH, (Shard(2), Replicate(), Replicate(), Replicate()), 2)

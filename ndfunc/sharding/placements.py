@@ -67,24 +67,28 @@ def placements_to_spec(mesh: AbstractMesh, placements: Sequence, ndim: int) -> P
                 f"placement {placement} on mesh axis {axis!r} shards dim {placement.dim}, but the "
                 f"value has rank {ndim}."
             )
-        dim_axes.setdefault(dim, []).append(axis)
+        dim_axes.setdefault(dim, []).append((axis, _with_dim(placement, dim)))
     entries: list = [None] * (max(dim_axes) + 1 if dim_axes else 0)
-    for dim, axes in dim_axes.items():
-        entries[dim] = _major_to_minor(mesh, placements, dim, axes)
+    for dim, axis_placements in dim_axes.items():
+        entries[dim] = _major_to_minor(mesh, dim, dict(axis_placements))
     return PartitionSpec(*entries)
 
 
-def _major_to_minor(mesh: AbstractMesh, placements: tuple, dim: int, axes: list[str]) -> tuple[str, ...]:
+def _with_dim(placement, dim: int):
+    if isinstance(placement, _StridedShard):
+        return _StridedShard(dim, split_factor=placement.split_factor)
+    return Shard(dim)
+
+
+def _major_to_minor(mesh: AbstractMesh, dim: int, given: dict) -> tuple[str, ...]:
     # At most a handful of axes share a dim (the mesh has four), so try every order and keep the
     # one whose placements are the ones given.
     position = {name: i for i, name in enumerate(mesh.axis_names)}
-    given = [placements[position[a]] for a in axes]
-    for order in itertools.permutations(axes):
-        spec = PartitionSpec(*([None] * dim), order)
-        produced = spec_to_placements(mesh, spec)
-        if [produced[position[a]] for a in axes] == given:
+    for order in itertools.permutations(given):
+        produced = spec_to_placements(mesh, PartitionSpec(*([None] * dim), order))
+        if all(produced[position[axis]] == placement for axis, placement in given.items()):
             return order
     raise ShardingError(
-        f"placements {placements} split dim {dim} over {tuple(axes)} in a way no PartitionSpec "
-        f"describes (a _StridedShard split factor that matches no order of those axes)."
+        f"placements {tuple(given.values())} on mesh axes {tuple(given)} split dim {dim} in a way "
+        f"no PartitionSpec describes (a _StridedShard split factor that matches no order of those axes)."
     )

@@ -99,7 +99,9 @@ def visualize_sharding(x, *, file=None) -> None:
         from ndfunc.sharding.mesh import AbstractMesh
         from ndfunc.sharding.partition_spec import PartitionSpec
 
-        sharding = NamedSharding(AbstractMesh({"all": 1}), PartitionSpec())
+        from ndfunc.runtime import world_size
+
+        sharding = NamedSharding(AbstractMesh({"all": world_size()}), PartitionSpec())
     if file is None and _in_jupyter():
         from IPython.display import HTML, display
 

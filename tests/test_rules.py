@@ -1,0 +1,90 @@
+import pytest
+import torch
+
+import ndfunc as nf
+from ndfunc.sharding import P, ShardingError, logical_to_mesh, match_rules
+
+PARAMS = {
+    "embed": torch.zeros(32, 8),
+    "layers": [{"attn": {"wq": torch.zeros(8, 8), "wo": torch.zeros(8, 8)}, "norm": torch.zeros(8)}],
+    "step": torch.zeros(()),
+}
+
+
+def test_match_rules_first_match_wins():
+    rules = [
+        (r"attn\.wq$", P(None, "tp")),
+        (r"attn\.w", P("tp", None)),  # would also match wq; the first rule wins
+        (r"^embed$", P("tp")),
+        (r"norm", P()),
+    ]
+    assert match_rules(rules, PARAMS) == {
+        "embed": P("tp"),
+        "layers": [{"attn": {"wq": P(None, "tp"), "wo": P("tp", None)}, "norm": P()}],
+        "step": P(),  # scalars are replicated without a rule
+    }
+
+
+def test_match_rules_uses_search_on_dotted_paths():
+    assert match_rules([(r"layers\.0\.attn", P("tp")), (".*", P())], PARAMS)["layers"][0]["attn"]["wo"] == P("tp")
+
+
+def test_match_rules_unmatched_leaf():
+    with pytest.raises(
+        ShardingError,
+        match=r"no rule matches the parameter 'layers.0.norm'; patterns tried, in order: 'attn', '\^embed'\. "
+        r"Add a rule for it, or end the list with \('\.\*', P\(\)\)",
+    ):
+        match_rules([("attn", P("tp")), ("^embed", P())], PARAMS)
+
+
+# Expected specs below follow Flax linen's `logical_to_mesh_axes` (flax/linen/partitioning.py):
+# rules are priorities walked in order; a rule binds its name's dim if that dim is unbound and
+# none of its mesh axes is used by the tensor yet.
+DEFAULT = nf.ParallelConfig().rules
+
+
+@pytest.mark.parametrize(
+    "names, expected",
+    [
+        (("vocab", "embed"), P("tp", ("dp_shard", "cp"))),
+        (("embed", "heads", "head_dim"), P(("dp_shard", "cp"), "tp", None)),
+        (("embed", "mlp"), P(("dp_shard", "cp"), "tp")),
+        (("mlp", "embed"), P("tp", ("dp_shard", "cp"))),
+        (("embed",), P(("dp_shard", "cp"))),
+        (("batch", "seq"), P(("dp_replicate", "dp_shard"), "cp")),
+        # batch takes dp_shard first, so embed (which needs dp_shard) stays whole: activations.
+        (("batch", "seq", "embed"), P(("dp_replicate", "dp_shard"), "cp", None)),
+        (("heads", "mlp"), P("tp", None)),  # one tp per tensor
+        ((), P()),
+        ((None, "mlp"), P(None, "tp")),
+        (("unknown_name", "mlp"), P(None, "tp")),
+    ],
+)
+def test_logical_to_mesh_default_rules(names, expected):
+    assert logical_to_mesh({"w": names}, DEFAULT)["w"] == expected
+
+
+def test_rules_are_priorities_with_fallbacks():
+    rules = [("embed", "tp"), ("mlp", "tp"), ("mlp", "dp"), ("embed", "dp")]
+    # embed's rule comes first, so it takes tp even though mlp is the earlier dim; mlp falls back.
+    assert logical_to_mesh(("mlp", "embed"), rules) == P("dp", "tp")
+    assert logical_to_mesh(("mlp",), rules) == P("tp")
+
+
+def test_explicit_none_rule_keeps_a_dim_whole():
+    rules = [("head_dim", None), ("head_dim", "tp")]
+    assert logical_to_mesh(("head_dim",), rules) == P(None)
+
+
+def test_logical_to_mesh_trees():
+    axes = {"embed": ("vocab", "embed"), "layers": [{"w1": ("embed", "mlp"), "scale": ("embed",)}]}
+    assert logical_to_mesh(axes, DEFAULT) == {
+        "embed": P("tp", ("dp_shard", "cp")),
+        "layers": [{"w1": P(("dp_shard", "cp"), "tp"), "scale": P(("dp_shard", "cp"))}],
+    }
+
+
+def test_repeated_logical_name_is_an_error():
+    with pytest.raises(ShardingError, match=r"'layers.0.w' names logical axis 'embed' twice in \('embed', 'embed'\)"):
+        logical_to_mesh({"layers": [{"w": ("embed", "embed")}]}, DEFAULT)

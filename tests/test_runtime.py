@@ -1,0 +1,119 @@
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed._local_tensor import local_tensor_mode
+from torch.distributed.tensor import DTensor
+
+import ndfunc as nf
+from ndfunc.sharding import IndivisibleError, NamedSharding, P, ShardingError
+
+from conftest import arange
+
+
+def test_simulate_leaves_no_state_behind():
+    from torch.distributed.tensor import _random
+
+    tracker = _random._rng_tracker
+    with nf.simulate(4):
+        assert nf.world_size() == 4 and nf.rank() == 0 and nf.is_simulated()
+        assert dist.is_initialized() and local_tensor_mode() is not None
+        x = nf.device_put(torch.ones(4), NamedSharding(nf.make_mesh(dp=4), P("dp")))
+        assert isinstance(x, DTensor)
+    assert not dist.is_initialized()
+    assert local_tensor_mode() is None and not nf.is_simulated()
+    assert _random._rng_tracker is tracker
+    assert nf.world_size() == 1 and nf.get_mesh() is None
+    with nf.simulate(2):  # and it can start again
+        assert nf.world_size() == 2
+
+
+def test_simulate_tears_down_on_error():
+    with pytest.raises(KeyError):
+        with nf.simulate(2):
+            raise KeyError("boom")
+    assert not dist.is_initialized() and local_tensor_mode() is None
+
+
+def test_simulate_refuses_to_nest():
+    with nf.simulate(2):
+        with pytest.raises(RuntimeError, match=r"simulate\(4\) needs a process with no process group, but one of world size 2"):
+            with nf.simulate(4):
+                pass
+    with pytest.raises(ValueError, match="simulate needs a number of ranks >= 1, got 0"):
+        with nf.simulate(0):
+            pass
+
+
+def test_init_inside_simulation_is_a_no_op():
+    with nf.simulate(2):
+        nf.init()
+        assert nf.world_size() == 2
+
+
+def test_ranks_can_hold_different_values():
+    with nf.simulate(4):
+        mesh = nf.make_mesh(dp=4)
+        # torch.randn under simulation gives every rank the same stream, like a seeded SPMD program.
+        x = torch.randn(8, 2)
+        y = nf.device_put(x, NamedSharding(mesh, P("dp")))
+        assert torch.equal(nf.device_get(y), nf.device_get(x))
+
+
+def test_make_array_from_callback_asks_each_rank_for_its_block_only():
+    full = arange((8, 6))
+    asked = []
+
+    def block(index):
+        asked.append(index)
+        return full[index]
+
+    with nf.simulate(8):
+        mesh = nf.make_mesh(dp=4, tp=2)
+        sharding = NamedSharding(mesh, P("dp", "tp"))
+        x = nf.make_array_from_callback(full.shape, sharding, block)
+        assert asked == sharding.shard_indices(full.shape)  # once per rank, in rank order
+        assert tuple(x.shape) == (8, 6) and x.to_local().shape == (2, 3)
+        assert torch.equal(nf.device_get(x), full)
+
+
+def test_make_array_from_callback_checks_block_shapes():
+    with nf.simulate(2):
+        sharding = NamedSharding(nf.make_mesh(dp=2), P("dp"))
+        with pytest.raises(ShardingError, match=r"rank 0's block has shape \(4,\), but the sharding gives each rank a block of shape \(2,\)"):
+            nf.make_array_from_callback((4,), sharding, lambda index: torch.zeros(4))
+
+
+def test_device_put_trees_with_prefix_shardings():
+    params = {"embed": arange((8, 4)), "layers": [arange((4, 4)), arange((4,))], "step": torch.tensor(3)}
+    with nf.simulate(4):
+        mesh = nf.make_mesh(dp=2, tp=2)
+        with mesh:
+            out = nf.device_put(params, {"embed": P("tp", "dp"), "layers": P("dp"), "step": P()})
+        assert out["layers"][0].placements == NamedSharding(mesh, P("dp")).placements
+        back = nf.device_get(out)
+        for a, b in zip(torch.utils._pytree.tree_leaves(back), torch.utils._pytree.tree_leaves(params)):
+            assert type(a) is torch.Tensor and torch.equal(a, b)
+        one = nf.device_put(params, NamedSharding(mesh, P()))  # one sharding for the whole tree
+        assert all(s.spec == P() for s in map(nf.sharding_of, torch.utils._pytree.tree_leaves(one)))
+
+
+def test_device_put_errors_name_the_path():
+    params = {"layers": [{"wq": arange((6, 4))}]}
+    with nf.simulate(4):
+        mesh = nf.make_mesh(dp=4)
+        with pytest.raises(IndivisibleError, match=r"^'layers.0.wq': dim 0 of shape \(6, 4\) has size 6"):
+            nf.device_put(params, NamedSharding(mesh, P("dp")))
+        with pytest.raises(ValueError, match=r"shardings has keys \['embed'\] where values has \['layers'\] at the root"):
+            nf.device_put(params, {"embed": NamedSharding(mesh, P())})
+        with pytest.raises(ShardingError, match=r"'layers.0.wq': a bare P\('dp'\) needs a mesh"):
+            nf.device_put(params, P("dp"))
+        with pytest.raises(TypeError, match=r"'layers.0.wq': expected a NamedSharding or a PartitionSpec, got 'dp'"):
+            nf.device_put(params, "dp")
+
+
+def test_device_put_copies():
+    full = arange((4, 4))
+    with nf.simulate(2):
+        x = nf.device_put(full, NamedSharding(nf.make_mesh(dp=2), P()))
+        full.add_(1)  # the caller's tensor changes; the placed value does not
+        assert torch.equal(nf.device_get(x), arange((4, 4)))
