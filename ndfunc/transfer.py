@@ -47,7 +47,11 @@ def make_array_from_callback(
 
     Example:
         >>> full = torch.arange(32.).reshape(8, 4)
-        >>> x = nf.make_array_from_callback(full.shape, NamedSharding(mesh, P('dp')), lambda i: full[i])
+        >>> with nf.simulate(4):
+        ...     mesh = nf.make_mesh(dp=4)
+        ...     x = nf.make_array_from_callback(full.shape, NamedSharding(mesh, P('dp')), lambda i: full[i])
+        ...     x.to_local().shape, torch.equal(nf.device_get(x), full)
+        (torch.Size([2, 4]), True)
     """
     sharding = resolve_sharding(sharding)
     return _assemble(tuple(shape), sharding, lambda rank, index: callback(index))

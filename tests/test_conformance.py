@@ -10,7 +10,7 @@ import torch
 import ndfunc as nf
 from ndfunc.sharding import AbstractMesh, IndivisibleError, NamedSharding, P
 
-from conftest import arange, case_id, conformance_cases
+from helpers import arange, case_id, conformance_cases
 
 CASES = conformance_cases()
 VALID = [c for c in CASES if "error" not in c]

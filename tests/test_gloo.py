@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from conftest import CONFORMANCE, conformance_cases
+from helpers import CONFORMANCE, conformance_cases
 
 WORKER = pathlib.Path(__file__).with_name("gloo_worker.py")
 

@@ -7,7 +7,7 @@ from torch.distributed.tensor import DTensor
 import ndfunc as nf
 from ndfunc.sharding import IndivisibleError, NamedSharding, P, ShardingError
 
-from conftest import arange
+from helpers import arange
 
 
 def test_simulate_leaves_no_state_behind():

@@ -64,7 +64,7 @@ def logical_to_mesh(axes_tree: PyTree, rules: LogicalRules) -> PyTree:
     Example:
         >>> rules = [('embed', ('dp_shard', 'cp')), ('mlp', 'tp'), ('vocab', 'tp')]
         >>> logical_to_mesh({'w1': ('embed', 'mlp'), 'emb': ('vocab', 'embed')}, rules)
-        {'emb': P('tp', ('dp_shard', 'cp')), 'w1': P(('dp_shard', 'cp'), 'tp')}
+        {'w1': P(('dp_shard', 'cp'), 'tp'), 'emb': P('tp', ('dp_shard', 'cp'))}
 
     Raises:
         ShardingError: a logical name repeated within one tensor's axes.

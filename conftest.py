@@ -1,0 +1,12 @@
+"""Names the docstring examples in ndfunc/ use, so they run as written under --doctest-modules."""
+
+import pytest
+import torch
+
+import ndfunc as nf
+from ndfunc.sharding import AbstractMesh, NamedSharding, P
+
+
+@pytest.fixture(autouse=True)
+def _doctest_names(doctest_namespace):
+    doctest_namespace.update(nf=nf, torch=torch, P=P, NamedSharding=NamedSharding, AbstractMesh=AbstractMesh)

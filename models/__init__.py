@@ -1,0 +1,1 @@
+"""Reference models and entry points, written against ndfunc's public API only."""
