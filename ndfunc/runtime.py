@@ -8,46 +8,72 @@ user code runs under either; nothing here is global beyond torch.distributed's o
 
 from __future__ import annotations
 
-import contextlib
 import os
-from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
 from torch.distributed._local_tensor import LocalTensorMode, local_tensor_mode
 
 
-@contextlib.contextmanager
-def simulate(num_ranks: int) -> Iterator[None]:
-    """Run the block with `num_ranks` ranks simulated in this process.
+class simulate:
+    """Run with `num_ranks` ranks simulated in this process.
 
     Every tensor made inside holds one value per rank; meshes, `device_put` and collectives behave
     as on `num_ranks` real processes. On exit the process group and the mode are torn down, so
-    nothing made inside outlives the block.
+    nothing made inside outlives the simulation. Use it as a context manager, or, in a notebook
+    where a block cannot span cells, `sim = nf.simulate(8).start()` ... `sim.stop()`.
 
     Example:
         >>> with nf.simulate(8):
-        ...     mesh = nf.make_mesh({'dp_shard': 4, 'tp': 2})
+        ...     nf.make_mesh({'dp_shard': 4, 'tp': 2}).shape
+        {'dp_shard': 4, 'tp': 2}
     """
-    if isinstance(num_ranks, bool) or not isinstance(num_ranks, int) or num_ranks < 1:
-        raise ValueError(f"simulate needs a number of ranks >= 1, got {num_ranks!r}.")
-    if dist.is_initialized():
-        raise RuntimeError(
-            f"simulate({num_ranks}) needs a process with no process group, but one of world size "
-            f"{dist.get_world_size()} is running (nf.init(), torchrun, or a simulate block still "
-            f"open); leave it first, or run without nf.simulate."
-        )
-    from torch.distributed.tensor import _random
-    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
 
-    rng_tracker = _random._rng_tracker
-    dist.init_process_group("fake", rank=0, world_size=num_ranks, store=FakeStore())
-    try:
-        with LocalTensorMode(num_ranks):
-            yield
-    finally:
-        dist.destroy_process_group()
-        _random._rng_tracker = rng_tracker
+    def __init__(self, num_ranks: int):
+        if isinstance(num_ranks, bool) or not isinstance(num_ranks, int) or num_ranks < 1:
+            raise ValueError(f"simulate needs a number of ranks >= 1, got {num_ranks!r}.")
+        self.num_ranks = num_ranks
+        self._mode: LocalTensorMode | None = None
+        self._rng_tracker = None
+
+    def start(self) -> "simulate":
+        if self._mode is not None:
+            raise RuntimeError(f"this simulate({self.num_ranks}) is already running.")
+        if dist.is_initialized():
+            raise RuntimeError(
+                f"simulate({self.num_ranks}) needs a process with no process group, but one of world "
+                f"size {dist.get_world_size()} is running (nf.init(), torchrun, or a simulation "
+                f"still open); leave it first, or run without nf.simulate."
+            )
+        from torch.distributed.tensor import _random
+        from torch.testing._internal.distributed.fake_pg import FakeStore  # registers "fake"
+
+        self._rng_tracker = _random._rng_tracker
+        dist.init_process_group("fake", rank=0, world_size=self.num_ranks, store=FakeStore())
+        self._mode = LocalTensorMode(self.num_ranks)
+        self._mode.__enter__()
+        return self
+
+    def stop(self) -> None:
+        if self._mode is None:
+            return
+        from torch.distributed.tensor import _random
+
+        mode, self._mode = self._mode, None
+        try:
+            mode.__exit__(None, None, None)
+        finally:
+            dist.destroy_process_group()
+            _random._rng_tracker = self._rng_tracker
+
+    def __enter__(self) -> "simulate":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def __repr__(self) -> str:
+        return f"simulate({self.num_ranks})"
 
 
 def is_simulated() -> bool:

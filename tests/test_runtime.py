@@ -117,3 +117,15 @@ def test_device_put_copies():
         x = nf.device_put(full, NamedSharding(nf.make_mesh(dp=2), P()))
         full.add_(1)  # the caller's tensor changes; the placed value does not
         assert torch.equal(nf.device_get(x), arange((4, 4)))
+
+
+def test_start_and_stop_for_notebooks():
+    sim = nf.simulate(2).start()
+    try:
+        assert nf.world_size() == 2 and repr(sim) == "simulate(2)"
+        with pytest.raises(RuntimeError, match=r"this simulate\(2\) is already running"):
+            sim.start()
+    finally:
+        sim.stop()
+    sim.stop()  # stopping twice is harmless
+    assert not dist.is_initialized() and local_tensor_mode() is None
