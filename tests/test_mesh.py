@@ -78,3 +78,20 @@ def test_with_mesh_nests_and_restores():
                 assert nf.get_mesh() is inner
             assert nf.get_mesh() is outer
         assert nf.get_mesh() is None
+
+
+def test_set_mesh_without_with_lasts_until_replaced():
+    import contextvars
+
+    def body():
+        mesh = AbstractMesh({"dp": 2})
+        nf.set_mesh(mesh)  # a plain call, as in a notebook cell
+        assert nf.get_mesh() is mesh
+        with nf.set_mesh(AbstractMesh({"tp": 2})) as inner:
+            assert nf.get_mesh() is inner
+        assert nf.get_mesh() is mesh
+
+    contextvars.copy_context().run(body)  # a fresh context, so this test leaves none behind
+    assert nf.get_mesh() is None
+    with pytest.raises(TypeError, match="set_mesh expects a Mesh or AbstractMesh, got dict"):
+        nf.set_mesh({"dp": 2})

@@ -8,10 +8,9 @@ coordinate, the last axis varying fastest.
 
 from __future__ import annotations
 
-import contextlib
 import contextvars
 import math
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 from ndfunc.sharding.errors import ShardingError, UnknownAxisError
 
@@ -161,21 +160,20 @@ class Mesh:
         return f"Mesh({self.shape!r}, device_type={self.device_type!r})"
 
     def __enter__(self) -> "Mesh":
-        token = _current_mesh.set(self)
-        _tokens.set(_tokens.get() + (token,))
+        _entered.set(_entered.get() + (set_mesh(self),))
         return self
 
     def __exit__(self, *exc) -> None:
-        tokens = _tokens.get()
-        _tokens.set(tokens[:-1])
-        _current_mesh.reset(tokens[-1])
+        entered = _entered.get()
+        _entered.set(entered[:-1])
+        entered[-1].__exit__(*exc)
 
 
 # The mesh that bare `P`s refer to: context-local (per thread and task), never process-global.
 _current_mesh: contextvars.ContextVar[Mesh | AbstractMesh | None] = contextvars.ContextVar(
     "ndfunc_mesh", default=None
 )
-_tokens: contextvars.ContextVar[tuple] = contextvars.ContextVar("ndfunc_mesh_tokens", default=())
+_entered: contextvars.ContextVar[tuple] = contextvars.ContextVar("ndfunc_mesh_entered", default=())
 
 
 def get_mesh() -> Mesh | AbstractMesh | None:
@@ -183,16 +181,23 @@ def get_mesh() -> Mesh | AbstractMesh | None:
     return _current_mesh.get()
 
 
-@contextlib.contextmanager
-def set_mesh(mesh: Mesh | AbstractMesh) -> Iterator[Mesh | AbstractMesh]:
-    """Use `mesh` for bare `P`s inside the block: `with nf.set_mesh(mesh): ...`."""
-    if not isinstance(mesh, (Mesh, AbstractMesh)):
-        raise TypeError(f"set_mesh expects a Mesh or AbstractMesh, got {type(mesh).__name__}.")
-    token = _current_mesh.set(mesh)
-    try:
-        yield mesh
-    finally:
-        _current_mesh.reset(token)
+class set_mesh:
+    """Make `mesh` the one bare `P`s refer to, from now on in this context (thread, task, notebook).
+
+    As a context manager it is undone on exit: `with nf.set_mesh(mesh): ...`.
+    """
+
+    def __init__(self, mesh: Mesh | AbstractMesh):
+        if not isinstance(mesh, (Mesh, AbstractMesh)):
+            raise TypeError(f"set_mesh expects a Mesh or AbstractMesh, got {type(mesh).__name__}.")
+        self.mesh = mesh
+        self._token = _current_mesh.set(mesh)
+
+    def __enter__(self) -> Mesh | AbstractMesh:
+        return self.mesh
+
+    def __exit__(self, *exc) -> None:
+        _current_mesh.reset(self._token)
 
 
 def make_mesh(shape: AxisShape | None = None, /, **axes: int) -> Mesh:
