@@ -62,7 +62,8 @@ def device_put(tree: PyTree, shardings: PyTree) -> PyTree:
 
     `shardings` is a prefix tree of `NamedSharding` (or of `P` under `with mesh:`): one sharding can
     stand for a whole subtree. A plain tensor is a global value every rank holds; each rank keeps
-    its own block. A DTensor is redistributed.
+    its own block. A DTensor on the same mesh is redistributed (DTensor's collectives); one on
+    another mesh is gathered, then split.
     """
     shardings = tree_broadcast_prefix(
         shardings, tree, is_leaf=_is_sharding, prefix_name="shardings", full_name="values"
@@ -78,9 +79,11 @@ def _put_leaf(path: str, x: Any, sharding: Any) -> DTensor:
             f"{sharding.mesh!r}; build the mesh with nf.make_mesh."
         )
     if isinstance(x, DTensor):
-        if x.device_mesh == sharding.mesh.device_mesh and tuple(x.placements) == sharding.placements:
-            return x
-        x = _gather(x)
+        if x.device_mesh == sharding.mesh.device_mesh:
+            sharding.check(tuple(x.shape), path)
+            with _quiet_redistribute():
+                return x.redistribute(sharding.mesh.device_mesh, sharding.placements)
+        x = _gather(x)  # another mesh: through the full value
     if not isinstance(x, torch.Tensor):
         x = torch.as_tensor(x)
     x = x.detach()

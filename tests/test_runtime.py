@@ -129,3 +129,15 @@ def test_start_and_stop_for_notebooks():
         sim.stop()
     sim.stop()  # stopping twice is harmless
     assert not dist.is_initialized() and local_tensor_mode() is None
+
+
+def test_device_put_moves_a_dtensor_to_another_mesh():
+    full = arange((8, 4))
+    with nf.simulate(8):
+        x = nf.device_put(full, NamedSharding(nf.make_mesh(dp=8), P("dp")))
+        mesh = nf.make_mesh(dp=2, tp=4)
+        y = nf.device_put(x, NamedSharding(mesh, P("tp", "dp")))
+        assert y.device_mesh == mesh.device_mesh
+        assert torch.equal(y.to_local()._local_tensors[5], full[2:4, 0:2])  # rank 5 = (dp 1, tp 1)
+        with pytest.raises(IndivisibleError, match=r"dim 1 of shape \(8, 4\) has size 4, which P\(None, \('dp', 'tp'\)\)"):
+            nf.device_put(y, NamedSharding(mesh, P(None, ("dp", "tp"))))
