@@ -61,7 +61,7 @@ def device_put(tree: PyTree, shardings: PyTree) -> PyTree:
     """Lay out every tensor of `tree` as its sharding says, as DTensors.
 
     `shardings` is a prefix tree of `NamedSharding` (or of `P` under `with mesh:`): one sharding can
-    stand for a whole subtree. A plain tensor is a global value every rank holds; each rank keeps
+    stand for a whole subtree; a `None` leaf leaves its values as they are. A plain tensor is a global value every rank holds; each rank keeps
     its own block. A DTensor on the same mesh is redistributed (DTensor's collectives); one on
     another mesh is gathered, then split.
     """
@@ -71,7 +71,9 @@ def device_put(tree: PyTree, shardings: PyTree) -> PyTree:
     return tree_map_with_path(_put_leaf, tree, shardings)
 
 
-def _put_leaf(path: str, x: Any, sharding: Any) -> DTensor:
+def _put_leaf(path: str, x: Any, sharding: Any) -> Any:
+    if sharding is None:  # as in JAX: no sharding given, the value stays as it is
+        return x
     sharding = resolve_sharding(sharding, path)
     if not isinstance(sharding.mesh, Mesh):
         raise ShardingError(

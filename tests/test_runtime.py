@@ -141,3 +141,11 @@ def test_device_put_moves_a_dtensor_to_another_mesh():
         assert torch.equal(y.to_local()._local_tensors[5], full[2:4, 2:4])  # rank 5 = (dp 1, tp 1)
         with pytest.raises(IndivisibleError, match=r"dim 1 of shape \(8, 4\) has size 4, which P\(None, \('dp', 'tp'\)\)"):
             nf.device_put(y, NamedSharding(mesh, P(None, ("dp", "tp"))))
+
+
+def test_device_put_none_leaves_values_as_they_are():
+    params = {"w": arange((4, 4)), "b": arange((4,))}
+    with nf.simulate(2):
+        mesh = nf.make_mesh(dp=2)
+        out = nf.device_put(params, {"w": NamedSharding(mesh, P("dp")), "b": None})
+        assert out["b"] is params["b"] and isinstance(out["w"], DTensor)
