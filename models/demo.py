@@ -84,7 +84,9 @@ def main(argv: list[str] | None = None) -> None:
 
 def run(args) -> None:
     say = print if nf.rank() == 0 else (lambda *a, **k: None)
-    config = nf.ParallelConfig(args.dp_replicate, args.dp_shard, args.cp, args.tp).resolve()
+    config = nf.ParallelConfig(
+        dp_replicate_size=args.dp_replicate, dp_shard_size=args.dp_shard, cp_size=args.cp, tp_size=args.tp
+    ).resolve()
     mesh = config.build_mesh()
     mode = "simulated in this process" if nf.is_simulated() else "real processes"
     say(f"{nf.world_size()} ranks ({mode}); {config}")

@@ -14,6 +14,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed._local_tensor import LocalTensorMode, local_tensor_mode
 
+from ndfunc.sharding.mesh import mesh_context, restore_mesh_context
+
 
 class simulate:
     """Run with `num_ranks` ranks simulated in this process.
@@ -35,6 +37,7 @@ class simulate:
         self.num_ranks = num_ranks
         self._mode: LocalTensorMode | None = None
         self._rng_tracker = None
+        self._mesh_context = None
 
     def start(self) -> "simulate":
         if self._mode is not None:
@@ -49,6 +52,7 @@ class simulate:
         from torch.testing._internal.distributed.fake_pg import FakeStore  # registers "fake"
 
         self._rng_tracker = _random._rng_tracker
+        self._mesh_context = mesh_context()
         dist.init_process_group("fake", rank=0, world_size=self.num_ranks, store=FakeStore())
         self._mode = LocalTensorMode(self.num_ranks)
         self._mode.__enter__()
@@ -65,6 +69,8 @@ class simulate:
         finally:
             dist.destroy_process_group()
             _random._rng_tracker = self._rng_tracker
+            # Meshes made inside die with the world: bare `P`s must not find them afterwards.
+            restore_mesh_context(self._mesh_context)
 
     def __enter__(self) -> "simulate":
         return self.start()

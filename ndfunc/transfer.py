@@ -63,7 +63,8 @@ def device_put(tree: PyTree, shardings: PyTree) -> PyTree:
     `shardings` is a prefix tree of `NamedSharding` (or of `P` under `with mesh:`): one sharding can
     stand for a whole subtree; a `None` leaf leaves its values as they are. A plain tensor is a global value every rank holds; each rank keeps
     its own block. A DTensor on the same mesh is redistributed (DTensor's collectives); one on
-    another mesh is gathered, then split.
+    another mesh is gathered, then split. Values are detached: ndfunc is functional, and gradients
+    come from transforming functions, not from autograd state on the inputs.
     """
     shardings = tree_broadcast_prefix(
         shardings, tree, is_leaf=_is_sharding, prefix_name="shardings", full_name="values"
@@ -75,11 +76,7 @@ def _put_leaf(path: str, x: Any, sharding: Any) -> Any:
     if sharding is None:  # as in JAX: no sharding given, the value stays as it is
         return x
     sharding = resolve_sharding(sharding, path)
-    if not isinstance(sharding.mesh, Mesh):
-        raise ShardingError(
-            f"{where(path)}device_put needs a sharding over a Mesh of ranks, got one over "
-            f"{sharding.mesh!r}; build the mesh with nf.make_mesh."
-        )
+    _check_mesh(sharding, path)
     if isinstance(x, DTensor):
         if x.device_mesh == sharding.mesh.device_mesh:
             sharding.check(tuple(x.shape), path)
@@ -115,6 +112,7 @@ def _assemble(
     block: Callable[[int, Index], Any],
     path: str | None = None,
 ) -> DTensor:
+    _check_mesh(sharding, path)
     indices = sharding.shard_indices(shape, path)
     expected = sharding.shard_shape(shape, path)
     device_mesh = sharding.mesh.device_mesh
@@ -122,6 +120,12 @@ def _assemble(
     if mode is not None:
         with mode.disable():
             blocks = {r: _checked(_on_rank(block(r, indices[r]), r), expected, r, path) for r in sorted(mode.ranks)}
+            dtypes = {b.dtype for b in blocks.values()}
+            if len(dtypes) > 1:
+                raise ShardingError(
+                    f"{where(path)}the ranks' blocks have different dtypes {sorted(map(str, dtypes))}; "
+                    f"every block of one value must have the same dtype (and device)."
+                )
             local = LocalTensor(blocks)
     else:
         r = dist.get_rank()
@@ -136,6 +140,15 @@ def _assemble(
         shape=torch.Size(shape),
         stride=torch.empty(shape, device="meta").stride(),
     )
+
+
+def _check_mesh(sharding: NamedSharding, path: str | None) -> None:
+    if not isinstance(sharding.mesh, Mesh):
+        raise ShardingError(
+            f"{where(path)}placing values needs a sharding over a Mesh of ranks, got one over "
+            f"{sharding.mesh!r}; build the mesh with nf.make_mesh (an AbstractMesh only plans)."
+        )
+    sharding.mesh.check_alive()
 
 
 def _on_rank(x: Any, rank: int) -> Any:

@@ -1,4 +1,5 @@
 import pytest
+import torch
 import torch.distributed as dist
 
 import ndfunc as nf
@@ -16,15 +17,18 @@ def test_abstract_mesh():
     assert repr(mesh) == "AbstractMesh({'dp_shard': 4, 'tp': 2})"
     mesh.shape["tp"] = 9
     assert mesh.axis_size("tp") == 2
+    import numpy as np
+
+    assert AbstractMesh({"dp": np.int64(2)}) == AbstractMesh({"dp": 2})  # numpy ints are integers
 
 
 @pytest.mark.parametrize(
     "shape, message",
     [
-        ({"dp": 0}, "mesh axis 'dp' has size 0; sizes must be integers >= 1"),
+        ({"dp": 0}, "mesh axis 'dp' has size 0 of type int; sizes must be integers >= 1"),
         ({"": 2}, "mesh axis names must be non-empty strings, got ''"),
         ([("dp", 2), ("dp", 2)], "mesh axis 'dp' appears twice"),
-        ({"dp": 2.0}, "mesh axis 'dp' has size 2.0"),
+        ({"dp": 2.0}, "mesh axis 'dp' has size 2.0 of type float"),
     ],
 )
 def test_abstract_mesh_validates(shape, message):
@@ -95,3 +99,26 @@ def test_set_mesh_without_with_lasts_until_replaced():
     assert nf.get_mesh() is None
     with pytest.raises(TypeError, match="set_mesh expects a Mesh or AbstractMesh, got dict"):
         nf.set_mesh({"dp": 2})
+
+
+def test_simulate_drops_meshes_made_inside():
+    with nf.simulate(8):
+        mesh = nf.make_mesh(dp=8)
+        nf.set_mesh(mesh)  # a plain call, never undone by the user
+        with mesh:  # and a block still open when the simulation stops (notebook style)
+            pass
+    assert nf.get_mesh() is None
+    with nf.simulate(8):
+        with pytest.raises(RuntimeError, match=r"Mesh\(\{'dp': 8\}, device_type='cpu'\) belongs to ranks that no longer exist \(its nf.simulate block ended"):
+            nf.device_put(torch.zeros(8), NamedSharding(mesh, P("dp")))
+
+
+def test_mesh_must_span_the_world_in_order():
+    from ndfunc.sharding import Mesh
+
+    with nf.simulate(4):
+        mesh = nf.make_mesh(dp=2, tp=2)
+        with pytest.raises(ShardingError, match=r"a Mesh must hold ranks 0..1 in row-major order, but this DeviceMesh holds \[0, 2\]"):
+            Mesh(AbstractMesh({"dp": 2}), mesh.device_mesh["dp"])
+        with pytest.raises(ShardingError, match="does not match AbstractMesh.*; build meshes with nf.make_mesh"):
+            Mesh(AbstractMesh({"x": 4}), mesh.device_mesh)

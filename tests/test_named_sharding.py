@@ -86,7 +86,8 @@ def test_indivisible_error_says_what_to_do():
         IndivisibleError,
         match=r"'embed': dim 0 of shape \(50, 8\) has size 50, which P\(\('dp_shard', 'tp'\), None\) splits "
         r"over mesh axes \('dp_shard', 'tp'\) \(dp_shard=2 x tp=2\) into 4 blocks; 50 is not divisible "
-        r"by 4. Pad the dim to a multiple of 4 \(e.g. 52; for a vocabulary",
+        r"by 4. Pad the dim to a multiple of 4 \(here 52: a vocabulary is padded with unused tokens\), "
+        r"shard it over fewer axes, or leave it unsharded.",
     ):
         sharding.shard_shape((50, 8), path="embed")
 
@@ -108,6 +109,11 @@ def test_value_semantics():
     assert a == NamedSharding(AbstractMesh(MESH.shape), P(("tp",)))
     assert hash(a) == hash(NamedSharding(MESH, P("tp")))
     assert a.is_equivalent_to(NamedSharding(MESH, P("tp", None)), ndim=2)
+    # cp has size 1: sharding over it splits nothing, as in JAX's equivalence.
+    assert NamedSharding(MESH, P("cp")).is_equivalent_to(NamedSharding(MESH, P()), ndim=1)
+    assert NamedSharding(MESH, P(("tp", "cp"))).is_equivalent_to(NamedSharding(MESH, P(("cp", "tp"))), ndim=1)
+    assert not NamedSharding(MESH, P(("tp", "dp_shard"))).is_equivalent_to(NamedSharding(MESH, P(("dp_shard", "tp"))), ndim=1)
+    assert not a.is_equivalent_to(NamedSharding(AbstractMesh({"tp": 2}), P("tp")), ndim=1)
     assert repr(a) == "NamedSharding(mesh=AbstractMesh({'dp_replicate': 2, 'dp_shard': 2, 'cp': 1, 'tp': 2}), spec=P('tp'))"
     with pytest.raises(AttributeError):
         a._spec = P()

@@ -73,3 +73,10 @@ def test_nested_tuple_is_an_error():
 def test_wrong_entry_type_is_an_error():
     with pytest.raises(ShardingError, match="entry 1 is 3 of type int; expected None, a mesh axis name"):
         P("dp", 3)
+
+
+def test_equality_with_tuples_is_consistent_with_hashing():
+    assert P("a") == ("a",) and hash(P("a")) == hash(("a",))
+    assert {("a", None): 1}.get(P("a", None)) == 1
+    assert P() != (1,)  # not a valid spec: unequal, not an error
+    assert P("b") != ("a", "a")

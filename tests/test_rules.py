@@ -88,3 +88,19 @@ def test_logical_to_mesh_trees():
 def test_repeated_logical_name_is_an_error():
     with pytest.raises(ShardingError, match=r"'layers.0.w' names logical axis 'embed' twice in \('embed', 'embed'\)"):
         logical_to_mesh({"layers": [{"w": ("embed", "embed")}]}, DEFAULT)
+
+
+def test_logical_axes_as_partition_specs_as_flax_writes_them():
+    assert logical_to_mesh({"w": P("embed", "mlp")}, DEFAULT) == {"w": P(("dp_shard", "cp"), "tp")}
+
+
+def test_logical_axes_must_be_tuples():
+    with pytest.raises(ShardingError, match=r"'w' is 'embed'; expected a tuple of logical dim names, one per dim"):
+        logical_to_mesh({"w": "embed"}, DEFAULT)
+    with pytest.raises(ShardingError, match=r"'w.0' is 'embed'; expected a tuple of logical dim names"):
+        logical_to_mesh({"w": ["embed", "mlp"]}, DEFAULT)
+
+
+def test_match_rules_bad_regex():
+    with pytest.raises(ShardingError, match=r"rule 1 has pattern .*, which is not a valid regular expression: missing \)"):
+        match_rules([("embed", P()), (r"attn\.(w", P())], PARAMS)

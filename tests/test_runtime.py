@@ -51,12 +51,18 @@ def test_init_inside_simulation_is_a_no_op():
 
 
 def test_ranks_can_hold_different_values():
+    from torch.distributed._local_tensor import rank_map
+
+    full = arange((8, 2))
     with nf.simulate(4):
         mesh = nf.make_mesh(dp=4)
-        # torch.randn under simulation gives every rank the same stream, like a seeded SPMD program.
-        x = torch.randn(8, 2)
-        y = nf.device_put(x, NamedSharding(mesh, P("dp")))
-        assert torch.equal(nf.device_get(y), nf.device_get(x))
+        x = rank_map(lambda r: full + 100 * r)  # rank r holds full + 100 r
+        blocks = nf.device_put(x, NamedSharding(mesh, P("dp"))).to_local()._local_tensors
+        for r in range(4):
+            assert torch.equal(blocks[r], (full + 100 * r)[2 * r: 2 * r + 2])
+        replicated = nf.device_put(x, NamedSharding(mesh, P()))
+        with pytest.raises(AssertionError):  # ranks disagree on a replicated value: no single answer
+            nf.device_get(replicated)
 
 
 def test_make_array_from_callback_asks_each_rank_for_its_block_only():
@@ -149,3 +155,27 @@ def test_device_put_none_leaves_values_as_they_are():
         mesh = nf.make_mesh(dp=2)
         out = nf.device_put(params, {"w": NamedSharding(mesh, P("dp")), "b": None})
         assert out["b"] is params["b"] and isinstance(out["w"], DTensor)
+
+
+def test_placing_needs_a_mesh_of_ranks():
+    from ndfunc.sharding import AbstractMesh
+
+    with pytest.raises(ShardingError, match=r"placing values needs a sharding over a Mesh of ranks, got one over AbstractMesh\(\{'dp': 2\}\)"):
+        nf.make_array_from_callback((4,), NamedSharding(AbstractMesh({"dp": 2}), P("dp")), lambda i: torch.zeros(2))
+
+
+def test_bare_spec_with_unknown_axis_names_the_path():
+    from ndfunc.sharding import UnknownAxisError
+
+    with nf.simulate(2):
+        with nf.make_mesh(dp=2):
+            with pytest.raises(UnknownAxisError, match=r"^'layers.wq': P\('data'\) names mesh axis 'data'"):
+                nf.device_put({"layers": {"wq": torch.zeros(2)}}, P("data"))
+
+
+def test_blocks_of_one_value_share_a_dtype():
+    with nf.simulate(2):
+        sharding = NamedSharding(nf.make_mesh(dp=2), P("dp"))
+        dtypes = iter([torch.float32, torch.float64])
+        with pytest.raises(ShardingError, match=r"the ranks' blocks have different dtypes \['torch.float32', 'torch.float64'\]"):
+            nf.make_array_from_callback((4,), sharding, lambda i: torch.zeros(2, dtype=next(dtypes)))

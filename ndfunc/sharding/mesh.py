@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextvars
 import math
+import numbers
 from collections.abc import Mapping, Sequence
 
 from ndfunc.sharding.errors import ShardingError, UnknownAxisError
@@ -43,10 +44,13 @@ class AbstractMesh:
                 raise ShardingError(f"mesh axis names must be non-empty strings, got {name!r}.")
             if name in seen:
                 raise ShardingError(f"mesh axis {name!r} appears twice in {items!r}; names must be unique.")
-            if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-                raise ShardingError(f"mesh axis {name!r} has size {size!r}; sizes must be integers >= 1.")
+            if isinstance(size, bool) or not isinstance(size, numbers.Integral) or size < 1:
+                raise ShardingError(
+                    f"mesh axis {name!r} has size {size!r} of type {type(size).__name__}; sizes must "
+                    f"be integers >= 1."
+                )
             seen.add(name)
-        object.__setattr__(self, "_axes", items)
+        object.__setattr__(self, "_axes", tuple((name, int(size)) for name, size in items))
 
     def __setattr__(self, name: str, value: object) -> None:
         raise AttributeError(f"{type(self).__name__} is immutable")
@@ -107,7 +111,7 @@ class Mesh:
     Build one with `nf.make_mesh`. `with mesh:` makes it the mesh that bare `P`s refer to.
     """
 
-    __slots__ = ("_abstract", "_device_mesh")
+    __slots__ = ("_abstract", "_device_mesh", "_world")
 
     def __init__(self, abstract: AbstractMesh, device_mesh):
         if tuple(device_mesh.mesh_dim_names or ()) != abstract.axis_names or tuple(
@@ -115,10 +119,18 @@ class Mesh:
         ) != abstract.axis_sizes:
             raise ShardingError(
                 f"DeviceMesh of shape {tuple(device_mesh.mesh.shape)} with dims "
-                f"{device_mesh.mesh_dim_names} does not match {abstract!r}."
+                f"{device_mesh.mesh_dim_names} does not match {abstract!r}; build meshes with "
+                f"nf.make_mesh, which keeps the two in step."
+            )
+        if device_mesh.mesh.flatten().tolist() != list(range(abstract.size)):
+            raise ShardingError(
+                f"a Mesh must hold ranks 0..{abstract.size - 1} in row-major order, but this "
+                f"DeviceMesh holds {device_mesh.mesh.tolist()} (a slice of a larger mesh?); build "
+                f"the mesh over the whole world with nf.make_mesh and shard over its axes instead."
             )
         object.__setattr__(self, "_abstract", abstract)
         object.__setattr__(self, "_device_mesh", device_mesh)
+        object.__setattr__(self, "_world", _default_group())
 
     def __setattr__(self, name: str, value: object) -> None:
         raise AttributeError("Mesh is immutable")
@@ -142,6 +154,14 @@ class Mesh:
 
     def axis_size(self, name: str) -> int:
         return self._abstract.axis_size(name)
+
+    def check_alive(self) -> None:
+        """Raise unless this mesh's ranks still exist (its simulation or world has not ended)."""
+        if _default_group() is not self._world:
+            raise RuntimeError(
+                f"{self!r} belongs to ranks that no longer exist (its nf.simulate block ended, or "
+                f"nf.shutdown() ran); make a new mesh with nf.make_mesh in the current world."
+            )
 
     def coordinate(self, rank: int) -> tuple[int, ...]:
         return self._abstract.coordinate(rank)
@@ -169,11 +189,28 @@ class Mesh:
         entered[-1].__exit__(*exc)
 
 
+def _default_group():
+    import torch.distributed as dist
+
+    return dist.distributed_c10d._get_default_group() if dist.is_initialized() else None
+
+
 # The mesh that bare `P`s refer to: context-local (per thread and task), never process-global.
 _current_mesh: contextvars.ContextVar[Mesh | AbstractMesh | None] = contextvars.ContextVar(
     "ndfunc_mesh", default=None
 )
 _entered: contextvars.ContextVar[tuple] = contextvars.ContextVar("ndfunc_mesh_entered", default=())
+
+
+def mesh_context() -> tuple:
+    """The current mesh state, to put back with `restore_mesh_context` (used by `nf.simulate`)."""
+    return (_current_mesh.get(), _entered.get())
+
+
+def restore_mesh_context(state: tuple) -> None:
+    mesh, entered = state
+    _current_mesh.set(mesh)
+    _entered.set(entered)
 
 
 def get_mesh() -> Mesh | AbstractMesh | None:

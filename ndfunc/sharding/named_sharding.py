@@ -100,8 +100,8 @@ class NamedSharding:
                     f"{where(path)}dim {dim} of shape {tuple(global_shape)} has size {size}, which "
                     f"{self._spec!r} splits over mesh axes {axes} ({sizes}) into {blocks} blocks; "
                     f"{size} is not divisible by {blocks}. Pad the dim to a multiple of {blocks} "
-                    f"(e.g. {up}; for a vocabulary, pad it to a multiple of {blocks}), or leave the "
-                    f"dim unsharded."
+                    f"(here {up}: a vocabulary is padded with unused tokens), shard it over fewer "
+                    f"axes, or leave it unsharded."
                 )
 
     def shard_shape(self, global_shape: Sequence[int], path: str | None = None) -> tuple[int, ...]:
@@ -140,7 +140,14 @@ class NamedSharding:
         return f"NamedSharding(mesh={self._mesh!r}, spec={self._spec!r})"
 
     def is_equivalent_to(self, other: "NamedSharding", ndim: int) -> bool:
-        return self._mesh.abstract == other._mesh.abstract and self._spec.is_equivalent_to(other._spec, ndim)
+        """Whether both lay out a value of rank `ndim` alike on the same mesh: trailing `None`s and
+        axes of size 1 (which split nothing) do not count."""
+        if self._mesh.abstract != other._mesh.abstract or max(len(self._spec), len(other._spec)) > ndim:
+            return False
+        return all(self._split_axes(d) == other._split_axes(d) for d in range(ndim))
+
+    def _split_axes(self, dim: int) -> tuple[str, ...]:
+        return tuple(a for a in self._spec.dim_axes(dim) if self._mesh.axis_size(a) > 1)
 
 
 def resolve_sharding(sharding: object, path: str | None = None) -> NamedSharding:
@@ -154,7 +161,10 @@ def resolve_sharding(sharding: object, path: str | None = None) -> NamedSharding
                 f"{where(path)}a bare {sharding!r} needs a mesh: wrap the call in `with mesh:` "
                 f"(or nf.set_mesh(mesh)), or pass NamedSharding(mesh, {sharding!r})."
             )
-        return NamedSharding(mesh, sharding)
+        try:
+            return NamedSharding(mesh, sharding)
+        except UnknownAxisError as e:
+            raise UnknownAxisError(f"{where(path)}{e}") from None
     raise TypeError(
         f"{where(path)}expected a NamedSharding or a PartitionSpec, got {sharding!r} "
         f"of type {type(sharding).__name__}."

@@ -83,11 +83,14 @@ class PartitionSpec:
         if isinstance(other, PartitionSpec):
             return self._entries == other._entries
         if isinstance(other, tuple):
-            return self._entries == PartitionSpec(*other)._entries
+            try:
+                return self._entries == PartitionSpec(*other)._entries
+            except ShardingError:
+                return False
         return NotImplemented
 
     def __hash__(self) -> int:
-        return hash(("PartitionSpec", self._entries))
+        return hash(self._entries)  # equal to a tuple it equals, so it hashes like one
 
     def __repr__(self) -> str:
         return f"P{_format_entries(self._entries)}"

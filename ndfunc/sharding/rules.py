@@ -32,7 +32,12 @@ def match_rules(rules: Sequence[tuple[str, PartitionSpec]], tree: PyTree) -> PyT
     Raises:
         ShardingError: a leaf no rule matches (its path and every pattern are listed).
     """
-    compiled = [(re.compile(pattern), spec) for pattern, spec in rules]
+    compiled = []
+    for i, (pattern, spec) in enumerate(rules):
+        try:
+            compiled.append((re.compile(pattern), spec))
+        except re.error as e:
+            raise ShardingError(f"rule {i} has pattern {pattern!r}, which is not a valid regular expression: {e}.") from None
 
     def spec_for(path: str, leaf: Any) -> PartitionSpec:
         if getattr(leaf, "ndim", None) == 0 or isinstance(leaf, (int, float, bool)):
@@ -50,11 +55,28 @@ def match_rules(rules: Sequence[tuple[str, PartitionSpec]], tree: PyTree) -> PyT
 
 
 def _is_axes_leaf(node: Any) -> bool:
-    return isinstance(node, tuple) and all(n is None or isinstance(n, str) for n in node)
+    return isinstance(node, PartitionSpec) or (
+        isinstance(node, tuple) and all(n is None or isinstance(n, str) for n in node)
+    )
+
+
+def _logical_names(path: str, names: Any) -> tuple:
+    if isinstance(names, PartitionSpec):  # Flax's form: a P of logical names
+        if any(isinstance(entry, tuple) for entry in names):
+            raise ShardingError(
+                f"{path!r} is {names!r}: a logical axis spec names one logical axis per dim, not a tuple."
+            )
+        return tuple(names)
+    if isinstance(names, tuple):
+        return names
+    raise ShardingError(
+        f"{path!r} is {names!r}; expected a tuple of logical dim names, one per dim (or a P of "
+        f"them), e.g. ('embed', 'mlp'), or () for a scalar."
+    )
 
 
 def logical_to_mesh(axes_tree: PyTree, rules: LogicalRules) -> PyTree:
-    """Map a tree of logical dim names (a tuple per tensor, e.g. `('vocab', 'embed')`) to `P`s.
+    """Map a tree of logical dim names (a tuple or `P` per tensor, e.g. `('vocab', 'embed')`) to `P`s.
 
     Flax linen semantics: rules are walked in order, as priorities; a rule gives its mesh axes
     to the dim with its logical name if that dim has none yet and this tensor has not used any of
@@ -71,7 +93,8 @@ def logical_to_mesh(axes_tree: PyTree, rules: LogicalRules) -> PyTree:
     """
     normalized = [(name, _as_axes(axes)) for name, axes in rules]
 
-    def to_spec(path: str, names: tuple) -> PartitionSpec:
+    def to_spec(path: str, names: Any) -> PartitionSpec:
+        names = _logical_names(path, names)
         seen = [n for n in names if n is not None]
         duplicates = sorted({n for n in seen if seen.count(n) > 1})
         if duplicates:

@@ -66,7 +66,7 @@ def summary(shape: Sequence[int], sharding: NamedSharding) -> str:
 
 
 def to_html(shape: Sequence[int], sharding: NamedSharding) -> str:
-    """The block grid as an HTML table (cell sizes follow block sizes)."""
+    """The block grid as an HTML table, one colour per set of ranks (blocks of a dim are equal)."""
     if len(shape) not in (1, 2):
         return f"<pre>{html.escape(summary(shape, sharding))}</pre>"
     grid = block_grid(shape, sharding)
