@@ -26,3 +26,12 @@ def case_id(case: dict) -> str:
 def arange(shape) -> torch.Tensor:
     """A tensor whose every element is distinct, so a misplaced block cannot go unnoticed."""
     return torch.arange(torch.Size(shape).numel(), dtype=torch.float32).reshape(shape)
+
+
+def flax_logical_rules() -> dict:
+    """Flax's own logical_to_mesh_axes results (tests/data/make_flax_logical_cases.py made them)."""
+    data = json.loads((pathlib.Path(__file__).with_name("data") / "flax_logical_rules.json").read_text())
+    data["rule_sets"] = {
+        k: [(n, tuple(a) if isinstance(a, list) else a) for n, a in v] for k, v in data["rule_sets"].items()
+    }
+    return data

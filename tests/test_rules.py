@@ -4,6 +4,8 @@ import torch
 import ndfunc as nf
 from ndfunc.sharding import P, ShardingError, logical_to_mesh, match_rules
 
+from helpers import flax_logical_rules
+
 PARAMS = {
     "embed": torch.zeros(32, 8),
     "layers": [{"attn": {"wq": torch.zeros(8, 8), "wo": torch.zeros(8, 8)}, "norm": torch.zeros(8)}],
@@ -38,9 +40,7 @@ def test_match_rules_unmatched_leaf():
         match_rules([("attn", P("tp")), ("^embed", P())], PARAMS)
 
 
-# Expected specs below follow Flax linen's `logical_to_mesh_axes` (flax/linen/partitioning.py):
-# rules are priorities walked in order; a rule binds its name's dim if that dim is unbound and
-# none of its mesh axes is used by the tensor yet.
+# Hand-written cases that read as documentation; the Flax-generated cases below are the reference.
 DEFAULT = nf.ParallelConfig().rules
 
 
@@ -104,3 +104,20 @@ def test_logical_axes_must_be_tuples():
 def test_match_rules_bad_regex():
     with pytest.raises(ShardingError, match=r"rule 1 has pattern .*, which is not a valid regular expression: missing \)"):
         match_rules([("embed", P()), (r"attn\.(w", P())], PARAMS)
+
+
+FLAX = flax_logical_rules()
+
+
+@pytest.mark.parametrize("case", FLAX["cases"], ids=lambda c: f"{c['rules']}-{c['names']}")
+def test_logical_to_mesh_matches_flax(case):
+    names, rules = tuple(case["names"]), FLAX["rule_sets"][case["rules"]]
+    if "error" in case:
+        with pytest.raises(ShardingError, match="twice in"):
+            logical_to_mesh(names, rules)
+    else:
+        assert logical_to_mesh(names, rules) == P(*case["spec"])
+
+
+def test_default_rules_are_the_ones_checked_against_flax():
+    assert FLAX["rule_sets"]["accelerate"] == DEFAULT
