@@ -29,6 +29,9 @@ _ENV = {f: f"PARALLELISM_CONFIG_{f[: -len('_size')].upper()}_SIZE" for f in _FIE
 class ParallelConfig:
     """Sizes of the four parallel dimensions; `dp_shard_size=-1` takes what the others leave.
 
+    Field names and environment variables are Accelerate's; unlike Accelerate's constructor, this
+    one never reads the environment behind your back: `ParallelConfig.from_env()` does, on request.
+
     Example:
         >>> cfg = ParallelConfig(dp_shard_size=2, cp_size=2, tp_size=2)
         >>> cfg.total_size, cfg.dp_world_size, cfg.effective_batch_size(4, 8)
