@@ -61,8 +61,8 @@ def device_put(tree: PyTree, shardings: PyTree) -> PyTree:
     """Lay out every tensor of `tree` as its sharding says, as DTensors.
 
     `shardings` is a prefix tree of `NamedSharding` (or of `P` under `with mesh:`): one sharding can
-    stand for a whole subtree; a `None` leaf leaves its values as they are. A plain tensor is a global value every rank holds; each rank keeps
-    its own block. A DTensor on the same mesh is redistributed (DTensor's collectives); one on
+    stand for a whole subtree; a `None` leaf leaves its values as they are. A plain tensor is a
+    global value every rank holds; each rank keeps its own block. A DTensor on the same mesh is redistributed (DTensor's collectives); one on
     another mesh is gathered, then split. Values are detached: ndfunc is functional, and gradients
     come from transforming functions, not from autograd state on the inputs.
     """
@@ -76,8 +76,8 @@ def _put_leaf(path: str, x: Any, sharding: Any) -> Any:
     if sharding is None:  # as in JAX: no sharding given, the value stays as it is
         return x
     sharding = resolve_sharding(sharding, path)
-    _check_mesh(sharding, path)
     if isinstance(x, DTensor):
+        _check_mesh(sharding, path)
         if x.device_mesh == sharding.mesh.device_mesh:
             sharding.check(tuple(x.shape), path)
             with _quiet_redistribute():

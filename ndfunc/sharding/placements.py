@@ -26,7 +26,7 @@ def spec_to_placements(mesh: AbstractMesh, spec: PartitionSpec) -> tuple:
     """One placement per mesh axis for `spec`; `Replicate()` for axes the spec does not use."""
     position = {name: i for i, name in enumerate(mesh.axis_names)}
     placements: list = [Replicate()] * len(position)
-    for dim, entry in enumerate(spec):
+    for dim in range(len(spec)):
         axes = spec.dim_axes(dim)
         for i, axis in enumerate(axes):
             split_factor = math.prod(
