@@ -4,8 +4,12 @@ Declare a PartitionSpec per value over named mesh axes; ndfunc lays values out a
 real ranks (`nf.init()` under torchrun) or simulated ones (`nf.simulate(n)`).
 """
 
+from ndfunc import optim as optim
 from ndfunc import sharding as sharding
 from ndfunc import tree as tree
+from ndfunc.autodiff import grad as grad
+from ndfunc.autodiff import value_and_grad as value_and_grad
+from ndfunc.autodiff import vmap as vmap
 from ndfunc.config import ParallelConfig as ParallelConfig
 from ndfunc.runtime import init as init
 from ndfunc.runtime import is_simulated as is_simulated
@@ -25,7 +29,8 @@ from ndfunc.transfer import sharding_of as sharding_of
 __version__ = "0.1.0"
 
 __all__ = [
-    "ParallelConfig", "device_get", "device_put", "get_mesh", "init", "is_simulated",
+    "ParallelConfig", "device_get", "device_put", "get_mesh", "grad", "init", "is_simulated", "optim",
+    "value_and_grad", "vmap",
     "make_array_from_callback", "make_mesh", "rank", "set_mesh", "sharding", "sharding_of", "shutdown",
     "simulate", "tree", "visualize_sharding", "world_size",
 ]

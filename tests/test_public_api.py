@@ -3,7 +3,7 @@ import importlib
 import pytest
 
 
-@pytest.mark.parametrize("module", ["ndfunc", "ndfunc.sharding"])
+@pytest.mark.parametrize("module", ["ndfunc", "ndfunc.sharding", "ndfunc.optim"])
 def test_every_public_name_imports(module):
     mod = importlib.import_module(module)
     assert mod.__all__, module
