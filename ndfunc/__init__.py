@@ -5,6 +5,7 @@ real ranks (`nf.init()` under torchrun) or simulated ones (`nf.simulate(n)`).
 """
 
 from ndfunc import optim as optim
+from ndfunc import random as random
 from ndfunc import sharding as sharding
 from ndfunc import tree as tree
 from ndfunc.autodiff import grad as grad
@@ -30,7 +31,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ParallelConfig", "device_get", "device_put", "get_mesh", "grad", "init", "is_simulated", "optim",
-    "value_and_grad", "vmap",
+    "random", "value_and_grad", "vmap",
     "make_array_from_callback", "make_mesh", "rank", "set_mesh", "sharding", "sharding_of", "shutdown",
     "simulate", "tree", "visualize_sharding", "world_size",
 ]

@@ -1,0 +1,89 @@
+"""A corpus every machine has: the bytes of the Python standard library's own source files.
+
+Tokens are bytes (vocabulary 256). The corpus is cut into sequences of `seq_len + 1` bytes; a
+sample's tokens are the first `seq_len`, its targets the last `seq_len` (next-token prediction).
+Sample order is a permutation from a seed, the same on every rank. A loader yields global batches,
+or, given a batch sharding, each rank's block only (`nf.make_array_from_callback`).
+"""
+
+from __future__ import annotations
+
+import pathlib
+import sysconfig
+from collections.abc import Iterator
+
+import torch
+
+import ndfunc as nf
+
+VOCAB_SIZE = 256
+
+
+def stdlib_corpus(max_bytes: int = 4 << 20) -> torch.Tensor:
+    """Up to `max_bytes` bytes (uint8) of the standard library's `.py` files, in sorted path order."""
+    root = pathlib.Path(sysconfig.get_paths()["stdlib"])
+    chunks, total = [], 0
+    for file in sorted(root.rglob("*.py")):
+        if "site-packages" in file.parts:
+            continue
+        data = file.read_bytes()
+        chunks.append(data)
+        total += len(data)
+        if total >= max_bytes:
+            break
+    if not chunks:
+        raise FileNotFoundError(f"no .py files under {root}; the corpus needs the standard library's sources.")
+    return torch.frombuffer(bytearray(b"".join(chunks)[:max_bytes]), dtype=torch.uint8)
+
+
+class Sequences:
+    """The corpus as `num_sequences` samples of `seq_len` tokens and targets, in seeded order."""
+
+    def __init__(self, corpus: torch.Tensor, seq_len: int, seed: int = 0):
+        if corpus.ndim != 1:
+            raise ValueError(f"corpus must be 1-d tokens, got shape {tuple(corpus.shape)}.")
+        self.seq_len = seq_len
+        self.num_sequences = (corpus.numel() - 1) // seq_len
+        if self.num_sequences < 1:
+            raise ValueError(f"a corpus of {corpus.numel()} tokens holds no sequence of {seq_len + 1}.")
+        self.corpus = corpus.to(torch.int64)
+        self.order = torch.randperm(self.num_sequences, generator=torch.Generator().manual_seed(seed))
+
+    def rows(self, sample_ids: torch.Tensor, cols: slice) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tokens and targets of the given samples, positions `cols` only: (n, cols) each."""
+        starts = self.order[sample_ids] * self.seq_len
+        offsets = torch.arange(cols.start, cols.stop)
+        tokens = self.corpus[starts[:, None] + offsets]
+        targets = self.corpus[starts[:, None] + offsets + 1]
+        return tokens, targets
+
+
+def batches(
+    sequences: Sequences, batch_size: int, sharding=None, *, steps: int | None = None
+) -> Iterator[dict[str, torch.Tensor]]:
+    """Global batches `{'tokens', 'targets'}` of shape (batch_size, seq_len), int64, in order.
+
+    With `sharding` (a NamedSharding for (batch, seq), e.g. `ParallelConfig.batch_spec` on a mesh)
+    each rank builds only its block of every batch. Stops after `steps` batches, or when the epoch
+    runs out of full batches.
+    """
+    per_epoch = sequences.num_sequences // batch_size
+    if per_epoch < 1:
+        raise ValueError(f"batch_size {batch_size} exceeds the {sequences.num_sequences} sequences available.")
+    shape = (batch_size, sequences.seq_len)
+    for step in range(per_epoch if steps is None else min(steps, per_epoch)):
+        first = step * batch_size
+
+        def block(index, field: int):
+            rows, cols = index
+            ids = torch.arange(first + rows.start, first + rows.stop)
+            return sequences.rows(ids, cols)[field]
+
+        if sharding is None:
+            tokens, targets = sequences.rows(torch.arange(first, first + batch_size), slice(0, sequences.seq_len))
+            yield {"tokens": tokens, "targets": targets}
+        else:
+            yield {
+                "tokens": nf.make_array_from_callback(shape, sharding, lambda index: block(index, 0)),
+                "targets": nf.make_array_from_callback(shape, sharding, lambda index: block(index, 1)),
+            }

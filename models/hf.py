@@ -1,0 +1,189 @@
+"""Hugging Face Llama checkpoints <-> ndfunc parameter trees.
+
+`load_llama(path, shardings)` reads each rank's block of each tensor straight from the safetensors
+file (a memory-mapped slice), so no rank ever holds a whole copy of a sharded weight.
+`save_llama(path, cfg, params)` writes a directory `transformers.LlamaForCausalLM` loads.
+
+Hugging Face stores projections as `nn.Linear` weights, (out, in); ndfunc keeps input dims first
+and heads as their own dim (see models/llama.py). Each parameter maps to one HF tensor by a
+layout: the same array (`same`), its transpose (`T`), or a head-split transpose (`qkv`, `o`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+from collections.abc import Callable
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+import ndfunc as nf
+from models.llama import LlamaConfig, param_shapes
+from ndfunc.tree import tree_broadcast_prefix, tree_flatten_with_path, tree_map_with_path
+
+Index = tuple[slice, ...]
+
+
+def hf_layout(cfg: LlamaConfig) -> dict[str, tuple[str, str]]:
+    """ndfunc parameter path -> (Hugging Face tensor name, layout)."""
+    names = {"embed": ("model.embed_tokens.weight", "same"), "norm": ("model.norm.weight", "same")}
+    if not cfg.tie_embeddings:
+        names["lm_head"] = ("lm_head.weight", "T")
+    for i in range(cfg.n_layers):
+        hf, ours = f"model.layers.{i}", f"layers.{i}"
+        names.update({
+            f"{ours}.attn_norm": (f"{hf}.input_layernorm.weight", "same"),
+            f"{ours}.mlp_norm": (f"{hf}.post_attention_layernorm.weight", "same"),
+            f"{ours}.attn.wq": (f"{hf}.self_attn.q_proj.weight", "qkv"),
+            f"{ours}.attn.wk": (f"{hf}.self_attn.k_proj.weight", "qkv"),
+            f"{ours}.attn.wv": (f"{hf}.self_attn.v_proj.weight", "qkv"),
+            f"{ours}.attn.wo": (f"{hf}.self_attn.o_proj.weight", "o"),
+            f"{ours}.mlp.w1": (f"{hf}.mlp.gate_proj.weight", "T"),
+            f"{ours}.mlp.w3": (f"{hf}.mlp.up_proj.weight", "T"),
+            f"{ours}.mlp.w2": (f"{hf}.mlp.down_proj.weight", "T"),
+        })
+    return names
+
+
+def read_block(read: Callable[[Index], torch.Tensor], layout: str, shape: tuple[int, ...], index: Index) -> torch.Tensor:
+    """Our block `index` of a parameter of `shape`, from `read(hf_index)` of the HF tensor."""
+    if layout == "same":
+        return read(index)
+    if layout == "T":
+        return read((index[1], index[0])).T
+    if layout == "qkv":  # ours (D, H, K) = hf (H*K, D) split and transposed
+        d, h, k = index
+        head_dim = shape[2]
+        rows = read((slice(h.start * head_dim, h.stop * head_dim), d))  # (h*K, d): whole heads only
+        return rows.unflatten(0, (h.stop - h.start, head_dim))[:, k, :].permute(2, 0, 1)
+    if layout == "o":  # ours (H, K, D) = hf (D, H*K) split and transposed
+        h, k, d = index
+        head_dim = shape[1]
+        cols = read((d, slice(h.start * head_dim, h.stop * head_dim)))  # (d, h*K)
+        return cols.unflatten(1, (h.stop - h.start, head_dim))[:, :, k].permute(1, 2, 0)
+    raise ValueError(f"unknown layout {layout!r}")
+
+
+def to_hf(layout: str, x: torch.Tensor) -> torch.Tensor:
+    """A whole parameter in Hugging Face's layout (the inverse of `read_block` over everything)."""
+    if layout == "same":
+        return x
+    if layout == "T":
+        return x.T
+    if layout == "qkv":
+        return x.permute(1, 2, 0).flatten(0, 1)
+    if layout == "o":
+        return x.permute(2, 0, 1).flatten(1, 2)
+    raise ValueError(f"unknown layout {layout!r}")
+
+
+def config_from_hf(hf: dict) -> LlamaConfig:
+    heads = hf["num_attention_heads"]
+    if hf.get("head_dim") not in (None, hf["hidden_size"] // heads):
+        raise ValueError(
+            f"config.json has head_dim {hf['head_dim']} but hidden_size {hf['hidden_size']} / "
+            f"num_attention_heads {heads} = {hf['hidden_size'] // heads}; ndfunc's Llama needs them equal."
+        )
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    if rope.get("rope_type", "default") != "default":
+        raise ValueError(f"rope type {rope['rope_type']!r} is not supported; only the default rotary embedding is.")
+    return LlamaConfig(
+        vocab_size=hf["vocab_size"], dim=hf["hidden_size"], n_layers=hf["num_hidden_layers"], n_heads=heads,
+        n_kv_heads=hf.get("num_key_value_heads") or heads, ffn_dim=hf["intermediate_size"],
+        rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))), norm_eps=hf["rms_norm_eps"],
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        max_seq_len=hf.get("max_position_embeddings", 2048),
+    )
+
+
+def config_to_hf(cfg: LlamaConfig, dtype: torch.dtype) -> dict:
+    return {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "vocab_size": cfg.vocab_size, "hidden_size": cfg.dim, "num_hidden_layers": cfg.n_layers,
+        "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.n_kv_heads, "head_dim": cfg.head_dim,
+        "intermediate_size": cfg.ffn_dim, "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_theta,
+        "tie_word_embeddings": cfg.tie_embeddings, "max_position_embeddings": cfg.max_seq_len,
+        "hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
+        "torch_dtype": str(dtype).removeprefix("torch."),
+    }
+
+
+def _weight_files(path: pathlib.Path) -> dict[str, pathlib.Path]:
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return {name: path / file for name, file in weight_map.items()}
+    single = path / "model.safetensors"
+    if not single.exists():
+        raise FileNotFoundError(
+            f"{path} has neither model.safetensors nor model.safetensors.index.json; expected a Hugging "
+            f"Face checkpoint directory saved with safetensors."
+        )
+    with safe_open(single, framework="pt") as f:
+        return {name: single for name in f.keys()}
+
+
+def load_llama(path: str | os.PathLike, shardings=None) -> tuple[LlamaConfig, dict]:
+    """Read a Hugging Face Llama directory into `(LlamaConfig, params)`.
+
+    Args:
+        path: a directory with `config.json` and `model.safetensors` (or a sharded index).
+        shardings: None for whole tensors; else a prefix tree of NamedSharding (or `P` under a mesh)
+            over the parameter tree, and each rank reads only its own block of each tensor.
+    """
+    path = pathlib.Path(path)
+    cfg = config_from_hf(json.loads((path / "config.json").read_text()))
+    files, layout = _weight_files(path), hf_layout(cfg)
+    missing = sorted(name for name, _ in layout.values() if name not in files)
+    if missing:
+        raise ValueError(f"{path} lacks {len(missing)} tensors a {cfg} needs, e.g. {missing[:3]}.")
+    shapes = param_shapes(cfg)
+    is_shape = lambda x: isinstance(x, tuple) and all(isinstance(n, int) for n in x)  # noqa: E731
+    handles: dict[pathlib.Path, object] = {}
+
+    def reader(name: str) -> Callable[[Index], torch.Tensor]:
+        file = files[name]
+        if file not in handles:
+            handles[file] = safe_open(file, framework="pt")
+        tensor_slice = handles[file].get_slice(name)
+        return lambda index: tensor_slice[index]
+
+    def load(p: str, shape: tuple[int, ...], sharding) -> torch.Tensor:
+        name, kind = layout[p]
+        read = reader(name)
+        whole = tuple(slice(0, n) for n in shape)
+        if sharding is None:
+            return read_block(read, kind, shape, whole).contiguous()
+        return nf.make_array_from_callback(
+            shape, sharding, lambda index: read_block(read, kind, shape, index).contiguous()
+        )
+
+    # torch.Size leaves: a shape is one leaf of the tree, not a tuple of them.
+    shapes = tree_map_with_path(lambda p, shape: torch.Size(shape), shapes, is_leaf=is_shape)
+    if shardings is None:
+        return cfg, tree_map_with_path(lambda p, shape: load(p, tuple(shape), None), shapes)
+    from ndfunc.sharding.named_sharding import resolve_sharding
+
+    specs = tree_broadcast_prefix(shardings, shapes, prefix_name="shardings", full_name="parameters")
+    params = tree_map_with_path(lambda p, shape, s: load(p, tuple(shape), resolve_sharding(s, p)), shapes, specs)
+    return cfg, params
+
+
+def save_llama(path: str | os.PathLike, cfg: LlamaConfig, params: dict) -> None:
+    """Write `params` (whole tensors or DTensors, gathered here) as a Hugging Face Llama directory."""
+    path = pathlib.Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    layout = hf_layout(cfg)
+    tensors = {}
+    for p, x in tree_flatten_with_path(nf.device_get(params))[0]:
+        if p not in layout:
+            raise ValueError(f"parameter {p!r} has no place in a Hugging Face Llama checkpoint for {cfg}.")
+        name, kind = layout[p]
+        tensors[name] = to_hf(kind, x).contiguous()
+    dtype = next(iter(tensors.values())).dtype
+    if nf.rank() == 0:
+        save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+        (path / "config.json").write_text(json.dumps(config_to_hf(cfg, dtype), indent=2))

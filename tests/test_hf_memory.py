@@ -1,0 +1,45 @@
+"""Peak memory of a sharded load_llama in 4 real gloo processes: each rank's memory grows by about
+a quarter of the checkpoint, not by all of it."""
+
+import json
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import ndfunc as nf
+from models import hf, llama
+
+WORKER = pathlib.Path(__file__).with_name("hf_memory_worker.py")
+
+
+@pytest.mark.gloo
+def test_sharded_load_grows_each_rank_by_its_share(tmp_path):
+    big = llama.LlamaConfig(vocab_size=8192, dim=512, n_layers=4, n_heads=8, n_kv_heads=4, ffn_dim=1536)
+    for name, cfg in (("big", big), ("warmup", llama.LlamaConfig.tiny())):
+        params = nf.tree.tree_map_with_path(
+            lambda p, shape: torch.full(torch.Size(shape), 0.01), llama.param_shapes(cfg),
+            is_leaf=lambda s: isinstance(s, tuple) and all(isinstance(n, int) for n in s))
+        hf.save_llama(tmp_path / name, cfg, params)
+    checkpoint = (tmp_path / "big" / "model.safetensors").stat().st_size
+    del params
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env["OMP_NUM_THREADS"] = "1"
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4", str(WORKER),
+         str(tmp_path / "big"), str(tmp_path / "warmup")],
+        capture_output=True, text=True, timeout=300, env=env, cwd=pathlib.Path(__file__).resolve().parents[1],
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    reports = [json.loads(m) for m in re.findall(r"\{\"rank\".*?\}", proc.stdout)]
+    assert sorted(r["rank"] for r in reports) == [0, 1, 2, 3], proc.stdout
+    for r in reports:
+        # Each rank's blocks are a quarter of the checkpoint; what it holds after loading (anonymous
+        # memory: tensors, not the file's page cache) stays near that, far below a whole copy.
+        assert r["local_bytes"] == pytest.approx(checkpoint / 4, rel=0.01)
+        assert r["anon_growth"] < 0.35 * checkpoint, (r, checkpoint)
+    print(json.dumps({"checkpoint_bytes": checkpoint, "ranks": reports}))
