@@ -8,7 +8,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 import ndfunc as nf
 from models import data, llama
 from ndfunc import random
-from ndfunc.sharding import NamedSharding, P, logical_to_mesh
+from ndfunc.sharding import NamedSharding, logical_to_mesh
 
 CFG = llama.LlamaConfig.tiny()
 LOGICAL = {"vocab", "embed", "heads", "kv_heads", "head_dim", "mlp"}
