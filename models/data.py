@@ -47,11 +47,18 @@ class Sequences:
         if self.num_sequences < 1:
             raise ValueError(f"a corpus of {corpus.numel()} tokens holds no sequence of {seq_len + 1}.")
         self.corpus = corpus.to(torch.int64)
-        self.order = torch.randperm(self.num_sequences, generator=torch.Generator().manual_seed(seed))
+        self.seed = seed
+        self.order = self.epoch_order(0)
 
-    def rows(self, sample_ids: torch.Tensor, cols: slice) -> tuple[torch.Tensor, torch.Tensor]:
-        """Tokens and targets of the given samples, positions `cols` only: (n, cols) each."""
-        starts = self.order[sample_ids] * self.seq_len
+    def epoch_order(self, epoch: int) -> torch.Tensor:
+        """The permutation of sequences for one epoch: a function of (seed, epoch) only."""
+        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+        return torch.randperm(self.num_sequences, generator=generator)
+
+    def rows(self, sample_ids: torch.Tensor, cols: slice, order: torch.Tensor | None = None):
+        """Tokens and targets of the given samples (positions in `order`, by default epoch 0's),
+        positions `cols` only: two (n, cols) tensors."""
+        starts = (self.order if order is None else order)[sample_ids] * self.seq_len
         offsets = torch.arange(cols.start, cols.stop)
         tokens = self.corpus[starts[:, None] + offsets]
         targets = self.corpus[starts[:, None] + offsets + 1]
@@ -64,24 +71,29 @@ def batches(
     """Global batches `{'tokens', 'targets'}` of shape (batch_size, seq_len), int64, in order.
 
     With `sharding` (a NamedSharding for (batch, seq), e.g. `ParallelConfig.batch_spec` on a mesh)
-    each rank builds only its block of every batch. Stops after `steps` batches, or when the epoch
-    runs out of full batches.
+    each rank builds only its block of every batch. Without `steps`, one epoch of full batches; with
+    it, `steps` batches, each new epoch in a new order.
     """
     per_epoch = sequences.num_sequences // batch_size
     if per_epoch < 1:
-        raise ValueError(f"batch_size {batch_size} exceeds the {sequences.num_sequences} sequences available.")
+        raise ValueError(
+            f"batch_size {batch_size} exceeds the {sequences.num_sequences} sequences available; use a "
+            f"smaller batch, shorter sequences or a larger corpus."
+        )
     shape = (batch_size, sequences.seq_len)
-    for step in range(per_epoch if steps is None else min(steps, per_epoch)):
-        first = step * batch_size
+    total = per_epoch if steps is None else steps
+    for step in range(total):
+        epoch, first = divmod(step, per_epoch)
+        first *= batch_size
+        order = sequences.epoch_order(epoch) if epoch else sequences.order
 
-        def block(index, field: int):
+        def block(index, field: int, first=first, order=order):
             rows, cols = index
-            ids = torch.arange(first + rows.start, first + rows.stop)
-            return sequences.rows(ids, cols)[field]
+            return sequences.rows(torch.arange(first + rows.start, first + rows.stop), cols, order)[field]
 
         if sharding is None:
-            tokens, targets = sequences.rows(torch.arange(first, first + batch_size), slice(0, sequences.seq_len))
-            yield {"tokens": tokens, "targets": targets}
+            whole = (slice(0, batch_size), slice(0, sequences.seq_len))
+            yield {"tokens": block(whole, 0), "targets": block(whole, 1)}
         else:
             yield {
                 "tokens": nf.make_array_from_callback(shape, sharding, lambda index: block(index, 0)),

@@ -81,19 +81,33 @@ def to_hf(layout: str, x: torch.Tensor) -> torch.Tensor:
 
 
 def config_from_hf(hf: dict) -> LlamaConfig:
+    """A LlamaConfig from a Hugging Face `config.json`; refuses what models/llama.py does not compute."""
+    refused = [
+        ("model_type", hf.get("model_type", "llama"), "llama"),
+        ("hidden_act", hf.get("hidden_act", "silu"), "silu"),
+        ("attention_bias", bool(hf.get("attention_bias", False)), False),
+        ("mlp_bias", bool(hf.get("mlp_bias", False)), False),
+        ("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0), 1.0),
+    ]
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    refused.append(("rope type", rope.get("rope_type", rope.get("type", "default")), "default"))
+    for field, value, supported in refused:
+        if value != supported:
+            raise ValueError(
+                f"config.json has {field} = {value!r}; ndfunc's Llama computes only {field} = "
+                f"{supported!r} (plain Llama: no biases, SiLU, full default rotary embedding)."
+            )
     heads = hf["num_attention_heads"]
     if hf.get("head_dim") not in (None, hf["hidden_size"] // heads):
         raise ValueError(
             f"config.json has head_dim {hf['head_dim']} but hidden_size {hf['hidden_size']} / "
             f"num_attention_heads {heads} = {hf['hidden_size'] // heads}; ndfunc's Llama needs them equal."
         )
-    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-    if rope.get("rope_type", "default") != "default":
-        raise ValueError(f"rope type {rope['rope_type']!r} is not supported; only the default rotary embedding is.")
     return LlamaConfig(
         vocab_size=hf["vocab_size"], dim=hf["hidden_size"], n_layers=hf["num_hidden_layers"], n_heads=heads,
         n_kv_heads=hf.get("num_key_value_heads") or heads, ffn_dim=hf["intermediate_size"],
-        rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))), norm_eps=hf["rms_norm_eps"],
+        rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
+        norm_eps=hf.get("rms_norm_eps", 1e-6),  # transformers' LlamaConfig default
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         max_seq_len=hf.get("max_position_embeddings", 2048),
     )
@@ -139,7 +153,10 @@ def load_llama(path: str | os.PathLike, shardings=None) -> tuple[LlamaConfig, di
     files, layout = _weight_files(path), hf_layout(cfg)
     missing = sorted(name for name, _ in layout.values() if name not in files)
     if missing:
-        raise ValueError(f"{path} lacks {len(missing)} tensors a {cfg} needs, e.g. {missing[:3]}.")
+        raise ValueError(
+            f"{path} lacks {len(missing)} tensors that config.json's model needs, e.g. {missing[:3]}; "
+            f"check that config.json belongs to these weights."
+        )
     shapes = param_shapes(cfg)
     is_shape = lambda x: isinstance(x, tuple) and all(isinstance(n, int) for n in x)  # noqa: E731
     handles: dict[pathlib.Path, object] = {}
@@ -154,6 +171,14 @@ def load_llama(path: str | os.PathLike, shardings=None) -> tuple[LlamaConfig, di
     def load(p: str, shape: tuple[int, ...], sharding) -> torch.Tensor:
         name, kind = layout[p]
         read = reader(name)
+        stored = tuple(handles[files[name]].get_slice(name).get_shape())
+        expected = tuple(to_hf(kind, torch.empty(shape, device="meta")).shape)
+        if stored != expected:
+            raise ValueError(
+                f"{name} has shape {stored} in {files[name].name}, but config.json describes {expected}; "
+                f"the config does not match the weights (check vocab_size, hidden_size, "
+                f"intermediate_size and the head counts)."
+            )
         whole = tuple(slice(0, n) for n in shape)
         if sharding is None:
             return read_block(read, kind, shape, whole).contiguous()

@@ -46,6 +46,9 @@ class LlamaConfig:
     max_seq_len: int = 2048
 
     def __post_init__(self) -> None:
+        for field in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim"):
+            if getattr(self, field) < 1:
+                raise ValueError(f"LlamaConfig.{field} must be >= 1, got {getattr(self, field)}.")
         if self.dim % self.n_heads:
             raise ValueError(f"dim {self.dim} must be a multiple of n_heads {self.n_heads} (head_dim = dim // n_heads).")
         if self.n_heads % self.n_kv_heads:
@@ -119,7 +122,7 @@ def init_param(cfg: LlamaConfig, key: torch.Tensor, path: str, shape: tuple[int,
     depend only on (key, path, position), so any sharding of the init gives the same tensor."""
     block = shape if index is None else tuple(s.stop - s.start for s in index)
     if path.endswith("norm"):
-        return torch.ones(block, dtype=dtype)
+        return torch.ones(block, dtype=dtype, device=key.device)
     param_key = random.fold_in(key, _path_id(path))
     return random.normal(param_key, shape, dtype, index=index) * INIT_STD
 
@@ -153,7 +156,7 @@ def apply_rope(x_BLHK: torch.Tensor, cos_BLK: torch.Tensor, sin_BLK: torch.Tenso
     return (x_BLHK.float() * cos + rotated.float() * sin).to(x_BLHK.dtype)
 
 
-def attention(layer: dict, x_BLD: torch.Tensor, cos, sin, cfg: LlamaConfig) -> torch.Tensor:
+def attention(layer: dict, x_BLD: torch.Tensor, cos, sin, cfg: LlamaConfig, mask_BLL=None) -> torch.Tensor:
     q_BLHK = torch.einsum("bld,dhk->blhk", x_BLD, layer["wq"])
     k_BLGK = torch.einsum("bld,dgk->blgk", x_BLD, layer["wk"])
     v_BLGK = torch.einsum("bld,dgk->blgk", x_BLD, layer["wv"])
@@ -162,7 +165,10 @@ def attention(layer: dict, x_BLD: torch.Tensor, cos, sin, cfg: LlamaConfig) -> t
     k_BHLK = einops.repeat(k_BLGK, "b l g k -> b (g r) l k", r=r)
     v_BHLK = einops.repeat(v_BLGK, "b l g k -> b (g r) l k", r=r)
     q_BHLK = einops.rearrange(q_BLHK, "b l h k -> b h l k")
-    o_BHLK = F.scaled_dot_product_attention(q_BHLK, k_BHLK, v_BHLK, is_causal=True)
+    if mask_BLL is None:
+        o_BHLK = F.scaled_dot_product_attention(q_BHLK, k_BHLK, v_BHLK, is_causal=True)
+    else:
+        o_BHLK = F.scaled_dot_product_attention(q_BHLK, k_BHLK, v_BHLK, attn_mask=mask_BLL[:, None])
     return torch.einsum("bhlk,hkd->bld", o_BHLK, layer["wo"])
 
 
@@ -172,13 +178,21 @@ def mlp(layer: dict, x_BLD: torch.Tensor) -> torch.Tensor:
 
 
 def apply(params: dict, tokens_BL: torch.Tensor, cfg: LlamaConfig, positions_BL: torch.Tensor | None = None) -> torch.Tensor:
-    """Logits (B, L, V) for tokens (B, L); `positions` default to 0..L-1 for every row."""
+    """Logits (B, L, V) for tokens (B, L).
+
+    `positions` (B, L) default to 0..L-1 for every row. Given, they place each token: rotary
+    embeddings and the causal mask (a token sees those at its position or before) both follow them,
+    so a permuted sequence gives the same logits, permuted.
+    """
+    mask_BLL = None
     if positions_BL is None:
         positions_BL = torch.arange(tokens_BL.shape[1], device=tokens_BL.device).expand(tokens_BL.shape)
+    else:
+        mask_BLL = positions_BL[:, :, None] >= positions_BL[:, None, :]
     cos, sin = rope_tables(positions_BL, cfg.head_dim, cfg.rope_theta)
     x_BLD = F.embedding(tokens_BL, params["embed"])
     for layer in params["layers"]:
-        x_BLD = x_BLD + attention(layer["attn"], rms_norm(x_BLD, layer["attn_norm"], cfg.norm_eps), cos, sin, cfg)
+        x_BLD = x_BLD + attention(layer["attn"], rms_norm(x_BLD, layer["attn_norm"], cfg.norm_eps), cos, sin, cfg, mask_BLL)
         x_BLD = x_BLD + mlp(layer["mlp"], rms_norm(x_BLD, layer["mlp_norm"], cfg.norm_eps))
     x_BLD = rms_norm(x_BLD, params["norm"], cfg.norm_eps)
     head_DV = params["embed"].T if cfg.tie_embeddings else params["lm_head"]
@@ -187,7 +201,7 @@ def apply(params: dict, tokens_BL: torch.Tensor, cfg: LlamaConfig, positions_BL:
 
 def loss(params: dict, batch: dict, cfg: LlamaConfig) -> torch.Tensor:
     """Next-token cross-entropy, mean over targets that are not -100 (`batch`: tokens, targets (B, L)
-    int64, optional positions)."""
+    int64, optional positions). A batch whose every target is -100 has no mean: NaN, as in torch."""
     logits_BLV = apply(params, batch["tokens"], cfg, batch.get("positions"))
     return F.cross_entropy(logits_BLV.flatten(0, 1).float(), batch["targets"].flatten(), ignore_index=IGNORE_INDEX)
 

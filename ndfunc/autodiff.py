@@ -76,6 +76,9 @@ def value_and_grad(fn: Callable[..., Any], argnums: ArgNums = 0, has_aux: bool =
     @functools.wraps(fn)
     def value_and_grad_fn(*args, **kwargs):
         indices = [_resolve(i, len(args), argnums) for i in positions]
+        if len(set(indices)) != len(indices):
+            raise ValueError(f"argnums {argnums} names an argument twice (negative indices count from "
+                             f"the end of the {len(args)} arguments); list each once.")
         flat, specs = [], []
         for i in indices:
             flat.append(_differentiable_leaves(args[i], i))

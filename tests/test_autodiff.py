@@ -190,3 +190,10 @@ def test_vmap_errors():
     with pytest.raises(ValueError, match="in_axes has 1 entries, \\(0,\\), but <lambda> was called with "
                                          "2 positional arguments"):
         vmap(lambda x, y: x + y, in_axes=(0,))(torch.ones(2), torch.ones(2))
+
+
+def test_argnums_naming_one_argument_twice_through_a_negative_index():
+    from ndfunc.autodiff import grad
+
+    with pytest.raises(ValueError, match=r"argnums \(0, -2\) names an argument twice"):
+        grad(lambda a, b: (a * b).sum(), argnums=(0, -2))(torch.ones(2), torch.ones(2))

@@ -54,7 +54,17 @@ def test_sharded_batches_give_each_rank_its_block(sizes):
 
 
 def test_errors():
-    with pytest.raises(ValueError, match="batch_size 64 exceeds the 15 sequences available"):
+    with pytest.raises(ValueError, match="batch_size 64 exceeds the 15 sequences available; use a smaller batch"):
         next(data.batches(data.Sequences(CORPUS[:250], 16), 64))
     with pytest.raises(ValueError, match="a corpus of 10 tokens holds no sequence of 17"):
         data.Sequences(CORPUS[:10], 16)
+
+
+def test_steps_past_an_epoch_start_a_new_order():
+    seqs = data.Sequences(CORPUS[:1000], seq_len=9, seed=0)  # 13 full batches of 8 an epoch
+    got = list(data.batches(seqs, 8, steps=20))
+    assert len(got) == 20
+    assert torch.equal(got[0]["tokens"], next(data.batches(seqs, 8))["tokens"])
+    second = seqs.epoch_order(1)
+    assert not torch.equal(second, seqs.order)
+    assert torch.equal(got[13]["tokens"], CORPUS[:999].to(torch.int64).view(111, 9)[second[:8]])

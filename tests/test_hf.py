@@ -15,7 +15,7 @@ ATOL = RTOL = 1e-5
 def hf_model(tie: bool, seed: int = 0):
     config = transformers.LlamaConfig(
         vocab_size=96, hidden_size=64, intermediate_size=80, num_hidden_layers=2, num_attention_heads=8,
-        num_key_value_heads=2, max_position_embeddings=128, rope_theta=10000.0, rms_norm_eps=1e-5,
+        num_key_value_heads=2, max_position_embeddings=128, rope_theta=500000.0, rms_norm_eps=1e-5,
         tie_word_embeddings=tie, attention_bias=False, mlp_bias=False,
     )
     torch.manual_seed(seed)
@@ -41,6 +41,7 @@ def test_logits_match_transformers(tmp_path, tie, max_shard_size):
         assert (tmp_path / "model.safetensors.index.json").exists()
     cfg, params = hf.load_llama(tmp_path)
     assert cfg.tie_embeddings == tie and cfg.n_kv_heads == 2 and ("lm_head" in params) == (not tie)
+    assert cfg.rope_theta == 500000.0  # not the default: a loader that dropped it would fail below
     x = tokens(cfg.vocab_size)
     with torch.no_grad():
         expected = model(x).logits
@@ -97,6 +98,37 @@ def test_sharded_load_reads_each_rank_its_block(tmp_path, sizes):
                 assert torch.equal(blocks[rank], full[index]), (path, rank)
 
 
-def test_unsupported_configs_are_refused():
-    with pytest.raises(ValueError, match=r"config.json has head_dim 16 but hidden_size 64 / num_attention_heads 8 = 8"):
-        hf.config_from_hf({"num_attention_heads": 8, "hidden_size": 64, "head_dim": 16})
+BASE = {"model_type": "llama", "vocab_size": 96, "hidden_size": 64, "num_hidden_layers": 1, "num_attention_heads": 8,
+        "num_key_value_heads": 2, "intermediate_size": 80, "rms_norm_eps": 1e-5}
+
+
+@pytest.mark.parametrize("extra, message", [
+    ({"head_dim": 16}, r"config.json has head_dim 16 but hidden_size 64 / num_attention_heads 8 = 8"),
+    ({"attention_bias": True}, r"config.json has attention_bias = True; ndfunc's Llama computes only attention_bias = False"),
+    ({"mlp_bias": True}, r"has mlp_bias = True"),
+    ({"hidden_act": "gelu"}, r"has hidden_act = 'gelu'; ndfunc's Llama computes only hidden_act = 'silu'"),
+    ({"model_type": "mistral"}, r"has model_type = 'mistral'"),
+    ({"rope_scaling": {"type": "linear", "factor": 2.0}}, r"has rope type = 'linear'"),
+    ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5}}, r"has rope type = 'llama3'"),
+    ({"partial_rotary_factor": 0.5}, r"has partial_rotary_factor = 0.5"),
+])
+def test_unsupported_configs_are_refused(extra, message):
+    with pytest.raises(ValueError, match=message):
+        hf.config_from_hf({**BASE, **extra})
+
+
+def test_config_defaults_follow_transformers():
+    cfg = hf.config_from_hf({k: v for k, v in BASE.items() if k != "rms_norm_eps"})
+    assert cfg.norm_eps == transformers.LlamaConfig().rms_norm_eps
+
+
+def test_weights_that_do_not_fit_the_config_are_refused(tmp_path):
+    import json
+
+    hf_model(False).save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["intermediate_size"] = 40
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"model.layers.0.mlp.gate_proj.weight has shape \(80, 64\) in model.safetensors, "
+                                         r"but config.json describes \(40, 64\)"):
+        hf.load_llama(tmp_path)

@@ -77,9 +77,25 @@ def test_loss_ignores_padding_targets():
     targets = tokens.roll(-1, dims=1)
     masked = targets.clone()
     masked[:, 8:] = llama.IGNORE_INDEX
-    logits = llama.apply(params, tokens, CFG)
-    expected = torch.nn.functional.cross_entropy(logits[:, :8].flatten(0, 1), targets[:, :8].flatten())
+    logits = llama.apply(params, tokens, CFG).double()
+    # The definition, written out: mean over the kept targets of -log softmax(logits)[target].
+    picked = logits[:, :8].log_softmax(-1).gather(-1, targets[:, :8, None])
+    expected = -picked.mean().float()
     torch.testing.assert_close(llama.loss(params, {"tokens": tokens, "targets": masked}, CFG), expected)
+
+
+def test_positions_place_tokens_so_a_permuted_sequence_gives_permuted_logits():
+    params = llama.init(CFG, random.key(1))
+    tokens = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(0))
+    perm = torch.randperm(12, generator=torch.Generator().manual_seed(1))
+    expected = llama.apply(params, tokens, CFG)[:, perm]
+    got = llama.apply(params, tokens[:, perm], CFG, perm.expand(2, 12))
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_init_follows_the_key_device():
+    params = llama.init(CFG, random.key(0).to("meta"))
+    assert {x.device.type for _, x in nf.tree.tree_flatten_with_path(params)[0]} == {"meta"}
 
 
 def test_training_lowers_the_loss_on_the_corpus():
