@@ -1,7 +1,8 @@
 """Hugging Face Llama checkpoints <-> ndfunc parameter trees.
 
 `load_llama(path, shardings)` reads each rank's block of each tensor straight from the safetensors
-file (a memory-mapped slice), so no rank ever holds a whole copy of a sharded weight.
+file (plain reads in bounded bands, models/safetensors_io.py), so no rank ever holds a whole copy of
+a sharded weight, and its memory grows by its blocks only.
 `save_llama(path, cfg, params)` writes a directory `transformers.LlamaForCausalLM` loads.
 
 Hugging Face stores projections as `nn.Linear` weights, (out, in); ndfunc keeps input dims first
@@ -17,11 +18,11 @@ import pathlib
 from collections.abc import Callable
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 
 import ndfunc as nf
 from models.llama import LlamaConfig, param_shapes
+from models.safetensors_io import SafetensorsFile
 from ndfunc.tree import tree_broadcast_prefix, tree_flatten_with_path, tree_map_with_path
 
 Index = tuple[slice, ...]
@@ -136,8 +137,7 @@ def _weight_files(path: pathlib.Path) -> dict[str, pathlib.Path]:
             f"{path} has neither model.safetensors nor model.safetensors.index.json; expected a Hugging "
             f"Face checkpoint directory saved with safetensors."
         )
-    with safe_open(single, framework="pt") as f:
-        return {name: single for name in f.keys()}
+    return {name: single for name in SafetensorsFile(single).names()}
 
 
 def load_llama(path: str | os.PathLike, shardings=None) -> tuple[LlamaConfig, dict]:
@@ -159,19 +159,15 @@ def load_llama(path: str | os.PathLike, shardings=None) -> tuple[LlamaConfig, di
         )
     shapes = param_shapes(cfg)
     is_shape = lambda x: isinstance(x, tuple) and all(isinstance(n, int) for n in x)  # noqa: E731
-    handles: dict[pathlib.Path, object] = {}
+    handles = {file: SafetensorsFile(file) for file in set(files.values())}
 
     def reader(name: str) -> Callable[[Index], torch.Tensor]:
-        file = files[name]
-        if file not in handles:
-            handles[file] = safe_open(file, framework="pt")
-        tensor_slice = handles[file].get_slice(name)
-        return lambda index: tensor_slice[index]
+        return lambda index: handles[files[name]].read(name, index)
 
     def load(p: str, shape: tuple[int, ...], sharding) -> torch.Tensor:
         name, kind = layout[p]
         read = reader(name)
-        stored = tuple(handles[files[name]].get_slice(name).get_shape())
+        stored = handles[files[name]].shape(name)
         expected = tuple(to_hf(kind, torch.empty(shape, device="meta")).shape)
         if stored != expected:
             raise ValueError(

@@ -1,5 +1,5 @@
 """Peak memory of a sharded load_llama in 4 real gloo processes: each rank's memory grows by about
-a quarter of the checkpoint, not by all of it."""
+a quarter of the checkpoint, not by all of it. Run with -s to see the numbers."""
 
 import json
 import os
@@ -38,8 +38,10 @@ def test_sharded_load_grows_each_rank_by_its_share(tmp_path):
     reports = [json.loads(m) for m in re.findall(r"\{\"rank\".*?\}", proc.stdout)]
     assert sorted(r["rank"] for r in reports) == [0, 1, 2, 3], proc.stdout
     for r in reports:
-        # Each rank's blocks are a quarter of the checkpoint; what it holds after loading (anonymous
-        # memory: tensors, not the file's page cache) stays near that, far below a whole copy.
+        # Each rank's blocks are a quarter of the checkpoint. Its peak resident memory (VmHWM: what
+        # it allocates and any file pages it maps) may exceed that by one read band (4 MiB) and a
+        # block being transposed, not by the rest of the file.
         assert r["local_bytes"] == pytest.approx(checkpoint / 4, rel=0.01)
-        assert r["anon_growth"] < 0.35 * checkpoint, (r, checkpoint)
+        assert r["peak_growth"] < 0.4 * checkpoint, (r, checkpoint)
+        assert r["anon_growth"] < 0.4 * checkpoint, (r, checkpoint)
     print(json.dumps({"checkpoint_bytes": checkpoint, "ranks": reports}))
