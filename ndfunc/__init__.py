@@ -12,6 +12,7 @@ from ndfunc.autodiff import grad as grad
 from ndfunc.autodiff import value_and_grad as value_and_grad
 from ndfunc.autodiff import vmap as vmap
 from ndfunc.config import ParallelConfig as ParallelConfig
+from ndfunc.constraints import with_sharding_constraint as with_sharding_constraint
 from ndfunc.runtime import init as init
 from ndfunc.runtime import is_simulated as is_simulated
 from ndfunc.runtime import rank as rank
@@ -33,5 +34,5 @@ __all__ = [
     "ParallelConfig", "device_get", "device_put", "get_mesh", "grad", "init", "is_simulated", "optim",
     "random", "value_and_grad", "vmap",
     "make_array_from_callback", "make_mesh", "rank", "set_mesh", "sharding", "sharding_of", "shutdown",
-    "simulate", "tree", "visualize_sharding", "world_size",
+    "simulate", "tree", "visualize_sharding", "with_sharding_constraint", "world_size",
 ]

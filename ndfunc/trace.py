@@ -1,0 +1,124 @@
+"""Capture a step as one functional aten graph over global shapes.
+
+`trace(fn, args)` runs `fn` under `make_fx` on fake tensors of each input's *global* shape (a
+DTensor contributes its full shape, never its data): forward, backward (through `torch.func`) and
+the optimizer update become one graph with no autograd left in it. Attention stays one node
+(`_scaled_dot_product_*`), and `nf.with_sharding_constraint` stays one `ndfunc.sharding_constraint`
+node, so later passes can find both. Nothing is allocated at global size: tracing a 100M-parameter
+step costs what its graph costs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import optree
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed._local_tensor import local_tensor_mode
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from ndfunc.constraints import decode_spec, sharding_constraint_op
+from ndfunc.sharding.partition_spec import PartitionSpec
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorSpec:
+    """What a traced input or output is: global shape and dtype."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    def __repr__(self) -> str:
+        return f"{str(self.dtype).removeprefix('torch.')}{list(self.shape)}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Traced:
+    """A traced step: `graph_module(*input_leaves) -> output_leaves`, over global shapes.
+
+    `in_tree`/`out_tree` rebuild the argument and result pytrees; `in_specs`/`out_specs` give each
+    leaf's global shape and dtype; `input_paths` name each input leaf (`0.layers.1.attn.wq`: argument
+    0's leaf), for error messages.
+    """
+
+    graph_module: torch.fx.GraphModule
+    in_tree: optree.PyTreeSpec
+    out_tree: optree.PyTreeSpec
+    in_specs: tuple[TensorSpec, ...]
+    out_specs: tuple[TensorSpec, ...]
+    input_paths: tuple[str, ...]
+    static_argnums: frozenset[int] = frozenset()
+
+    @property
+    def graph(self) -> torch.fx.Graph:
+        return self.graph_module.graph
+
+    def constraints(self) -> list[tuple[torch.fx.Node, PartitionSpec]]:
+        """Every `with_sharding_constraint` in the program, with its spec."""
+        return [(n, decode_spec(n.args[1])) for n in self.graph.nodes
+                if n.op == "call_function" and n.target is sharding_constraint_op]
+
+    def __call__(self, *args, **kwargs):
+        """Run the program on whole (unsharded) inputs, as `fn(*args, **kwargs)` would."""
+        dynamic = tuple(None if i in self.static_argnums else a for i, a in enumerate(args))
+        leaves = self.in_tree.flatten_up_to((dynamic, kwargs))
+        return self.out_tree.unflatten(self.graph_module(*leaves))
+
+
+def trace(fn: Callable, args: Sequence[Any], kwargs: dict | None = None, *, static_argnums: Sequence[int] = ()) -> Traced:
+    """Trace `fn(*args, **kwargs)` into a `Traced` program over the global shapes of its tensors.
+
+    Arguments at `static_argnums` are not traced (a config, a model description): they are baked
+    into the program. Every other leaf must be a tensor (a DTensor counts by its global shape).
+    """
+    kwargs = dict(kwargs or {})
+    static = {i % len(args) for i in static_argnums} if args else set()
+    dynamic = tuple(None if i in static else a for i, a in enumerate(args))
+    leaves_with_paths, in_tree = _flatten((dynamic, kwargs))
+    in_specs = tuple(TensorSpec(tuple(x.shape), x.dtype) for _, x in leaves_with_paths)
+    devices = [x.device for _, x in leaves_with_paths]
+    paths = tuple(p for p, _ in leaves_with_paths)
+
+    def flat_fn(*leaves):
+        dyn_args, dyn_kwargs = in_tree.unflatten(leaves)
+        call_args = [args[i] if i in static else dyn_args[i] for i in range(len(args))]
+        out = fn(*call_args, **dyn_kwargs)
+        out_leaves, out_tree = optree.tree_flatten(out)
+        for i, leaf in enumerate(out_leaves):
+            if not isinstance(leaf, torch.Tensor):
+                raise TypeError(
+                    f"{getattr(fn, '__name__', 'the function')} returned a {type(leaf).__name__} "
+                    f"({leaf!r}) at output leaf {i}; a traced step returns tensors only."
+                )
+        trees.append(out_tree)
+        return out_leaves
+
+    trees: list = []
+    mode = local_tensor_mode()
+    with mode.disable() if mode is not None else contextlib.nullcontext():
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            fakes = [torch.empty(s.shape, dtype=s.dtype, device=d) for s, d in zip(in_specs, devices)]
+        graph_module = make_fx(flat_fn, tracing_mode="fake")(*fakes)
+    out_specs = tuple(TensorSpec(tuple(n.meta["val"].shape), n.meta["val"].dtype)
+                      for n in graph_module.graph.find_nodes(op="output")[0].args[0])
+    return Traced(graph_module, in_tree, trees[-1], in_specs, out_specs, paths, frozenset(static))
+
+
+def _flatten(tree) -> tuple[list[tuple[str, torch.Tensor]], optree.PyTreeSpec]:
+    from ndfunc.tree import keystr
+
+    paths, leaves, treespec = optree.tree_flatten_with_path(tree)
+    out = []
+    for path, leaf in zip(paths, leaves):
+        name = keystr(path[1:])  # (0, i, ...) for argument i, (1, key, ...) for a keyword
+        if not isinstance(leaf, torch.Tensor):
+            raise TypeError(
+                f"argument leaf {name!r} is a {type(leaf).__name__} ({leaf!r}); traced arguments are "
+                f"tensors. Make it a tensor, or mark its argument static (static_argnums)."
+            )
+        out.append((name, leaf))
+    return out, treespec
