@@ -158,7 +158,6 @@ def load_llama(path: str | os.PathLike, shardings=None) -> tuple[LlamaConfig, di
             f"check that config.json belongs to these weights."
         )
     shapes = param_shapes(cfg)
-    is_shape = lambda x: isinstance(x, tuple) and all(isinstance(n, int) for n in x)  # noqa: E731
     handles = {file: SafetensorsFile(file) for file in set(files.values())}
 
     def reader(name: str) -> Callable[[Index], torch.Tensor]:
@@ -182,8 +181,6 @@ def load_llama(path: str | os.PathLike, shardings=None) -> tuple[LlamaConfig, di
             shape, sharding, lambda index: read_block(read, kind, shape, index).contiguous()
         )
 
-    # torch.Size leaves: a shape is one leaf of the tree, not a tuple of them.
-    shapes = tree_map_with_path(lambda p, shape: torch.Size(shape), shapes, is_leaf=is_shape)
     if shardings is None:
         return cfg, tree_map_with_path(lambda p, shape: load(p, tuple(shape), None), shapes)
     from ndfunc.sharding.named_sharding import resolve_sharding

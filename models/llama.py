@@ -21,9 +21,9 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import math
 
 import einops
+import optree
 import torch
 import torch.nn.functional as F
 
@@ -75,21 +75,23 @@ class LlamaConfig:
                    tie_embeddings=True, max_seq_len=2048)
 
     def num_params(self) -> int:
-        return sum(math.prod(shape) for shape, _ in _leaves(param_shapes(self)))
+        return sum(shape.numel() for shape in optree.tree_leaves(param_shapes(self)))
 
 
 def param_shapes(cfg: LlamaConfig) -> dict:
-    """The shape of every parameter, as a tree like `init`'s."""
+    """The shape of every parameter, as a tree like `init`'s (`torch.Size` leaves: a shape is one
+    leaf of the tree, not a tuple of leaves)."""
     D, H, G, K, F_, V = cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.ffn_dim, cfg.vocab_size
+    S = torch.Size
     layer = {
-        "attn_norm": (D,),
-        "attn": {"wq": (D, H, K), "wk": (D, G, K), "wv": (D, G, K), "wo": (H, K, D)},
-        "mlp_norm": (D,),
-        "mlp": {"w1": (D, F_), "w3": (D, F_), "w2": (F_, D)},
+        "attn_norm": S((D,)),
+        "attn": {"wq": S((D, H, K)), "wk": S((D, G, K)), "wv": S((D, G, K)), "wo": S((H, K, D))},
+        "mlp_norm": S((D,)),
+        "mlp": {"w1": S((D, F_)), "w3": S((D, F_)), "w2": S((F_, D))},
     }
-    shapes = {"embed": (V, D), "layers": [copy.deepcopy(layer) for _ in range(cfg.n_layers)], "norm": (D,)}
+    shapes = {"embed": S((V, D)), "layers": [copy.deepcopy(layer) for _ in range(cfg.n_layers)], "norm": S((D,))}
     if not cfg.tie_embeddings:
-        shapes["lm_head"] = (D, V)
+        shapes["lm_head"] = S((D, V))
     return shapes
 
 
@@ -131,8 +133,8 @@ def init(cfg: LlamaConfig, key: torch.Tensor, dtype: torch.dtype = torch.float32
     """All parameters, whole. `key` is an `ndfunc.random.key`."""
     from ndfunc.tree import tree_map_with_path
 
-    return tree_map_with_path(lambda path, shape: init_param(cfg, key, path, shape, dtype=dtype),
-                              param_shapes(cfg), is_leaf=_is_shape)
+    return tree_map_with_path(lambda path, shape: init_param(cfg, key, path, tuple(shape), dtype=dtype),
+                              param_shapes(cfg))
 
 
 def rms_norm(x_BLD: torch.Tensor, scale_D: torch.Tensor, eps: float) -> torch.Tensor:
@@ -204,16 +206,6 @@ def loss(params: dict, batch: dict, cfg: LlamaConfig) -> torch.Tensor:
     int64, optional positions). A batch whose every target is -100 has no mean: NaN, as in torch."""
     logits_BLV = apply(params, batch["tokens"], cfg, batch.get("positions"))
     return F.cross_entropy(logits_BLV.flatten(0, 1).float(), batch["targets"].flatten(), ignore_index=IGNORE_INDEX)
-
-
-def _is_shape(x) -> bool:
-    return isinstance(x, tuple) and all(isinstance(n, int) for n in x)
-
-
-def _leaves(tree):
-    from ndfunc.tree import tree_flatten_with_path
-
-    return [(leaf, path) for path, leaf in tree_flatten_with_path(tree, is_leaf=_is_shape)[0]]
 
 
 def _path_id(path: str) -> int:

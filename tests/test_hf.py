@@ -64,8 +64,7 @@ def test_save_llama_loads_in_transformers(tmp_path, tie):
     cfg = llama.LlamaConfig(vocab_size=96, dim=64, n_layers=2, n_heads=8, n_kv_heads=4, ffn_dim=80, tie_embeddings=tie)
     gen = torch.Generator().manual_seed(3)
     params = nf.tree.tree_map_with_path(
-        lambda p, shape: torch.randn(torch.Size(shape), generator=gen) * 0.1, llama.param_shapes(cfg),
-        is_leaf=lambda s: isinstance(s, tuple) and all(isinstance(n, int) for n in s))
+        lambda p, shape: torch.randn(shape, generator=gen) * 0.1, llama.param_shapes(cfg))
     hf.save_llama(tmp_path, cfg, params)
     model = transformers.LlamaForCausalLM.from_pretrained(tmp_path).eval()
     x = tokens(cfg.vocab_size)

@@ -22,8 +22,7 @@ def test_sharded_load_grows_each_rank_by_its_share(tmp_path):
     big = llama.LlamaConfig(vocab_size=8192, dim=512, n_layers=4, n_heads=8, n_kv_heads=4, ffn_dim=1536)
     for name, cfg in (("big", big), ("warmup", llama.LlamaConfig.tiny())):
         params = nf.tree.tree_map_with_path(
-            lambda p, shape: torch.full(torch.Size(shape), 0.01), llama.param_shapes(cfg),
-            is_leaf=lambda s: isinstance(s, tuple) and all(isinstance(n, int) for n in s))
+            lambda p, shape: torch.full(shape, 0.01), llama.param_shapes(cfg))
         hf.save_llama(tmp_path / name, cfg, params)
     checkpoint = (tmp_path / "big" / "model.safetensors").stat().st_size
     del params
