@@ -297,6 +297,21 @@ def test_samplers_trace_with_make_fx():
     assert torch.equal(keys(key), nfr.split(nfr.fold_in(key, 3), 4))
 
 
+def test_a_traced_sampler_is_one_node_that_runs_in_chunks(monkeypatch):
+    from ndfunc.random import _samplers
+    from ndfunc.random._op import random_block_op
+
+    graph = make_fx(lambda k: nfr.normal(k, (6, 10), index=(slice(1, 5), slice(0, 10))), tracing_mode="fake")(nfr.key(9))
+    nodes = [n for n in graph.graph.nodes if n.target is random_block_op]
+    assert len(nodes) == 1 and nodes[0].args[3:5] == ([1, 0], [5, 10])  # the block, as starts and stops
+    calls = []
+    kernel = _samplers.KERNELS["_normal_kernel"]
+    monkeypatch.setitem(_samplers.KERNELS, "_normal_kernel", lambda *a: calls.append(a[2].numel()) or kernel(*a))
+    monkeypatch.setattr(nfr, "CHUNK", 7)
+    assert same_bits(graph(nfr.key(9)), nfr.normal(nfr.key(9), (6, 10))[1:5])
+    assert calls == [7] * 5 + [5]  # 40 values, at most CHUNK at a time
+
+
 # ---- errors --------------------------------------------------------------------------------------
 
 

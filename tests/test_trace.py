@@ -108,3 +108,15 @@ def test_errors_name_the_argument():
         trace(lambda x, cfg: x * cfg["lr"], (torch.ones(2), {"lr": 0.1}))
     with pytest.raises(TypeError, match=r"returned a str \('done'\) at output leaf 1; a traced step returns tensors only"):
         trace(lambda x: (x, "done"), (torch.ones(2),))
+
+
+def test_init_traces_to_one_random_node_per_matrix():
+    from ndfunc.random._op import random_block_op
+
+    key = random.key(5)
+    traced = trace(llama.init, (CFG, key), static_argnums=(0,))
+    samplers = [n for n in traced.graph.nodes if n.target is random_block_op]
+    matrices = [x for x in leaves(llama.param_shapes(CFG)) if len(x) > 1]
+    assert len(samplers) == len(matrices)
+    for a, b in zip(leaves(traced(CFG, key)), leaves(llama.init(CFG, key))):
+        assert torch.equal(a, b)

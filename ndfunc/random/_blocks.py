@@ -23,9 +23,14 @@ def sample(name: str, key, shape, index, dtype: torch.dtype, kernel: Callable, *
     k0, k1 = check_key(name, key)
     shape = check_shape(name, shape)
     block, flat_indices = _block(name, shape, index)
+    if get_proxy_mode() is not None:  # being traced (make_fx): one node, see _op.py
+        from ndfunc.random._op import traced_block
+
+        bounds = [_bounds(name, s, n, d) for d, (s, n) in enumerate(zip(_full(index, shape), shape))]
+        return traced_block(kernel.__name__, key, shape, bounds, dtype, args)
     numel, device = math.prod(block), key.device
-    # A traced graph holds the ops of one chunk; tracing numel / CHUNK copies of them helps no one.
-    chunk = max(numel, 1) if _tracing() else nfr.CHUNK
+    # Under torch.compile a graph holds the ops of one chunk; numel / CHUNK copies help no one.
+    chunk = max(numel, 1) if torch.compiler.is_compiling() else nfr.CHUNK
     if numel <= chunk:
         return kernel(k0, k1, flat_indices(0, numel, device), *args).reshape(block)
     out = torch.empty(numel, dtype=dtype, device=device)
@@ -36,8 +41,8 @@ def sample(name: str, key, shape, index, dtype: torch.dtype, kernel: Callable, *
     return out.reshape(block)
 
 
-def _tracing() -> bool:
-    return get_proxy_mode() is not None or torch.compiler.is_compiling()
+def _full(index, shape) -> tuple[slice, ...]:
+    return tuple(slice(None) for _ in shape) if index is None else tuple(index)
 
 
 def _block(name: str, shape: tuple[int, ...], index) -> tuple[tuple[int, ...], Callable]:

@@ -172,6 +172,11 @@ def _bernoulli_kernel(k0, k1, flat, threshold, dtype):
     return _unit(*hash_flat(k0, k1, flat), dtype) < threshold
 
 
+# By name, for the traced form of a sampler (ndfunc.random_block, see _op.py).
+KERNELS = {k.__name__: k for k in (_bits_kernel, _unit_kernel, _uniform_kernel, _normal_kernel,
+                                   _truncated_kernel, _bernoulli_kernel)}
+
+
 
 # ---- bits to floats ------------------------------------------------------------------------------
 

@@ -1,0 +1,46 @@
+"""A sampler in a traced program is one node: `ndfunc.random_block(key, kernel, shape, starts, stops, ...)`.
+
+Tracing the kernel itself would put one chunk's ~300 ops in the graph and, run whole, hold some 30
+times the block's bytes at once. As one node, the program computes the block chunk by chunk (the
+eager path), its size in the graph does not depend on the block's, and a partitioner can shard it
+by changing `starts`/`stops`: every rank computes only its own block of the global value.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_lib = torch.library.Library("ndfunc", "FRAGMENT")
+_lib.define(
+    "random_block(Tensor key, str kernel, int[] shape, int[] starts, int[] stops, ScalarType out_dtype, "
+    "Tensor[] tensor_args, ScalarType? kernel_dtype) -> Tensor"
+)
+
+
+def _run(key, kernel, shape, starts, stops, out_dtype, tensor_args, kernel_dtype):
+    from ndfunc.random._blocks import sample
+    from ndfunc.random._samplers import KERNELS
+
+    args = (*tensor_args, kernel_dtype) if kernel_dtype is not None else tuple(tensor_args)
+    index = tuple(slice(a, b) for a, b in zip(starts, stops))
+    return sample(kernel, key, shape, index, out_dtype, KERNELS[kernel], *args)
+
+
+def _meta(key, kernel, shape, starts, stops, out_dtype, tensor_args, kernel_dtype):
+    return torch.empty([b - a for a, b in zip(starts, stops)], dtype=out_dtype, device=key.device)
+
+
+for _key in ("CPU", "CUDA"):
+    _lib.impl("random_block", _run, _key)
+_lib.impl("random_block", _meta, "Meta")
+random_block_op = torch.ops.ndfunc.random_block.default
+
+
+def traced_block(kernel_name: str, key, shape, bounds, out_dtype, args) -> torch.Tensor:
+    """Emit the node for `kernel(k0, k1, flat, *args)` over the block `bounds` ((start, stop) per dim)."""
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    kernel_dtype = args[-1] if args and isinstance(args[-1], torch.dtype) else None
+    assert len(tensors) + (kernel_dtype is not None) == len(args), "kernel args: tensors, then a dtype"
+    return torch.ops.ndfunc.random_block(
+        key, kernel_name, list(shape), [a for a, _ in bounds], [b for _, b in bounds], out_dtype, tensors, kernel_dtype
+    )
