@@ -4,6 +4,7 @@ Declare a PartitionSpec per value over named mesh axes; ndfunc lays values out a
 real ranks (`nf.init()` under torchrun) or simulated ones (`nf.simulate(n)`).
 """
 
+from ndfunc import lax as lax
 from ndfunc import optim as optim
 from ndfunc import random as random
 from ndfunc import sharding as sharding
@@ -17,6 +18,7 @@ from ndfunc.runtime import init as init
 from ndfunc.runtime import is_simulated as is_simulated
 from ndfunc.runtime import rank as rank
 from ndfunc.runtime import shutdown as shutdown
+from ndfunc.shard_map import shard_map as shard_map
 from ndfunc.runtime import simulate as simulate
 from ndfunc.runtime import world_size as world_size
 from ndfunc.sharding.mesh import get_mesh as get_mesh
@@ -31,8 +33,8 @@ from ndfunc.transfer import sharding_of as sharding_of
 __version__ = "0.1.0"
 
 __all__ = [
-    "ParallelConfig", "device_get", "device_put", "get_mesh", "grad", "init", "is_simulated", "optim",
+    "ParallelConfig", "device_get", "device_put", "get_mesh", "grad", "init", "is_simulated", "lax", "optim",
     "random", "value_and_grad", "vmap",
-    "make_array_from_callback", "make_mesh", "rank", "set_mesh", "sharding", "sharding_of", "shutdown",
+    "make_array_from_callback", "make_mesh", "rank", "set_mesh", "shard_map", "sharding", "sharding_of", "shutdown",
     "simulate", "tree", "visualize_sharding", "with_sharding_constraint", "world_size",
 ]

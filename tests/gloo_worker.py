@@ -53,9 +53,39 @@ def main(cases_path: str) -> None:
     x = nf.make_array_from_callback((8, 4), sharding, lambda index: asked.append(index) or arange((8, 4))[index])
     assert asked == [sharding.shard_indices((8, 4))[rank]], (rank, asked)
     assert torch.equal(nf.device_get(x), arange((8, 4)))
+    check_shard_map(mesh)
     nf.shutdown()
     assert nf.world_size() == 1
     print(f"rank {rank}: {checked + 1} layouts checked", flush=True)
+
+
+def check_shard_map(mesh) -> None:
+    """nf.lax collectives over gloo: values and gradients against the whole-tensor math."""
+    from ndfunc import lax
+
+    gen = torch.Generator().manual_seed(0)
+    x, w1, w2 = torch.randn(6, 8, generator=gen), torch.randn(8, 16, generator=gen), torch.randn(16, 8, generator=gen)
+    w1.requires_grad_(), w2.requires_grad_()
+    expected = ((torch.tanh(x @ w1) @ w2) ** 2).sum()
+    gw1, gw2 = torch.autograd.grad(expected, (w1, w2))
+
+    def local_loss(x, w1, w2):  # Megatron MLP over tp, batch rows over dp_shard
+        y = lax.psum(torch.tanh(x @ w1) @ w2, "tp")
+        ring = lax.ppermute(y, "dp_shard", [(0, 1), (1, 0)])  # swap the two row blocks and back
+        y = lax.ppermute(ring, "dp_shard", [(0, 1), (1, 0)])
+        rows = lax.all_to_all(lax.all_gather(y, "dp_shard", dim=0, tiled=True), "tp", 0, 0, tiled=True)
+        # tp rank t now holds row block t twice (one copy from each tp rank), on both dp ranks: 4 copies.
+        return lax.psum((rows * rows).sum(), ("dp_shard", "tp")) / 4
+
+    w1d = nf.device_put(w1.detach(), NamedSharding(mesh, P(None, "tp"))).requires_grad_()
+    w2d = nf.device_put(w2.detach(), NamedSharding(mesh, P("tp"))).requires_grad_()
+    step = nf.shard_map(local_loss, mesh, in_specs=(P("dp_shard"), P(None, "tp"), P("tp")), out_specs=P())
+    loss = step(x, w1d, w2d)
+    loss.backward()
+    torch.testing.assert_close(nf.device_get(loss), expected.detach(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(nf.device_get(w1d.grad), gw1, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(nf.device_get(w2d.grad), gw2, rtol=1e-5, atol=1e-5)
+    print(f"rank {nf.rank()}: shard_map ok", flush=True)
 
 
 if __name__ == "__main__":

@@ -28,3 +28,4 @@ def test_device_put_and_get_in_four_gloo_processes():
     jax_cases = sum(1 for c in conformance_cases() if c["mesh"] == {"x": 4} and "error" not in c)
     expected = jax_cases + 5 + 1  # JAX's 4-device cases, five specs on the 2x2 mesh, one callback
     assert done == [(str(r), str(expected)) for r in range(4)], proc.stdout
+    assert sorted(re.findall(r"rank (\d+): shard_map ok", proc.stdout)) == ["0", "1", "2", "3"], proc.stdout

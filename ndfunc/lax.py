@@ -1,0 +1,362 @@
+"""Collectives over named mesh axes, for code that runs per rank inside `nf.shard_map`.
+
+Names and semantics follow `jax.lax`. Every collective is differentiable by its exact linear
+transpose in the per-rank program: psum -> psum, pmean -> pmean, all_gather -> psum_scatter,
+psum_scatter -> all_gather, ppermute -> the inverse permutation, all_to_all -> all_to_all with split
+and concat swapped. `nf.shard_map` closes the system at its boundary: an input that every rank of
+an axis holds whole gets the sum of their cotangents (the transpose of handing it to each), and an
+output declared whole along an axis hands each of its holders an equal share of the cotangent. So
+gradients are right without JAX's varying-axis types; where those types would save a collective
+(Megatron's backward needs one all-reduce, this takes two), the compiler's partitioner is the place
+to get the optimum.
+
+An `axis_name` is one mesh axis or a tuple of them in mesh order (taken as one flattened axis, the
+first name major). On an axis of size 1 every collective is the identity.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Iterator, Sequence
+
+import torch
+import torch.distributed._functional_collectives as funcol
+
+from ndfunc.sharding.mesh import Mesh
+
+AxisName = str | tuple[str, ...]
+
+_manual_mesh: contextvars.ContextVar[Mesh | None] = contextvars.ContextVar("ndfunc_manual_mesh", default=None)
+
+
+@contextlib.contextmanager
+def manual_axes(mesh: Mesh) -> Iterator[None]:
+    """Inside, collectives name axes of `mesh` (entered by `nf.shard_map`)."""
+    token = _manual_mesh.set(mesh)
+    try:
+        yield
+    finally:
+        _manual_mesh.reset(token)
+
+
+def _group(axis_name: AxisName, op: str):
+    """(mesh, group for funcol, axis size) for `axis_name`, with errors that say what to do."""
+    mesh = _manual_mesh.get()
+    if mesh is None:
+        raise RuntimeError(
+            f"nf.lax.{op} runs per rank over a named mesh axis, so it belongs inside a function mapped "
+            f"by nf.shard_map(fn, mesh, in_specs, out_specs)."
+        )
+    names = (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
+    unknown = [a for a in names if a not in mesh.axis_names]
+    if unknown or not names:
+        raise ValueError(
+            f"nf.lax.{op}: axis_name {axis_name!r} is not an axis of the shard_map's mesh, whose axes "
+            f"are {mesh.axis_names}."
+        )
+    order = [mesh.axis_names.index(a) for a in names]
+    if order != sorted(order):
+        raise ValueError(
+            f"nf.lax.{op}: axis_name {axis_name!r} lists mesh axes out of mesh order; write them as the "
+            f"mesh orders them: {tuple(sorted(names, key=mesh.axis_names.index))}."
+        )
+    size = 1
+    for a in names:
+        size *= mesh.axis_size(a)
+    if len(names) == 1:
+        return (mesh.device_mesh, order[0]), size
+    return mesh.device_mesh[names]._flatten(), size
+
+
+def _wait(x: torch.Tensor) -> torch.Tensor:
+    return funcol.wait_tensor(x) if isinstance(x, funcol.AsyncCollectiveTensor) else x
+
+
+def _all_reduce(x, op, group):
+    return _wait(funcol.all_reduce(x, op, group))
+
+
+def _all_gather(x, dim, group):
+    return _wait(funcol.all_gather_single(x.contiguous(), dim, group))
+
+
+def _reduce_scatter(x, dim, group):
+    return _wait(funcol.reduce_scatter_single(x.contiguous(), "sum", dim, group))
+
+
+# Autograd Functions with setup_context, so torch.func transforms see through them too.
+
+
+class _Psum(torch.autograd.Function):
+    @staticmethod
+    def forward(x, group, scale):
+        return _all_reduce(x, "sum", group) * scale if scale != 1 else _all_reduce(x, "sum", group)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.group, ctx.scale = inputs[1], inputs[2]
+
+    @staticmethod
+    def backward(ctx, grad):
+        total = _all_reduce(grad, "sum", ctx.group)
+        return (total * ctx.scale if ctx.scale != 1 else total), None, None
+
+
+class _Pmax(torch.autograd.Function):
+    @staticmethod
+    def forward(x, group):
+        return _all_reduce(x, "max", group)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(inputs[0], output)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, out = ctx.saved_tensors
+        return grad * (x == out).to(grad.dtype), None  # every rank holding the max gets the cotangent
+
+
+class _AllGather(torch.autograd.Function):
+    @staticmethod
+    def forward(x, dim, group):
+        return _all_gather(x, dim, group)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.dim, ctx.group = inputs[1], inputs[2]
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _reduce_scatter(grad, ctx.dim, ctx.group), None, None
+
+
+class _ReduceScatter(torch.autograd.Function):
+    @staticmethod
+    def forward(x, dim, group):
+        return _reduce_scatter(x, dim, group)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.dim, ctx.group = inputs[1], inputs[2]
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather(grad, ctx.dim, ctx.group), None, None
+
+
+class _SumCotangents(torch.autograd.Function):
+    """Identity forward; backward, the sum of the cotangents over a group (shard_map's inputs)."""
+
+    @staticmethod
+    def forward(x, group):
+        return x.view_as(x)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.group = inputs[1]
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_reduce(grad, "sum", ctx.group), None
+
+
+class _ShareCotangent(torch.autograd.Function):
+    """Identity forward; backward, the cotangent divided among `holders` ranks (shard_map's outputs)."""
+
+    @staticmethod
+    def forward(x, holders):
+        return x.view_as(x)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.holders = inputs[1]
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad / ctx.holders, None
+
+
+def replicated_axes(mesh: Mesh, spec) -> tuple[str, ...]:
+    """The axes (of size > 1, in mesh order) along which a value laid out by `spec` is whole."""
+    return tuple(a for a in mesh.axis_names if a not in spec.axes and mesh.axis_size(a) > 1)
+
+
+def enter_input(x: torch.Tensor, mesh: Mesh, spec) -> torch.Tensor:
+    axes = replicated_axes(mesh, spec)
+    if not axes or not x.requires_grad:
+        return x
+    with manual_axes(mesh):
+        group, _ = _group(axes, "shard_map")
+    return _SumCotangents.apply(x, group)
+
+
+def leave_output(y: torch.Tensor, mesh: Mesh, spec) -> torch.Tensor:
+    axes = replicated_axes(mesh, spec)
+    holders = 1
+    for a in axes:
+        holders *= mesh.axis_size(a)
+    return _ShareCotangent.apply(y, holders) if holders > 1 and y.requires_grad else y
+
+
+def psum(x: torch.Tensor, axis_name: AxisName) -> torch.Tensor:
+    """The sum of `x` over the ranks of `axis_name`, on every one of them."""
+    group, size = _group(axis_name, "psum")
+    return x if size == 1 else _Psum.apply(x, group, 1)
+
+
+def pmean(x: torch.Tensor, axis_name: AxisName) -> torch.Tensor:
+    """The mean of `x` over the ranks of `axis_name`, on every one of them."""
+    group, size = _group(axis_name, "pmean")
+    return x if size == 1 else _Psum.apply(x, group, 1.0 / size)
+
+
+def pmax(x: torch.Tensor, axis_name: AxisName) -> torch.Tensor:
+    """The elementwise max of `x` over the ranks of `axis_name`, on every one of them."""
+    group, size = _group(axis_name, "pmax")
+    return x if size == 1 else _Pmax.apply(x, group)
+
+
+def all_gather(x: torch.Tensor, axis_name: AxisName, dim: int = 0, tiled: bool = False) -> torch.Tensor:
+    """Every rank's `x` along `axis_name`, in axis order: concatenated along `dim` when `tiled`,
+    else stacked in a new dim at `dim` (JAX's `all_gather(x, axis_name, axis=dim, tiled=...)`)."""
+    group, size = _group(axis_name, "all_gather")
+    if not tiled:
+        x = x.unsqueeze(dim)
+    dim = dim % x.ndim
+    return x if size == 1 else _AllGather.apply(x, dim, group)
+
+
+def psum_scatter(x: torch.Tensor, axis_name: AxisName, dim: int = 0, tiled: bool = False) -> torch.Tensor:
+    """The sum over `axis_name` of `x`, of which rank i keeps block i along `dim` (tiled) or, untiled,
+    row i of `dim` (whose size must be the axis size), that dim removed."""
+    group, size = _group(axis_name, "psum_scatter")
+    dim = dim % x.ndim
+    if not tiled and x.shape[dim] != size:
+        raise ValueError(
+            f"nf.lax.psum_scatter(tiled=False) needs dim {dim} of size {size} (the size of {axis_name!r}), "
+            f"got shape {tuple(x.shape)}; pass tiled=True to split a dim of any multiple of {size}."
+        )
+    if x.shape[dim] % size:
+        raise ValueError(
+            f"nf.lax.psum_scatter: dim {dim} of shape {tuple(x.shape)} does not split into {size} equal blocks."
+        )
+    out = x if size == 1 else _ReduceScatter.apply(x, dim, group)
+    return out if tiled else out.squeeze(dim)
+
+
+def axis_size(axis_name: AxisName) -> int:
+    """The number of ranks along `axis_name`."""
+    return _group(axis_name, "axis_size")[1]
+
+
+def axis_index(axis_name: AxisName) -> torch.Tensor:
+    """This rank's position along `axis_name` (0-d int64; in simulation, each rank's own)."""
+    mesh = _manual_mesh.get()
+    _group(axis_name, "axis_index")
+    names = (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
+
+    def position(coordinate: Sequence[int]) -> int:
+        index = 0
+        for a in names:
+            index = index * mesh.axis_size(a) + coordinate[mesh.axis_names.index(a)]
+        return index
+
+    from torch.distributed._local_tensor import local_tensor_mode
+
+    mode = local_tensor_mode()
+    if mode is not None:
+        return mode.rank_map(lambda r: torch.tensor(position(mesh.coordinate(r))))
+    import torch.distributed as dist
+
+    return torch.tensor(position(mesh.coordinate(dist.get_rank())))
+
+
+def ppermute(x: torch.Tensor, axis_name: AxisName, perm: Sequence[tuple[int, int]]) -> torch.Tensor:
+    """Send `x` from position `src` to position `dst` along `axis_name` for each `(src, dst)` in
+    `perm`; a position no pair sends to gets zeros (JAX's semantics)."""
+    group, size = _group(axis_name, "ppermute")
+    pairs = [(int(s), int(d)) for s, d in perm]
+    sources, dests = [s for s, _ in pairs], [d for _, d in pairs]
+    if len(set(sources)) != len(sources) or len(set(dests)) != len(dests) or not all(0 <= i < size for i in sources + dests):
+        raise ValueError(
+            f"nf.lax.ppermute: perm {perm} must pair distinct sources with distinct destinations, each in "
+            f"0..{size - 1} (the positions along {axis_name!r})."
+        )
+    return _Permute.apply(x, (_manual_mesh.get(), axis_name), tuple(pairs), size)
+
+
+def _permute(x: torch.Tensor, where: tuple, pairs: tuple, size: int) -> torch.Tensor:
+    # Each position takes the block of its source from a gather along the axis. Simple and right on
+    # every backend, simulated ranks included; it moves (size - 1) blocks where a point-to-point
+    # permute moves one, which is for a later lowering to fix.
+    source_of = [-1] * size
+    for s, d in pairs:
+        source_of[d] = s
+    mesh, axis_name = where  # explicit: a backward pass runs after shard_map has returned
+    with manual_axes(mesh):
+        blocks = all_gather(x, axis_name, dim=0, tiled=False)  # (size, *x.shape)
+        mine = torch.tensor([s if s >= 0 else size for s in source_of]).index_select(
+            0, axis_index(axis_name).reshape(1))  # a tensor op: per rank in simulation
+    padded = torch.cat([blocks, torch.zeros_like(blocks[:1])])  # index `size`: zeros
+    return padded.index_select(0, mine).squeeze(0)
+
+
+class _Permute(torch.autograd.Function):
+    @staticmethod
+    def forward(x, where, pairs, size):
+        return _permute(x, where, pairs, size)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.where, ctx.pairs, ctx.size = inputs[1], inputs[2], inputs[3]
+
+    @staticmethod
+    def backward(ctx, grad):
+        inverse = tuple((d, s) for s, d in ctx.pairs)
+        return _permute(grad, ctx.where, inverse, ctx.size), None, None, None
+
+
+def all_to_all(x: torch.Tensor, axis_name: AxisName, split_dim: int, concat_dim: int, tiled: bool = False) -> torch.Tensor:
+    """Split `x` into axis-size blocks along `split_dim`, send block j to position j, and join what
+    arrives along `concat_dim` in source order. Untiled (JAX's default) `split_dim` must have the
+    axis size and is removed; the arrivals are stacked in a new dim at `concat_dim`."""
+    group, size = _group(axis_name, "all_to_all")
+    split_dim = split_dim % x.ndim
+    if not tiled:
+        if x.shape[split_dim] != size:
+            raise ValueError(
+                f"nf.lax.all_to_all(tiled=False) needs split_dim {split_dim} of size {size}, got shape "
+                f"{tuple(x.shape)}; pass tiled=True to split a dim of any multiple of {size}."
+            )
+        out = all_to_all(x, axis_name, split_dim, split_dim, tiled=True)  # exchange blocks in place
+        return out.movedim(split_dim, concat_dim)
+    if x.shape[split_dim] % size:
+        raise ValueError(f"nf.lax.all_to_all: split_dim {split_dim} of shape {tuple(x.shape)} does not split into {size} blocks.")
+    concat_dim = concat_dim % x.ndim
+    return x if size == 1 else _AllToAll.apply(x, split_dim, concat_dim, group, size)
+
+
+def _exchange(x, split_dim, concat_dim, group, size):
+    blocks = x.movedim(split_dim, 0).unflatten(0, (size, -1))  # (size, block, ...): block j for j
+    arrived = _wait(funcol.all_to_all_single(blocks.contiguous(), None, None, group))  # (size, block, ...) from i
+    arrived = arrived.flatten(0, 1).movedim(0, split_dim)  # back in place: split_dim holds the arrivals
+    if concat_dim == split_dim:
+        return arrived
+    pieces = arrived.chunk(size, dim=split_dim)
+    return torch.cat(pieces, dim=concat_dim)
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(x, split_dim, concat_dim, group, size):
+        return _exchange(x, split_dim, concat_dim, group, size)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.split_dim, ctx.concat_dim, ctx.group, ctx.size = inputs[1:]
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _exchange(grad, ctx.concat_dim, ctx.split_dim, ctx.group, ctx.size), None, None, None, None

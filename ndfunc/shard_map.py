@@ -1,0 +1,92 @@
+"""`nf.shard_map`: run a function per rank on local blocks, with `nf.lax` collectives inside.
+
+As `jax.shard_map(f, mesh=..., in_specs=..., out_specs=...)`: each input is laid out by its spec
+and `f` sees only this rank's block; `f`'s results are this rank's blocks of outputs laid out by
+`out_specs`. An output spec that leaves out a mesh axis says the result is the same on every rank
+of that axis (a psum or pmean made it so); that is the caller's promise, as with JAX's
+`check_vma=False`. Gradients flow through: the collectives are differentiable, an input whole
+along an axis gets the sum of its cotangents over that axis (data parallelism's gradient
+all-reduce), and an output whole along an axis shares its cotangent among its holders.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from ndfunc.lax import enter_input, leave_output, manual_axes
+from ndfunc.sharding.errors import ShardingError
+from ndfunc.sharding.mesh import Mesh, get_mesh
+from ndfunc.sharding.named_sharding import NamedSharding
+from ndfunc.sharding.partition_spec import PartitionSpec
+from ndfunc.transfer import device_put
+from ndfunc.tree import tree_broadcast_prefix, tree_map_with_path
+
+
+def shard_map(fn: Callable, mesh: Mesh | None = None, *, in_specs: Any, out_specs: Any) -> Callable:
+    """Map `fn` over the blocks of its arguments, one call per rank.
+
+    Args:
+        fn: takes and returns pytrees of tensors (this rank's blocks).
+        mesh: the mesh; by default the one set by `with mesh:` / `nf.set_mesh`.
+        in_specs: a prefix tree of `P` over the positional arguments (a tuple, one per argument).
+        out_specs: a prefix tree of `P` over the result.
+
+    Example:
+        >>> with nf.simulate(4):
+        ...     mesh = nf.make_mesh(tp=4)
+        ...     total = nf.shard_map(lambda x: nf.lax.psum(x.sum(), 'tp'), mesh, in_specs=(P('tp'),), out_specs=P())
+        ...     nf.device_get(total(torch.arange(8.0)))
+        tensor(28.)
+    """
+
+    @functools.wraps(fn)
+    def mapped(*args):
+        mapped_mesh = mesh if mesh is not None else get_mesh()
+        if not isinstance(mapped_mesh, Mesh):
+            raise ShardingError(
+                "nf.shard_map needs a mesh of ranks: pass mesh=nf.make_mesh(...), or call inside `with mesh:`."
+            )
+        specs = tree_broadcast_prefix(tuple(in_specs) if isinstance(in_specs, list) else in_specs, args,
+                                      prefix_name="in_specs", full_name="arguments")
+        locals_ = tree_map_with_path(lambda path, x, spec: _to_local(mapped_mesh, path, x, spec), args, specs)
+        with manual_axes(mapped_mesh):
+            out = fn(*locals_)
+        out_spec_tree = tree_broadcast_prefix(out_specs, out, prefix_name="out_specs", full_name="results")
+        return tree_map_with_path(lambda path, y, spec: _from_local(mapped_mesh, path, y, spec), out, out_spec_tree)
+
+    return mapped
+
+
+def _spec(path: str, spec: Any, what: str) -> PartitionSpec:
+    if not isinstance(spec, PartitionSpec):
+        raise TypeError(f"{what} at {path or 'the root'!r} is {spec!r}; expected a P(...) (P() for a value every rank holds whole).")
+    return spec
+
+
+def _to_local(mesh: Mesh, path: str, x: Any, spec: Any) -> torch.Tensor:
+    sharding = NamedSharding(mesh, _spec(path, spec, "in_specs"))
+    if not isinstance(x, torch.Tensor):
+        x = torch.as_tensor(x)
+    if not isinstance(x, DTensor) or x.placements != sharding.placements or x.device_mesh != mesh.device_mesh:
+        x = device_put(x, sharding) if not isinstance(x, DTensor) else x.redistribute(mesh.device_mesh, sharding.placements)
+    return enter_input(x.to_local(), mesh, sharding.spec)
+
+
+def _from_local(mesh: Mesh, path: str, y: Any, spec: Any) -> DTensor:
+    sharding = NamedSharding(mesh, _spec(path, spec, "out_specs"))
+    if not isinstance(y, torch.Tensor):
+        raise TypeError(f"shard_map's function returned a {type(y).__name__} at {path or 'the root'!r}; it must return tensors.")
+    if len(sharding.spec) > y.ndim:
+        raise ShardingError(f"out_specs {sharding.spec!r} at {path or 'the root'!r} has more entries than the result's {y.ndim} dims.")
+    shape = torch.Size(n * sharding.num_blocks(d) for d, n in enumerate(y.shape))
+    y = leave_output(y, mesh, sharding.spec)
+    return DTensor.from_local(y, mesh.device_mesh, sharding.placements, run_check=False, shape=shape,
+                              stride=torch.empty(shape, device="meta").stride())
+
+
+__all__ = ["shard_map"]
