@@ -85,22 +85,34 @@ def _reduce_scatter(x, dim, group):
     return _wait(funcol.reduce_scatter_single(x.contiguous(), "sum", dim, group))
 
 
-# Autograd Functions with setup_context, so torch.func transforms see through them too.
+class _Linear(torch.autograd.Function):
+    """A linear map `forward(x, *args)` whose transpose is `transpose(g, *args)`. An autograd
+    Function with setup_context, so torch.func transforms see through it too."""
 
-
-class _Psum(torch.autograd.Function):
     @staticmethod
-    def forward(x, group, scale):
-        return _all_reduce(x, "sum", group) * scale if scale != 1 else _all_reduce(x, "sum", group)
+    def forward(x, forward, transpose, *args):
+        return forward(x, *args)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        ctx.group, ctx.scale = inputs[1], inputs[2]
+        ctx.transpose, ctx.args = inputs[2], inputs[3:]
 
     @staticmethod
     def backward(ctx, grad):
-        total = _all_reduce(grad, "sum", ctx.group)
-        return (total * ctx.scale if ctx.scale != 1 else total), None, None
+        return (ctx.transpose(grad, *ctx.args), None, None, *(None for _ in ctx.args))
+
+
+def _scaled_sum(x, group, scale):
+    total = _all_reduce(x, "sum", group)
+    return total * scale if scale != 1 else total
+
+
+def _identity(x, *args):
+    return x.view_as(x)
+
+
+def _divide(x, holders):
+    return x / holders
 
 
 class _Pmax(torch.autograd.Function):
@@ -118,66 +130,6 @@ class _Pmax(torch.autograd.Function):
         return grad * (x == out).to(grad.dtype), None  # every rank holding the max gets the cotangent
 
 
-class _AllGather(torch.autograd.Function):
-    @staticmethod
-    def forward(x, dim, group):
-        return _all_gather(x, dim, group)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        ctx.dim, ctx.group = inputs[1], inputs[2]
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _reduce_scatter(grad, ctx.dim, ctx.group), None, None
-
-
-class _ReduceScatter(torch.autograd.Function):
-    @staticmethod
-    def forward(x, dim, group):
-        return _reduce_scatter(x, dim, group)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        ctx.dim, ctx.group = inputs[1], inputs[2]
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _all_gather(grad, ctx.dim, ctx.group), None, None
-
-
-class _SumCotangents(torch.autograd.Function):
-    """Identity forward; backward, the sum of the cotangents over a group (shard_map's inputs)."""
-
-    @staticmethod
-    def forward(x, group):
-        return x.view_as(x)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        ctx.group = inputs[1]
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _all_reduce(grad, "sum", ctx.group), None
-
-
-class _ShareCotangent(torch.autograd.Function):
-    """Identity forward; backward, the cotangent divided among `holders` ranks (shard_map's outputs)."""
-
-    @staticmethod
-    def forward(x, holders):
-        return x.view_as(x)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        ctx.holders = inputs[1]
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad / ctx.holders, None
-
-
 def replicated_axes(mesh: Mesh, spec) -> tuple[str, ...]:
     """The axes (of size > 1, in mesh order) along which a value laid out by `spec` is whole."""
     return tuple(a for a in mesh.axis_names if a not in spec.axes and mesh.axis_size(a) > 1)
@@ -189,7 +141,7 @@ def enter_input(x: torch.Tensor, mesh: Mesh, spec) -> torch.Tensor:
         return x
     with manual_axes(mesh):
         group, _ = _group(axes, "shard_map")
-    return _SumCotangents.apply(x, group)
+    return _Linear.apply(x, _identity, _scaled_sum, group, 1)  # its cotangents, summed
 
 
 def leave_output(y: torch.Tensor, mesh: Mesh, spec) -> torch.Tensor:
@@ -197,19 +149,19 @@ def leave_output(y: torch.Tensor, mesh: Mesh, spec) -> torch.Tensor:
     holders = 1
     for a in axes:
         holders *= mesh.axis_size(a)
-    return _ShareCotangent.apply(y, holders) if holders > 1 and y.requires_grad else y
+    return _Linear.apply(y, _identity, _divide, holders) if holders > 1 and y.requires_grad else y
 
 
 def psum(x: torch.Tensor, axis_name: AxisName) -> torch.Tensor:
     """The sum of `x` over the ranks of `axis_name`, on every one of them."""
     group, size = _group(axis_name, "psum")
-    return x if size == 1 else _Psum.apply(x, group, 1)
+    return x if size == 1 else _Linear.apply(x, _scaled_sum, _scaled_sum, group, 1)
 
 
 def pmean(x: torch.Tensor, axis_name: AxisName) -> torch.Tensor:
     """The mean of `x` over the ranks of `axis_name`, on every one of them."""
     group, size = _group(axis_name, "pmean")
-    return x if size == 1 else _Psum.apply(x, group, 1.0 / size)
+    return x if size == 1 else _Linear.apply(x, _scaled_sum, _scaled_sum, group, 1.0 / size)
 
 
 def pmax(x: torch.Tensor, axis_name: AxisName) -> torch.Tensor:
@@ -225,7 +177,7 @@ def all_gather(x: torch.Tensor, axis_name: AxisName, dim: int = 0, tiled: bool =
     if not tiled:
         x = x.unsqueeze(dim)
     dim = dim % x.ndim
-    return x if size == 1 else _AllGather.apply(x, dim, group)
+    return x if size == 1 else _Linear.apply(x, _all_gather, _reduce_scatter, dim, group)
 
 
 def psum_scatter(x: torch.Tensor, axis_name: AxisName, dim: int = 0, tiled: bool = False) -> torch.Tensor:
@@ -242,7 +194,7 @@ def psum_scatter(x: torch.Tensor, axis_name: AxisName, dim: int = 0, tiled: bool
         raise ValueError(
             f"nf.lax.psum_scatter: dim {dim} of shape {tuple(x.shape)} does not split into {size} equal blocks."
         )
-    out = x if size == 1 else _ReduceScatter.apply(x, dim, group)
+    out = x if size == 1 else _Linear.apply(x, _reduce_scatter, _all_gather, dim, group)
     return out if tiled else out.squeeze(dim)
 
 
@@ -284,7 +236,7 @@ def ppermute(x: torch.Tensor, axis_name: AxisName, perm: Sequence[tuple[int, int
             f"nf.lax.ppermute: perm {perm} must pair distinct sources with distinct destinations, each in "
             f"0..{size - 1} (the positions along {axis_name!r})."
         )
-    return _Permute.apply(x, (_manual_mesh.get(), axis_name), tuple(pairs), size)
+    return _Linear.apply(x, _permute, _unpermute, (_manual_mesh.get(), axis_name), tuple(pairs), size)
 
 
 def _permute(x: torch.Tensor, where: tuple, pairs: tuple, size: int) -> torch.Tensor:
@@ -303,19 +255,8 @@ def _permute(x: torch.Tensor, where: tuple, pairs: tuple, size: int) -> torch.Te
     return padded.index_select(0, mine).squeeze(0)
 
 
-class _Permute(torch.autograd.Function):
-    @staticmethod
-    def forward(x, where, pairs, size):
-        return _permute(x, where, pairs, size)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        ctx.where, ctx.pairs, ctx.size = inputs[1], inputs[2], inputs[3]
-
-    @staticmethod
-    def backward(ctx, grad):
-        inverse = tuple((d, s) for s, d in ctx.pairs)
-        return _permute(grad, ctx.where, inverse, ctx.size), None, None, None
+def _unpermute(x: torch.Tensor, where: tuple, pairs: tuple, size: int) -> torch.Tensor:
+    return _permute(x, where, tuple((d, s) for s, d in pairs), size)
 
 
 def all_to_all(x: torch.Tensor, axis_name: AxisName, split_dim: int, concat_dim: int, tiled: bool = False) -> torch.Tensor:
@@ -335,7 +276,7 @@ def all_to_all(x: torch.Tensor, axis_name: AxisName, split_dim: int, concat_dim:
     if x.shape[split_dim] % size:
         raise ValueError(f"nf.lax.all_to_all: split_dim {split_dim} of shape {tuple(x.shape)} does not split into {size} blocks.")
     concat_dim = concat_dim % x.ndim
-    return x if size == 1 else _AllToAll.apply(x, split_dim, concat_dim, group, size)
+    return x if size == 1 else _Linear.apply(x, _exchange, _unexchange, split_dim, concat_dim, group, size)
 
 
 def _exchange(x, split_dim, concat_dim, group, size):
@@ -348,15 +289,5 @@ def _exchange(x, split_dim, concat_dim, group, size):
     return torch.cat(pieces, dim=concat_dim)
 
 
-class _AllToAll(torch.autograd.Function):
-    @staticmethod
-    def forward(x, split_dim, concat_dim, group, size):
-        return _exchange(x, split_dim, concat_dim, group, size)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        ctx.split_dim, ctx.concat_dim, ctx.group, ctx.size = inputs[1:]
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _exchange(grad, ctx.concat_dim, ctx.split_dim, ctx.group, ctx.size), None, None, None, None
+def _unexchange(x, split_dim, concat_dim, group, size):
+    return _exchange(x, concat_dim, split_dim, group, size)
