@@ -91,11 +91,13 @@ def _put_leaf(path: str, x: Any, sharding: Any) -> Any:
 
 
 def device_get(tree: PyTree) -> PyTree:
-    """Every DTensor of `tree` gathered to a full, plain tensor (the same on every rank)."""
+    """Every DTensor of `tree` gathered to a full, plain tensor (the same on every rank), detached."""
     return tree_map_with_path(lambda path, x: _gather(x), tree)
 
 
 def _gather(x: Any) -> Any:
+    if isinstance(x, torch.Tensor):
+        x = x.detach()  # values, as JAX's device_get gives: gather a DTensor with .full_tensor() to differentiate
     if isinstance(x, DTensor):
         with _quiet_redistribute():
             x = x.full_tensor()
