@@ -73,3 +73,26 @@ def test_plain_tensor_is_held_by_every_rank():
         out = io.StringIO()
         nf.visualize_sharding(torch.zeros(4, 4), file=out)
         assert "│  0-3  │" in out.getvalue()
+
+
+def test_jupyter_gets_an_html_table(monkeypatch):
+    import sys
+    import types
+
+    shown = []
+
+    class ZMQInteractiveShell:  # what a Jupyter kernel's IPython shell is called
+        pass
+
+    ipython = types.ModuleType("IPython")
+    ipython.get_ipython = lambda: ZMQInteractiveShell()
+    display = types.ModuleType("IPython.display")
+    display.HTML = lambda html: ("HTML", html)
+    display.display = shown.append
+    monkeypatch.setitem(sys.modules, "IPython", ipython)
+    monkeypatch.setitem(sys.modules, "IPython.display", display)
+    with nf.simulate(8):
+        mesh = nf.make_mesh({"dp_shard": 4, "tp": 2})
+        nf.visualize_sharding(nf.device_put(torch.zeros(16, 32), NamedSharding(mesh, P("dp_shard", "tp"))))
+    [(kind, page)] = shown
+    assert kind == "HTML" and page.count("<tr>") == 4 and ">7</td>" in page
