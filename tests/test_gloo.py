@@ -29,3 +29,20 @@ def test_device_put_and_get_in_four_gloo_processes():
     expected = jax_cases + 5 + 1  # JAX's 4-device cases, five specs on the 2x2 mesh, one callback
     assert done == [(str(r), str(expected)) for r in range(4)], proc.stdout
     assert sorted(re.findall(r"rank (\d+): shard_map ok", proc.stdout)) == ["0", "1", "2", "3"], proc.stdout
+
+
+@pytest.mark.gloo
+def test_init_without_torchrun_is_a_world_of_one():
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    script = (
+        "import torch, ndfunc as nf\n"
+        "from ndfunc.sharding import NamedSharding, P\n"
+        "nf.init(); nf.init()\n"
+        "assert (nf.rank(), nf.world_size(), nf.is_simulated()) == (0, 1, False)\n"
+        "x = nf.device_put(torch.arange(6.0).reshape(2, 3), NamedSharding(nf.make_mesh(dp=1), P('dp')))\n"
+        "assert torch.equal(nf.device_get(x), torch.arange(6.0).reshape(2, 3))\n"
+        "nf.shutdown()\n"
+        "print('world of one ok')\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 0 and "world of one ok" in proc.stdout, proc.stdout + proc.stderr
