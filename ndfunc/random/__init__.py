@@ -21,7 +21,9 @@ Against JAX 0.10.2 (tests/test_random.py; data from tests/data/make_jax_random_c
   float32 values cast (JAX draws them at the dtype's own width).
 
 Everything is torch ops on tensors (no `.item()`, no branching on tensor values, no numpy), so the
-samplers can be traced. `use_compile()` opts in to `torch.compile`'d kernels for big values.
+samplers can be traced: in a traced program each is one `ndfunc.random_block` node that computes
+its block in chunks (see `_op.py`). `use_compile()` opts in to `torch.compile`'d kernels for big
+values.
 
 Example:
     >>> from ndfunc import random as nfr
