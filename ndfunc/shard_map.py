@@ -6,7 +6,8 @@ and `f` sees only this rank's block; `f`'s results are this rank's blocks of out
 of that axis (a psum or pmean made it so); that is the caller's promise, as with JAX's
 `check_vma=False`. Gradients flow through: the collectives are differentiable, an input whole
 along an axis gets the sum of its cotangents over that axis (data parallelism's gradient
-all-reduce), and an output whole along an axis shares its cotangent among its holders.
+all-reduce), and an output whole along an axis shares its cotangent among its holders. Gradients
+reach arguments passed as DTensors; a plain tensor argument is taken as data.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from ndfunc.sharding.errors import ShardingError
 from ndfunc.sharding.mesh import Mesh, get_mesh
 from ndfunc.sharding.named_sharding import NamedSharding
 from ndfunc.sharding.partition_spec import PartitionSpec
-from ndfunc.transfer import device_put
+from ndfunc.transfer import device_put, from_local
 from ndfunc.tree import tree_broadcast_prefix, tree_map_with_path
 
 
@@ -70,10 +71,12 @@ def _spec(path: str, spec: Any, what: str) -> PartitionSpec:
 
 def _to_local(mesh: Mesh, path: str, x: Any, spec: Any) -> torch.Tensor:
     sharding = NamedSharding(mesh, _spec(path, spec, "in_specs"))
-    if not isinstance(x, torch.Tensor):
-        x = torch.as_tensor(x)
-    if not isinstance(x, DTensor) or x.placements != sharding.placements or x.device_mesh != mesh.device_mesh:
-        x = device_put(x, sharding) if not isinstance(x, DTensor) else x.redistribute(mesh.device_mesh, sharding.placements)
+    if isinstance(x, DTensor):
+        # DTensor's redistribute (a no-op when x is laid out so already) keeps x's autograd history;
+        # device_put would hand back detached values.
+        x = x.redistribute(mesh.device_mesh, sharding.placements)
+    else:
+        x = device_put(x, sharding)  # a plain tensor: a global value, taken as data (not differentiated)
     return enter_input(x.to_local(), mesh, sharding.spec)
 
 
@@ -84,9 +87,7 @@ def _from_local(mesh: Mesh, path: str, y: Any, spec: Any) -> DTensor:
     if len(sharding.spec) > y.ndim:
         raise ShardingError(f"out_specs {sharding.spec!r} at {path or 'the root'!r} has more entries than the result's {y.ndim} dims.")
     shape = torch.Size(n * sharding.num_blocks(d) for d, n in enumerate(y.shape))
-    y = leave_output(y, mesh, sharding.spec)
-    return DTensor.from_local(y, mesh.device_mesh, sharding.placements, run_check=False, shape=shape,
-                              stride=torch.empty(shape, device="meta").stride())
+    return from_local(leave_output(y, mesh, sharding.spec), mesh.device_mesh, sharding.placements, shape)
 
 
 __all__ = ["shard_map"]

@@ -134,14 +134,15 @@ def _assemble(
         local = _checked(block(r, indices[r]), expected, r, path)
         if sharding.mesh.device_type != "cpu":
             local = local.to(torch.device(sharding.mesh.device_type, torch.accelerator.current_device_index()))
-    return DTensor.from_local(
-        local,
-        device_mesh,
-        sharding.placements,
-        run_check=False,
-        shape=torch.Size(shape),
-        stride=torch.empty(shape, device="meta").stride(),
-    )
+    return from_local(local, device_mesh, sharding.placements, shape)
+
+
+def from_local(local: torch.Tensor, device_mesh, placements, shape: Sequence[int]) -> DTensor:
+    """A contiguous DTensor of global `shape` from this rank's block, trusted as given (no check
+    that the ranks agree, which would communicate)."""
+    shape = torch.Size(shape)
+    return DTensor.from_local(local, device_mesh, placements, run_check=False, shape=shape,
+                              stride=torch.empty(shape, device="meta").stride())
 
 
 def _check_mesh(sharding: NamedSharding, path: str | None) -> None:
