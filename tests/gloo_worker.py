@@ -11,11 +11,8 @@ import sys
 import torch
 
 import ndfunc as nf
+from helpers import arange  # this folder is first on sys.path when torchrun runs the script
 from ndfunc.sharding import NamedSharding, P
-
-
-def arange(shape):
-    return torch.arange(torch.Size(shape).numel(), dtype=torch.float32).reshape(shape)
 
 
 def main(cases_path: str) -> None:

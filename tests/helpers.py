@@ -1,7 +1,11 @@
-"""Shared test data: JAX's conformance cases and tensors whose blocks cannot be confused."""
+"""Shared test data (JAX's conformance cases, tensors whose blocks cannot be confused) and the
+launcher of real multi-process runs."""
 
 import json
+import os
 import pathlib
+import subprocess
+import sys
 
 import torch
 
@@ -35,3 +39,24 @@ def flax_logical_rules() -> dict:
         k: [(n, tuple(a) if isinstance(a, list) else a) for n, a in v] for k, v in data["rule_sets"].items()
     }
     return data
+
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+def outside_torchrun_env() -> dict[str, str]:
+    """This process's environment without torchrun's variables, so a child starts its own world."""
+    return {k: v for k, v in os.environ.items() if k not in TORCHRUN_VARIABLES}
+
+
+def torchrun(script: pathlib.Path, *args: str, nproc: int = 4) -> subprocess.CompletedProcess:
+    """Run `script args` in `nproc` real processes (gloo on CPUs); fail with their output if any fails."""
+    env = outside_torchrun_env()
+    env["OMP_NUM_THREADS"] = "1"  # nproc processes share this machine's cores
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), str(script), *args],
+        capture_output=True, text=True, timeout=300, env=env, cwd=REPO,
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    return proc

@@ -1,6 +1,5 @@
 """The same sharding code in 4 real processes over gloo, launched by torchrun."""
 
-import os
 import pathlib
 import re
 import subprocess
@@ -8,21 +7,14 @@ import sys
 
 import pytest
 
-from helpers import CONFORMANCE, conformance_cases
+from helpers import CONFORMANCE, conformance_cases, outside_torchrun_env, torchrun
 
 WORKER = pathlib.Path(__file__).with_name("gloo_worker.py")
 
 
 @pytest.mark.gloo
 def test_device_put_and_get_in_four_gloo_processes():
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-    env["OMP_NUM_THREADS"] = "1"
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
-         str(WORKER), str(CONFORMANCE)],
-        capture_output=True, text=True, timeout=300, env=env,
-    )
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    proc = torchrun(WORKER, str(CONFORMANCE))
     # The four processes share one pipe, so their lines can interleave: match, don't split.
     done = sorted(re.findall(r"rank (\d+): (\d+) layouts checked", proc.stdout))
     jax_cases = sum(1 for c in conformance_cases() if c["mesh"] == {"x": 4} and "error" not in c)
@@ -33,7 +25,7 @@ def test_device_put_and_get_in_four_gloo_processes():
 
 @pytest.mark.gloo
 def test_init_without_torchrun_is_a_world_of_one():
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env = outside_torchrun_env()
     script = (
         "import torch, ndfunc as nf\n"
         "from ndfunc.sharding import NamedSharding, P\n"

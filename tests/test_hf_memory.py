@@ -2,16 +2,14 @@
 a quarter of the checkpoint, not by all of it. Run with -s to see the numbers."""
 
 import json
-import os
 import pathlib
 import re
-import subprocess
-import sys
 
 import pytest
 import torch
 
 import ndfunc as nf
+from helpers import torchrun
 from models import hf, llama
 
 WORKER = pathlib.Path(__file__).with_name("hf_memory_worker.py")
@@ -26,14 +24,7 @@ def test_sharded_load_grows_each_rank_by_its_share(tmp_path):
         hf.save_llama(tmp_path / name, cfg, params)
     checkpoint = (tmp_path / "big" / "model.safetensors").stat().st_size
     del params
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-    env["OMP_NUM_THREADS"] = "1"
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4", str(WORKER),
-         str(tmp_path / "big"), str(tmp_path / "warmup")],
-        capture_output=True, text=True, timeout=300, env=env, cwd=pathlib.Path(__file__).resolve().parents[1],
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    proc = torchrun(WORKER, str(tmp_path / "big"), str(tmp_path / "warmup"))
     reports = [json.loads(m) for m in re.findall(r"\{\"rank\".*?\}", proc.stdout)]
     assert sorted(r["rank"] for r in reports) == [0, 1, 2, 3], proc.stdout
     for r in reports:
