@@ -4,9 +4,10 @@
     python -m models.demo --ranks 16 --dp-replicate 2 --dp-shard 2 --cp 2 --tp 2
     torchrun --nproc-per-node 4 -m models.demo --dp-shard 2 --tp 2    # real processes (gloo/NCCL)
 
-It builds the mesh from a ParallelConfig, derives every parameter's PartitionSpec from logical axis
-names and the config's rules, materialises each rank's blocks only (a callback per block), checks
-the gathered parameters against a single-device build, and prints what each rank holds.
+It builds the mesh from a ParallelConfig, derives every parameter's PartitionSpec from the model's
+logical axis names (models/llama.py) and the config's rules, initialises each rank's blocks only (a
+callback per block), checks the gathered parameters against `llama.init` on one device, and prints
+what each rank holds.
 """
 
 from __future__ import annotations
@@ -19,47 +20,8 @@ import os
 import torch
 
 import ndfunc as nf
+from models import llama
 from ndfunc.sharding import NamedSharding, logical_to_mesh
-
-
-def llama_param_axes(vocab: int, dim: int, n_layers: int, n_heads: int, n_kv_heads: int, ffn_dim: int):
-    """Shapes and logical dim names of a Llama decoder's parameters: `{path: (shape, names)}` trees."""
-    head_dim = dim // n_heads
-    layer = {
-        "attn_norm": ((dim,), ("embed",)),
-        "attn": {
-            "wq": ((dim, n_heads, head_dim), ("embed", "heads", "head_dim")),
-            "wk": ((dim, n_kv_heads, head_dim), ("embed", "kv_heads", "head_dim")),
-            "wv": ((dim, n_kv_heads, head_dim), ("embed", "kv_heads", "head_dim")),
-            "wo": ((n_heads, head_dim, dim), ("heads", "head_dim", "embed")),
-        },
-        "mlp_norm": ((dim,), ("embed",)),
-        "mlp": {
-            "w1": ((dim, ffn_dim), ("embed", "mlp")),
-            "w3": ((dim, ffn_dim), ("embed", "mlp")),
-            "w2": ((ffn_dim, dim), ("mlp", "embed")),
-        },
-    }
-    return {
-        "embed": ((vocab, dim), ("vocab", "embed")),
-        "layers": [layer for _ in range(n_layers)],
-        "norm": ((dim,), ("embed",)),
-        "lm_head": ((dim, vocab), ("embed", "vocab")),
-    }
-
-
-def _is_entry(x) -> bool:
-    return isinstance(x, tuple) and len(x) == 2 and isinstance(x[1], tuple)
-
-
-def block_values(seed: int, shape: tuple[int, ...], index: tuple[slice, ...]) -> torch.Tensor:
-    """Values of the block `index` of a tensor, each a function of (seed, global position) only, so a
-    rank can make its block without the rest and every mesh gives the same full tensor."""
-    positions = torch.zeros((), dtype=torch.int64)
-    for size, s in zip(shape, index):
-        positions = positions.unsqueeze(-1) * size + torch.arange(s.start, s.stop)
-    x = (positions * 2654435761 + seed * 40503) % 1000003  # a cheap integer hash of the position
-    return (x.to(torch.float32) / 1000003.0 - 0.5) * 0.04
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -92,17 +54,15 @@ def run(args) -> None:
     say(f"{nf.world_size()} ranks ({mode}); {config}")
     say(f"mesh {mesh.shape}")
 
-    tree = llama_param_axes(vocab=512, dim=64, n_layers=2, n_heads=8, n_kv_heads=4, ffn_dim=192)
-    entries, treedef = nf.tree.tree_flatten_with_path(tree, is_leaf=_is_entry)
-    specs = logical_to_mesh(treedef.unflatten([names for _, (_, names) in entries]), config.rules)
-    specs = [spec for _, spec in nf.tree.tree_flatten_with_path(specs)[0]]
-    shapes = [shape for _, (shape, _) in entries]
-
-    # Each parameter's seed is its position in the tree; each rank makes only its own blocks.
-    params = treedef.unflatten([
-        nf.make_array_from_callback(shape, NamedSharding(mesh, spec), functools.partial(block_values, seed, shape))
-        for seed, (shape, spec) in enumerate(zip(shapes, specs))
-    ])
+    cfg = llama.LlamaConfig(vocab_size=512, dim=64, n_layers=2, n_heads=8, n_kv_heads=4, ffn_dim=192)
+    specs = logical_to_mesh(llama.param_axes(cfg), config.rules)
+    key = nf.random.key(0)
+    # Each rank makes only its own blocks: a parameter's value at a position depends on the key,
+    # the parameter's path and the position, never on the mesh.
+    params = nf.tree.tree_map_with_path(
+        lambda path, shape, spec: nf.make_array_from_callback(
+            shape, NamedSharding(mesh, spec), functools.partial(llama.init_param, cfg, key, path, tuple(shape))),
+        llama.param_shapes(cfg), specs)
     say(f"\n{'parameter':<24}{'shape':<16}{'spec':<42}{'per rank'}")
     leaves, _ = nf.tree.tree_flatten_with_path(params)
     full_bytes = rank_bytes = 0
@@ -115,10 +75,10 @@ def run(args) -> None:
     say(f"\nparameters: {full_bytes / 2**20:.2f} MiB in all, {rank_bytes / 2**20:.3f} MiB per rank "
         f"({full_bytes / rank_bytes:.1f}x less than replicated)")
 
-    # The same values built on one device, whole: the sharded build must gather to exactly these.
-    reference = [block_values(seed, shape, tuple(slice(0, n) for n in shape)) for seed, shape in enumerate(shapes)]
-    gathered = [x for _, x in nf.tree.tree_flatten_with_path(nf.device_get(params))[0]]
-    same = all(torch.equal(a, b) for a, b in zip(gathered, reference))
+    # The same parameters built on one device, whole: the sharded build must gather to exactly these.
+    reference = nf.tree.tree_flatten_with_path(llama.init(cfg, key))[0]
+    gathered = nf.tree.tree_flatten_with_path(nf.device_get(params))[0]
+    same = all(torch.equal(a, b) for (_, a), (_, b) in zip(gathered, reference))
     say(f"gathered parameters equal the single-device build: {same}")
     if not same:
         raise SystemExit("sharded build differs from the single-device build")
