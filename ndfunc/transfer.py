@@ -20,6 +20,7 @@ from torch.distributed.tensor import DTensor
 from ndfunc.sharding.errors import ShardingError, where
 from ndfunc.sharding.mesh import AbstractMesh, Mesh
 from ndfunc.sharding.named_sharding import NamedSharding, resolve_sharding
+from ndfunc.sharding.partition_spec import PartitionSpec
 from ndfunc.tree import PyTree, tree_broadcast_prefix, tree_map_with_path
 
 Index = tuple[slice, ...]
@@ -172,8 +173,6 @@ def _checked(block: Any, expected: tuple[int, ...], rank: int, path: str | None)
 
 
 def _is_sharding(x: Any) -> bool:
-    from ndfunc.sharding.partition_spec import PartitionSpec
-
     return isinstance(x, (NamedSharding, PartitionSpec))
 
 
