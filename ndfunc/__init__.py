@@ -14,6 +14,7 @@ from ndfunc.autodiff import value_and_grad as value_and_grad
 from ndfunc.autodiff import vmap as vmap
 from ndfunc.config import ParallelConfig as ParallelConfig
 from ndfunc.constraints import with_sharding_constraint as with_sharding_constraint
+from ndfunc.jit import jit as jit
 from ndfunc.runtime import init as init
 from ndfunc.runtime import is_simulated as is_simulated
 from ndfunc.runtime import rank as rank
@@ -33,7 +34,7 @@ from ndfunc.transfer import sharding_of as sharding_of
 __version__ = "0.1.0"
 
 __all__ = [
-    "ParallelConfig", "device_get", "device_put", "get_mesh", "grad", "init", "is_simulated", "lax", "optim",
+    "ParallelConfig", "device_get", "device_put", "get_mesh", "grad", "init", "is_simulated", "jit", "lax", "optim",
     "random", "value_and_grad", "vmap",
     "make_array_from_callback", "make_mesh", "rank", "set_mesh", "shard_map", "sharding", "sharding_of", "shutdown",
     "simulate", "tree", "visualize_sharding", "with_sharding_constraint", "world_size",

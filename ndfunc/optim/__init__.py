@@ -27,6 +27,7 @@ from ndfunc.optim._base import apply_updates as apply_updates
 from ndfunc.optim._base import chain as chain
 from ndfunc.optim._base import identity as identity
 from ndfunc.optim._schedules import constant as constant
+from ndfunc.optim._shardings import state_shardings as state_shardings
 from ndfunc.optim._schedules import constant_schedule as constant_schedule
 from ndfunc.optim._schedules import cosine_decay_schedule as cosine_decay_schedule
 from ndfunc.optim._schedules import join_schedules as join_schedules
@@ -77,6 +78,7 @@ __all__ = [
     "scale_by_adam",
     "scale_by_learning_rate",
     "scale_by_schedule",
+    "state_shardings",
     "sgd",
     "trace",
     "warmup_constant_schedule",

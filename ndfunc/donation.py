@@ -1,0 +1,105 @@
+"""Donation: results written into the buffers of donated arguments, and donated arguments retired.
+
+In the local program each result that matches a donated input's local shape and dtype (in order,
+as JAX pairs them) is copied into that input's buffer right after the input's last use, so the
+new value's temporary dies at once: a step's peak holds one copy of the parameters and optimizer
+state, not two. Afterwards the donated DTensor would silently show the new values, so it is
+retired: touching it raises.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from ndfunc.partition.layout import local_shape
+
+aten = torch.ops.aten
+
+
+def apply_donation(program) -> None:
+    """Rewrite `program.local` so results reuse donated input buffers; fill `program.donation`."""
+    if not program.donated:
+        return
+    graph = program.local.graph
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"][:-1]  # coords last
+    output = graph.find_nodes(op="output")[0]
+    results = list(output.args[0])
+    free = list(program.donated)
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    for j, ((v, lay), spec) in enumerate(zip(program.plan.outputs, program.traced.out_specs)):
+        want = (local_shape(spec.shape, lay, program.sizes), spec.dtype)
+        match = next((i for i in free if (local_shape(program.traced.in_specs[i].shape, program.in_layouts[i],
+                                                       program.sizes), program.traced.in_specs[i].dtype) == want), None)
+        result = results[j]
+        if match is None or result.op == "placeholder":
+            continue
+        free.remove(match)
+        buffer = placeholders[match]
+        last = max([order[result]] + [order[u] for u in _readers(buffer)])
+        anchor = list(graph.nodes)[last]
+        with graph.inserting_after(anchor):
+            copy = graph.call_function(aten.copy_.default, (buffer, result))
+        results[j] = copy
+        program.donation[j] = match
+        order = {n: i for i, n in enumerate(graph.nodes)}
+    output.args = (results,)
+    graph.lint()
+    program.local.recompile()
+
+
+def _readers(node: torch.fx.Node) -> list[torch.fx.Node]:
+    """Every node that reads `node`'s buffer, through views."""
+    out, todo = [], [node]
+    while todo:
+        n = todo.pop()
+        for u in n.users:
+            if u.op == "output":
+                continue
+            out.append(u)
+            if _is_view(u):
+                todo.append(u)
+    return out
+
+
+def _is_view(node: torch.fx.Node) -> bool:
+    t = node.target
+    return t is operator.getitem or getattr(t, "is_view", False)
+
+
+class DonatedDTensor(DTensor):
+    """A DTensor whose buffer a jitted call took over."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func in (torch.Tensor.__repr__, torch.Tensor.__format__):
+            return "<donated DTensor>"
+        raise RuntimeError(_message())
+
+    def to_local(self, *a, **k):
+        raise RuntimeError(_message())
+
+    def full_tensor(self, *a, **k):
+        raise RuntimeError(_message())
+
+    def redistribute(self, *a, **k):
+        raise RuntimeError(_message())
+
+    def __repr__(self) -> str:
+        return "<donated DTensor: its buffer holds a jitted call's result>"
+
+
+def _message() -> str:
+    return ("this DTensor was donated to an nf.jit call (donate_argnums) and its buffer now holds that "
+            "call's results; use the value the call returned instead, or stop donating the argument.")
+
+
+def mark_donated(program, prepared: list, original_leaves: list) -> None:
+    """Retire the caller's donated DTensors whose buffers a result now uses."""
+    originals = {id(x) for x in original_leaves}
+    for i in program.donation.values():
+        x = prepared[i]
+        if isinstance(x, DTensor) and id(x) in originals:
+            x.__class__ = DonatedDTensor

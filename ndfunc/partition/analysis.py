@@ -1,0 +1,133 @@
+"""Reading a lowered program: its text, and what it costs per rank."""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+
+from ndfunc.partition.layout import describe
+
+
+def _fmt(val) -> str:
+    if isinstance(val, torch.Tensor):
+        return f"{str(val.dtype).removeprefix('torch.')}{list(val.shape)}"
+    if isinstance(val, (tuple, list)):
+        return "(" + ", ".join(_fmt(v) for v in val) + ")"
+    return repr(val)
+
+
+def _op_name(target) -> str:
+    if target is operator.getitem:
+        return "getitem"
+    name = str(target)
+    return name.removeprefix("aten.").removesuffix(".default")
+
+
+def _arg(a) -> str:
+    if isinstance(a, torch.fx.Node):
+        return a.name
+    if isinstance(a, (list, tuple)):
+        return "[" + ", ".join(_arg(x) for x in a) + "]"
+    return repr(a)
+
+
+def as_text(program) -> str:
+    gm = program.local
+    names = program.axis_names
+    header = (f"# {program.name}: the program each rank runs; mesh "
+              f"{dict(zip(program.mesh.axis_names, program.mesh.axis_sizes))}, partitioned over {names or '()'}")
+    lines = [header]
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    paths = list(program.traced.input_paths) + ["coords"]
+    layouts = list(program.in_layouts) + [None]
+    lines.append(f"def {program.name}(")
+    for node, path, lay in zip(placeholders, paths, layouts):
+        where = "" if lay is None else " " + describe(lay, names)
+        lines.append(f"    {node.name}: {_fmt(node.meta.get('val'))}{where},  # {path}")
+    lines.append("):")
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        args = ", ".join([_arg(a) for a in node.args] + [f"{k}={_arg(v)}" for k, v in node.kwargs.items()])
+        line = f"    {node.name}: {_fmt(node.meta.get('val'))} = {_op_name(node.target)}({args})"
+        comm = node.meta.get("ndfunc_comm")
+        if comm:
+            line += (f"  # {comm['kind']} over {comm['axes']}: {comm['bytes']} B, "
+                     f"{comm['moved']:.0f} B sent per rank")
+        lines.append(line)
+    out = gm.graph.find_nodes(op="output")[0]
+    results = ", ".join(f"{a.name} {describe(lay, names)}" for a, (_, lay) in zip(out.args[0], program.plan.outputs))
+    lines.append(f"    return ({results})")
+    return "\n".join(lines)
+
+
+def collectives(gm: torch.fx.GraphModule) -> list[dict]:
+    return [n.meta["ndfunc_comm"] for n in gm.graph.nodes if "ndfunc_comm" in n.meta]
+
+
+def cost_analysis(program) -> dict:
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from ndfunc.partition.lower import propagate_meta
+
+    with FlopCounterMode(display=False) as counter:
+        propagate_meta(program.local, program.local_inputs())
+    comms = collectives(program.local)
+    by_kind: dict[str, float] = {}
+    counts: dict[str, int] = {}
+    for c in comms:
+        by_kind[c["kind"]] = by_kind.get(c["kind"], 0.0) + c["moved"]
+        counts[c["kind"]] = counts.get(c["kind"], 0) + 1
+    return {
+        "flops": float(counter.get_total_flops()),
+        "comm_bytes": {"total": float(sum(by_kind.values())), **by_kind},
+        "collectives": counts,
+        "peak_memory_bytes": peak_memory(program.local),
+    }
+
+
+def _bytes(val) -> int:
+    if isinstance(val, torch.Tensor):
+        return val.numel() * val.element_size()
+    if isinstance(val, (tuple, list)):
+        return sum(_bytes(v) for v in val)
+    return 0
+
+
+_ALIASING = {torch.ops._c10d_functional.wait_tensor.default, torch.ops.aten.copy_.default}
+
+
+def peak_memory(gm: torch.fx.GraphModule) -> int:
+    """Peak bytes alive at once in one run of `gm` (fx frees a value after its last use): inputs
+    for the whole run, views and in-place results sharing their base's buffer."""
+    nodes = list(gm.graph.nodes)
+    root: dict = {}
+    size: dict = {}
+    end: dict = {}
+    for i, n in enumerate(nodes):
+        if n.op == "output":
+            for a in n.args[0]:
+                end[root[a]] = len(nodes)
+            continue
+        if n.op == "call_function" and (n.target is operator.getitem or n.target in _ALIASING
+                                        or getattr(n.target, "is_view", False)):
+            root[n] = root[n.args[0]]
+        else:
+            root[n] = n
+            size[n] = _bytes(n.meta.get("val"))
+            end[n] = len(nodes) if n.op == "placeholder" else i
+        for a in n.all_input_nodes:
+            end[root[a]] = max(end[root[a]], i)
+    births: dict[int, int] = {}
+    deaths: dict[int, int] = {}
+    for i, n in enumerate(nodes):
+        if n in size:
+            births[i] = births.get(i, 0) + size[n]
+            deaths[end[n]] = deaths.get(end[n], 0) + size[n]
+    live = peak = 0
+    for i in range(len(nodes) + 1):
+        live += births.get(i, 0)
+        peak = max(peak, live)
+        live -= deaths.get(i, 0)
+    return peak

@@ -1,0 +1,68 @@
+"""Layouts: one DTensor placement per partitioned mesh axis, and the shapes they imply.
+
+The partitioner works over the mesh axes of size > 1 only (a size-1 axis never needs a
+collective), so a layout here has one entry per such axis. Entries are `Replicate()`,
+`Shard(dim)` or `Partial(op)` (a pending sum or mean over that axis); several axes sharding one
+dim split it in mesh order, major to minor, as DTensor does.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Sequence
+
+from torch.distributed.tensor import Partial, Replicate, Shard
+
+Layout = tuple  # of placements, one per partitioned mesh axis
+
+R = Replicate()
+PARTIAL_OPS = ("sum", "avg")  # reductions the lowering knows how to finish
+
+
+def replicated(k: int) -> Layout:
+    return (R,) * k
+
+
+def split(layout: Layout, sizes: Sequence[int], dim: int) -> int:
+    """How many blocks `dim` is cut into."""
+    return math.prod(n for p, n in zip(layout, sizes) if isinstance(p, Shard) and p.dim == dim)
+
+
+def local_shape(shape: Sequence[int], layout: Layout, sizes: Sequence[int]) -> tuple[int, ...]:
+    return tuple(s // split(layout, sizes, d) for d, s in enumerate(shape))
+
+
+def fits(layout: Layout, shape: Sequence[int], sizes: Sequence[int]) -> bool:
+    """Whether `layout` can hold a value of `shape`: every sharded dim exists and divides evenly."""
+    for p in layout:
+        if type(p) is Shard:
+            if not 0 <= p.dim < len(shape):
+                return False
+        elif isinstance(p, Partial):
+            if p.reduce_op not in PARTIAL_OPS:
+                return False
+        elif not isinstance(p, Replicate):
+            return False  # _StridedShard and friends stay outside programs
+    return all(s % split(layout, sizes, d) == 0 for d, s in enumerate(shape))
+
+
+def all_layouts(shape: Sequence[int], sizes: Sequence[int], partial: bool = True) -> list[Layout]:
+    """Every layout a value of `shape` can take (sum partials included if `partial`)."""
+    per_axis = [R] + ([Partial("sum")] if partial else []) + [Shard(d) for d in range(len(shape))]
+    return [lay for lay in itertools.product(per_axis, repeat=len(sizes)) if fits(lay, shape, sizes)]
+
+
+def is_partial(layout: Layout) -> bool:
+    return any(isinstance(p, Partial) for p in layout)
+
+
+def describe(layout: Layout, names: Sequence[str]) -> str:
+    """`{dp: S(0), tp: P(sum)}`-style text; `{}` for fully replicated."""
+    parts = []
+    for p, name in zip(layout, names):
+        if isinstance(p, Shard):
+            parts.append(f"{name}: S({p.dim})")
+        elif isinstance(p, Partial):
+            parts.append(f"{name}: P({p.reduce_op})")
+    return "{" + ", ".join(parts) + "}"

@@ -1,0 +1,153 @@
+"""Lowering: a partitioned global program becomes one local program, the same on every rank.
+
+Every node becomes its aten op on local blocks (shape arguments rewritten by DTensor's propagator,
+as its dispatcher would); every layout change a consumer needs becomes the steps of
+`redistribute.plan`, emitted as `_c10d_functional` collectives (each followed by its
+`wait_tensor`) or a local slice. A slice picks this rank's block with `index_select` on an extra
+input, `coords` (the rank's position on each partitioned axis), so the program holds no rank
+number and one program serves every simulated rank. Each collective node carries
+`meta['ndfunc_comm']`: kind, mesh axes, tensor bytes and bytes moved per rank.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Sequence
+
+import torch
+from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+from ndfunc.constraints import sharding_constraint_op
+from ndfunc.partition import redistribute
+from ndfunc.partition.layout import Layout
+from ndfunc.partition.solve import Plan, value_of
+from ndfunc.partition.strategies import local_args, tensor_inputs
+
+aten = torch.ops.aten
+c10d = torch.ops._c10d_functional
+
+
+class _Emitter:
+    def __init__(self, plan: Plan, axis_names: Sequence[str], group_names: Sequence[str]):
+        self.plan = plan
+        self.sizes = plan.sizes
+        self.axis_names = tuple(axis_names)
+        self.group_names = tuple(group_names)
+        self.graph = torch.fx.Graph()
+        self.env: dict = {}  # (value, layout) -> local node
+        self.produced: dict = {}  # value -> local node in its produced layout
+        self.coords = None
+
+    def call(self, op, *args, **kwargs) -> torch.fx.Node:
+        return self.graph.call_function(op, args, kwargs)
+
+    def local(self, v, layout: Layout, val: torch.Tensor) -> torch.fx.Node:
+        key = (v, layout)
+        if key not in self.env:
+            have = self.plan.out_layout(v)
+            node = self.produced[v]
+            steps = redistribute.plan(have, layout, tuple(val.shape), self.sizes)
+            if steps is None:  # the solver never picks an impossible change
+                raise AssertionError(f"no way from {have} to {layout} for {v[0].name}")
+            for step in steps:
+                node = self.emit(step, node, val)
+            self.env[key] = node
+        return self.env[key]
+
+    def emit(self, step: redistribute.Step, x: torch.fx.Node, val: torch.Tensor) -> torch.fx.Node:
+        group, n, d = self.group_names[step.axis], step.size, step.dim
+        if step.kind == "slice":
+            index = self.call(aten.view.default, self.call(aten.select.int, self.coords, 0, step.axis), [1])
+            split = list(step.in_shape[:d]) + [n, step.out_shape[d]] + list(step.in_shape[d + 1:])
+            block = self.call(aten.index_select.default, self.call(aten.reshape.default, x, split), d, index)
+            return self.call(aten.reshape.default, block, list(step.out_shape))
+        if not val.is_contiguous() or (step.kind == "reduce_scatter" and d != 0):
+            if step.kind == "reduce_scatter" and d != 0:  # blocks along d, stacked on dim 0
+                x = self.call(aten.cat.default, [self.call(operator.getitem, self.call(
+                    aten.split.Tensor, x, step.in_shape[d] // n, d), i) for i in range(n)], 0)
+            else:
+                x = self.call(aten.clone.default, x, memory_format=torch.contiguous_format)
+        if step.kind == "all_reduce":
+            comm = self.call(c10d.all_reduce.default, x, "sum", group)
+        elif step.kind == "all_gather":
+            comm = self.call(c10d.all_gather_into_tensor.default, x, n, group)
+        else:
+            comm = self.call(c10d.reduce_scatter_tensor.default, x, "sum", n, group)
+        itemsize = val.element_size()
+        comm.meta["ndfunc_comm"] = {
+            "kind": step.kind, "axes": (self.axis_names[step.axis],),
+            "bytes": _numel(step.in_shape if step.kind != "all_gather" else step.out_shape) * itemsize,
+            "moved": step.moved_bytes(itemsize),
+        }
+        out = self.call(c10d.wait_tensor.default, comm)
+        if step.reduce_op == "avg":
+            out = self.call(aten.div.Tensor, out, n)
+        if step.kind == "all_gather" and d != 0:  # rank blocks arrive stacked on dim 0
+            parts = self.call(aten.split.Tensor, out, step.in_shape[0], 0)
+            out = self.call(aten.cat.default, [self.call(operator.getitem, parts, i) for i in range(n)], d)
+        return out
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def lower(graph: torch.fx.Graph, plan: Plan, axis_names: Sequence[str], group_names: Sequence[str]) -> torch.fx.GraphModule:
+    """The local program of `graph` under `plan`: inputs are the local blocks of the original
+    inputs, then `coords`; outputs are local blocks in `plan.outputs`' layouts."""
+    e = _Emitter(plan, axis_names, group_names)
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    for node in placeholders:
+        e.produced[(node, 0)] = e.graph.placeholder(node.name)
+    e.coords = e.graph.placeholder("coords")
+    for node in graph.nodes:
+        if node.op != "call_function" or node not in plan.strategy:
+            continue
+        s = plan.strategy[node]
+        args = tensor_inputs(node)
+        locals_ = [e.local(value_of(a), lay, a.meta["val"]) for a, lay in zip(args, s.ins)]
+        if node.target is sharding_constraint_op:
+            e.produced[(node, 0)] = locals_[0]
+            continue
+        op, a, kw = local_args(node, s.ins, plan.sizes)
+        mapping = iter(locals_)
+        a, kw = torch.utils._pytree.tree_map_only(
+            torch.fx.Node, lambda x: next(mapping) if isinstance(x.meta.get("val"), torch.Tensor) else x, (a, kw))
+        out = e.graph.call_function(op, tuple(a), dict(kw))
+        out.meta["stack_trace"] = node.meta.get("stack_trace")
+        if isinstance(node.meta.get("val"), (tuple, list)):
+            for j, lay in enumerate(s.outs):
+                if lay is not None:
+                    e.produced[(node, j)] = e.call(operator.getitem, out, j)
+        else:
+            e.produced[(node, 0)] = out
+    output = graph.find_nodes(op="output")[0]
+    results = [e.local(v, lay, _val(v)) for v, lay in plan.outputs]
+    e.graph.output(results)
+    e.graph.eliminate_dead_code()
+    gm = torch.fx.GraphModule(torch.nn.Module(), e.graph)
+    del output
+    return gm
+
+
+def _val(v) -> torch.Tensor:
+    val = v[0].meta["val"]
+    return val[v[1]] if isinstance(val, (tuple, list)) else val
+
+
+def propagate_meta(gm: torch.fx.GraphModule, inputs: Sequence[tuple[tuple[int, ...], torch.dtype, torch.device]]) -> None:
+    """Fill `meta['val']` of the local program with fake tensors of the local shapes."""
+    import contextlib
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed._local_tensor import local_tensor_mode
+
+    simulated = local_tensor_mode()
+    with simulated.disable() if simulated is not None else contextlib.nullcontext():
+        mode = FakeTensorMode(allow_non_fake_inputs=True)
+        with mode:
+            fakes = [torch.empty(shape, dtype=dtype, device=device) for shape, dtype, device in inputs]
+        FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*fakes)

@@ -1,0 +1,119 @@
+"""From one layout to another: the collectives, in order, with their sizes.
+
+`plan(src, dst, shape, sizes)` is the single source for both the cost model (bytes moved) and the
+lowering (which emits each step as a functional collective), so what the partitioner pays for is
+what runs. Steps, per mesh axis:
+
+- `all_gather`   Shard(d) -> Replicate                   moves (n-1)/n of the output per rank
+- `all_reduce`   Partial -> Replicate                    moves 2(n-1)/n of the input (ring)
+- `reduce_scatter` Partial -> Shard(d)                   moves (n-1)/n of the input
+- `slice`        Replicate -> Shard(d)                   local, free
+
+Several axes sharding one dim nest in mesh order, so before an axis gathers, or newly splits a dim,
+every later axis splitting that dim is gathered first (and split again afterwards). A pending sum
+cannot be created from data (Replicate -> Partial) and is finished only by its own reduction:
+those transitions have no plan.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+from torch.distributed.tensor import Partial, Replicate, Shard
+
+from ndfunc.partition.layout import Layout, local_shape
+
+COLLECTIVES = ("all_gather", "all_reduce", "reduce_scatter")
+
+
+@dataclasses.dataclass(frozen=True)
+class Step:
+    kind: str  # 'all_gather' | 'all_reduce' | 'reduce_scatter' | 'slice'
+    axis: int  # partitioned mesh axis
+    dim: int | None  # tensor dim gathered, scattered or sliced
+    reduce_op: str | None
+    in_shape: tuple[int, ...]
+    out_shape: tuple[int, ...]
+    size: int  # ranks along the axis
+
+    def moved_bytes(self, itemsize: int) -> float:
+        """Bytes each rank sends (ring algorithms)."""
+        n = self.size
+        if self.kind == "all_reduce":
+            return 2 * (n - 1) / n * _numel(self.in_shape) * itemsize
+        if self.kind == "all_gather":
+            return (n - 1) / n * _numel(self.out_shape) * itemsize
+        if self.kind == "reduce_scatter":
+            return (n - 1) / n * _numel(self.in_shape) * itemsize
+        return 0.0
+
+
+def _numel(shape: Sequence[int]) -> int:
+    out = 1
+    for s in shape:
+        out *= s
+    return out
+
+
+def plan(src: Layout, dst: Layout, shape: Sequence[int], sizes: Sequence[int]) -> list[Step] | None:
+    """The steps turning a value of global `shape` from `src` into `dst`; None if impossible."""
+    if src == dst:
+        return []
+    k = len(src)
+    for s, d in zip(src, dst):
+        if isinstance(d, Partial) and s != d:
+            return None
+    cur = list(src)
+    gather = {m for m in range(k) if isinstance(cur[m], Shard) and dst[m] != cur[m]}
+    grown = True
+    while grown:
+        grown = False
+        for m in range(k):
+            dims = set()
+            if m in gather:
+                dims.add(cur[m].dim)
+            if isinstance(dst[m], Shard) and cur[m] != dst[m]:
+                dims.add(dst[m].dim)
+            for later in range(m + 1, k):
+                if later not in gather and isinstance(cur[later], Shard) and cur[later].dim in dims:
+                    gather.add(later)
+                    grown = True
+    steps = []
+    now = local_shape(shape, tuple(cur), sizes)
+    for m in sorted(gather, reverse=True):
+        d = cur[m].dim
+        out = now[:d] + (now[d] * sizes[m],) + now[d + 1:]
+        steps.append(Step("all_gather", m, d, None, now, out, sizes[m]))
+        cur[m], now = Replicate(), out
+    for m in range(k):
+        if cur[m] == dst[m]:
+            continue
+        if isinstance(cur[m], Partial):
+            op = cur[m].reduce_op
+            if isinstance(dst[m], Replicate):
+                steps.append(Step("all_reduce", m, None, op, now, now, sizes[m]))
+            else:
+                d = dst[m].dim
+                out = now[:d] + (now[d] // sizes[m],) + now[d + 1:]
+                steps.append(Step("reduce_scatter", m, d, op, now, out, sizes[m]))
+                now = out
+        else:  # Replicate -> Shard
+            d = dst[m].dim
+            out = now[:d] + (now[d] // sizes[m],) + now[d + 1:]
+            steps.append(Step("slice", m, d, None, now, out, sizes[m]))
+            now = out
+        cur[m] = dst[m]
+    return steps
+
+
+ALPHA = 64.0  # fixed cost of one collective, in bytes: among plans moving equal bytes, fewer calls
+SLICE = 0.01  # a local slice copies its block: cheap, not free (values stay where they are made)
+
+
+def cost(src: Layout, dst: Layout, shape: Sequence[int], sizes: Sequence[int], itemsize: int) -> float:
+    steps = plan(src, dst, shape, sizes)
+    if steps is None:
+        return float("inf")
+    return sum(s.moved_bytes(itemsize) + (ALPHA if s.kind in COLLECTIVES else
+                                          SLICE * _numel(s.out_shape) * itemsize) for s in steps)

@@ -1,0 +1,272 @@
+"""Candidate strategies per graph node, from DTensor's own sharding rules.
+
+A `Strategy` says, for one way of running a node on the mesh, the layout of each tensor output and
+the layout each tensor input must arrive in. DTensor registers rules two ways and we read both:
+single-dim rules (placements valid along one mesh axis; we take their product over the axes) and
+full op strategies (called with every layout each input could have). Ops DTensor has no rule for,
+but ndfunc needs, get one here: CPU flash attention (batch or heads split), factories (built
+replicated), and `ndfunc.*` ops. Results are cached by op, input shapes and other arguments, so a
+model's repeated layers cost one lookup each.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+from collections.abc import Sequence
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+from torch.distributed.tensor._op_schema import OpSchema, OpSpec, OpStrategy
+from torch.utils import _pytree as pytree
+
+from ndfunc.partition.layout import Layout, all_layouts, fits, replicated
+
+aten = torch.ops.aten
+
+
+@dataclasses.dataclass(frozen=True)
+class Strategy:
+    outs: tuple[Layout | None, ...]  # per tensor output (None: an output the op leaves empty)
+    ins: tuple[Layout, ...]  # per tensor input, in `tensor_inputs` order
+
+
+class NoStrategy(Exception):
+    """DTensor has no sharding rule for this op (and ndfunc adds none)."""
+
+
+def propagator():
+    return DTensor._op_dispatcher.sharding_propagator
+
+
+@functools.cache
+def planning_mesh(sizes: tuple[int, ...]) -> DeviceMesh:
+    """A DeviceMesh of `sizes` with no process group: strategies need only its shape."""
+    return DeviceMesh("cpu", torch.arange(_prod(sizes)).view(sizes), _init_backend=False, _rank=0)
+
+
+def _prod(xs) -> int:
+    out = 1
+    for x in xs:
+        out *= x
+    return out
+
+
+def tensor_inputs(node: torch.fx.Node) -> list[torch.fx.Node]:
+    """The node's tensor-valued inputs, in the order DTensor's OpSchema lists them."""
+    leaves = pytree.tree_leaves((node.args, node.kwargs))
+    return [a for a in leaves if isinstance(a, torch.fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)]
+
+
+def tensor_outputs(node: torch.fx.Node) -> list[torch.Tensor | None]:
+    val = node.meta.get("val")
+    if isinstance(val, torch.Tensor):
+        return [val]
+    if isinstance(val, (tuple, list)):
+        return [v if isinstance(v, torch.Tensor) else None for v in val]
+    return []
+
+
+def _meta(t: torch.Tensor) -> TensorMeta:
+    return TensorMeta(t.shape, t.stride(), t.dtype)
+
+
+def _signature(node: torch.fx.Node) -> tuple:
+    def key(a):
+        if isinstance(a, torch.fx.Node):
+            v = a.meta.get("val")
+            return ("T", tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else ("N", repr(v))
+        return a
+    return (node.target, repr(pytree.tree_map(key, (node.args, node.kwargs))))
+
+
+def candidates(node: torch.fx.Node, sizes: tuple[int, ...]) -> list[Strategy]:
+    """Every strategy for `node` on a mesh of `sizes` whose layouts fit the values' shapes."""
+    cache = _CACHE.setdefault(sizes, {})
+    sig = _signature(node)
+    if sig not in cache:
+        cache[sig] = _candidates(node, sizes)
+    return cache[sig]
+
+
+_CACHE: dict[tuple[int, ...], dict] = {}
+
+
+def _candidates(node: torch.fx.Node, sizes: tuple[int, ...]) -> list[Strategy]:
+    op = node.target
+    ins = tensor_inputs(node)
+    outs = tensor_outputs(node)
+    k = len(sizes)
+    if op in _OWN_RULES:
+        found = _OWN_RULES[op](node, sizes)
+    elif not ins:
+        found = [Strategy(tuple(None if o is None else replicated(k) for o in outs), ())]
+    elif op in propagator().op_single_dim_strategy_funcs:
+        found = _from_single_dim(node, ins, outs, sizes)
+    elif op in propagator().op_strategy_funcs:
+        found = _from_op_strategy(node, ins, outs, sizes)
+    else:
+        raise NoStrategy(op)
+    shapes_in = [tuple(a.meta["val"].shape) for a in ins]
+    shapes_out = [None if o is None else tuple(o.shape) for o in outs]
+    kept, seen = [], set()
+    for s in found:
+        if len(s.ins) != len(ins) or len(s.outs) != len(outs) or s in seen:
+            continue
+        if all(fits(lay, shp, sizes) for lay, shp in zip(s.ins, shapes_in)) and all(
+                shp is None or (lay is not None and fits(lay, shp, sizes)) for lay, shp in zip(s.outs, shapes_out)):
+            kept.append(s)
+            seen.add(s)
+    if not kept:
+        raise NoStrategy(op)
+    return kept
+
+
+def _placeholder_to_shard(p):
+    if p is None or isinstance(p, (Replicate, Partial, Shard)):
+        return p
+    return Shard(p.dim)  # DTensor's _ShardingPlaceholder
+
+
+def _from_single_dim(node, ins, outs, sizes) -> list[Strategy]:
+    info = propagator().op_single_dim_strategy_funcs[node.target]
+    args, kwargs = pytree.tree_map_only(torch.fx.Node, lambda a: _meta(a.meta["val"]) if isinstance(
+        a.meta.get("val"), torch.Tensor) else a.meta.get("val"), (node.args, node.kwargs))
+    try:
+        rules = info.func(node.target, tuple(args), kwargs)
+    except Exception as e:  # noqa: BLE001 - a rule that cannot handle these arguments has none
+        raise NoStrategy(node.target) from e
+    width = len(ins) + len(outs)
+    rules = [[_placeholder_to_shard(p) for p in r] for r in rules if len(r) == width]
+    all_replicate = [None if o is None else Replicate() for o in outs] + [Replicate()] * len(ins)
+    if all_replicate not in rules:
+        rules.insert(0, all_replicate)
+    found = []
+    for combo in itertools.product(rules, repeat=len(sizes)):
+        cols = list(zip(*combo))  # per tensor: its placement on each mesh axis
+        out_lays = tuple(None if o is None else tuple(cols[i]) for i, o in enumerate(outs))
+        in_lays = tuple(tuple(c) for c in cols[len(outs):])
+        found.append(Strategy(out_lays, in_lays))
+    return found
+
+
+def _from_op_strategy(node, ins, outs, sizes) -> list[Strategy]:
+    mesh = planning_mesh(sizes)
+
+    def strategy_for(a: torch.fx.Node):
+        val = a.meta["val"]
+        return OpStrategy([OpSpec(DTensorSpec(mesh, lay, tensor_meta=_meta(val)))
+                           for lay in all_layouts(tuple(val.shape), sizes)])
+
+    args, kwargs = pytree.tree_map_only(torch.fx.Node, lambda a: strategy_for(a) if isinstance(
+        a.meta.get("val"), torch.Tensor) else a.meta.get("val"), (node.args, node.kwargs))
+    schema = OpSchema(node.target, tuple(args), kwargs,
+                      schema_info=propagator().op_to_schema_info.get(node.target))
+    try:
+        result = propagator().op_strategy_funcs[node.target](schema)
+    except Exception as e:  # noqa: BLE001
+        raise NoStrategy(node.target) from e
+    if not isinstance(result, OpStrategy):
+        raise NoStrategy(node.target)
+    found = []
+    for spec in result.strategies:
+        out_specs = spec.output_specs
+        out_specs = out_specs if isinstance(out_specs, (tuple, list)) else (out_specs,) * max(len(outs), 1)
+        out_lays = tuple(None if s is None else tuple(s.placements) for s in out_specs)[:len(outs)]
+        in_specs = spec.input_specs if spec.input_specs is not None else (spec.output_spec,) * len(ins)
+        found.append(Strategy(out_lays, tuple(tuple(s.placements) for s in in_specs)))
+    return found
+
+
+# --- ndfunc's own rules ------------------------------------------------------------------------
+
+def _attention_rule(node, sizes) -> list[Strategy]:
+    """Flash attention (CPU) forward and backward: q, k, v (B, H, L, K) split alike on batch or
+    heads (grouped key/value heads split by the same factor); the mask follows where it has the
+    dim, else stays whole; logsumexp (B, H, L) follows q."""
+    ins = tensor_inputs(node)
+    outs = tensor_outputs(node)
+    per_axis = [Replicate(), Shard(0), Shard(1)]
+    q = node.args[1] if "backward" in str(node.target) else node.args[0]
+    q_shape = tuple(q.meta["val"].shape)
+    found = []
+    for combo in itertools.product(per_axis, repeat=len(sizes)):
+        def follow(t: torch.Tensor | None):
+            if t is None:
+                return None
+            lay = []
+            for p in combo:
+                if isinstance(p, Shard) and (t.ndim <= p.dim or t.shape[p.dim] != q_shape[p.dim]) and not (
+                        p.dim == 1 and t.ndim == 4 and t.shape[1] > 1):
+                    lay.append(Replicate())  # a broadcast mask dim: every block needs all of it
+                else:
+                    lay.append(p)
+            return tuple(lay)
+        found.append(Strategy(tuple(follow(o) for o in outs), tuple(follow(a.meta["val"]) for a in ins)))
+    return found
+
+
+def _constraint_rule(node, sizes) -> list[Strategy]:
+    lay = node.meta["ndfunc_layout"]
+    return [Strategy((lay,), (lay,))]
+
+
+def _replicated_rule(node, sizes) -> list[Strategy]:
+    k = len(sizes)
+    return [Strategy(tuple(None if o is None else replicated(k) for o in tensor_outputs(node)),
+                     tuple(replicated(k) for _ in tensor_inputs(node)))]
+
+
+def _own_rules() -> dict:
+    from ndfunc.constraints import sharding_constraint_op
+    from ndfunc.random._op import random_block_op
+
+    return {
+        aten._scaled_dot_product_flash_attention_for_cpu.default: _attention_rule,
+        aten._scaled_dot_product_flash_attention_for_cpu_backward.default: _attention_rule,
+        sharding_constraint_op: _constraint_rule,
+        random_block_op: _replicated_rule,  # whole, from the key: every rank computes it
+    }
+
+
+_OWN_RULES = _own_rules()
+
+
+def register_rule(op, rule) -> None:
+    """Give `op` ndfunc's own candidate rule: `rule(node, sizes) -> list[Strategy]`."""
+    _OWN_RULES[op] = rule
+    _CACHE.clear()
+
+
+def needs_local_args(op) -> bool:
+    """Whether DTensor rewrites this op's non-tensor arguments (shapes) for local blocks."""
+    p = propagator()
+    return op in p.op_to_shape_and_stride_idx or op in p.op_to_scalar_shape_adjuster or op in p.squeeze_op_to_dims_variant
+
+
+def local_args(node: torch.fx.Node, in_layouts: Sequence[Layout], sizes: tuple[int, ...]):
+    """`(op, args, kwargs)` for the node's local op: shapes rewritten to local blocks by DTensor's
+    propagator, as its dispatcher would (squeeze may become squeeze.dims). Tensor inputs stay fx
+    Nodes."""
+    if not needs_local_args(node.target):
+        return node.target, node.args, node.kwargs
+    mesh = planning_mesh(sizes)
+    layouts = iter(in_layouts)
+    args, kwargs = pytree.tree_map_only(torch.fx.Node, lambda a: DTensorSpec(
+        mesh, next(layouts), tensor_meta=_meta(a.meta["val"])) if isinstance(a.meta.get("val"), torch.Tensor)
+        else a.meta.get("val"), (node.args, node.kwargs))
+    schema = OpSchema(node.target, tuple(args), kwargs,
+                      schema_info=propagator().op_to_schema_info.get(node.target))
+    sharding = propagator().propagate_op_sharding_non_cached(schema)
+    if not sharding.use_val_from_redistribute_schema or sharding.redistribute_schema is None:
+        return node.target, node.args, node.kwargs
+    new = sharding.redistribute_schema
+    nodes = iter(tensor_inputs(node))
+    args, kwargs = pytree.tree_map(lambda x: next(nodes) if isinstance(x, DTensorSpec) else x,
+                                   (tuple(new.args_schema), dict(new.kwargs_schema)),
+                                   is_leaf=lambda x: isinstance(x, DTensorSpec))
+    return new.op, args, kwargs
+
