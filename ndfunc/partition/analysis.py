@@ -67,12 +67,8 @@ def collectives(gm: torch.fx.GraphModule) -> list[dict]:
 
 
 def cost_analysis(program) -> dict:
-    from torch.utils.flop_counter import FlopCounterMode
+    from ndfunc.partition.flops import graph_flops
 
-    from ndfunc.partition.lower import propagate_meta
-
-    with FlopCounterMode(display=False) as counter:
-        propagate_meta(program.local, program.local_inputs())
     comms = collectives(program.local)
     by_kind: dict[str, float] = {}
     counts: dict[str, int] = {}
@@ -80,7 +76,7 @@ def cost_analysis(program) -> dict:
         by_kind[c["kind"]] = by_kind.get(c["kind"], 0.0) + c["moved"]
         counts[c["kind"]] = counts.get(c["kind"], 0) + 1
     return {
-        "flops": float(counter.get_total_flops()),
+        "flops": float(graph_flops(program.local.graph)),
         "comm_bytes": {"total": float(sum(by_kind.values())), **by_kind},
         "collectives": counts,
         "peak_memory_bytes": peak_memory(program.local),

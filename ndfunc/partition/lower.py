@@ -25,6 +25,7 @@ from ndfunc.partition.strategies import local_args, tensor_inputs
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
+_RESHAPES = {aten.view.default: aten.reshape.default, aten._unsafe_view.default: aten.reshape.default}
 
 
 class _Emitter:
@@ -113,6 +114,9 @@ def lower(graph: torch.fx.Graph, plan: Plan, axis_names: Sequence[str], group_na
             e.produced[(node, 0)] = locals_[0]
             continue
         op, a, kw = local_args(node, s.ins, plan.sizes)
+        # a block of a viewable value need not be viewable (its strides differ): reshape, which
+        # views when it can and copies when it must
+        op = _RESHAPES.get(op, op)
         mapping = iter(locals_)
         a, kw = torch.utils._pytree.tree_map_only(
             torch.fx.Node, lambda x: next(mapping) if isinstance(x.meta.get("val"), torch.Tensor) else x, (a, kw))

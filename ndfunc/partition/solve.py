@@ -1,22 +1,25 @@
 """Choose a strategy for every node of a traced step, for the whole graph at once.
 
-The cost of a choice is the bytes its collectives move (alpha-beta: `redistribute.cost`), summed
-over every place a value must change layout for a consumer, plus a small term for work done
-replicated that could be split. A value needed in the same layout by several consumers is moved
-once (its forward all-gather serves the backward too), so costs are not a sum over edges and a
-choice made op by op is not enough: the DP step would all-reduce a gradient for Adam's first moment
-and again for its second. We start from a greedy pass in program order and then improve one node at
-a time against all its neighbours (producers, their other consumers, its own consumers) until no
-single change lowers the total; a changed node puts its neighbours back on the worklist.
+The cost of a choice is what its collectives move (alpha-beta: `redistribute.cost`), summed over
+every place a value must change layout for a consumer, plus each node's floating-point work on one
+rank (divided by the mesh axes its strategy splits, in bytes-worth: `FLOPS_PER_BYTE`). A value
+needed in one layout by several consumers moves once (a forward all-gather serves the backward
+too), so costs are not a sum over edges and a choice made op by op is not enough: the DP step would
+all-reduce a gradient for Adam's first moment and again for its second.
 
-Inputs (placeholders) and `with_sharding_constraint` nodes have one candidate; requested output
-layouts are extra consumers; an output left to the partitioner only has to end up without a
-pending sum.
+The search: a greedy pass in program order; then single-node moves against all neighbours until
+none lowers the total (a changed node puts its neighbours back on the worklist); then, where data
+still moves, moves of many nodes at once - give a moved value another layout for all its consumers,
+or change its producer - each followed by choosing again everything downstream that now prefers
+another strategy, kept if the total fell. Inputs and `with_sharding_constraint` nodes have one
+candidate; requested output layouts are extra consumers; an output left to the partitioner only
+has to end without a pending sum.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import operator
 from collections import deque
 
@@ -24,10 +27,13 @@ import torch
 from torch.distributed.tensor import Partial, Replicate
 
 from ndfunc.partition import redistribute
+from ndfunc.partition.flops import node_flops
 from ndfunc.partition.layout import Layout
 from ndfunc.partition.strategies import Strategy, candidates, tensor_inputs, tensor_outputs
 
 Value = tuple  # (producing node, output index)
+FLOPS_PER_BYTE = 100.0  # floating-point work worth one byte sent (CPU-like; GPUs compute more per byte)
+EPS = 1e-6
 
 
 def finished(layout: Layout) -> Layout:
@@ -54,251 +60,301 @@ class Plan:
         return self.strategy[v[0]].outs[v[1]]
 
 
+_TRANSITIONS: dict = {}  # (shape, itemsize, src, dst, sizes) -> cost, shared by every problem
+
+
 class Problem:
+    """The graph as integers: nodes, values and layouts are indices, so the search hashes ints."""
+
     def __init__(self, graph: torch.fx.Graph, sizes: tuple[int, ...], input_layouts: list[Layout],
                  output_layouts: list[Layout | None]):
         self.sizes = sizes
         self.nodes: list[torch.fx.Node] = []
-        self.cands: dict[torch.fx.Node, list[Strategy]] = {}
-        self.inputs: dict[torch.fx.Node, list[Value]] = {}
-        self.consumers: dict[Value, list[tuple[torch.fx.Node, int]]] = {}
-        self.final: dict[Value, list[Layout | None]] = {}
-        self.meta: dict[Value, tuple[tuple[int, ...], int]] = {}
+        self.strategies: list[list[Strategy]] = []
+        self.c_ins: list[list[tuple]] = []  # node -> candidate -> layout id per input slot
+        self.c_outs: list[list[tuple]] = []  # node -> candidate -> layout id (or None) per output
+        self.c_work: list[list[float]] = []  # node -> candidate -> compute cost
+        self.inputs: list[list[int]] = []  # node -> value id per input slot
+        self.values: list[tuple[int, int]] = []  # value id -> (node id, output index)
+        self.value_ids: dict[tuple[int, int], int] = {}
+        self.value_meta: list[tuple] = []  # value id -> (shape, itemsize)
+        self.consumers: list[list[tuple[int, int]]] = []  # value id -> (node id, slot)
+        self.final: dict[int, list[int | None]] = {}  # value id -> requested layout ids (None: free)
+        self.layouts: list[Layout] = []
+        self.layout_ids: dict[Layout, int] = {}
+        self._costs: dict = {}
+        node_ids: dict[torch.fx.Node, int] = {}
         placeholders = iter(input_layouts)
         for node in graph.nodes:
             if node.op == "placeholder":
-                val = node.meta["val"]
-                self._add(node, [Strategy((next(placeholders),), ())], [])
-                self.meta[(node, 0)] = (tuple(val.shape), val.element_size())
+                self._add_node(node, node_ids, [Strategy((next(placeholders),), ())], [], [node.meta["val"]], 0)
             elif node.op == "call_function":
                 if node.target is operator.getitem and isinstance(node.args[0].meta.get("val"), (tuple, list)):
                     continue
-                ins = [value_of(a) for a in tensor_inputs(node)]
-                self._add(node, candidates(node, sizes), ins)
-                for j, t in enumerate(tensor_outputs(node)):
-                    if t is not None:
-                        self.meta[(node, j)] = (tuple(t.shape), t.element_size())
+                ins = [self._value(value_of(a), node_ids) for a in tensor_inputs(node)]
+                self._add_node(node, node_ids, candidates(node, sizes), ins, tensor_outputs(node), node_flops(node))
             elif node.op == "output":
-                leaves = node.args[0]
+                self.output_values = [self._value(value_of(a), node_ids) for a in node.args[0]]
                 self.requested = list(output_layouts)
-                self.output_values = [value_of(a) for a in leaves]
                 for v, lay in zip(self.output_values, output_layouts):
-                    self.final.setdefault(v, []).append(lay)
+                    self.final.setdefault(v, []).append(None if lay is None else self._layout(lay))
+        self.finished = {}
 
-    def _add(self, node, cands, ins) -> None:
+    def _layout(self, lay: Layout) -> int:
+        i = self.layout_ids.get(lay)
+        if i is None:
+            i = self.layout_ids[lay] = len(self.layouts)
+            self.layouts.append(lay)
+        return i
+
+    def _value(self, v: Value, node_ids) -> int:
+        return self.value_ids[(node_ids[v[0]], v[1])]
+
+    def _add_node(self, node, node_ids, strategies, ins, outs, flops) -> None:
+        n = node_ids[node] = len(self.nodes)
         self.nodes.append(node)
-        self.cands[node] = cands
-        self.inputs[node] = ins
+        self.strategies.append(strategies)
+        self.c_ins.append([tuple(self._layout(lay) for lay in s.ins) for s in strategies])
+        self.c_outs.append([tuple(None if lay is None else self._layout(lay) for lay in s.outs) for s in strategies])
+        self.c_work.append([self._work(s, flops) for s in strategies])
+        self.inputs.append(ins)
         for slot, v in enumerate(ins):
-            self.consumers.setdefault(v, []).append((node, slot))
+            self.consumers[v].append((n, slot))
+        for j, t in enumerate(outs):
+            if t is not None:
+                v = self.value_ids[(n, j)] = len(self.values)
+                self.values.append((n, j))
+                self.value_meta.append((tuple(t.shape), t.element_size()))
+                self.consumers.append([])
+
+    def _work(self, s: Strategy, flops: int) -> float:
+        """Work on one rank, in bytes-worth: divided over each mesh axis the strategy splits or
+        leaves partial, whole on axes where all its values are replicated."""
+        if not flops:
+            return 0.0
+        split = 1
+        for m, n in enumerate(self.sizes):
+            if any(lay is not None and not isinstance(lay[m], Replicate) for lay in s.ins + s.outs):
+                split *= n
+        return flops / split / FLOPS_PER_BYTE
 
     # --- costs ---------------------------------------------------------------------------------
-    _tcost: dict = {}
-
-    def tcost(self, v: Value, src: Layout, dst: Layout) -> float:
-        shape, itemsize = self.meta[v]
-        key = (shape, itemsize, src, dst, self.sizes)
-        c = Problem._tcost.get(key)
+    def tcost(self, v: int, a: int, b: int) -> float:
+        if a == b:
+            return 0.0
+        key = (v, a, b)
+        c = self._costs.get(key)
         if c is None:
-            c = Problem._tcost[key] = redistribute.cost(src, dst, shape, self.sizes, itemsize)
+            shape, itemsize = self.value_meta[v]
+            full = (shape, itemsize, self.layouts[a], self.layouts[b], self.sizes)
+            c = _TRANSITIONS.get(full)
+            if c is None:
+                c = _TRANSITIONS[full] = redistribute.cost(self.layouts[a], self.layouts[b], shape, self.sizes, itemsize)
+            self._costs[key] = c
         return c
 
-    def demands(self, v: Value, choice: dict, skip=None) -> set:
-        """Layouts `v` must take for its decided consumers (except node `skip`) and outputs."""
+    def finish(self, lay: int) -> int:
+        f = self.finished.get(lay)
+        if f is None:
+            f = self.finished[lay] = self._layout(finished(self.layouts[lay]))
+        return f
+
+    def out_layout(self, v: int, choice: list) -> int | None:
+        n, j = self.values[v]
+        return self.c_outs[n][choice[n]][j]
+
+    def demands(self, v: int, choice: list, skip: int = -1, forward: bool = False) -> set:
+        """Layouts `v` must take for its decided consumers (except `skip`; `forward`: only those
+        that cannot change)."""
         out = set()
-        for m, slot in self.consumers.get(v, ()):
-            if m is not skip and m in choice:
-                out.add(self.cands[m][choice[m]].ins[slot])
+        for m, slot in self.consumers[v]:
+            if m != skip and choice[m] >= 0 and not (forward and len(self.c_ins[m]) > 1):
+                out.add(self.c_ins[m][choice[m]][slot])
         return out
 
-    def output_cost(self, v: Value, lay: Layout) -> float:
-        total = 0.0
-        for want in set(self.final.get(v, ())):
-            total += self.tcost(v, lay, finished(lay) if want is None else want)
-        return total
-
-    def value_cost(self, v: Value, choice: dict) -> float:
-        """What moving `v` costs: from its produced layout to each one its consumers need."""
-        lay = self.cands[v[0]][choice[v[0]]].outs[v[1]]
-        if lay is None or v not in self.meta:
+    def output_cost(self, v: int, lay: int) -> float:
+        wants = self.final.get(v)
+        if not wants:
             return 0.0
-        return sum(self.tcost(v, lay, want) for want in self.demands(v, choice)) + self.output_cost(v, lay)
+        return sum(self.tcost(v, lay, self.finish(lay) if w is None else w) for w in set(wants))
 
-    def local_cost(self, node, s: Strategy, choice: dict, forward: bool = False) -> float:
-        """Cost terms that depend on `node`'s strategy, given every other node's (`forward`: only
-        the consumers that cannot change count, as when they will be chosen again next)."""
-        total = 0.0
-        by_value: dict[Value, set] = {}
-        for slot, v in enumerate(self.inputs[node]):
-            by_value.setdefault(v, set()).add(s.ins[slot])
-        for v, wanted in by_value.items():
-            p = v[0]
-            if p not in choice:
+    def value_cost(self, v: int, choice: list) -> float:
+        lay = self.out_layout(v, choice)
+        if lay is None:
+            return 0.0
+        return sum(self.tcost(v, lay, w) for w in self.demands(v, choice)) + self.output_cost(v, lay)
+
+    def local_cost(self, n: int, i: int, choice: list, forward: bool = False) -> float:
+        """Cost terms that depend on node `n` taking candidate `i`, given every other node's
+        (`forward`: consumers that can change, and siblings, are being chosen again after it)."""
+        total = self.c_work[n][i]
+        ins = self.c_ins[n][i]
+        inputs = self.inputs[n]
+        for slot, v in enumerate(inputs):
+            p, j = self.values[v]
+            if choice[p] < 0:
                 continue
-            have = self.cands[p][choice[p]].outs[v[1]]
-            # forward: siblings are being chosen again too, so a layout they want is not yet paid
-            for lay in wanted if forward else wanted - self.demands(v, choice, skip=node):
-                total += self.tcost(v, have, lay)
-        for j, lay in enumerate(s.outs):
-            v = (node, j)
-            if lay is None or v not in self.meta:
+            want = ins[slot]
+            if any(inputs[s] == v and ins[s] == want for s in range(slot)):
+                continue  # the same value, wanted the same way by another slot: already paid
+            if not forward and want in self.demands(v, choice, skip=n):
                 continue
-            for m, slot in self.consumers.get(v, ()):
-                if m in choice and not (forward and len(self.cands[m]) > 1):
-                    want = self.cands[m][choice[m]].ins[slot]
-                    if want != lay and all(self.cands[m2][choice[m2]].ins[s2] != want
-                                           for m2, s2 in self.consumers[v] if (m2, s2) < (m, slot) and m2 in choice
-                                           and not (forward and len(self.cands[m2]) > 1)):
-                        total += self.tcost(v, lay, want)
+            total += self.tcost(v, self.c_outs[p][choice[p]][j], want)
+        for j, lay in enumerate(self.c_outs[n][i]):
+            v = self.value_ids.get((n, j))
+            if lay is None or v is None:
+                continue
+            for want in self.demands(v, choice, forward=forward):
+                total += self.tcost(v, lay, want)
             total += self.output_cost(v, lay)
         return total
 
-    def neighbours(self, node) -> set:
+    def best(self, n: int, choice: list, forward: bool = False) -> int:
+        count = len(self.c_ins[n])
+        if count == 1:
+            return 0
+        costs = [self.local_cost(n, i, choice, forward) for i in range(count)]
+        best = min(range(count), key=costs.__getitem__)
+        current = choice[n]
+        if current >= 0 and costs[current] <= costs[best] + EPS:
+            return current  # keep on ties: the search only moves downhill
+        return best
+
+    def out_values(self, n: int) -> list[int]:
+        return [v for j in range(len(self.c_outs[n][0])) if (v := self.value_ids.get((n, j))) is not None]
+
+    def neighbours(self, n: int) -> set:
         out = set()
-        for v in self.inputs[node]:
-            out.add(v[0])
-            out.update(m for m, _ in self.consumers.get(v, ()))
-        for j in range(len(self.cands[node][0].outs)):
-            out.update(m for m, _ in self.consumers.get((node, j), ()))
-        out.discard(node)
+        for v in self.inputs[n]:
+            out.add(self.values[v][0])
+            out.update(m for m, _ in self.consumers[v])
+        for v in self.out_values(n):
+            out.update(m for m, _ in self.consumers[v])
+        out.discard(n)
         return out
 
-    def total(self, choice: dict) -> float:
-        total = 0.0
-        for node in self.nodes:
-            s = self.cands[node][choice[node]]
-            for j, lay in enumerate(s.outs):
-                v = (node, j)
-                if lay is None or v not in self.meta:
-                    continue
-                total += sum(self.tcost(v, lay, want) for want in self.demands(v, choice))
-                total += self.output_cost(v, lay)
-        return total
+    def total(self, choice: list) -> float:
+        return sum(self.c_work[n][choice[n]] for n in range(len(self.nodes))) + sum(
+            self.value_cost(v, choice) for v in range(len(self.values)))
 
     # --- search --------------------------------------------------------------------------------
     def solve(self, max_rounds: int = 50) -> Plan:
-        choice: dict = {}
-        for node in self.nodes:  # greedy, in program order
-            choice[node] = self._best(node, choice)
-        work = deque(n for n in self.nodes if len(self.cands[n]) > 1)
+        N = len(self.nodes)
+        choice = [-1] * N
+        for n in range(N):  # greedy, in program order
+            choice[n] = self.best(n, choice)
+        work = deque(n for n in range(N) if len(self.c_ins[n]) > 1)
         queued = set(work)
-        budget = max_rounds * len(self.nodes)
+        budget = max_rounds * N
         while work and budget > 0:
             budget -= 1
-            node = work.popleft()
-            queued.discard(node)
-            best = self._best(node, choice)
-            if best != choice[node]:
-                choice[node] = best
-                for m in self.neighbours(node):
-                    if m not in queued and len(self.cands[m]) > 1:
+            n = work.popleft()
+            queued.discard(n)
+            b = self.best(n, choice)
+            if b != choice[n]:
+                choice[n] = b
+                for m in self.neighbours(n):
+                    if m not in queued and len(self.c_ins[m]) > 1:
                         work.append(m)
                         queued.add(m)
-        self._improve_chains(choice)
-        strategy = {n: self.cands[n][choice[n]] for n in self.nodes}
-        outputs = [(v, finished(strategy[v[0]].outs[v[1]]) if want is None else want)
-                   for v, want in zip(self.output_values, self.requested)]
+        self._improve_together(choice)
+        strategy = {self.nodes[n]: self.strategies[n][choice[n]] for n in range(N)}
+        outputs = []
+        for v, want in zip(self.output_values, self.requested):
+            n, j = self.values[v]
+            value = (self.nodes[n], j)
+            outputs.append((value, finished(strategy[value[0]].outs[j]) if want is None else want))
         return Plan(self.sizes, strategy, outputs, self.total(choice))
 
-    def _improve_chains(self, choice: dict, rounds: int = 8) -> None:
-        """Moves one node cannot make alone, tried where data moves: (1) give a moved value a
-        different layout for all its consumers at once; (2) change one node. Either way every node
-        downstream that now prefers another strategy is chosen again, and the lot is kept if the
-        total fell. (Adam reads a gradient in four places: reduce-scattering it instead of
-        all-reducing it pays only if all four change together, and what they feed after them.)"""
-        self.order = {n: i for i, n in enumerate(self.nodes)}
+    def _improve_together(self, choice: list, rounds: int = 8) -> None:
+        """Where data still moves, try moves of many nodes at once. (Adam reads a gradient in four
+        places: reduce-scattering it instead of all-reducing it pays only if all four change
+        together, and what they feed.)"""
         for _ in range(rounds):
             improved = False
-            for v in self._hot_values(choice):
+            for v in [v for v in range(len(self.values)) if self.value_cost(v, choice) > 0]:
                 if self.value_cost(v, choice) <= 0:
                     continue
                 moves = [self._redirect(v, lay, choice) for lay in self._layouts_for(v, choice)]
-                moves += [self._chain(n, i, choice) for n in self._neighbourhood(v)
-                          for i in range(len(self.cands[n])) if i != choice[n]]
+                moves += self._producer_moves(v, choice)
                 delta, changes = min(moves, key=lambda m: m[0], default=(0.0, None))
-                if changes is not None and delta < -1e-6:
-                    choice.update(changes)
+                if changes is not None and delta < -EPS:
+                    for n, i in changes.items():
+                        choice[n] = i
                     improved = True
             if not improved:
                 return
 
-    def _hot_values(self, choice: dict) -> list:
-        """Values that move, in program order."""
-        return sorted((v for v in self.meta if v[0] in choice and self.value_cost(v, choice) > 0),
-                      key=lambda v: (self.order[v[0]], v[1]))
-
-    def _neighbourhood(self, v: Value) -> list:
-        nodes = [v[0]] + [m for m, _ in self.consumers.get(v, ())]
-        return [n for n in dict.fromkeys(nodes) if len(self.cands[n]) > 1]
-
-    def _layouts_for(self, v: Value, choice: dict) -> list:
-        """Layouts some consumer of `v` could take it in."""
+    def _layouts_for(self, v: int, choice: list) -> list[int]:
+        """Layouts some consumer of `v` could take it in, other than what they take now."""
         lays = set()
-        for m, slot in self.consumers.get(v, ()):
-            lays.update(s.ins[slot] for s in self.cands[m])
-        return sorted(lays, key=repr)
+        for m, slot in self.consumers[v]:
+            if len(self.c_ins[m]) > 1:
+                lays.update(ins[slot] for ins in self.c_ins[m])
+        return sorted(lays - self.demands(v, choice))
 
-    def _redirect(self, v: Value, lay: Layout, choice: dict) -> tuple[float, dict | None]:
+    def _redirect(self, v: int, lay: int, choice: list) -> tuple[float, dict | None]:
         old: dict = {}
-        for m, slot in self.consumers.get(v, ()):
-            if len(self.cands[m]) == 1 or self.cands[m][choice[m]].ins[slot] == lay:
+        for m, slot in self.consumers[v]:
+            if len(self.c_ins[m]) == 1 or self.c_ins[m][choice[m]][slot] == lay:
                 continue
-            options = [i for i, s in enumerate(self.cands[m]) if s.ins[slot] == lay]
+            options = [i for i, ins in enumerate(self.c_ins[m]) if ins[slot] == lay]
             if not options:
                 continue
             old.setdefault(m, choice[m])
-            choice[m] = min(options, key=lambda i: self.local_cost(m, self.cands[m][i], choice, forward=True))
+            choice[m] = min(options, key=lambda i: self.local_cost(m, i, choice, forward=True))
         if not old:
             return 0.0, None
         return self._settle(old, choice)
 
-    def _chain(self, node, idx: int, choice: dict) -> tuple[float, dict]:
-        old = {node: choice[node]}
-        choice[node] = idx
-        return self._settle(old, choice)
+    def _producer_moves(self, v: int, choice: list) -> list:
+        """Change the producer of `v` to make it in another layout (the best candidate per layout)."""
+        n, j = self.values[v]
+        if len(self.c_ins[n]) == 1:
+            return []
+        by_layout: dict[int, int] = {}
+        current = self.c_outs[n][choice[n]][j]
+        for i, outs in enumerate(self.c_outs[n]):
+            if outs[j] is None or outs[j] == current:
+                continue
+            if outs[j] not in by_layout or self.local_cost(n, i, choice, True) < self.local_cost(
+                    n, by_layout[outs[j]], choice, True):
+                by_layout[outs[j]] = i
+        moves = []
+        for i in by_layout.values():
+            old = {n: choice[n]}
+            choice[n] = i
+            moves.append(self._settle(old, choice))
+        return moves
 
-    def _settle(self, old: dict, choice: dict, limit: int = 256) -> tuple[float, dict]:
-        """Re-choose what lies downstream of the nodes in `old` (already changed in `choice`),
+    def _settle(self, old: dict, choice: list, limit: int = 128) -> tuple[float, dict]:
+        """Choose again what lies downstream of the nodes in `old` (already changed in `choice`),
         measure the change in total cost, restore `choice`; return (delta, the new choices)."""
-        import heapq
-
-        heap = [(self.order[m], id(m), m) for n in list(old) for j in range(len(self.cands[n][choice[n]].outs))
-                for m, _ in self.consumers.get((n, j), ())]
+        heap = [m for n in list(old) for v in self.out_values(n) for m, _ in self.consumers[v]]
         heapq.heapify(heap)
         seen = set(old)
         while heap and len(old) < limit:
-            _, _, m = heapq.heappop(heap)
-            if m in seen or len(self.cands[m]) == 1:
+            m = heapq.heappop(heap)
+            if m in seen or len(self.c_ins[m]) == 1:
                 continue
             seen.add(m)
-            best = self._best(m, choice, forward=True)
-            if best != choice[m]:
+            b = self.best(m, choice, forward=True)
+            if b != choice[m]:
                 old.setdefault(m, choice[m])
-                choice[m] = best
-                for j in range(len(self.cands[m][best].outs)):
-                    for m2, _ in self.consumers.get((m, j), ()):
-                        heapq.heappush(heap, (self.order[m2], id(m2), m2))
+                choice[m] = b
+                for v in self.out_values(m):
+                    for m2, _ in self.consumers[v]:
+                        heapq.heappush(heap, m2)
         values = set()
         for m in old:
             values.update(self.inputs[m])
-            values.update((m, j) for j in range(len(self.cands[m][0].outs)))
-        values &= self.meta.keys()
-        after = sum(self.value_cost(v, choice) for v in values)
+            values.update(self.out_values(m))
+        after = sum(self.value_cost(v, choice) for v in values) + sum(self.c_work[m][choice[m]] for m in old)
         new = {m: choice[m] for m in old}
-        choice.update(old)
-        before = sum(self.value_cost(v, choice) for v in values)
+        for m, i in old.items():
+            choice[m] = i
+        before = sum(self.value_cost(v, choice) for v in values) + sum(self.c_work[m][choice[m]] for m in old)
         return after - before, new
-
-    def _best(self, node, choice, forward: bool = False) -> int:
-        cands = self.cands[node]
-        if len(cands) == 1:
-            return 0
-        current = choice.get(node)
-        costs = [self.local_cost(node, s, choice, forward) for s in cands]
-        best = min(range(len(cands)), key=costs.__getitem__)
-        if current is not None and costs[current] <= costs[best] + 1e-9:
-            return current  # keep on ties: the search only moves downhill
-        return best
 
 
 def partition(graph: torch.fx.Graph, sizes: tuple[int, ...], input_layouts: list[Layout],

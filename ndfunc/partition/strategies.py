@@ -20,7 +20,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
-from torch.distributed.tensor._op_schema import OpSchema, OpSpec, OpStrategy
+from torch.distributed.tensor._op_schema import OpSchema, OpSpec, OpStrategy, TupleStrategy
 from torch.utils import _pytree as pytree
 
 from ndfunc.partition.layout import Layout, all_layouts, fits, replicated
@@ -154,29 +154,50 @@ def _from_single_dim(node, ins, outs, sizes) -> list[Strategy]:
 
 
 def _from_op_strategy(node, ins, outs, sizes) -> list[Strategy]:
+    """DTensor's full op strategies expect each input to arrive in one layout (they follow it).
+    Ask once per layout of each input, the others replicated, and pool the answers."""
+    found: list[Strategy] = []
+    errors = []
+    for i, a in enumerate(ins):
+        for lay in all_layouts(tuple(a.meta["val"].shape), sizes):
+            given = [replicated(len(sizes))] * len(ins)
+            given[i] = lay
+            try:
+                found += _ask(node, given, len(outs), sizes)
+            except Exception as e:  # noqa: BLE001 - a layout the rule rejects has no strategy
+                errors.append(e)
+    if not found:
+        raise NoStrategy(node.target) from (errors[0] if errors else None)
+    return found
+
+
+def _ask(node, given: list[Layout], n_outs: int, sizes) -> list[Strategy]:
     mesh = planning_mesh(sizes)
+    layouts = iter(given)
 
     def strategy_for(a: torch.fx.Node):
-        val = a.meta["val"]
-        return OpStrategy([OpSpec(DTensorSpec(mesh, lay, tensor_meta=_meta(val)))
-                           for lay in all_layouts(tuple(val.shape), sizes)])
+        return OpStrategy([OpSpec(DTensorSpec(mesh, next(layouts), tensor_meta=_meta(a.meta["val"])))])
 
     args, kwargs = pytree.tree_map_only(torch.fx.Node, lambda a: strategy_for(a) if isinstance(
         a.meta.get("val"), torch.Tensor) else a.meta.get("val"), (node.args, node.kwargs))
-    schema = OpSchema(node.target, tuple(args), kwargs,
+
+    def tuples(a):  # a list of tensors is one TupleStrategy, as DTensor's rules expect
+        if isinstance(a, (list, tuple)) and a and all(isinstance(x, OpStrategy) for x in a):
+            return TupleStrategy(tuple(a))
+        return a
+
+    schema = OpSchema(node.target, tuple(tuples(a) for a in args), {k: tuples(v) for k, v in kwargs.items()},
                       schema_info=propagator().op_to_schema_info.get(node.target))
-    try:
-        result = propagator().op_strategy_funcs[node.target](schema)
-    except Exception as e:  # noqa: BLE001
-        raise NoStrategy(node.target) from e
+    result = propagator().op_strategy_funcs[node.target](schema)
     if not isinstance(result, OpStrategy):
         raise NoStrategy(node.target)
     found = []
+    n_ins = len(given)
     for spec in result.strategies:
         out_specs = spec.output_specs
-        out_specs = out_specs if isinstance(out_specs, (tuple, list)) else (out_specs,) * max(len(outs), 1)
-        out_lays = tuple(None if s is None else tuple(s.placements) for s in out_specs)[:len(outs)]
-        in_specs = spec.input_specs if spec.input_specs is not None else (spec.output_spec,) * len(ins)
+        out_specs = out_specs if isinstance(out_specs, (tuple, list)) else (out_specs,) * max(n_outs, 1)
+        out_lays = tuple(None if s is None else tuple(s.placements) for s in out_specs)[:n_outs]
+        in_specs = spec.input_specs if spec.input_specs is not None else (spec.output_spec,) * n_ins
         found.append(Strategy(out_lays, tuple(tuple(s.placements) for s in in_specs)))
     return found
 
