@@ -150,7 +150,9 @@ class Jitted:
             except ShardingError as e:
                 raise type(e)(f"argument {e}") from None
             current = sharding_of(x)
-            if current is None or not current.is_equivalent_to(sharding, x.ndim):
+            if current is None and sharding.is_fully_replicated:
+                pass  # a plain tensor is the replicated global value already
+            elif current is None or not current.is_equivalent_to(sharding, x.ndim):
                 x = device_put(x, sharding)
         if isinstance(x, DTensor) and any(isinstance(p, _StridedShard) for p in x.placements):
             # programs hold plain nested splits only: an axis order other than the mesh's is
@@ -262,10 +264,11 @@ class Lowered:
         group_names = [mesh.device_mesh.get_group(i).group_name for i in axes] if axes else []
         program.local = lowering.lower(traced.graph, program.plan, [mesh.axis_names[i] for i in axes], group_names)
         apply_donation(program)
-        lowering.propagate_meta(program.local, program.local_inputs())
         for t in transforms:
             if hasattr(t, "lowered"):
+                program.ensure_meta()
                 t.lowered(program)
+                program._meta_ready = False  # the pass may have changed the program
         return Lowered(name, program, jitted, key)
 
     def as_text(self) -> str:

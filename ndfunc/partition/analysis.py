@@ -33,6 +33,7 @@ def _arg(a) -> str:
 
 
 def as_text(program) -> str:
+    program.ensure_meta()
     gm = program.local
     names = program.axis_names
     header = (f"# {program.name}: the program each rank runs; mesh "
@@ -69,6 +70,7 @@ def collectives(gm: torch.fx.GraphModule) -> list[dict]:
 def cost_analysis(program) -> dict:
     from ndfunc.partition.flops import graph_flops
 
+    program.ensure_meta()
     comms = collectives(program.local)
     by_kind: dict[str, float] = {}
     counts: dict[str, int] = {}

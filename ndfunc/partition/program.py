@@ -32,6 +32,16 @@ class Program:
     plan: Any = None  # ndfunc.partition.solve.Plan
     local: torch.fx.GraphModule | None = None
     donation: dict = dataclasses.field(default_factory=dict)  # output leaf -> input leaf it reuses
+    _meta_ready: bool = False
+
+    def ensure_meta(self) -> None:
+        """Fill `meta['val']` of the local program (fake tensors at local shapes), once. Running
+        needs none of it; reading the program (text, costs, transforms) does."""
+        if not self._meta_ready:
+            from ndfunc.partition.lower import propagate_meta
+
+            propagate_meta(self.local, self.local_inputs())
+            self._meta_ready = True
 
     @property
     def axis_names(self) -> tuple[str, ...]:

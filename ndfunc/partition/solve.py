@@ -286,12 +286,15 @@ class Problem:
                 return
 
     def _layouts_for(self, v: int, choice: list) -> list[int]:
-        """Layouts some consumer of `v` could take it in, other than what they take now."""
+        """The layouts, other than those wanted now, that some consumer of `v` could take it in
+        and that are cheapest to reach (a few per mesh axis: dearer ones rarely pay)."""
         lays = set()
         for m, slot in self.consumers[v]:
             if len(self.c_ins[m]) > 1:
                 lays.update(ins[slot] for ins in self.c_ins[m])
-        return sorted(lays - self.demands(v, choice))
+        have = self.out_layout(v, choice)
+        ranked = sorted(lays - self.demands(v, choice), key=lambda lay: (self.tcost(v, have, lay), lay))
+        return ranked[:3 * len(self.sizes) + 1]
 
     def _redirect(self, v: int, lay: int, choice: list) -> tuple[float, dict | None]:
         old: dict = {}

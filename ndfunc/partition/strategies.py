@@ -274,6 +274,25 @@ def local_args(node: torch.fx.Node, in_layouts: Sequence[Layout], sizes: tuple[i
     Nodes."""
     if not needs_local_args(node.target):
         return node.target, node.args, node.kwargs
+    key = (_signature(node), tuple(in_layouts), sizes)
+    if key not in _LOCAL_ARGS:
+        _LOCAL_ARGS[key] = _local_args(node, in_layouts, sizes)
+    op, args, kwargs = _LOCAL_ARGS[key]
+    nodes = tensor_inputs(node)
+    return op, *pytree.tree_map_only(_Slot, lambda s: nodes[s.index], (args, kwargs))
+
+
+class _Slot:
+    """Where the i-th tensor input goes in a cached argument template."""
+
+    def __init__(self, index: int):
+        self.index = index
+
+
+_LOCAL_ARGS: dict = {}
+
+
+def _local_args(node: torch.fx.Node, in_layouts: Sequence[Layout], sizes: tuple[int, ...]):
     mesh = planning_mesh(sizes)
     layouts = iter(in_layouts)
     args, kwargs = pytree.tree_map_only(torch.fx.Node, lambda a: DTensorSpec(
@@ -282,12 +301,15 @@ def local_args(node: torch.fx.Node, in_layouts: Sequence[Layout], sizes: tuple[i
     schema = OpSchema(node.target, tuple(args), kwargs,
                       schema_info=propagator().op_to_schema_info.get(node.target))
     sharding = propagator().propagate_op_sharding_non_cached(schema)
+    slots = iter(range(len(in_layouts)))
     if not sharding.use_val_from_redistribute_schema or sharding.redistribute_schema is None:
-        return node.target, node.args, node.kwargs
-    new = sharding.redistribute_schema
-    nodes = iter(tensor_inputs(node))
-    args, kwargs = pytree.tree_map(lambda x: next(nodes) if isinstance(x, DTensorSpec) else x,
-                                   (tuple(new.args_schema), dict(new.kwargs_schema)),
-                                   is_leaf=lambda x: isinstance(x, DTensorSpec))
-    return new.op, args, kwargs
+        new_op, args, kwargs = node.target, node.args, node.kwargs
+        is_tensor = lambda x: isinstance(x, torch.fx.Node) and isinstance(x.meta.get("val"), torch.Tensor)  # noqa: E731
+    else:
+        new = sharding.redistribute_schema
+        new_op, args, kwargs = new.op, tuple(new.args_schema), dict(new.kwargs_schema)
+        is_tensor = lambda x: isinstance(x, DTensorSpec)  # noqa: E731
+    args, kwargs = pytree.tree_map(lambda x: _Slot(next(slots)) if is_tensor(x) else x, (args, kwargs),
+                                   is_leaf=is_tensor)
+    return new_op, args, kwargs
 
