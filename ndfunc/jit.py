@@ -13,6 +13,7 @@ simulation, per-rank tensors - no DTensor dispatch), and wraps the results as DT
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 from collections.abc import Callable, Sequence
@@ -23,6 +24,7 @@ import torch
 from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from ndfunc import manual
 from ndfunc.donation import apply_donation, mark_donated
 from ndfunc.partition import lower as lowering
 from ndfunc.partition.analysis import as_text, cost_analysis
@@ -252,17 +254,22 @@ class Lowered:
             sharding = NamedSharding(mesh, spec)
             sharding.check(tuple(val.shape), f"with_sharding_constraint in {name}")
             node.meta["ndfunc_layout"] = _layout(sharding.placements, axes)
+        if manual.mark_regions(traced.graph):
+            for node in traced.graph.find_nodes(op="call_function", target=manual.enter_op) + \
+                    traced.graph.find_nodes(op="call_function", target=manual.exit_op):
+                node.meta["ndfunc_layout"] = _layout(NamedSharding(mesh, manual.spec_of(node)).placements, axes)
         program = Program(name=name, traced=traced, mesh=mesh, axes=tuple(axes), sizes=sizes,
                           in_layouts=in_layouts, out_layouts=out_layouts, donated=donated)
         try:
             program.plan = partition(traced.graph, sizes, in_layouts, out_layouts)
         except NoStrategy as e:
-            raise _no_strategy_error(name, traced, e) from None
+            raise _no_strategy_error(jitted, key, e) from None
         for t in transforms:
             if hasattr(t, "partitioned"):
                 t.partitioned(program)
         group_names = [mesh.device_mesh.get_group(i).group_name for i in axes] if axes else []
-        program.local = lowering.lower(traced.graph, program.plan, [mesh.axis_names[i] for i in axes], group_names)
+        program.local = lowering.lower(traced.graph, program.plan, [mesh.axis_names[i] for i in axes], group_names,
+                                       dict(zip(mesh.axis_names, mesh.axis_sizes)))
         apply_donation(program)
         for t in transforms:
             if hasattr(t, "lowered"):
@@ -354,23 +361,52 @@ def _output_layouts(name, traced: Traced, mesh: Mesh, out_shardings, axes) -> li
     return layouts
 
 
-def _no_strategy_error(name: str, traced: Traced, e: NoStrategy) -> Exception:
+def _no_strategy_error(jitted: Jitted, key, e: NoStrategy) -> Exception:
     op = e.args[0]
-    line = ""
-    for node in traced.graph.nodes:
-        if node.op == "call_function" and node.target is op:
-            line = _user_line(node)
-            break
+    line = _user_line(jitted, key, op)
     return NotImplementedError(
-        f"{name}: DTensor has no sharding rule for {op}{line}. Constrain its inputs to be replicated "
-        f"(nf.with_sharding_constraint(x, P())) or compute it inside nf.shard_map, where you place "
-        f"the data yourself."
+        f"{jitted.__name__}: DTensor has no sharding rule for {op}{line}. Replicate its inputs with "
+        f"nf.with_sharding_constraint(x, P()) (it then runs whole on every rank), or compute it inside "
+        f"nf.shard_map, where you place the data yourself."
     )
 
 
-def _user_line(node: torch.fx.Node) -> str:
-    trace_text = node.meta.get("stack_trace") or ""
-    frames = [ln.strip() for ln in trace_text.strip().splitlines() if ln.strip().startswith("File ")]
-    user = [f for f in frames if "/torch/" not in f and "/ndfunc/" not in f]
-    return f", made at {user[-1]}" if user else ""
+def _user_line(jitted: Jitted, key, op) -> str:
+    """', made at file:line (code)' for the first call of `op` from the user's code: the function
+    run once more on fake tensors, watched op by op."""
+    import linecache
+    import os
+    import traceback
 
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed._local_tensor import local_tensor_mode
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    library = (os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(__file__)), os.path.dirname(optree.__file__))
+    found: list = []
+
+    class Watch(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is op and not found:
+                frames = [f for f in traceback.extract_stack() if not f.filename.startswith(library)
+                          and "site-packages" not in f.filename and not f.filename.startswith("<")]
+                found.extend(frames[-1:])
+            return func(*args, **(kwargs or {}))
+
+    treespec, statics, leaves = key
+    simulated = local_tensor_mode()
+    try:
+        with simulated.disable() if simulated is not None else contextlib.nullcontext():
+            with FakeTensorMode():
+                fakes = [torch.empty(s, dtype=d) for s, d, _, _ in leaves]
+                dyn_args, kwargs = optree.tree_unflatten(treespec, fakes)
+                static = dict(statics)
+                with Watch():
+                    jitted.fn(*[static[i] if i in static else a for i, a in enumerate(dyn_args)], **kwargs)
+    except Exception:  # noqa: BLE001 - the line is a courtesy; the error is the op
+        pass
+    if not found:
+        return ""
+    f = found[0]
+    code = (f.line or linecache.getline(f.filename, f.lineno)).strip()
+    return f", made at {f.filename}:{f.lineno} ({code})"

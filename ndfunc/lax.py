@@ -73,14 +73,19 @@ def _wait(x: torch.Tensor) -> torch.Tensor:
     return funcol.wait_tensor(x) if isinstance(x, funcol.AsyncCollectiveTensor) else x
 
 
+# The collectives run inside autograd Functions that define their own transposes, so their own
+# autograd must not engage (under torch.func.grad it would, and it cannot be transformed).
+@torch.no_grad()
 def _all_reduce(x, op, group):
     return _wait(funcol.all_reduce(x, op, group))
 
 
+@torch.no_grad()
 def _all_gather(x, dim, group):
     return _wait(funcol.all_gather_single(x.contiguous(), dim, group))
 
 
+@torch.no_grad()
 def _reduce_scatter(x, dim, group):
     return _wait(funcol.reduce_scatter_single(x.contiguous(), "sum", dim, group))
 
@@ -217,6 +222,12 @@ def axis_index(axis_name: AxisName) -> torch.Tensor:
 
     from torch.distributed._local_tensor import local_tensor_mode
 
+    from ndfunc.trace import is_tracing
+
+    if is_tracing():  # in nf.jit's program: read from the rank's coordinates when it runs
+        from ndfunc import manual
+
+        return manual.axis_index(names, mesh.device_mesh.device_type)
     mode = local_tensor_mode()
     if mode is not None:
         return mode.rank_map(lambda r: torch.tensor(position(mesh.coordinate(r))))
@@ -281,7 +292,8 @@ def all_to_all(x: torch.Tensor, axis_name: AxisName, split_dim: int, concat_dim:
 
 def _exchange(x, split_dim, concat_dim, group, size):
     blocks = x.movedim(split_dim, 0).unflatten(0, (size, -1))  # (size, block, ...): block j for j
-    arrived = _wait(funcol.all_to_all_single(blocks.contiguous(), None, None, group))  # (size, block, ...) from i
+    with torch.no_grad():
+        arrived = _wait(funcol.all_to_all_single(blocks.contiguous(), None, None, group))  # (size, block, ...) from i
     arrived = arrived.flatten(0, 1).movedim(0, split_dim)  # back in place: split_dim holds the arrivals
     if concat_dim == split_dim:
         return arrived

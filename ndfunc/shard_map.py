@@ -19,11 +19,13 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
+from ndfunc import manual
 from ndfunc.lax import enter_input, leave_output, manual_axes
 from ndfunc.sharding.errors import ShardingError
 from ndfunc.sharding.mesh import Mesh, get_mesh
 from ndfunc.sharding.named_sharding import NamedSharding
 from ndfunc.sharding.partition_spec import PartitionSpec
+from ndfunc.trace import is_tracing
 from ndfunc.transfer import device_put, from_local
 from ndfunc.tree import tree_broadcast_prefix, tree_map_with_path
 
@@ -71,6 +73,9 @@ def _spec(path: str, spec: Any, what: str) -> PartitionSpec:
 
 def _to_local(mesh: Mesh, path: str, x: Any, spec: Any) -> torch.Tensor:
     sharding = NamedSharding(mesh, _spec(path, spec, "in_specs"))
+    if is_tracing():  # inside nf.jit: a global value becomes this rank's block in the program
+        sharding.check(tuple(x.shape), path)
+        return enter_input(manual.enter(x, sharding.spec, sharding.shard_shape(tuple(x.shape))), mesh, sharding.spec)
     if isinstance(x, DTensor):
         # DTensor's redistribute (a no-op when x is laid out so already) keeps x's autograd history;
         # device_put would hand back detached values.
@@ -87,6 +92,8 @@ def _from_local(mesh: Mesh, path: str, y: Any, spec: Any) -> DTensor:
     if len(sharding.spec) > y.ndim:
         raise ShardingError(f"out_specs {sharding.spec!r} at {path or 'the root'!r} has more entries than the result's {y.ndim} dims.")
     shape = torch.Size(n * sharding.num_blocks(d) for d, n in enumerate(y.shape))
+    if is_tracing():
+        return manual.exit(leave_output(y, mesh, sharding.spec), sharding.spec, shape)
     return from_local(leave_output(y, mesh, sharding.spec), mesh.device_mesh, sharding.placements, shape)
 
 

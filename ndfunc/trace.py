@@ -11,6 +11,7 @@ step costs what its graph costs.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -23,6 +24,14 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from ndfunc.constraints import decode_spec, sharding_constraint_op
 from ndfunc.sharding.partition_spec import PartitionSpec
+
+
+_tracing: contextvars.ContextVar[bool] = contextvars.ContextVar("ndfunc_tracing", default=False)
+
+
+def is_tracing() -> bool:
+    """Whether code runs inside `trace` (values are global-shaped fakes, not per-rank data)."""
+    return _tracing.get()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,11 +78,13 @@ class Traced:
         return self.out_tree.unflatten(self.graph_module(*leaves))
 
 
-def trace(fn: Callable, args: Sequence[Any], kwargs: dict | None = None, *, static_argnums: Sequence[int] = ()) -> Traced:
+def trace(fn: Callable, args: Sequence[Any], kwargs: dict | None = None, *, static_argnums: Sequence[int] = (),
+          record_stack_traces: bool = False) -> Traced:
     """Trace `fn(*args, **kwargs)` into a `Traced` program over the global shapes of its tensors.
 
     Arguments at `static_argnums` are not traced (a config, a model description): they are baked
     into the program. Every other leaf must be a tensor (a DTensor counts by its global shape).
+    `record_stack_traces` keeps each node's Python stack in `node.meta['stack_trace']` (slower).
     """
     kwargs = dict(kwargs or {})
     static = {i % len(args) for i in static_argnums} if args else set()
@@ -102,7 +113,11 @@ def trace(fn: Callable, args: Sequence[Any], kwargs: dict | None = None, *, stat
     with mode.disable() if mode is not None else contextlib.nullcontext():
         with FakeTensorMode(allow_non_fake_inputs=True):
             fakes = [torch.empty(s.shape, dtype=s.dtype, device=d) for s, d in zip(in_specs, devices)]
-        graph_module = make_fx(flat_fn, tracing_mode="fake")(*fakes)
+        token = _tracing.set(True)
+        try:
+            graph_module = make_fx(flat_fn, tracing_mode="fake", record_stack_traces=record_stack_traces)(*fakes)
+        finally:
+            _tracing.reset(token)
     out_specs = tuple(TensorSpec(tuple(n.meta["val"].shape), n.meta["val"].dtype)
                       for n in graph_module.graph.find_nodes(op="output")[0].args[0])
     return Traced(graph_module, in_tree, trees[-1], in_specs, out_specs, paths, frozenset(static))

@@ -23,6 +23,10 @@ def node_flops(node: torch.fx.Node) -> int:
     if node.op != "call_function":
         return 0
     target = node.target
+    attention = (aten._scaled_dot_product_flash_attention_for_cpu.default,
+                 aten._scaled_dot_product_flash_attention_for_cpu_backward.default)
+    if target not in attention and getattr(target, "overloadpacket", None) not in flop_registry:
+        return 0
     vals = pytree.tree_map_only(torch.fx.Node, lambda a: a.meta.get("val"), (node.args, node.kwargs))
     if target is aten._scaled_dot_product_flash_attention_for_cpu.default:
         return _attention(vals[0][0], vals[0][1])

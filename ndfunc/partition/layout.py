@@ -17,6 +17,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 Layout = tuple  # of placements, one per partitioned mesh axis
 
 R = Replicate()
+MANUAL: Layout = ("manual",)  # a value inside a shard_map region: already this rank's own block
 PARTIAL_OPS = ("sum", "avg")  # reductions the lowering knows how to finish
 
 
@@ -59,6 +60,8 @@ def is_partial(layout: Layout) -> bool:
 
 def describe(layout: Layout, names: Sequence[str]) -> str:
     """`{dp: S(0), tp: P(sum)}`-style text; `{}` for fully replicated."""
+    if layout == MANUAL:
+        return "{manual}"
     parts = []
     for p, name in zip(layout, names):
         if isinstance(p, Shard):

@@ -11,12 +11,14 @@ number and one program serves every simulated rank. Each collective node carries
 
 from __future__ import annotations
 
+import json
 import operator
 from collections.abc import Sequence
 
 import torch
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
+from ndfunc import manual
 from ndfunc.constraints import sharding_constraint_op
 from ndfunc.partition import redistribute
 from ndfunc.partition.layout import Layout
@@ -26,6 +28,8 @@ from ndfunc.partition.strategies import local_args, tensor_inputs
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
 _RESHAPES = {aten.view.default: aten.reshape.default, aten._unsafe_view.default: aten.reshape.default}
+_MANUAL_COMMS = (c10d.all_reduce.default, c10d.all_gather_into_tensor.default, c10d.reduce_scatter_tensor.default,
+                 c10d.all_to_all_single.default)
 
 
 class _Emitter:
@@ -54,6 +58,29 @@ class _Emitter:
                 node = self.emit(step, node, val)
             self.env[key] = node
         return self.env[key]
+
+    def axis_index(self, names: Sequence[str], mesh_sizes: dict[str, int]) -> torch.fx.Node:
+        """This rank's position along `names` (major to minor), from `coords`."""
+        index = self.call(aten.scalar_tensor.default, 0, dtype=torch.int64)
+        for name in names:
+            if mesh_sizes[name] > 1:
+                coord = self.call(aten.select.int, self.coords, 0, self.axis_names.index(name))
+                index = self.call(aten.add.Tensor, self.call(aten.mul.Tensor, index, mesh_sizes[name]), coord)
+        return index
+
+    def manual_comm(self, node: torch.fx.Node) -> dict:
+        """What a collective the user wrote (nf.lax, in a shard_map) moves."""
+        kind = {c10d.all_reduce.default: "all_reduce", c10d.all_gather_into_tensor.default: "all_gather",
+                c10d.reduce_scatter_tensor.default: "reduce_scatter",
+                c10d.all_to_all_single.default: "all_to_all"}[node.target]
+        group = node.args[-1]
+        axis = self.axis_names[self.group_names.index(group)] if group in self.group_names else "axes of the region"
+        n = self.sizes[self.group_names.index(group)] if group in self.group_names else 2
+        val = node.args[0].meta["val"]
+        nbytes = val.numel() * val.element_size()
+        moved = {"all_reduce": 2 * (n - 1) / n, "all_gather": n - 1, "reduce_scatter": (n - 1) / n,
+                 "all_to_all": (n - 1) / n}[kind] * nbytes
+        return {"kind": kind, "axes": (axis,), "bytes": nbytes * (n if kind == "all_gather" else 1), "moved": moved}
 
     def emit(self, step: redistribute.Step, x: torch.fx.Node, val: torch.Tensor) -> torch.fx.Node:
         group, n, d = self.group_names[step.axis], step.size, step.dim
@@ -96,9 +123,12 @@ def _numel(shape) -> int:
     return n
 
 
-def lower(graph: torch.fx.Graph, plan: Plan, axis_names: Sequence[str], group_names: Sequence[str]) -> torch.fx.GraphModule:
+def lower(graph: torch.fx.Graph, plan: Plan, axis_names: Sequence[str], group_names: Sequence[str],
+          mesh_sizes: dict[str, int] | None = None) -> torch.fx.GraphModule:
     """The local program of `graph` under `plan`: inputs are the local blocks of the original
-    inputs, then `coords`; outputs are local blocks in `plan.outputs`' layouts."""
+    inputs, then `coords`; outputs are local blocks in `plan.outputs`' layouts. `mesh_sizes`
+    (every mesh axis, size-1 ones too) places `nf.lax.axis_index` over several axes."""
+    mesh_sizes = dict(mesh_sizes or dict(zip(axis_names, plan.sizes)))
     e = _Emitter(plan, axis_names, group_names)
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     for node in placeholders:
@@ -110,18 +140,25 @@ def lower(graph: torch.fx.Graph, plan: Plan, axis_names: Sequence[str], group_na
         s = plan.strategy[node]
         args = tensor_inputs(node)
         locals_ = [e.local(value_of(a), lay, a.meta["val"]) for a, lay in zip(args, s.ins)]
-        if node.target is sharding_constraint_op:
-            e.produced[(node, 0)] = locals_[0]
+        if node.target in (sharding_constraint_op, manual.enter_op, manual.exit_op):
+            e.produced[(node, 0)] = locals_[0]  # the layouts were the point; the value is the same
             continue
-        op, a, kw = local_args(node, s.ins, plan.sizes)
-        # a block of a viewable value need not be viewable (its strides differ): reshape, which
-        # views when it can and copies when it must
-        op = _RESHAPES.get(op, op)
+        if node.target is manual.axis_index_op:
+            e.produced[(node, 0)] = e.axis_index(json.loads(node.args[0]), mesh_sizes)
+            continue
+        if node.meta.get("ndfunc_manual"):  # already per rank, as the user wrote it
+            op, a, kw = node.target, node.args, node.kwargs
+        else:
+            op, a, kw = local_args(node, s.ins, plan.sizes)
+            # a block of a viewable value need not be viewable (its strides differ): reshape,
+            # which views when it can and copies when it must
+            op = _RESHAPES.get(op, op)
         mapping = iter(locals_)
         a, kw = torch.utils._pytree.tree_map_only(
             torch.fx.Node, lambda x: next(mapping) if isinstance(x.meta.get("val"), torch.Tensor) else x, (a, kw))
         out = e.graph.call_function(op, tuple(a), dict(kw))
-        out.meta["stack_trace"] = node.meta.get("stack_trace")
+        if op in _MANUAL_COMMS:
+            out.meta["ndfunc_comm"] = e.manual_comm(node)
         if isinstance(node.meta.get("val"), (tuple, list)):
             for j, lay in enumerate(s.outs):
                 if lay is not None:

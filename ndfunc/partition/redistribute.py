@@ -22,7 +22,7 @@ from collections.abc import Sequence
 
 from torch.distributed.tensor import Partial, Replicate, Shard
 
-from ndfunc.partition.layout import Layout, local_shape
+from ndfunc.partition.layout import MANUAL, Layout, local_shape
 
 COLLECTIVES = ("all_gather", "all_reduce", "reduce_scatter")
 
@@ -60,6 +60,8 @@ def plan(src: Layout, dst: Layout, shape: Sequence[int], sizes: Sequence[int]) -
     """The steps turning a value of global `shape` from `src` into `dst`; None if impossible."""
     if src == dst:
         return []
+    if MANUAL in (src, dst):
+        return None  # a region's values leave it only through its exit
     k = len(src)
     for s, d in zip(src, dst):
         if isinstance(d, Partial) and s != d:

@@ -28,7 +28,7 @@ from torch.distributed.tensor import Partial, Replicate
 
 from ndfunc.partition import redistribute
 from ndfunc.partition.flops import node_flops
-from ndfunc.partition.layout import Layout
+from ndfunc.partition.layout import MANUAL, Layout
 from ndfunc.partition.strategies import Strategy, candidates, tensor_inputs, tensor_outputs
 
 Value = tuple  # (producing node, output index)
@@ -134,7 +134,7 @@ class Problem:
             return 0.0
         split = 1
         for m, n in enumerate(self.sizes):
-            if any(lay is not None and not isinstance(lay[m], Replicate) for lay in s.ins + s.outs):
+            if any(lay is not None and (lay == MANUAL or not isinstance(lay[m], Replicate)) for lay in s.ins + s.outs):
                 split *= n
         return flops / split / FLOPS_PER_BYTE
 

@@ -23,7 +23,8 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._op_schema import OpSchema, OpSpec, OpStrategy, TupleStrategy
 from torch.utils import _pytree as pytree
 
-from ndfunc.partition.layout import Layout, all_layouts, fits, replicated
+from ndfunc import manual
+from ndfunc.partition.layout import MANUAL, Layout, all_layouts, fits, replicated
 
 aten = torch.ops.aten
 
@@ -75,16 +76,22 @@ def _meta(t: torch.Tensor) -> TensorMeta:
 
 
 def _signature(node: torch.fx.Node) -> tuple:
-    def key(a):
+    """What a node's strategies depend on: its op, its tensors' shapes and dtypes, other args."""
+    leaves, spec = pytree.tree_flatten((node.args, node.kwargs))
+    key = []
+    for a in leaves:
         if isinstance(a, torch.fx.Node):
             v = a.meta.get("val")
-            return ("T", tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else ("N", repr(v))
-        return a
-    return (node.target, repr(pytree.tree_map(key, (node.args, node.kwargs))))
+            key.append((tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else ("N", repr(v)))
+        else:
+            key.append(a if isinstance(a, (int, float, bool, str, type(None))) else repr(a))
+    return (node.target, str(spec), tuple(key))
 
 
 def candidates(node: torch.fx.Node, sizes: tuple[int, ...]) -> list[Strategy]:
     """Every strategy for `node` on a mesh of `sizes` whose layouts fit the values' shapes."""
+    if node.meta.get("ndfunc_manual") or node.target is manual.exit_op:
+        return _manual_rule(node, sizes)
     cache = _CACHE.setdefault(sizes, {})
     sig = _signature(node)
     if sig not in cache:
@@ -108,6 +115,8 @@ def _candidates(node: torch.fx.Node, sizes: tuple[int, ...]) -> list[Strategy]:
         found = _from_single_dim(node, ins, outs, sizes)
     elif op in propagator().op_strategy_funcs:
         found = _from_op_strategy(node, ins, outs, sizes)
+    elif all(_constrained_replicated(a) for a in ins):
+        found = _replicated_rule(node, sizes)  # no rule, but the user replicated every input
     else:
         raise NoStrategy(op)
     shapes_in = [tuple(a.meta["val"].shape) for a in ins]
@@ -123,6 +132,14 @@ def _candidates(node: torch.fx.Node, sizes: tuple[int, ...]) -> list[Strategy]:
     if not kept:
         raise NoStrategy(op)
     return kept
+
+
+def _constrained_replicated(a: torch.fx.Node) -> bool:
+    from ndfunc.constraints import sharding_constraint_op
+
+    layout = a.meta.get("ndfunc_layout")
+    return a.target is sharding_constraint_op and layout is not None and all(
+        isinstance(p, Replicate) for p in layout)
 
 
 def _placeholder_to_shard(p):
@@ -228,6 +245,21 @@ def _attention_rule(node, sizes) -> list[Strategy]:
             return tuple(lay)
         found.append(Strategy(tuple(follow(o) for o in outs), tuple(follow(a.meta["val"]) for a in ins)))
     return found
+
+
+def _manual_rule(node, sizes) -> list[Strategy]:
+    """Inside a shard_map region every value is a rank's own block; a value from outside it
+    (a captured constant) comes whole. The region's entry and exit have the specs' layouts."""
+    from ndfunc.partition.solve import value_of
+
+    k = len(sizes)
+    outs = tensor_outputs(node)
+    if node.target is manual.enter_op:
+        return [Strategy((MANUAL,), (node.meta["ndfunc_layout"],))]
+    if node.target is manual.exit_op:
+        return [Strategy((node.meta["ndfunc_layout"],), (MANUAL,))]
+    ins = tuple(MANUAL if value_of(a)[0].meta.get("ndfunc_manual") else replicated(k) for a in tensor_inputs(node))
+    return [Strategy(tuple(None if o is None else MANUAL for o in outs), ins)]
 
 
 def _constraint_rule(node, sizes) -> list[Strategy]:

@@ -1,0 +1,100 @@
+"""Manual regions in a traced program: where `nf.shard_map` runs inside `nf.jit`.
+
+Traced, a shard_map is three kinds of node. `ndfunc.enter_manual(x, spec)` takes a global value
+laid out by `spec` to this rank's block; `ndfunc.exit_manual(y, spec, shape)` takes blocks back to
+a global value laid out by `spec`; between them every op is already per rank (its shapes are block
+shapes, its collectives are the `nf.lax` ones the user wrote, `ndfunc.axis_index(axes)` is the
+rank's position). The partitioner fixes the two boundary layouts and leaves the region alone; the
+lowering copies the region into the local program as it is. Their gradients are each other, so the
+backward of a region is a region too.
+"""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from ndfunc.constraints import decode_spec, encode_spec
+
+_lib = torch.library.Library("ndfunc", "FRAGMENT")
+_lib.define("enter_manual(Tensor x, str spec, int[] block) -> Tensor")
+_lib.define("exit_manual(Tensor y, str spec, int[] shape) -> Tensor")
+_lib.define("axis_index(str axes, Device device) -> Tensor")
+
+
+def _outside(*args, **kwargs):
+    raise RuntimeError("ndfunc manual-region ops exist only in programs that nf.jit traces and lowers.")
+
+
+for _name in ("enter_manual", "exit_manual", "axis_index"):
+    _lib.impl(_name, _outside, "CompositeExplicitAutograd")
+_lib.impl("enter_manual", lambda x, spec, block: x.new_empty(block), "Meta")
+_lib.impl("exit_manual", lambda y, spec, shape: y.new_empty(shape), "Meta")
+_lib.impl("axis_index", lambda axes, device: torch.empty((), dtype=torch.int64, device="meta"), "Meta")
+
+
+@torch.library.register_fake("ndfunc::axis_index", lib=_lib)
+def _axis_index_fake(axes, device):
+    return torch.empty((), dtype=torch.int64, device=device)
+
+
+enter_op = torch.ops.ndfunc.enter_manual.default
+exit_op = torch.ops.ndfunc.exit_manual.default
+axis_index_op = torch.ops.ndfunc.axis_index.default
+
+
+class _Enter(torch.autograd.Function):
+    @staticmethod
+    def forward(x, spec, block, shape):
+        return enter_op(x, spec, block)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.spec, ctx.shape = inputs[1], inputs[3]
+
+    @staticmethod
+    def backward(ctx, grad):
+        return exit_op(grad, ctx.spec, ctx.shape), None, None, None
+
+
+class _Exit(torch.autograd.Function):
+    @staticmethod
+    def forward(y, spec, shape, block):
+        return exit_op(y, spec, shape)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.spec, ctx.block = inputs[1], inputs[3]
+
+    @staticmethod
+    def backward(ctx, grad):
+        return enter_op(grad, ctx.spec, ctx.block), None, None, None
+
+
+def enter(x: torch.Tensor, spec, block) -> torch.Tensor:
+    return _Enter.apply(x, encode_spec(spec), list(block), list(x.shape))
+
+
+def exit(y: torch.Tensor, spec, shape) -> torch.Tensor:  # noqa: A001 - the pair of enter
+    return _Exit.apply(y, encode_spec(spec), list(shape), list(y.shape))
+
+
+def axis_index(axes: tuple[str, ...], device) -> torch.Tensor:
+    return axis_index_op(json.dumps(list(axes)), device)
+
+
+def spec_of(node: torch.fx.Node):
+    return decode_spec(node.args[1])
+
+
+def mark_regions(graph: torch.fx.Graph) -> bool:
+    """Set `meta['ndfunc_manual']` on every node inside a region; whether there is any."""
+    any_region = False
+    for node in graph.nodes:
+        if node.op != "call_function" or node.target is exit_op:
+            continue
+        if node.target in (enter_op, axis_index_op) or any(a.meta.get("ndfunc_manual") for a in node.all_input_nodes):
+            node.meta["ndfunc_manual"] = True
+            any_region = True
+    return any_region

@@ -1,0 +1,183 @@
+"""The partitioner on the canonical programs: collective counts and bytes of the lowered program
+equal the analytic optimum, and the collectives that actually run are those (counted by a dispatch
+mode during the run, which also checks that no DTensor reaches an op)."""
+
+import optree
+import pytest
+import torch
+from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import ndfunc as nf
+from ndfunc.sharding import P
+
+TOL = dict(rtol=1e-5, atol=1e-5)
+D, F, B = 16, 32, 512  # tokens per rank well above the hidden size, as in training
+C10D = {"all_reduce": torch.ops._c10d_functional.all_reduce.default,
+        "all_gather": torch.ops._c10d_functional.all_gather_into_tensor.default,
+        "reduce_scatter": torch.ops._c10d_functional.reduce_scatter_tensor.default}
+
+
+class CountRun(TorchDispatchMode):
+    """Counts the collectives that run; fails on any op that receives a DTensor."""
+
+    def __init__(self):
+        super().__init__()
+        self.counts = {k: 0 for k in C10D}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        for x in optree.tree_leaves((args, kwargs or {})):
+            assert not isinstance(x, DTensor), f"{func} got a DTensor inside a compiled step"
+        for kind, op in C10D.items():
+            if func is op:
+                self.counts[kind] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def mlp_loss(p, x, y):
+    h = torch.relu(x @ p["w1"])
+    return ((h @ p["w2"] - y) ** 2).mean()
+
+
+def data(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    params = {"w1": torch.randn(D, F, generator=g) / 4, "w2": torch.randn(F, D, generator=g) / 4}
+    return params, torch.randn(B, D, generator=g), torch.randn(B, D, generator=g)
+
+
+def adam_step():
+    opt = nf.optim.adam(1e-2)
+
+    def step(p, s, x, y):
+        loss, g = nf.value_and_grad(mlp_loss)(p, x, y)
+        u, s = opt.update(g, s, p)
+        return nf.optim.apply_updates(p, u), s, loss
+
+    return opt, step
+
+
+def run_counted(jitted, *args):
+    with CountRun() as mode:
+        out = jitted(*args)
+    return out, {k: v for k, v in mode.counts.items() if v}
+
+
+def program_counts(lowered) -> dict:
+    return lowered.cost_analysis()["collectives"]
+
+
+def assert_same(got, expected, **tol):
+    for a, b in zip(optree.tree_leaves(nf.device_get(got)), optree.tree_leaves(expected)):
+        torch.testing.assert_close(a, b, **(tol or TOL))
+
+
+def test_dp_step_all_reduces_each_gradient_once_and_nothing_else():
+    params, x, y = data()
+    opt, step = adam_step()
+    state = opt.init(params)
+    expected = step(params, state, x, y)
+    with nf.simulate(4):
+        mesh = nf.make_mesh(dp=4)
+        specs = {"w1": P(), "w2": P()}
+        sspecs = nf.optim.state_shardings(state, specs)
+        jitted = nf.jit(step, mesh=mesh, in_shardings=(specs, sspecs, P("dp"), P("dp")),
+                        out_shardings=(specs, sspecs, P()))
+        lowered = jitted.lower(params, state, x, y)
+        costs = lowered.cost_analysis()
+        # one all-reduce per gradient, plus the loss (a scalar): no parameter, no activation
+        assert costs["collectives"] == {"all_reduce": 3}
+        grad_bytes = (D * F + F * D) * 4
+        assert costs["comm_bytes"]["total"] == pytest.approx(2 * 3 / 4 * (grad_bytes + 4))
+        out, ran = run_counted(jitted, params, state, x, y)
+        assert ran == {"all_reduce": 3}
+        assert_same(out, expected)
+
+
+def test_megatron_mlp_all_reduces_the_activation_once_forward_and_once_backward():
+    params, x, y = data()
+
+    def grads(p, x, y):  # the gradient reaches x too: the backward all-reduce of a layer's input
+        return nf.grad(mlp_loss, argnums=(0, 1))(p, x, y)
+
+    expected = grads(params, x, y)
+    with nf.simulate(4):
+        mesh = nf.make_mesh(tp=4)
+        specs = {"w1": P(None, "tp"), "w2": P("tp", None)}
+        jitted = nf.jit(grads, mesh=mesh, in_shardings=(specs, P(), P()), out_shardings=(specs, P()))
+        lowered = jitted.lower(params, x, y)
+        text = lowered.as_text()
+        costs = lowered.cost_analysis()
+        assert costs["collectives"] == {"all_reduce": 2}
+        assert text.count("all_reduce over ('tp',): 32768 B") == 2  # each of B x D float32
+        out, ran = run_counted(jitted, params, x, y)
+        assert ran == {"all_reduce": 2}
+        assert_same(out, expected)
+
+
+def test_fsdp_gathers_each_parameter_and_reduce_scatters_each_gradient():
+    params, x, y = data()
+    opt, step = adam_step()
+    state = opt.init(params)
+    expected = step(params, state, x, y)
+    with nf.simulate(4):
+        mesh = nf.make_mesh(dp_shard=4)
+        specs = {"w1": P("dp_shard"), "w2": P("dp_shard")}
+        sspecs = nf.optim.state_shardings(state, specs)
+        jitted = nf.jit(step, mesh=mesh, in_shardings=(specs, sspecs, P("dp_shard"), P("dp_shard")),
+                        out_shardings=(specs, sspecs, P()))
+        costs = jitted.lower(params, state, x, y).cost_analysis()
+        assert costs["collectives"] == {"all_gather": 2, "reduce_scatter": 2, "all_reduce": 1}
+        param_bytes = 2 * D * F * 4
+        assert costs["comm_bytes"]["all_gather"] == pytest.approx(3 / 4 * param_bytes)
+        assert costs["comm_bytes"]["reduce_scatter"] == pytest.approx(3 / 4 * param_bytes)
+        out, ran = run_counted(jitted, params, state, x, y)
+        assert ran == {"all_gather": 2, "reduce_scatter": 2, "all_reduce": 1}
+        assert_same(out, expected)
+
+
+@pytest.mark.parametrize("axes", [dict(dp=4, tp=1), dict(dp=1, tp=4)])
+def test_a_size_one_axis_has_no_collectives(axes):
+    params, x, y = data()
+    opt, step = adam_step()
+    state = opt.init(params)
+    expected = step(params, state, x, y)
+    with nf.simulate(4):
+        mesh = nf.make_mesh(**axes)
+        specs = {"w1": P(None, "tp"), "w2": P("tp", None)}
+        sspecs = nf.optim.state_shardings(state, specs)
+        jitted = nf.jit(step, mesh=mesh, in_shardings=(specs, sspecs, P("dp"), P("dp")),
+                        out_shardings=(specs, sspecs, P()))
+        lowered = jitted.lower(params, state, x, y)
+        live = "dp" if axes["dp"] > 1 else "tp"
+        dead = "tp" if live == "dp" else "dp"
+        text = lowered.as_text()
+        assert f"over ('{dead}',)" not in text and f"over ('{live}',)" in text
+        # the same program as on a mesh of the live axis alone
+        alone = nf.make_mesh(**{live: 4})
+        alone_specs = {"w1": P(None, "tp") if live == "tp" else P(), "w2": P("tp", None) if live == "tp" else P()}
+        reference = nf.jit(step, mesh=alone, in_shardings=(alone_specs, nf.optim.state_shardings(state, alone_specs),
+                                                            P("dp") if live == "dp" else P(), P("dp") if live == "dp" else P()),
+                           out_shardings=(alone_specs, nf.optim.state_shardings(state, alone_specs), P()))
+        assert program_counts(lowered) == program_counts(reference.lower(params, state, x, y))
+        assert_same(jitted(params, state, x, y), expected)
+
+
+@pytest.mark.parametrize("n,axes,specs,batch", [
+    (4, dict(dp=2, tp=2), {"w1": P(None, "tp"), "w2": P("tp", None)}, P("dp")),
+    (8, dict(dp=2, tp=4), {"w1": P(None, "tp"), "w2": P("tp", None)}, P("dp")),
+    (8, dict(dp=8), {"w1": P(), "w2": P()}, P("dp")),
+    (8, dict(tp=8), {"w1": P(None, "tp"), "w2": P("tp", None)}, P()),
+])
+def test_mlp_step_equals_the_unsharded_step(n, axes, specs, batch):
+    params, x, y = data(1)
+    opt, step = adam_step()
+    state = opt.init(params)
+    expected = step(params, state, x, y)
+    with nf.simulate(n):
+        mesh = nf.make_mesh(**axes)
+        sspecs = nf.optim.state_shardings(state, specs)
+        jitted = nf.jit(step, mesh=mesh, in_shardings=(specs, sspecs, batch, batch), out_shardings=(specs, sspecs, P()))
+        out = jitted(params, state, x, y)
+        for name, t in out[0].items():  # results come laid out as out_shardings say
+            assert nf.sharding_of(t).is_equivalent_to(nf.sharding.NamedSharding(mesh, specs[name]), t.ndim)
+        assert_same(out, expected)
