@@ -1,8 +1,8 @@
 """Donation: results written into the buffers of donated arguments, and donated arguments retired.
 
 In the local program each result that matches a donated input's local shape and dtype (in order,
-as JAX pairs them) is copied into that input's buffer right after the input's last use, so the
-new value's temporary dies at once: a step's peak holds one copy of the parameters and optimizer
+as JAX pairs them) is copied into that input's buffer right after the input's last use, and later
+readers read the buffer, so the new value's temporary dies at once: a step's peak holds one copy of the parameters and optimizer
 state, not two. Afterwards the donated DTensor would silently show the new values, so it is
 retired: touching it raises.
 """
@@ -42,9 +42,12 @@ def apply_donation(program) -> None:
         anchor = list(graph.nodes)[last]
         with graph.inserting_after(anchor):
             copy = graph.call_function(aten.copy_.default, (buffer, result))
+        order = {n: i for i, n in enumerate(graph.nodes)}
+        # later readers read the donated buffer, so the temporary dies at the copy
+        result.replace_all_uses_with(copy, delete_user_cb=lambda u: u is not copy and u.op != "output"
+                                     and order[u] > order[copy])
         results[j] = copy
         program.donation[j] = match
-        order = {n: i for i, n in enumerate(graph.nodes)}
     output.args = (results,)
     graph.lint()
     program.local.recompile()

@@ -33,7 +33,7 @@ from ndfunc.partition.program import Program
 from ndfunc.partition.solve import partition
 from ndfunc.partition.strategies import NoStrategy
 from ndfunc.sharding.errors import ShardingError, where
-from ndfunc.sharding.mesh import Mesh, get_mesh
+from ndfunc.sharding.mesh import AbstractMesh, Mesh, get_mesh
 from ndfunc.sharding.named_sharding import NamedSharding
 from ndfunc.sharding.partition_spec import PartitionSpec
 from ndfunc.trace import Traced, trace
@@ -216,10 +216,9 @@ def _leaf_key(x: torch.Tensor) -> tuple:
     return (tuple(x.shape), x.dtype, x.device.type, placements)
 
 
-def _world_of_one() -> Mesh:
-    from ndfunc.sharding.mesh import make_mesh
-
-    return make_mesh(world=1)
+def _world_of_one() -> AbstractMesh:
+    """No mesh anywhere: every rank runs the whole program (results are plain tensors)."""
+    return AbstractMesh((("world", 1),))
 
 
 def _partitioned_axes(mesh: Mesh) -> list[int]:
@@ -331,12 +330,14 @@ class Compiled:
         with torch.no_grad():
             outs = p.local(*locals_, self._coords_tensor(device))
         del locals_
-        mark_donated(p, prepared, original_args)
+        mark_donated(p, prepared, optree.tree_leaves(original_args))
         results = [self._wrap(o, i) for i, o in enumerate(outs)]
         return p.traced.out_tree.unflatten(results)
 
-    def _wrap(self, local: torch.Tensor, i: int) -> DTensor:
+    def _wrap(self, local: torch.Tensor, i: int) -> DTensor | torch.Tensor:
         p = self.program
+        if not isinstance(p.mesh, Mesh):
+            return local
         layout = p.plan.outputs[i][1]
         placements = [Replicate()] * len(p.mesh.axis_names)
         for axis, placement in zip(p.axes, layout):
@@ -382,7 +383,7 @@ def _user_line(jitted: Jitted, key, op) -> str:
     from torch.distributed._local_tensor import local_tensor_mode
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    library = (os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(__file__)), os.path.dirname(optree.__file__))
+    library = (os.path.dirname(torch.__file__), os.path.dirname(__file__), os.path.dirname(optree.__file__))
     found: list = []
 
     class Watch(TorchDispatchMode):

@@ -66,6 +66,14 @@ def _group(axis_name: AxisName, op: str):
         size *= mesh.axis_size(a)
     if len(names) == 1:
         return (mesh.device_mesh, order[0]), size
+    from ndfunc.trace import is_tracing
+
+    if is_tracing():  # making the flattened group computes on real tensors, not traced ones
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+        from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
+
+        with unset_fake_temporarily(), disable_proxy_modes_tracing():
+            return mesh.device_mesh[names]._flatten(), size
     return mesh.device_mesh[names]._flatten(), size
 
 

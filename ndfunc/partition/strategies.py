@@ -107,6 +107,8 @@ def _candidates(node: torch.fx.Node, sizes: tuple[int, ...]) -> list[Strategy]:
     ins = tensor_inputs(node)
     outs = tensor_outputs(node)
     k = len(sizes)
+    if k == 0:  # nothing to partition over: every op runs whole
+        return _replicated_rule(node, sizes)
     if op in _OWN_RULES:
         found = _OWN_RULES[op](node, sizes)
     elif not ins:
