@@ -20,7 +20,7 @@ def state_shardings(state: Any, param_shardings: Any, other: Any = None) -> Any:
         >>> state = opt.init({'w': torch.zeros(4, 2)})
         >>> specs = nf.optim.state_shardings(state, {'w': P('dp')})
         >>> specs[0].mu, specs[0].count
-        ({'w': PartitionSpec('dp',)}, PartitionSpec())
+        ({'w': P('dp')}, P())
     """
     other = PartitionSpec() if other is None else other
     is_spec = lambda x: isinstance(x, (PartitionSpec, NamedSharding))  # noqa: E731

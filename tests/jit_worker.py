@@ -1,0 +1,65 @@
+"""Run by tests/test_jit_gloo.py under torchrun: nf.jit in 4 real processes over gloo.
+
+Each rank compiles its own program (the same plan on every rank), runs it, and checks the gathered
+results against the unsharded step computed locally, and the collectives that ran against the
+lowered program's count. Any failure raises, so torchrun exits non-zero.
+"""
+
+import optree
+import torch
+
+import ndfunc as nf
+from models import llama
+from ndfunc.sharding import P
+from test_jit import RULES, llama_step, named  # this folder is first on sys.path under torchrun
+from test_jit_partition import CountRun, adam_step, data
+
+
+def check(got, expected, **tol) -> None:
+    for a, b in zip(optree.tree_leaves(nf.device_get(got)), optree.tree_leaves(expected)):
+        torch.testing.assert_close(a, b, **tol)
+
+
+def mlp_dp_tp(rank: int) -> None:
+    params, x, y = data(1)
+    opt, step = adam_step()
+    state = opt.init(params)
+    expected = step(params, state, x, y)
+    mesh = nf.make_mesh(dp=2, tp=2)
+    specs = {"w1": P(None, "tp"), "w2": P("tp", None)}
+    sspecs = nf.optim.state_shardings(state, specs)
+    jitted = nf.jit(step, mesh=mesh, in_shardings=(specs, sspecs, P("dp"), P("dp")), out_shardings=(specs, sspecs, P()))
+    program = jitted.lower(params, state, x, y).cost_analysis()["collectives"]
+    with CountRun() as ran:
+        out = jitted(params, state, x, y)
+    assert {k: v for k, v in ran.counts.items() if v} == program, (rank, ran.counts, program)
+    check(out, expected, rtol=1e-5, atol=1e-5)
+    print(f"rank {rank}: mlp dp x tp ok {program}", flush=True)
+
+
+def llama_strategy(rank: int, strategy: str, axes: dict) -> None:
+    cfg, step, params, state, batch = llama_step()
+    expected = step(params, state, batch)
+    mesh = nf.make_mesh(**axes)
+    pspec = nf.sharding.logical_to_mesh(llama.param_axes(cfg), RULES[strategy])
+    bspec = nf.sharding.logical_to_mesh(("batch", None), RULES[strategy])
+    sspec = nf.optim.state_shardings(state, pspec)
+    jitted = nf.jit(step, mesh=mesh, in_shardings=(pspec, sspec, bspec), out_shardings=(pspec, sspec, P()),
+                    donate_argnums=(0, 1))
+    p, s = nf.device_put(params, named(mesh, pspec)), nf.device_put(state, named(mesh, sspec))
+    check(jitted(p, s, batch), expected, rtol=1e-4, atol=1e-5)
+    print(f"rank {rank}: llama {strategy} ok", flush=True)
+
+
+def main() -> None:
+    nf.init()
+    rank = nf.rank()
+    assert nf.world_size() == 4
+    mlp_dp_tp(rank)
+    llama_strategy(rank, "fsdp", dict(dp=4))
+    llama_strategy(rank, "dp_tp", dict(dp=2, tp=2))
+    nf.shutdown()
+
+
+if __name__ == "__main__":
+    main()
