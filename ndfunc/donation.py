@@ -3,8 +3,8 @@
 In the local program each result that matches a donated input's local shape and dtype (in order,
 as JAX pairs them) is copied into that input's buffer right after the input's last use, and later
 readers read the buffer, so the new value's temporary dies at once: a step's peak holds one copy of the parameters and optimizer
-state, not two. Afterwards the donated DTensor would silently show the new values, so it is
-retired: touching it raises.
+state, not two. Afterwards the donated tensor would silently show the new values, so it is
+retired (DTensor or plain): touching it raises; the results are new objects on the same memory.
 """
 
 from __future__ import annotations
@@ -94,9 +94,22 @@ class DonatedDTensor(DTensor):
         return "<donated DTensor: its buffer holds a jitted call's result>"
 
 
-def _message() -> str:
-    return ("this DTensor was donated to an nf.jit call (donate_argnums) and its buffer now holds that "
-            "call's results; use the value the call returned instead, or stop donating the argument.")
+class DonatedTensor(torch.Tensor):
+    """A plain tensor whose memory a jitted call took over."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func in (torch.Tensor.__repr__, torch.Tensor.__format__):
+            return "<donated tensor>"
+        raise RuntimeError(_message("tensor"))
+
+    def __repr__(self) -> str:
+        return "<donated tensor: its memory holds a jitted call's result>"
+
+
+def _message(what: str = "DTensor") -> str:
+    return (f"this {what} was donated to an nf.jit call (donate_argnums) and its buffer now holds that "
+            f"call's results; use the value the call returned instead, or stop donating the argument.")
 
 
 def mark_donated(program, prepared: list, original_leaves: list) -> None:
@@ -104,5 +117,5 @@ def mark_donated(program, prepared: list, original_leaves: list) -> None:
     originals = {id(x) for x in original_leaves}
     for i in program.donation.values():
         x = prepared[i]
-        if isinstance(x, DTensor) and id(x) in originals:
-            x.__class__ = DonatedDTensor
+        if id(x) in originals:  # not a copy made to lay the argument out
+            x.__class__ = DonatedDTensor if isinstance(x, DTensor) else DonatedTensor

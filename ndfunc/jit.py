@@ -21,6 +21,7 @@ from typing import Any
 
 import optree
 import torch
+from torch.distributed._local_tensor import LocalTensor
 from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.placement_types import _StridedShard
 
@@ -28,6 +29,7 @@ from ndfunc import manual
 from ndfunc.donation import apply_donation, mark_donated
 from ndfunc.partition import lower as lowering
 from ndfunc.partition.analysis import as_text, cost_analysis
+from ndfunc.partition.inplace import reuse_buffers
 from ndfunc.partition.layout import Layout
 from ndfunc.partition.program import Program
 from ndfunc.partition.solve import partition
@@ -95,14 +97,19 @@ class Jitted:
         return compiled._run(prepared, args)
 
     def lower(self, *args, **kwargs) -> "Lowered":
-        return self._lowered(*self._prepare(args, kwargs))
+        """The traced, partitioned and lowered program for these arguments (cached: a later call
+        with the same signature runs it)."""
+        mesh, prepared, key = self._prepare(args, kwargs)
+        if key not in self._cache:
+            self._cache[key] = self._lowered(mesh, prepared, key)
+        return self._cache[key]
 
     # --- steps ---------------------------------------------------------------------------------
     def _compiled(self, args, kwargs):
         mesh, prepared, key = self._prepare(args, kwargs)
         if key not in self._cache:
-            self._cache[key] = self._lowered(mesh, prepared, key).compile()
-        return self._cache[key], prepared
+            self._cache[key] = self._lowered(mesh, prepared, key)
+        return self._cache[key].compiled, prepared
 
     def _prepare(self, args, kwargs):
         """Resolve the mesh, lay every leaf out as the in_shardings say, and key the signature."""
@@ -196,7 +203,7 @@ class Jitted:
         traced = trace(self.fn, call_args, kwargs, static_argnums=tuple(static))
         if mesh is None:
             mesh = _world_of_one()
-        donated = [i for i, x in enumerate(prepared) if _arg_index(dynamic_tree, i) in self.donate_argnums]
+        donated = [i for i in range(len(prepared)) if _arg_index(dynamic_tree, i) in self.donate_argnums]
         return Lowered.build(self, key, traced, mesh, prepared, donated)
 
 
@@ -270,6 +277,8 @@ class Lowered:
         program.local = lowering.lower(traced.graph, program.plan, [mesh.axis_names[i] for i in axes], group_names,
                                        dict(zip(mesh.axis_names, mesh.axis_sizes)))
         apply_donation(program)
+        program.ensure_meta()
+        reuse_buffers(program.local)
         for t in transforms:
             if hasattr(t, "lowered"):
                 program.ensure_meta()
@@ -287,6 +296,10 @@ class Lowered:
         return cost_analysis(self.program)
 
     def compile(self) -> "Compiled":
+        return self.compiled
+
+    @functools.cached_property
+    def compiled(self) -> "Compiled":
         return Compiled(self.program, self.jitted, self.key)
 
 
@@ -326,9 +339,16 @@ class Compiled:
     def _run(self, prepared: list, original_args: tuple):
         p = self.program
         locals_ = [x._local_tensor if isinstance(x, DTensor) else x for x in prepared]
+        from torch.distributed._local_tensor import local_tensor_mode
+
+        mode = local_tensor_mode()
+        if mode is not None:  # in simulation every input is per rank, so no op mixes the two kinds
+            locals_ = [x if isinstance(x, LocalTensor) else mode.rank_map(lambda r, x=x: x) for x in locals_]
         device = locals_[0].device if locals_ else torch.device("cpu")
         with torch.no_grad():
-            outs = p.local(*locals_, self._coords_tensor(device))
+            outs = list(p.local(*locals_, self._coords_tensor(device)))
+            for j in p.donation:  # a new tensor on the donated memory: the old object is retired
+                outs[j] = outs[j].detach()
         del locals_
         mark_donated(p, prepared, optree.tree_leaves(original_args))
         results = [self._wrap(o, i) for i, o in enumerate(outs)]

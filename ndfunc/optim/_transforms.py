@@ -193,14 +193,15 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, eps_roo
         del params
         check_same_structure(state.mu, updates, "the Adam state", "updates",
                              "pass gradients shaped like the params given to init")
-        mu = optree.tree_map(lambda g, m: (1 - b1) * g + b1 * m.to(g.dtype), updates, state.mu)
-        nu = optree.tree_map(lambda g, v: (1 - b2) * g * g + b2 * v, updates, state.nu)
+        # lerp and addcmul, as torch.optim: one pass over each moment, not three or four
+        mu = optree.tree_map(lambda g, m: torch.lerp(m.to(g.dtype), g, 1 - b1), updates, state.mu)
+        nu = optree.tree_map(lambda g, v: torch.addcmul(b2 * v, g, g, value=1 - b2), updates, state.nu)
         count = safe_increment(state.count)
 
         def rescale(m, v):
             m_hat = m / _bias_correction(b1, count, m.dtype)
             v_hat = v / _bias_correction(b2, count, v.dtype)
-            return m_hat / (torch.sqrt(v_hat + eps_root) + eps)
+            return m_hat / (torch.sqrt(v_hat + eps_root if eps_root else v_hat) + eps)
 
         updates = optree.tree_map(rescale, mu, nu)
         if mu_dtype is not None:
@@ -243,7 +244,10 @@ def add_decayed_weights(weight_decay: float = 0.0,
         params = require_params(params, "add_decayed_weights (weight decay)")
         check_same_structure(params, updates, "params", "updates",
                              "pass gradients shaped like the params")
-        decay = lambda g, p: g + _times(weight_decay, p).to(g.dtype)
+        def decay(g, p):
+            if isinstance(weight_decay, torch.Tensor):
+                return g + _times(weight_decay, p).to(g.dtype)
+            return torch.add(g, p.to(g.dtype), alpha=weight_decay)  # one pass
         if mask is None:
             return optree.tree_map(decay, updates, params), state
         mask_tree = mask(params) if callable(mask) else mask

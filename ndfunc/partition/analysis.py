@@ -6,6 +6,7 @@ import operator
 
 import torch
 
+from ndfunc.partition.inplace import aliases_input
 from ndfunc.partition.layout import describe
 
 
@@ -93,7 +94,6 @@ def _bytes(val) -> int:
     return 0
 
 
-_ALIASING = {torch.ops._c10d_functional.wait_tensor.default, torch.ops.aten.copy_.default}
 
 
 def peak_memory(gm: torch.fx.GraphModule) -> int:
@@ -108,8 +108,7 @@ def peak_memory(gm: torch.fx.GraphModule) -> int:
             for a in n.args[0]:
                 end[root[a]] = len(nodes)
             continue
-        if n.op == "call_function" and (n.target is operator.getitem or n.target in _ALIASING
-                                        or getattr(n.target, "is_view", False)):
+        if n.op == "call_function" and aliases_input(n):
             root[n] = root[n.args[0]]
         else:
             root[n] = n

@@ -1,0 +1,89 @@
+"""Buffer reuse: an elementwise op whose first input dies there writes its result into it.
+
+A traced step is functional, so run as it is it allocates a fresh buffer for every intermediate;
+on big tensors (an optimizer update over every parameter) the allocations and first-touch page
+faults cost more than the arithmetic. Where the first input of an elementwise op is a buffer the
+program made (not an input the caller owns, not a view, not read later through any alias), the op
+becomes its in-place form (`add` -> `add_`), as eager optimizers do by hand.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+
+aten = torch.ops.aten
+c10d = torch.ops._c10d_functional
+
+INPLACE = {
+    aten.add.Tensor: aten.add_.Tensor, aten.sub.Tensor: aten.sub_.Tensor, aten.mul.Tensor: aten.mul_.Tensor,
+    aten.div.Tensor: aten.div_.Tensor, aten.add.Scalar: aten.add_.Scalar, aten.mul.Scalar: aten.mul_.Scalar,
+    aten.div.Scalar: aten.div_.Scalar, aten.sub.Scalar: aten.sub_.Scalar, aten.sqrt.default: aten.sqrt_.default,
+    aten.rsqrt.default: aten.rsqrt_.default, aten.neg.default: aten.neg_.default, aten.exp.default: aten.exp_.default,
+    aten.reciprocal.default: aten.reciprocal_.default, aten.pow.Tensor_Scalar: aten.pow_.Scalar,
+    aten.addcmul.default: aten.addcmul_.default, aten.addcdiv.default: aten.addcdiv_.default,
+    aten.lerp.Scalar: aten.lerp_.Scalar, aten.sigmoid.default: aten.sigmoid_.default,
+    aten.tanh.default: aten.tanh_.default, aten.silu.default: aten.silu_.default, aten.relu.default: aten.relu_.default,
+}
+_COMMUTATIVE = (aten.add.Tensor, aten.mul.Tensor)
+_ALIASES = (operator.getitem, c10d.wait_tensor.default, aten._unsafe_view.default)
+
+
+def aliases_input(node: torch.fx.Node) -> bool:
+    """Whether the node's result shares its first input's memory."""
+    t = node.target
+    if t in _ALIASES:
+        return True
+    schema = getattr(t, "_schema", None)
+    return schema is not None and any(r.alias_info is not None for r in schema.returns)
+
+
+def reuse_buffers(gm: torch.fx.GraphModule) -> int:
+    """Turn ops whose first input dies there into their in-place forms; how many were turned.
+    Needs `meta['val']` on the nodes."""
+    nodes = list(gm.graph.nodes)
+    index = {n: i for i, n in enumerate(nodes)}
+    # values computed from factories alone stay plain tensors in simulation, where writing into
+    # one from per-rank values would write every rank's result into the same memory
+    from_inputs = set()
+    for n in nodes:
+        if n.op == "placeholder" or any(a in from_inputs for a in n.all_input_nodes):
+            from_inputs.add(n)
+    root: dict = {}
+    last: dict = {}  # root -> index of the last node reading it through any alias
+    for i, n in enumerate(nodes):
+        if n.op == "output":
+            for a in n.all_input_nodes:
+                last[root[a]] = len(nodes)
+            continue
+        root[n] = root[n.args[0]] if n.op == "call_function" and aliases_input(n) and n.args and isinstance(
+            n.args[0], torch.fx.Node) else n
+        last.setdefault(root[n], i)
+        for a in n.all_input_nodes:
+            last[root[a]] = max(last[root[a]], i)
+    def writable(a, n) -> bool:
+        """Whether `n` may write its result into `a`'s memory."""
+        out, val = n.meta.get("val"), a.meta.get("val") if isinstance(a, torch.fx.Node) else None
+        return (isinstance(a, torch.fx.Node) and root.get(a) is a and a.op == "call_function" and a in from_inputs
+                and last[a] == index[n] and isinstance(out, torch.Tensor) and isinstance(val, torch.Tensor)
+                and out.shape == val.shape and out.dtype == val.dtype and val.is_contiguous()
+                and sum(b is a for b in n.args) == 1)
+
+    turned = 0
+    for n in nodes:
+        if n.op != "call_function" or n.target not in INPLACE or not n.args:
+            continue
+        if not writable(n.args[0], n):
+            if n.target in _COMMUTATIVE and not n.kwargs and len(n.args) == 2 and writable(n.args[1], n):
+                n.args = (n.args[1], n.args[0])  # a + b = b + a: write into the one that dies
+            else:
+                continue
+        a = n.args[0]
+        n.target = INPLACE[n.target]
+        root[n] = a  # the result is `a`'s buffer now, read until n's own last reader
+        last[a] = max(last[a], last.pop(n, index[n]))
+        turned += 1
+    if turned:
+        gm.recompile()
+    return turned
