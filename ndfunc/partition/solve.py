@@ -74,6 +74,8 @@ class Problem:
         self.c_ins: list[list[tuple]] = []  # node -> candidate -> layout id per input slot
         self.c_outs: list[list[tuple]] = []  # node -> candidate -> layout id (or None) per output
         self.c_work: list[list[float]] = []  # node -> candidate -> compute cost
+        self.min_work: list[float] = []
+        self.by_ins: list[dict] = []  # node -> input layouts -> candidates taking them so
         self.inputs: list[list[int]] = []  # node -> value id per input slot
         self.values: list[tuple[int, int]] = []  # value id -> (node id, output index)
         self.value_ids: dict[tuple[int, int], int] = {}
@@ -117,6 +119,11 @@ class Problem:
         self.c_ins.append([tuple(self._layout(lay) for lay in s.ins) for s in strategies])
         self.c_outs.append([tuple(None if lay is None else self._layout(lay) for lay in s.outs) for s in strategies])
         self.c_work.append([self._work(s, flops) for s in strategies])
+        self.min_work.append(min(self.c_work[-1]))
+        by_ins: dict = {}
+        for i, layouts in enumerate(self.c_ins[-1]):
+            by_ins.setdefault(layouts, []).append(i)
+        self.by_ins.append(by_ins)
         self.inputs.append(ins)
         for slot, v in enumerate(ins):
             self.consumers[v].append((n, slot))
@@ -213,9 +220,20 @@ class Problem:
         count = len(self.c_ins[n])
         if count == 1:
             return 0
-        costs = [self.local_cost(n, i, choice, forward) for i in range(count)]
-        best = min(range(count), key=costs.__getitem__)
         current = choice[n]
+        if current >= 0 and self.local_cost(n, current, choice, forward) <= self.min_work[n] + EPS:
+            return current  # nothing moves and the work is the least there is: no candidate does better
+        options = range(count)
+        if forward:  # downstream of a change: follow the inputs as they now are, if a candidate can
+            have = []
+            for v in self.inputs[n]:
+                p, j = self.values[v]
+                have.append(self.c_outs[p][choice[p]][j] if choice[p] >= 0 else None)
+            following = self.by_ins[n].get(tuple(have))
+            if following:
+                options = following if current < 0 or current in following else following + [current]
+        costs = {i: self.local_cost(n, i, choice, forward) for i in options}
+        best = min(options, key=costs.__getitem__)
         if current >= 0 and costs[current] <= costs[best] + EPS:
             return current  # keep on ties: the search only moves downhill
         return best
@@ -269,11 +287,14 @@ class Problem:
     def _improve_together(self, choice: list, rounds: int = 8) -> None:
         """Where data still moves, try moves of many nodes at once. (Adam reads a gradient in four
         places: reduce-scattering it instead of all-reducing it pays only if all four change
-        together, and what they feed.)"""
+        together, and what they feed.) After the first round, only around what the last changed."""
+        changed: set | None = None
         for _ in range(rounds):
-            improved = False
-            for v in [v for v in range(len(self.values)) if self.value_cost(v, choice) > 0]:
+            touched: set = set()
+            for v in range(len(self.values)):
                 if self.value_cost(v, choice) <= 0:
+                    continue
+                if changed is not None and not self._near(v, changed):
                     continue
                 moves = [self._redirect(v, lay, choice) for lay in self._layouts_for(v, choice)]
                 moves += self._producer_moves(v, choice)
@@ -281,9 +302,15 @@ class Problem:
                 if changes is not None and delta < -EPS:
                     for n, i in changes.items():
                         choice[n] = i
-                    improved = True
-            if not improved:
+                    touched.update(changes)
+            if not touched:
                 return
+            changed = touched
+
+    def _near(self, v: int, changed: set) -> bool:
+        n = self.values[v][0]
+        return n in changed or any(m in changed for m, _ in self.consumers[v]) or any(
+            self.values[u][0] in changed for u in self.inputs[n])
 
     def _layouts_for(self, v: int, choice: list) -> list[int]:
         """The layouts, other than those wanted now, that some consumer of `v` could take it in
@@ -323,8 +350,10 @@ class Problem:
             if outs[j] not in by_layout or self.local_cost(n, i, choice, True) < self.local_cost(
                     n, by_layout[outs[j]], choice, True):
                 by_layout[outs[j]] = i
+        demands = self.demands(v, choice)
+        ranked = sorted(by_layout.items(), key=lambda item: (sum(self.tcost(v, item[0], w) for w in demands), item[0]))
         moves = []
-        for i in by_layout.values():
+        for _, i in ranked[:3 * len(self.sizes) + 1]:
             old = {n: choice[n]}
             choice[n] = i
             moves.append(self._settle(old, choice))
