@@ -109,7 +109,7 @@ def plan(src: Layout, dst: Layout, shape: Sequence[int], sizes: Sequence[int]) -
     return steps
 
 
-ALPHA = 64.0  # fixed cost of one collective, in bytes: among plans moving equal bytes, fewer calls
+ALPHA = 4096.0  # a collective's fixed cost, in bytes-worth: between plans moving about as much, fewer calls
 SLICE = 0.01  # a local slice copies its block: cheap, not free (values stay where they are made)
 
 
