@@ -29,6 +29,7 @@ from ndfunc import manual
 from ndfunc.donation import apply_donation, mark_donated
 from ndfunc.partition import lower as lowering
 from ndfunc.partition.analysis import as_text, cost_analysis
+from ndfunc.partition.bucket import bucket_all_reduces
 from ndfunc.partition.inplace import reuse_buffers
 from ndfunc.partition.layout import Layout
 from ndfunc.partition.program import Program
@@ -276,6 +277,9 @@ class Lowered:
         group_names = [mesh.device_mesh.get_group(i).group_name for i in axes] if axes else []
         program.local = lowering.lower(traced.graph, program.plan, [mesh.axis_names[i] for i in axes], group_names,
                                        dict(zip(mesh.axis_names, mesh.axis_sizes)))
+        program.ensure_meta()
+        if bucket_all_reduces(program.local):
+            program._meta_ready = False
         apply_donation(program)
         program.ensure_meta()
         reuse_buffers(program.local)

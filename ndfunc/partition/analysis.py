@@ -57,6 +57,8 @@ def as_text(program) -> str:
         if comm:
             line += (f"  # {comm['kind']} over {comm['axes']}: {comm['bytes']} B, "
                      f"{comm['moved']:.0f} B sent per rank")
+            if comm.get("bucket"):
+                line += f" (a bucket of {comm['bucket']})"
         lines.append(line)
     out = gm.graph.find_nodes(op="output")[0]
     results = ", ".join(f"{a.name} {describe(lay, names)}" for a, (_, lay) in zip(out.args[0], program.plan.outputs))
