@@ -277,11 +277,8 @@ class Lowered:
         group_names = [mesh.device_mesh.get_group(i).group_name for i in axes] if axes else []
         program.local = lowering.lower(traced.graph, program.plan, [mesh.axis_names[i] for i in axes], group_names,
                                        dict(zip(mesh.axis_names, mesh.axis_sizes)))
-        program.ensure_meta()
-        if bucket_all_reduces(program.local):
-            program._meta_ready = False
+        bucket_all_reduces(program.local)
         apply_donation(program)
-        program.ensure_meta()
         reuse_buffers(program.local)
         for t in transforms:
             if hasattr(t, "lowered"):

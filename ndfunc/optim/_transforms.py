@@ -198,9 +198,16 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, eps_roo
         nu = optree.tree_map(lambda g, v: torch.addcmul(b2 * v, g, g, value=1 - b2), updates, state.nu)
         count = safe_increment(state.count)
 
+        corrections: dict = {}  # once per dtype, not per leaf
+
+        def correction(decay, dtype):
+            if (decay, dtype) not in corrections:
+                corrections[decay, dtype] = _bias_correction(decay, count, dtype)
+            return corrections[decay, dtype]
+
         def rescale(m, v):
-            m_hat = m / _bias_correction(b1, count, m.dtype)
-            v_hat = v / _bias_correction(b2, count, v.dtype)
+            m_hat = m / correction(b1, m.dtype)
+            v_hat = v / correction(b2, v.dtype)
             return m_hat / (torch.sqrt(v_hat + eps_root if eps_root else v_hat) + eps)
 
         updates = optree.tree_map(rescale, mu, nu)

@@ -20,12 +20,14 @@ BUCKET_BYTES = 25 * 2**20  # DDP's default bucket
 
 
 def bucket_all_reduces(gm: torch.fx.GraphModule) -> int:
-    """Merge all-reduces in `gm` (nodes need `meta['val']`); how many were merged away."""
+    """Merge all-reduces in `gm` (each with `meta['ndfunc_input']`: its input's shape, dtype and
+    device, as the lowering records); how many were merged away."""
     nodes = list(gm.graph.nodes)
     index = {n: i for i, n in enumerate(nodes)}
     buckets, open_ = [], {}  # key -> the bucket being filled: [(all_reduce, wait, ready, first read)]
     for n in nodes:
-        if n.op != "call_function" or n.target is not c10d.all_reduce.default or len(n.users) != 1:
+        if n.op != "call_function" or n.target is not c10d.all_reduce.default or len(n.users) != 1 \
+                or "ndfunc_input" not in n.meta:
             continue
         wait = next(iter(n.users))
         if wait.target is not c10d.wait_tensor.default or not wait.users:
@@ -52,13 +54,19 @@ def bucket_all_reduces(gm: torch.fx.GraphModule) -> int:
 
 
 def _key(ar: torch.fx.Node) -> tuple:
-    val = ar.args[0].meta["val"]
-    return (ar.args[1], ar.args[2], val.dtype, val.device)
+    shape, dtype, device = ar.meta["ndfunc_input"]
+    return (ar.args[1], ar.args[2], dtype, device)
+
+
+def _numel(ar: torch.fx.Node) -> int:
+    n = 1
+    for s in ar.meta["ndfunc_input"][0]:
+        n *= s
+    return n
 
 
 def _bytes(ar: torch.fx.Node) -> int:
-    val = ar.args[0].meta["val"]
-    return val.numel() * val.element_size()
+    return _numel(ar) * ar.meta["ndfunc_input"][1].itemsize
 
 
 def _merge(graph: torch.fx.Graph, bucket: list, ready: torch.fx.Node) -> None:
@@ -70,16 +78,17 @@ def _merge(graph: torch.fx.Graph, bucket: list, ready: torch.fx.Node) -> None:
         joined = graph.call_function(aten.cat.default, (flats,))
         merged = graph.call_function(c10d.all_reduce.default, (joined, op, group))
         waited = graph.call_function(c10d.wait_tensor.default, (merged,))
-        sizes = [ar.args[0].meta["val"].numel() for ar, *_ in bucket]
+        sizes = [_numel(ar) for ar, *_ in bucket]
         pieces = graph.call_function(aten.split_with_sizes.default, (waited, sizes))
     comms = [ar.meta.get("ndfunc_comm", {}) for ar, *_ in bucket]
+    merged.meta["ndfunc_input"] = ((sum(sizes),), bucket[0][0].meta["ndfunc_input"][1], bucket[0][0].meta["ndfunc_input"][2])
     merged.meta["ndfunc_comm"] = {"kind": "all_reduce", "axes": comms[0].get("axes", ()),
                                   "bytes": sum(c.get("bytes", 0) for c in comms),
                                   "moved": sum(c.get("moved", 0.0) for c in comms), "bucket": len(bucket)}
     for i, (ar, wait, _, _) in enumerate(bucket):
         with graph.inserting_before(last):  # before any reader
             piece = graph.call_function(operator.getitem, (pieces, i))
-            view = graph.call_function(aten.reshape.default, (piece, list(ar.args[0].meta["val"].shape)))
+            view = graph.call_function(aten.reshape.default, (piece, list(ar.meta["ndfunc_input"][0])))
         wait.replace_all_uses_with(view)
     for ar, wait, _, _ in bucket:
         graph.erase_node(wait)

@@ -39,9 +39,17 @@ def aliases_input(node: torch.fx.Node) -> bool:
     return schema is not None and any(r.alias_info is not None for r in schema.returns)
 
 
+def _shape_dtype(node: torch.fx.Node):
+    """(shape, dtype) of a node's tensor result, from its metadata or the lowering's note."""
+    val = node.meta.get("val")
+    if isinstance(val, torch.Tensor):
+        return tuple(val.shape), val.dtype
+    return node.meta.get("ndfunc_local")
+
+
 def reuse_buffers(gm: torch.fx.GraphModule) -> int:
     """Turn ops whose first input dies there into their in-place forms; how many were turned.
-    Needs `meta['val']` on the nodes."""
+    Reads shapes from `meta['val']` or the lowering's `meta['ndfunc_local']`."""
     nodes = list(gm.graph.nodes)
     index = {n: i for i, n in enumerate(nodes)}
     # values computed from factories alone stay plain tensors in simulation, where writing into
@@ -63,12 +71,13 @@ def reuse_buffers(gm: torch.fx.GraphModule) -> int:
         for a in n.all_input_nodes:
             last[root[a]] = max(last[root[a]], i)
     def writable(a, n) -> bool:
-        """Whether `n` may write its result into `a`'s memory."""
-        out, val = n.meta.get("val"), a.meta.get("val") if isinstance(a, torch.fx.Node) else None
-        return (isinstance(a, torch.fx.Node) and root.get(a) is a and a.op == "call_function" and a in from_inputs
-                and last[a] == index[n] and isinstance(out, torch.Tensor) and isinstance(val, torch.Tensor)
-                and out.shape == val.shape and out.dtype == val.dtype and val.is_contiguous()
-                and sum(b is a for b in n.args) == 1)
+        """Whether `n` may write its result into `a`'s memory (a fresh, dense buffer: an op's
+        own output, not a view; in-place ops handle any strides it has)."""
+        if not isinstance(a, torch.fx.Node):
+            return False
+        out, val = _shape_dtype(n), _shape_dtype(a)
+        return (root.get(a) is a and a.op == "call_function" and a in from_inputs and last[a] == index[n]
+                and out is not None and out == val and sum(b is a for b in n.args) == 1)
 
     turned = 0
     for n in nodes:

@@ -21,7 +21,7 @@ from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 from ndfunc import manual
 from ndfunc.constraints import sharding_constraint_op
 from ndfunc.partition import redistribute
-from ndfunc.partition.layout import Layout
+from ndfunc.partition.layout import Layout, local_shape
 from ndfunc.partition.solve import Plan, value_of
 from ndfunc.partition.strategies import local_args, tensor_inputs
 
@@ -56,6 +56,7 @@ class _Emitter:
                 raise AssertionError(f"no way from {have} to {layout} for {v[0].name}")
             for step in steps:
                 node = self.emit(step, node, val)
+                node.meta["ndfunc_local"] = (tuple(step.out_shape), val.dtype)
             self.env[key] = node
         return self.env[key]
 
@@ -102,6 +103,7 @@ class _Emitter:
         else:
             comm = self.call(c10d.reduce_scatter_tensor.default, x, "sum", n, group)
         itemsize = val.element_size()
+        comm.meta["ndfunc_input"] = (tuple(step.in_shape), val.dtype, val.device)
         comm.meta["ndfunc_comm"] = {
             "kind": step.kind, "axes": (self.axis_names[step.axis],),
             "bytes": _numel(step.in_shape if step.kind != "all_gather" else step.out_shape) * itemsize,
@@ -159,12 +161,18 @@ def lower(graph: torch.fx.Graph, plan: Plan, axis_names: Sequence[str], group_na
         out = e.graph.call_function(op, tuple(a), dict(kw))
         if op in _MANUAL_COMMS:
             out.meta["ndfunc_comm"] = e.manual_comm(node)
+            given = node.args[0].meta["val"]
+            out.meta["ndfunc_input"] = (tuple(given.shape), given.dtype, given.device)
         if isinstance(node.meta.get("val"), (tuple, list)):
             for j, lay in enumerate(s.outs):
                 if lay is not None:
                     e.produced[(node, j)] = e.call(operator.getitem, out, j)
         else:
             e.produced[(node, 0)] = out
+            val = node.meta.get("val")
+            if isinstance(val, torch.Tensor):  # shape and dtype here, for passes before metadata
+                shape = tuple(val.shape) if node.meta.get("ndfunc_manual") else local_shape(tuple(val.shape), s.outs[0], plan.sizes)
+                out.meta["ndfunc_local"] = (shape, val.dtype)
     output = graph.find_nodes(op="output")[0]
     results = [e.local(v, lay, _val(v)) for v, lay in plan.outputs]
     e.graph.output(results)
