@@ -30,7 +30,7 @@ from ndfunc.donation import apply_donation, mark_donated
 from ndfunc.partition import lower as lowering
 from ndfunc.partition.analysis import as_text, cost_analysis
 from ndfunc.partition.bucket import bucket_all_reduces
-from ndfunc.partition.inplace import reuse_buffers
+from ndfunc.partition.inplace import fold_donated_copies, reuse_buffers
 from ndfunc.partition.layout import Layout
 from ndfunc.partition.program import Program
 from ndfunc.partition.solve import partition
@@ -279,6 +279,7 @@ class Lowered:
                                        dict(zip(mesh.axis_names, mesh.axis_sizes)))
         bucket_all_reduces(program.local)
         apply_donation(program)
+        fold_donated_copies(program.local)
         reuse_buffers(program.local)
         for t in transforms:
             if hasattr(t, "lowered"):

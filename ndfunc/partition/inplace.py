@@ -96,3 +96,34 @@ def reuse_buffers(gm: torch.fx.GraphModule) -> int:
     if turned:
         gm.recompile()
     return turned
+
+
+def fold_donated_copies(gm: torch.fx.GraphModule) -> int:
+    """`copy_(buffer, op(buffer, ...))`, where nothing reads `buffer` after `op`, becomes
+    `op_(buffer, ...)`: a donated input updated where it lies (Adam's moments by `lerp_`, the
+    parameters by `add_`), with no temporary and no copy. How many were folded."""
+    nodes = list(gm.graph.nodes)
+    index = {n: i for i, n in enumerate(nodes)}
+    readers: dict = {}
+    for n in nodes:
+        for a in n.all_input_nodes:
+            base = a
+            while (base.op == "call_function" and aliases_input(base) and base.target is not aten.copy_.default
+                   and isinstance(base.args[0], torch.fx.Node)):
+                base = base.args[0]  # (a copy into the buffer is the new value: its readers are not the old one's)
+            readers.setdefault(base, []).append(n)
+    folded = 0
+    for copy in [n for n in nodes if n.op == "call_function" and n.target is aten.copy_.default]:
+        buffer, result = copy.args[0], copy.args[1]
+        if (buffer.op != "placeholder" or not isinstance(result, torch.fx.Node) or result.target not in INPLACE
+                or not result.args or result.args[0] is not buffer or len(result.users) != 1
+                or sum(b is buffer for b in result.args) != 1
+                or any(index[r] > index[result] for r in readers.get(buffer, []) if r is not copy)):
+            continue
+        result.target = INPLACE[result.target]
+        copy.replace_all_uses_with(result)
+        gm.graph.erase_node(copy)
+        folded += 1
+    if folded:
+        gm.recompile()
+    return folded
