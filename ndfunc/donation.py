@@ -118,4 +118,19 @@ def mark_donated(program, prepared: list, original_leaves: list) -> None:
     for i in program.donation.values():
         x = prepared[i]
         if id(x) in originals:  # not a copy made to lay the argument out
-            x.__class__ = DonatedDTensor if isinstance(x, DTensor) else DonatedTensor
+            x.__class__ = _donated_class(type(x))
+
+
+_CLASSES: dict = {DTensor: DonatedDTensor, torch.Tensor: DonatedTensor}
+
+
+def _donated_class(cls: type) -> type:
+    """The retired form of `cls` (a subclass, so the object's layout fits: e.g. a simulated
+    rank's LocalTensor)."""
+    if cls not in _CLASSES:
+        base = DonatedDTensor if issubclass(cls, DTensor) else DonatedTensor
+        _CLASSES[cls] = type(f"Donated{cls.__name__}", (cls,), {
+            "__torch_function__": base.__torch_function__, "__repr__": base.__repr__,
+            **({k: getattr(base, k) for k in ("to_local", "full_tensor", "redistribute")} if base is DonatedDTensor else {}),
+        })
+    return _CLASSES[cls]

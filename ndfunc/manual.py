@@ -44,40 +44,28 @@ exit_op = torch.ops.ndfunc.exit_manual.default
 axis_index_op = torch.ops.ndfunc.axis_index.default
 
 
-class _Enter(torch.autograd.Function):
+class _Boundary(torch.autograd.Function):
+    """Entering or leaving a region; the gradient of each is the other."""
+
     @staticmethod
-    def forward(x, spec, block, shape):
-        return enter_op(x, spec, block)
+    def forward(x, op, inverse, spec, size, inverse_size):
+        return op(x, spec, size)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        ctx.spec, ctx.shape = inputs[1], inputs[3]
+        ctx.inverse, ctx.spec, ctx.size = inputs[2], inputs[3], inputs[5]
 
     @staticmethod
     def backward(ctx, grad):
-        return exit_op(grad, ctx.spec, ctx.shape), None, None, None
-
-
-class _Exit(torch.autograd.Function):
-    @staticmethod
-    def forward(y, spec, shape, block):
-        return exit_op(y, spec, shape)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        ctx.spec, ctx.block = inputs[1], inputs[3]
-
-    @staticmethod
-    def backward(ctx, grad):
-        return enter_op(grad, ctx.spec, ctx.block), None, None, None
+        return ctx.inverse(grad, ctx.spec, ctx.size), None, None, None, None, None
 
 
 def enter(x: torch.Tensor, spec, block) -> torch.Tensor:
-    return _Enter.apply(x, encode_spec(spec), list(block), list(x.shape))
+    return _Boundary.apply(x, enter_op, exit_op, encode_spec(spec), list(block), list(x.shape))
 
 
 def exit(y: torch.Tensor, spec, shape) -> torch.Tensor:  # noqa: A001 - the pair of enter
-    return _Exit.apply(y, encode_spec(spec), list(shape), list(y.shape))
+    return _Boundary.apply(y, exit_op, enter_op, encode_spec(spec), list(shape), list(y.shape))
 
 
 def axis_index(axes: tuple[str, ...], device) -> torch.Tensor:

@@ -9,9 +9,8 @@ import optree
 import torch
 
 import ndfunc as nf
-from models import llama
 from ndfunc.sharding import P
-from test_jit import RULES, llama_step, named  # this folder is first on sys.path under torchrun
+from test_jit import jit_llama, llama_case  # this folder is first on sys.path under torchrun
 from test_jit_partition import CountRun, adam_step, data
 
 
@@ -38,15 +37,7 @@ def mlp_dp_tp(rank: int) -> None:
 
 
 def llama_strategy(rank: int, strategy: str, axes: dict) -> None:
-    cfg, step, params, state, batch = llama_step()
-    expected = step(params, state, batch)
-    mesh = nf.make_mesh(**axes)
-    pspec = nf.sharding.logical_to_mesh(llama.param_axes(cfg), RULES[strategy])
-    bspec = nf.sharding.logical_to_mesh(("batch", None), RULES[strategy])
-    sspec = nf.optim.state_shardings(state, pspec)
-    jitted = nf.jit(step, mesh=mesh, in_shardings=(pspec, sspec, bspec), out_shardings=(pspec, sspec, P()),
-                    donate_argnums=(0, 1))
-    p, s = nf.device_put(params, named(mesh, pspec)), nf.device_put(state, named(mesh, sspec))
+    jitted, p, s, batch, expected, _ = jit_llama(strategy, nf.make_mesh(**axes), llama_case(), donate_argnums=(0, 1))
     check(jitted(p, s, batch), expected, rtol=1e-4, atol=1e-5)
     print(f"rank {rank}: llama {strategy} ok", flush=True)
 

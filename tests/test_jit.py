@@ -14,7 +14,7 @@ from models import llama
 from ndfunc import lax
 from ndfunc.sharding import NamedSharding, P
 
-from test_jit_partition import adam_step, assert_same, data
+from test_jit_partition import assert_same
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 
@@ -279,34 +279,42 @@ def llama_step():
     return cfg, step, params, opt.init(params), batch
 
 
+def llama_case():
+    """The llama step, its arguments and its unsharded results (computed outside any simulation)."""
+    cfg, step, params, state, batch = llama_step()
+    return cfg, step, params, state, batch, step(params, state, batch)
+
+
+def jit_llama(strategy: str, mesh, case, **kw):
+    """(jitted step, params and state laid out by the strategy's rules, batch, unsharded results)."""
+    cfg, step, params, state, batch, expected = case
+    pspec = nf.sharding.logical_to_mesh(llama.param_axes(cfg), RULES[strategy])
+    bspec = nf.sharding.logical_to_mesh(("batch", None), RULES[strategy])
+    sspec = nf.optim.state_shardings(state, pspec)
+    jitted = nf.jit(step, mesh=mesh, in_shardings=(pspec, sspec, bspec), out_shardings=(pspec, sspec, P()), **kw)
+    p, s = nf.device_put(params, named(mesh, pspec)), nf.device_put(state, named(mesh, sspec))
+    return jitted, p, s, batch, expected, step
+
+
 @pytest.mark.parametrize("strategy", ["dp", "fsdp", "tp", "dp_tp"])
 def test_llama_train_step_equals_the_unsharded_step(strategy):
-    cfg, step, params, state, batch = llama_step()
-    expected = step(params, state, batch)
+    case = llama_case()
+    step, batch, expected = case[1], case[4], case[5]
+    expected_again = step(*expected[:2], batch)  # a second step, unsharded
     with nf.simulate(4):
-        mesh = nf.make_mesh(**MESHES[strategy])
-        pspec = nf.sharding.logical_to_mesh(llama.param_axes(cfg), RULES[strategy])
-        bspec = nf.sharding.logical_to_mesh(("batch", None), RULES[strategy])
-        sspec = nf.optim.state_shardings(state, pspec)
-        jitted = nf.jit(step, mesh=mesh, in_shardings=(pspec, sspec, bspec), out_shardings=(pspec, sspec, P()),
-                        donate_argnums=(0, 1))
-        p, s = nf.device_put(params, named(mesh, pspec)), nf.device_put(state, named(mesh, sspec))
+        jitted, p, s, batch, expected, step = jit_llama(strategy, nf.make_mesh(**MESHES[strategy]), case,
+                                                         donate_argnums=(0, 1))
         new_p, new_s, loss = jitted(p, s, batch)
         # fp32: the sums run in another order than on one device
         assert_same((new_p, new_s, loss), expected, rtol=1e-4, atol=1e-5)
         # a second step from the results (donated buffers, same program)
         again = jitted(new_p, new_s, batch)
         assert jitted.trace_count == 1
-        assert_same(again, step(*expected[:2], batch), rtol=1e-4, atol=1e-5)
+        assert_same(again, expected_again, rtol=1e-4, atol=1e-5)
 
 
 def test_llama_train_step_on_eight_ranks():
-    cfg, step, params, state, batch = llama_step()
-    expected = step(params, state, batch)
+    case = llama_case()
     with nf.simulate(8):
-        mesh = nf.make_mesh(dp=4, tp=2)
-        pspec = nf.sharding.logical_to_mesh(llama.param_axes(cfg), RULES["dp_tp"])
-        bspec = nf.sharding.logical_to_mesh(("batch", None), RULES["dp_tp"])
-        sspec = nf.optim.state_shardings(state, pspec)
-        jitted = nf.jit(step, mesh=mesh, in_shardings=(pspec, sspec, bspec), out_shardings=(pspec, sspec, P()))
-        assert_same(jitted(params, state, batch), expected, rtol=1e-4, atol=1e-5)
+        jitted, p, s, batch, expected, _ = jit_llama("dp_tp", nf.make_mesh(dp=4, tp=2), case)
+        assert_same(jitted(p, s, batch), expected, rtol=1e-4, atol=1e-5)

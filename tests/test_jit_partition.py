@@ -56,6 +56,23 @@ def adam_step():
     return opt, step
 
 
+def adam_case(seed=0):
+    """The MLP adam step, its arguments and its unsharded results (outside any simulation)."""
+    params, x, y = data(seed)
+    opt, step = adam_step()
+    state = opt.init(params)
+    return step, (params, state, x, y), step(params, state, x, y)
+
+
+def jit_adam(mesh, specs, batch_spec, case):
+    """(jitted MLP adam step, its arguments, the unsharded results)."""
+    step, args, expected = case
+    sspecs = nf.optim.state_shardings(args[1], specs)
+    jitted = nf.jit(step, mesh=mesh, in_shardings=(specs, sspecs, batch_spec, batch_spec),
+                    out_shardings=(specs, sspecs, P()))
+    return jitted, args, expected
+
+
 def run_counted(jitted, *args):
     with CountRun() as mode:
         out = jitted(*args)
@@ -72,17 +89,10 @@ def assert_same(got, expected, **tol):
 
 
 def test_dp_step_all_reduces_each_gradient_once_and_nothing_else():
-    params, x, y = data()
-    opt, step = adam_step()
-    state = opt.init(params)
-    expected = step(params, state, x, y)
+    case = adam_case()
     with nf.simulate(4):
-        mesh = nf.make_mesh(dp=4)
-        specs = {"w1": P(), "w2": P()}
-        sspecs = nf.optim.state_shardings(state, specs)
-        jitted = nf.jit(step, mesh=mesh, in_shardings=(specs, sspecs, P("dp"), P("dp")),
-                        out_shardings=(specs, sspecs, P()))
-        lowered = jitted.lower(params, state, x, y)
+        jitted, args, expected = jit_adam(nf.make_mesh(dp=4), {"w1": P(), "w2": P()}, P("dp"), case)
+        lowered = jitted.lower(*args)
         costs = lowered.cost_analysis()
         # each gradient all-reduced once - both in one bucket - and the loss (a scalar): no
         # parameter, no activation
@@ -90,7 +100,7 @@ def test_dp_step_all_reduces_each_gradient_once_and_nothing_else():
         assert "all_reduce over ('dp',): 4096 B, 6144 B sent per rank (a bucket of 2)" in lowered.as_text()
         grad_bytes = (D * F + F * D) * 4
         assert costs["comm_bytes"]["total"] == pytest.approx(2 * 3 / 4 * (grad_bytes + 4))
-        out, ran = run_counted(jitted, params, state, x, y)
+        out, ran = run_counted(jitted, *args)
         assert ran == {"all_reduce": 2}
         assert_same(out, expected)
 
@@ -117,22 +127,16 @@ def test_megatron_mlp_all_reduces_the_activation_once_forward_and_once_backward(
 
 
 def test_fsdp_gathers_each_parameter_and_reduce_scatters_each_gradient():
-    params, x, y = data()
-    opt, step = adam_step()
-    state = opt.init(params)
-    expected = step(params, state, x, y)
+    case = adam_case()
     with nf.simulate(4):
-        mesh = nf.make_mesh(dp_shard=4)
-        specs = {"w1": P("dp_shard"), "w2": P("dp_shard")}
-        sspecs = nf.optim.state_shardings(state, specs)
-        jitted = nf.jit(step, mesh=mesh, in_shardings=(specs, sspecs, P("dp_shard"), P("dp_shard")),
-                        out_shardings=(specs, sspecs, P()))
-        costs = jitted.lower(params, state, x, y).cost_analysis()
+        jitted, args, expected = jit_adam(nf.make_mesh(dp_shard=4), {"w1": P("dp_shard"), "w2": P("dp_shard")},
+                                          P("dp_shard"), case)
+        costs = jitted.lower(*args).cost_analysis()
         assert costs["collectives"] == {"all_gather": 2, "reduce_scatter": 2, "all_reduce": 1}
         param_bytes = 2 * D * F * 4
         assert costs["comm_bytes"]["all_gather"] == pytest.approx(3 / 4 * param_bytes)
         assert costs["comm_bytes"]["reduce_scatter"] == pytest.approx(3 / 4 * param_bytes)
-        out, ran = run_counted(jitted, params, state, x, y)
+        out, ran = run_counted(jitted, *args)
         assert ran == {"all_gather": 2, "reduce_scatter": 2, "all_reduce": 1}
         assert_same(out, expected)
 
