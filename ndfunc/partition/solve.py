@@ -7,7 +7,8 @@ needed in one layout by several consumers moves once (a forward all-gather serve
 too), so costs are not a sum over edges and a choice made op by op is not enough: the DP step would
 all-reduce a gradient for Adam's first moment and again for its second.
 
-The search: a greedy pass in program order; then single-node moves against all neighbours until
+The search, from two greedy starts in program order (one pricing a layout change at its cost, one
+also at the cost of undoing it), keeping the cheaper end: single-node moves against all neighbours until
 none lowers the total (a changed node puts its neighbours back on the worklist); then, where data
 still moves, moves of many nodes at once - give a moved value another layout for all its consumers,
 or change its producer - each followed by choosing again everything downstream that now prefers
@@ -85,6 +86,7 @@ class Problem:
         self.layouts: list[Layout] = []
         self.layout_ids: dict[Layout, int] = {}
         self._costs: dict = {}
+        self.wary = False
         node_ids: dict[torch.fx.Node, int] = {}
         placeholders = iter(input_layouts)
         for node in graph.nodes:
@@ -206,7 +208,10 @@ class Problem:
                 continue  # the same value, wanted the same way by another slot: already paid
             if not forward and want in self.demands(v, choice, skip=n):
                 continue
-            total += self.tcost(v, self.c_outs[p][choice[p]][j], want)
+            have = self.c_outs[p][choice[p]][j]
+            total += self.tcost(v, have, want)
+            if self.wary and want != have:  # and what undoing it would cost
+                total += self.tcost(v, want, self.finish(have))
         for j, lay in enumerate(self.c_outs[n][i]):
             v = self.value_ids.get((n, j))
             if lay is None or v is None:
@@ -256,11 +261,27 @@ class Problem:
             self.value_cost(v, choice) for v in range(len(self.values)))
 
     # --- search --------------------------------------------------------------------------------
-    def solve(self, max_rounds: int = 50) -> Plan:
+    def solve(self) -> Plan:
+        """The cheaper of two searches, from two greedy starts: one pricing each layout change at
+        its cost, one also at the cost of undoing it (a value split to save a reduction will likely
+        be gathered again: the Megatron choice of keeping activations whole)."""
+        N = len(self.nodes)
+        choice = min((self._search(wary) for wary in (False, True)), key=self.total)
+        strategy = {self.nodes[n]: self.strategies[n][choice[n]] for n in range(N)}
+        outputs = []
+        for v, want in zip(self.output_values, self.requested):
+            n, j = self.values[v]
+            value = (self.nodes[n], j)
+            outputs.append((value, finished(strategy[value[0]].outs[j]) if want is None else want))
+        return Plan(self.sizes, strategy, outputs, self.total(choice))
+
+    def _search(self, wary: bool, max_rounds: int = 50) -> list:
         N = len(self.nodes)
         choice = [-1] * N
+        self.wary = wary
         for n in range(N):  # greedy, in program order
             choice[n] = self.best(n, choice)
+        self.wary = False
         work = deque(n for n in range(N) if len(self.c_ins[n]) > 1)
         queued = set(work)
         budget = max_rounds * N
@@ -276,13 +297,7 @@ class Problem:
                         work.append(m)
                         queued.add(m)
         self._improve_together(choice)
-        strategy = {self.nodes[n]: self.strategies[n][choice[n]] for n in range(N)}
-        outputs = []
-        for v, want in zip(self.output_values, self.requested):
-            n, j = self.values[v]
-            value = (self.nodes[n], j)
-            outputs.append((value, finished(strategy[value[0]].outs[j]) if want is None else want))
-        return Plan(self.sizes, strategy, outputs, self.total(choice))
+        return choice
 
     def _improve_together(self, choice: list, rounds: int = 8) -> None:
         """Where data still moves, try moves of many nodes at once. (Adam reads a gradient in four
@@ -298,6 +313,8 @@ class Problem:
                     continue
                 moves = [self._redirect(v, lay, choice) for lay in self._layouts_for(v, choice)]
                 moves += self._producer_moves(v, choice)
+                moves += [self._redirect(u, self.finish(self.out_layout(u, choice)), choice)
+                          for u in self._pending_sources(v, choice)]
                 delta, changes = min(moves, key=lambda m: m[0], default=(0.0, None))
                 if changes is not None and delta < -EPS:
                     for n, i in changes.items():
@@ -306,6 +323,22 @@ class Problem:
             if not touched:
                 return
             changed = touched
+
+    def _pending_sources(self, v: int, choice: list, depth: int = 3) -> list[int]:
+        """Values upstream of `v` that carry the same pending sum (a few ops back): reducing
+        there once may spare several reductions after. (RMSNorm's backward splits a partial
+        gradient into two terms, each reduced; reducing the gradient before the split takes one.)"""
+        found, frontier = [], [v]
+        for _ in range(depth):
+            step = []
+            for w in frontier:
+                for u in self.inputs[self.values[w][0]]:
+                    lay = self.out_layout(u, choice)
+                    if lay is not None and lay != self.finish(lay) and u not in found:
+                        found.append(u)
+                        step.append(u)
+            frontier = step
+        return found
 
     def _near(self, v: int, changed: set) -> bool:
         n = self.values[v][0]
