@@ -82,7 +82,8 @@ class Lowered:
         group_names = [mesh.device_mesh.get_group(i).group_name for i in axes] if axes else []
         program.local = lowering.lower(traced.graph, program.plan, [mesh.axis_names[i] for i in axes], group_names,
                                        dict(zip(mesh.axis_names, mesh.axis_sizes)))
-        bucket_all_reduces(program.local)
+        while bucket_all_reduces(program.local):  # a merge can free the next (tp after dp)
+            pass
         apply_donation(program)
         fold_donated_copies(program.local)
         reuse_buffers(program.local)
