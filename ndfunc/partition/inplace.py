@@ -27,6 +27,7 @@ INPLACE = {
     aten.tanh.default: aten.tanh_.default, aten.silu.default: aten.silu_.default, aten.relu.default: aten.relu_.default,
 }
 _COMMUTATIVE = (aten.add.Tensor, aten.mul.Tensor)
+_WHOLE = (c10d.wait_tensor.default,)  # aliases that are the whole buffer (a collective's result)
 _ALIASES = (operator.getitem, c10d.wait_tensor.default, aten._unsafe_view.default)
 
 
@@ -75,8 +76,10 @@ def reuse_buffers(gm: torch.fx.GraphModule) -> int:
         own output, not a view; in-place ops handle any strides it has)."""
         if not isinstance(a, torch.fx.Node):
             return False
+        r = root.get(a)
+        whole = r is a or (a.target in _WHOLE and a.args[0] is r)  # the buffer itself, not a view of it
         out, val = _shape_dtype(n), _shape_dtype(a)
-        return (root.get(a) is a and a.op == "call_function" and a in from_inputs and last[a] == index[n]
+        return (whole and r.op == "call_function" and a in from_inputs and last[r] == index[n]
                 and out is not None and out == val and sum(b is a for b in n.args) == 1)
 
     turned = 0
@@ -88,10 +91,10 @@ def reuse_buffers(gm: torch.fx.GraphModule) -> int:
                 n.args = (n.args[1], n.args[0])  # a + b = b + a: write into the one that dies
             else:
                 continue
-        a = n.args[0]
+        r = root[n.args[0]]
         n.target = INPLACE[n.target]
-        root[n] = a  # the result is `a`'s buffer now, read until n's own last reader
-        last[a] = max(last[a], last.pop(n, index[n]))
+        root[n] = r  # the result is that buffer now, read until n's own last reader
+        last[r] = max(last[r], last.pop(n, index[n]))
         turned += 1
     if turned:
         gm.recompile()
