@@ -354,7 +354,7 @@ class Problem:
                 lays.update(ins[slot] for ins in self.c_ins[m])
         have = self.out_layout(v, choice)
         ranked = sorted(lays - self.demands(v, choice), key=lambda lay: (self.tcost(v, have, lay), lay))
-        return ranked[:3 * len(self.sizes) + 1]
+        return ranked[:len(self.sizes) + 2]
 
     def _redirect(self, v: int, lay: int, choice: list) -> tuple[float, dict | None]:
         old: dict = {}
@@ -386,7 +386,7 @@ class Problem:
         demands = self.demands(v, choice)
         ranked = sorted(by_layout.items(), key=lambda item: (sum(self.tcost(v, item[0], w) for w in demands), item[0]))
         moves = []
-        for _, i in ranked[:3 * len(self.sizes) + 1]:
+        for _, i in ranked[:len(self.sizes) + 2]:
             old = {n: choice[n]}
             choice[n] = i
             moves.append(self._settle(old, choice))
