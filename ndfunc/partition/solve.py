@@ -392,7 +392,7 @@ class Problem:
             moves.append(self._settle(old, choice))
         return moves
 
-    def _settle(self, old: dict, choice: list, limit: int = 128) -> tuple[float, dict]:
+    def _settle(self, old: dict, choice: list, limit: int = 64) -> tuple[float, dict]:
         """Choose again what lies downstream of the nodes in `old` (already changed in `choice`),
         measure the change in total cost, restore `choice`; return (delta, the new choices)."""
         heap = [m for n in list(old) for v in self.out_values(n) for m, _ in self.consumers[v]]
