@@ -103,6 +103,12 @@ class Problem:
                 for v, lay in zip(self.output_values, output_layouts):
                     self.final.setdefault(v, []).append(None if lay is None else self._layout(lay))
         self.finished = {}
+        self.repeated = [len(set(ins)) < len(ins) for ins in self.inputs]  # a value in two slots
+        self.out_ids = [[self.value_ids.get((n, j)) for j in range(len(self.c_outs[n][0]))]
+                        for n in range(len(self.nodes))]
+        # what consumers with a single candidate want never changes
+        self.fixed_wants = [{self.c_ins[m][0][slot] for m, slot in self.consumers[v] if len(self.c_ins[m]) == 1}
+                            for v in range(len(self.values))]
 
     def _layout(self, lay: Layout) -> int:
         i = self.layout_ids.get(lay)
@@ -199,26 +205,31 @@ class Problem:
         total = self.c_work[n][i]
         ins = self.c_ins[n][i]
         inputs = self.inputs[n]
+        repeated = self.repeated[n]
         for slot, v in enumerate(inputs):
             p, j = self.values[v]
-            if choice[p] < 0:
+            cp = choice[p]
+            if cp < 0:
                 continue
             want = ins[slot]
-            if any(inputs[s] == v and ins[s] == want for s in range(slot)):
+            if repeated and any(inputs[s] == v and ins[s] == want for s in range(slot)):
                 continue  # the same value, wanted the same way by another slot: already paid
             if not forward and want in self.demands(v, choice, skip=n):
                 continue
-            have = self.c_outs[p][choice[p]][j]
-            total += self.tcost(v, have, want)
-            if self.wary and want != have:  # and what undoing it would cost
-                total += self.tcost(v, want, self.finish(have))
-        for j, lay in enumerate(self.c_outs[n][i]):
-            v = self.value_ids.get((n, j))
+            have = self.c_outs[p][cp][j]
+            if want != have:
+                total += self.tcost(v, have, want)
+                if self.wary:  # and what undoing it would cost
+                    total += self.tcost(v, want, self.finish(have))
+        for v, lay in zip(self.out_ids[n], self.c_outs[n][i]):
             if lay is None or v is None:
                 continue
-            for want in self.demands(v, choice, forward=forward):
-                total += self.tcost(v, lay, want)
-            total += self.output_cost(v, lay)
+            wants = self.fixed_wants[v] if forward else self.demands(v, choice)
+            for want in wants:
+                if want != lay:
+                    total += self.tcost(v, lay, want)
+            if v in self.final:
+                total += self.output_cost(v, lay)
         return total
 
     def best(self, n: int, choice: list, forward: bool = False) -> int:
