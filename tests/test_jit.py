@@ -313,8 +313,9 @@ def test_llama_train_step_equals_the_unsharded_step(strategy):
         assert_same(again, expected_again, rtol=1e-4, atol=1e-5)
 
 
-def test_llama_train_step_on_eight_ranks():
+@pytest.mark.parametrize("strategy,axes", [("dp", dict(dp=8)), ("fsdp", dict(dp=8)), ("dp_tp", dict(dp=4, tp=2))])
+def test_llama_train_step_on_eight_ranks(strategy, axes):
     case = llama_case()
     with nf.simulate(8):
-        jitted, p, s, batch, expected, _ = jit_llama("dp_tp", nf.make_mesh(dp=4, tp=2), case)
+        jitted, p, s, batch, expected, _ = jit_llama(strategy, nf.make_mesh(**axes), case)
         assert_same(jitted(p, s, batch), expected, rtol=1e-4, atol=1e-5)
