@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import optree
 import torch
-from torch.distributed._local_tensor import LocalTensor
+from torch.distributed._local_tensor import LocalTensor, local_tensor_mode
 from torch.distributed.tensor import DTensor, Replicate
 
 from ndfunc import manual
@@ -130,8 +130,6 @@ class Compiled:
     def _coords_tensor(self, device) -> torch.Tensor:
         if self._coords is None:
             mesh, axes = self.program.mesh, self.program.axes
-            from torch.distributed._local_tensor import local_tensor_mode
-
             mode = local_tensor_mode()
             if mode is not None:
                 self._coords = mode.rank_map(lambda r: torch.tensor([mesh.coordinate(r)[i] for i in axes],
@@ -147,8 +145,6 @@ class Compiled:
     def _run(self, prepared: list, original_args: tuple):
         p = self.program
         locals_ = [x._local_tensor if isinstance(x, DTensor) else x for x in prepared]
-        from torch.distributed._local_tensor import local_tensor_mode
-
         mode = local_tensor_mode()
         if mode is not None:  # in simulation every input is per rank, so no op mixes the two kinds
             locals_ = [x if isinstance(x, LocalTensor) else mode.rank_map(lambda r, x=x: x) for x in locals_]
@@ -208,7 +204,6 @@ def _user_line(jitted: Jitted, key, op) -> str:
     import traceback
 
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.distributed._local_tensor import local_tensor_mode
     from torch.utils._python_dispatch import TorchDispatchMode
 
     library = (os.path.dirname(torch.__file__), os.path.dirname(__file__), os.path.dirname(optree.__file__))

@@ -79,6 +79,8 @@ class Jitted:
         self.in_shardings, self.out_shardings = in_shardings, out_shardings
         self.static_argnums, self.donate_argnums, self.transforms = static_argnums, donate_argnums, transforms
         self._cache: dict = {}
+        self._resolved: dict = {}
+        self._meshes: dict = {}
         self.trace_count = 0  # how many signatures were traced
 
     def __call__(self, *args, **kwargs):
@@ -139,7 +141,7 @@ class Jitted:
 
     def _place(self, name: str, x: torch.Tensor, spec, mesh: Mesh | None) -> torch.Tensor:
         if spec is not None:
-            sharding = NamedSharding(mesh, spec) if isinstance(spec, PartitionSpec) else spec
+            sharding, placements = self._resolve(spec, mesh)
             if mesh is not None and sharding.mesh != mesh:
                 raise ShardingError(f"{where(name)}in_shardings uses {sharding.mesh!r}, but the function runs on "
                                     f"{mesh!r}; use one mesh for every argument.")
@@ -147,10 +149,12 @@ class Jitted:
                 sharding.check(tuple(x.shape), name)
             except ShardingError as e:
                 raise type(e)(f"argument {e}") from None
-            current = sharding_of(x)
-            if current is None and sharding.is_fully_replicated:
-                pass  # a plain tensor is the replicated global value already
-            elif current is None or not current.is_equivalent_to(sharding, x.ndim):
+            if isinstance(x, DTensor):
+                # the common case, every step: already laid out so (no Mesh rebuilt to find out)
+                laid_out = x.device_mesh is getattr(sharding.mesh, "device_mesh", None) and tuple(x.placements) == placements
+                if not laid_out and not sharding_of(x).is_equivalent_to(sharding, x.ndim):
+                    x = device_put(x, sharding)
+            elif not sharding.is_fully_replicated:  # a plain tensor is the replicated global value
                 x = device_put(x, sharding)
         if isinstance(x, DTensor) and any(isinstance(p, _StridedShard) for p in x.placements):
             # programs hold plain nested splits only: an axis order other than the mesh's is
@@ -158,6 +162,14 @@ class Jitted:
             x = x.redistribute(x.device_mesh, [Replicate() if isinstance(p, _StridedShard) else p
                                                for p in x.placements])
         return x
+
+    def _resolve(self, spec, mesh: Mesh | None) -> tuple[NamedSharding, tuple]:
+        """`spec` as a NamedSharding on `mesh`, with its placements (once per spec and mesh)."""
+        key = (id(mesh), spec)
+        if key not in self._resolved:
+            sharding = NamedSharding(mesh, spec) if isinstance(spec, PartitionSpec) else spec
+            self._resolved[key] = (mesh, sharding, sharding.placements)  # holds mesh: its id stays its own
+        return self._resolved[key][1:]
 
     def _find_mesh(self, args, kwargs) -> Mesh | None:
         if self.mesh is not None:
@@ -167,8 +179,11 @@ class Jitted:
             if isinstance(s, NamedSharding) and isinstance(s.mesh, Mesh):
                 return s.mesh
         for x in optree.tree_leaves((args, kwargs)):
-            if isinstance(x, DTensor):
-                return sharding_of(x).mesh
+            if isinstance(x, DTensor):  # its Mesh, built once per DeviceMesh
+                known = self._meshes.get(id(x.device_mesh))
+                if known is None or known.device_mesh is not x.device_mesh:
+                    known = self._meshes[id(x.device_mesh)] = sharding_of(x).mesh
+                return known
         mesh = get_mesh()
         if isinstance(mesh, Mesh):
             return mesh
