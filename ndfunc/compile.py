@@ -27,7 +27,6 @@ from ndfunc.sharding.mesh import Mesh
 from ndfunc.sharding.named_sharding import NamedSharding
 from ndfunc.sharding.partition_spec import PartitionSpec
 from ndfunc.trace import Traced
-from ndfunc.transfer import from_local
 from ndfunc.tree import keystr, tree_broadcast_prefix
 
 if TYPE_CHECKING:
@@ -117,6 +116,15 @@ class Compiled:
     def __init__(self, program: Program, jitted: Jitted, key):
         self.program, self._jitted, self._key = program, jitted, key
         self._coords = None
+        # how each result is wrapped, worked out once: placements over the whole mesh, shape, stride
+        self._outputs = []
+        if isinstance(program.mesh, Mesh):
+            for (_, layout), spec in zip(program.plan.outputs, program.traced.out_specs):
+                placements = [Replicate()] * len(program.mesh.axis_names)
+                for axis, placement in zip(program.axes, layout):
+                    placements[axis] = placement
+                shape = torch.Size(spec.shape)
+                self._outputs.append((tuple(placements), shape, torch.empty(shape, device="meta").stride()))
 
     def __call__(self, *args, **kwargs):
         _, prepared, key = self._jitted._prepare(args, kwargs)
@@ -155,18 +163,11 @@ class Compiled:
                 outs[j] = outs[j].detach()
         del locals_
         mark_donated(p, prepared, optree.tree_leaves(original_args))
-        results = [self._wrap(o, i) for i, o in enumerate(outs)]
-        return p.traced.out_tree.unflatten(results)
-
-    def _wrap(self, local: torch.Tensor, i: int) -> DTensor | torch.Tensor:
-        p = self.program
-        if not isinstance(p.mesh, Mesh):
-            return local
-        layout = p.plan.outputs[i][1]
-        placements = [Replicate()] * len(p.mesh.axis_names)
-        for axis, placement in zip(p.axes, layout):
-            placements[axis] = placement
-        return from_local(local, p.mesh.device_mesh, placements, p.traced.out_specs[i].shape)
+        if self._outputs:  # no mesh: plain tensors, as they came
+            device_mesh = p.mesh.device_mesh
+            outs = [DTensor.from_local(o, device_mesh, placements, run_check=False, shape=shape, stride=stride)
+                    for o, (placements, shape, stride) in zip(outs, self._outputs)]
+        return p.traced.out_tree.unflatten(outs)
 
 
 def _output_layouts(name, traced: Traced, mesh: Mesh, out_shardings, axes) -> list:
