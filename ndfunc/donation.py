@@ -9,11 +9,11 @@ retired (DTensor or plain): touching it raises; the results are new objects on t
 
 from __future__ import annotations
 
-import operator
 
 import torch
 from torch.distributed.tensor import DTensor
 
+from ndfunc.partition.buffers import readers
 from ndfunc.partition.layout import local_shape
 
 aten = torch.ops.aten
@@ -38,7 +38,7 @@ def apply_donation(program) -> None:
             continue
         free.remove(match)
         buffer = placeholders[match]
-        last = max([order[result]] + [order[u] for u in _readers(buffer)])
+        last = max([order[result]] + [order[u] for u in readers(buffer)])
         anchor = list(graph.nodes)[last]
         with graph.inserting_after(anchor):
             copy = graph.call_function(aten.copy_.default, (buffer, result))
@@ -51,25 +51,6 @@ def apply_donation(program) -> None:
     output.args = (results,)
     graph.lint()
     program.local.recompile()
-
-
-def _readers(node: torch.fx.Node) -> list[torch.fx.Node]:
-    """Every node that reads `node`'s buffer, through views."""
-    out, todo = [], [node]
-    while todo:
-        n = todo.pop()
-        for u in n.users:
-            if u.op == "output":
-                continue
-            out.append(u)
-            if _is_view(u):
-                todo.append(u)
-    return out
-
-
-def _is_view(node: torch.fx.Node) -> bool:
-    t = node.target
-    return t is operator.getitem or getattr(t, "is_view", False)
 
 
 class DonatedDTensor(DTensor):

@@ -31,7 +31,6 @@ for _name in ("enter_manual", "exit_manual", "axis_index"):
     _lib.impl(_name, _outside, "CompositeExplicitAutograd")
 _lib.impl("enter_manual", lambda x, spec, block: x.new_empty(block), "Meta")
 _lib.impl("exit_manual", lambda y, spec, shape: y.new_empty(shape), "Meta")
-_lib.impl("axis_index", lambda axes, device: torch.empty((), dtype=torch.int64, device="meta"), "Meta")
 
 
 @torch.library.register_fake("ndfunc::axis_index", lib=_lib)

@@ -6,7 +6,7 @@ import operator
 
 import torch
 
-from ndfunc.partition.inplace import aliases_input
+from ndfunc.partition.buffers import lifetimes
 from ndfunc.partition.layout import describe
 
 
@@ -102,31 +102,15 @@ def peak_memory(gm: torch.fx.GraphModule) -> int:
     """Peak bytes alive at once in one run of `gm` (fx frees a value after its last use): inputs
     for the whole run, views and in-place results sharing their base's buffer."""
     nodes = list(gm.graph.nodes)
-    root: dict = {}
-    size: dict = {}
-    end: dict = {}
+    root, last = lifetimes(nodes)
+    change = [0] * (len(nodes) + 2)  # bytes made at i, freed after i
     for i, n in enumerate(nodes):
-        if n.op == "output":
-            for a in n.args[0]:
-                end[root[a]] = len(nodes)
-            continue
-        if n.op == "call_function" and aliases_input(n):
-            root[n] = root[n.args[0]]
-        else:
-            root[n] = n
-            size[n] = _bytes(n.meta.get("val"))
-            end[n] = len(nodes) if n.op == "placeholder" else i
-        for a in n.all_input_nodes:
-            end[root[a]] = max(end[root[a]], i)
-    births: dict[int, int] = {}
-    deaths: dict[int, int] = {}
-    for i, n in enumerate(nodes):
-        if n in size:
-            births[i] = births.get(i, 0) + size[n]
-            deaths[end[n]] = deaths.get(end[n], 0) + size[n]
+        if root.get(n) is n:
+            size = _bytes(n.meta.get("val"))
+            change[i] += size
+            change[last[n] + 1] -= size
     live = peak = 0
-    for i in range(len(nodes) + 1):
-        live += births.get(i, 0)
+    for delta in change:
+        live += delta
         peak = max(peak, live)
-        live -= deaths.get(i, 0)
     return peak

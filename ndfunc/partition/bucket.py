@@ -10,6 +10,7 @@ at `BUCKET_BYTES`, as DDP's do, so the extra copy stays bounded.
 
 from __future__ import annotations
 
+import math
 import operator
 
 import torch
@@ -59,10 +60,7 @@ def _key(ar: torch.fx.Node) -> tuple:
 
 
 def _numel(ar: torch.fx.Node) -> int:
-    n = 1
-    for s in ar.meta["ndfunc_input"][0]:
-        n *= s
-    return n
+    return math.prod(ar.meta["ndfunc_input"][0])
 
 
 def _bytes(ar: torch.fx.Node) -> int:

@@ -9,9 +9,9 @@ becomes its in-place form (`add` -> `add_`), as eager optimizers do by hand.
 
 from __future__ import annotations
 
-import operator
-
 import torch
+
+from ndfunc.partition.buffers import lifetimes, readers
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
@@ -28,18 +28,6 @@ INPLACE = {
 }
 _COMMUTATIVE = (aten.add.Tensor, aten.mul.Tensor)
 _WHOLE = (c10d.wait_tensor.default,)  # aliases that are the whole buffer (a collective's result)
-_ALIASES = (operator.getitem, c10d.wait_tensor.default, aten._unsafe_view.default)
-
-
-def aliases_input(node: torch.fx.Node) -> bool:
-    """Whether the node's result shares its first input's memory."""
-    t = node.target
-    if t in _ALIASES:
-        return True
-    schema = getattr(t, "_schema", None)
-    return schema is not None and any(r.alias_info is not None for r in schema.returns)
-
-
 def _shape_dtype(node: torch.fx.Node):
     """(shape, dtype) of a node's tensor result, from its metadata or the lowering's note."""
     val = node.meta.get("val")
@@ -59,18 +47,7 @@ def reuse_buffers(gm: torch.fx.GraphModule) -> int:
     for n in nodes:
         if n.op == "placeholder" or any(a in from_inputs for a in n.all_input_nodes):
             from_inputs.add(n)
-    root: dict = {}
-    last: dict = {}  # root -> index of the last node reading it through any alias
-    for i, n in enumerate(nodes):
-        if n.op == "output":
-            for a in n.all_input_nodes:
-                last[root[a]] = len(nodes)
-            continue
-        root[n] = root[n.args[0]] if n.op == "call_function" and aliases_input(n) and n.args and isinstance(
-            n.args[0], torch.fx.Node) else n
-        last.setdefault(root[n], i)
-        for a in n.all_input_nodes:
-            last[root[a]] = max(last[root[a]], i)
+    root, last = lifetimes(nodes)
     def writable(a, n) -> bool:
         """Whether `n` may write its result into `a`'s memory (a fresh, dense buffer: an op's
         own output, not a view; in-place ops handle any strides it has)."""
@@ -105,23 +82,14 @@ def fold_donated_copies(gm: torch.fx.GraphModule) -> int:
     """`copy_(buffer, op(buffer, ...))`, where nothing reads `buffer` after `op`, becomes
     `op_(buffer, ...)`: a donated input updated where it lies (Adam's moments by `lerp_`, the
     parameters by `add_`), with no temporary and no copy. How many were folded."""
-    nodes = list(gm.graph.nodes)
-    index = {n: i for i, n in enumerate(nodes)}
-    readers: dict = {}
-    for n in nodes:
-        for a in n.all_input_nodes:
-            base = a
-            while (base.op == "call_function" and aliases_input(base) and base.target is not aten.copy_.default
-                   and isinstance(base.args[0], torch.fx.Node)):
-                base = base.args[0]  # (a copy into the buffer is the new value: its readers are not the old one's)
-            readers.setdefault(base, []).append(n)
+    index = {n: i for i, n in enumerate(gm.graph.nodes)}
     folded = 0
-    for copy in [n for n in nodes if n.op == "call_function" and n.target is aten.copy_.default]:
+    for copy in list(gm.graph.find_nodes(op="call_function", target=aten.copy_.default)):
         buffer, result = copy.args[0], copy.args[1]
         if (buffer.op != "placeholder" or not isinstance(result, torch.fx.Node) or result.target not in INPLACE
                 or not result.args or result.args[0] is not buffer or len(result.users) != 1
                 or sum(b is buffer for b in result.args) != 1
-                or any(index[r] > index[result] for r in readers.get(buffer, []) if r is not copy)):
+                or any(index[r] > index[result] for r in readers(buffer, through_copies=False) if r is not copy)):
             continue
         result.target = INPLACE[result.target]
         copy.replace_all_uses_with(result)

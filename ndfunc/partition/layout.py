@@ -54,10 +54,6 @@ def all_layouts(shape: Sequence[int], sizes: Sequence[int], partial: bool = True
     return [lay for lay in itertools.product(per_axis, repeat=len(sizes)) if fits(lay, shape, sizes)]
 
 
-def is_partial(layout: Layout) -> bool:
-    return any(isinstance(p, Partial) for p in layout)
-
-
 def describe(layout: Layout, names: Sequence[str]) -> str:
     """`{dp: S(0), tp: P(sum)}`-style text; `{}` for fully replicated."""
     if layout == MANUAL:

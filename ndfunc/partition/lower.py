@@ -75,13 +75,12 @@ class _Emitter:
                 c10d.reduce_scatter_tensor.default: "reduce_scatter",
                 c10d.all_to_all_single.default: "all_to_all"}[node.target]
         group = node.args[-1]
-        axis = self.axis_names[self.group_names.index(group)] if group in self.group_names else "axes of the region"
-        n = self.sizes[self.group_names.index(group)] if group in self.group_names else 2
-        val = node.args[0].meta["val"]
-        nbytes = val.numel() * val.element_size()
-        moved = {"all_reduce": 2 * (n - 1) / n, "all_gather": n - 1, "reduce_scatter": (n - 1) / n,
-                 "all_to_all": (n - 1) / n}[kind] * nbytes
-        return {"kind": kind, "axes": (axis,), "bytes": nbytes * (n if kind == "all_gather" else 1), "moved": moved}
+        known = group in self.group_names  # else a flattened group over several axes
+        axis = self.group_names.index(group) if known else 0
+        val, out = node.args[0].meta["val"], node.meta["val"]
+        step = redistribute.Step(kind, axis, None, None, tuple(val.shape), tuple(out.shape),
+                                 self.sizes[axis] if known else 2)
+        return step.describe(val.element_size(), self.axis_names[axis] if known else "axes of the region")
 
     def emit(self, step: redistribute.Step, x: torch.fx.Node, val: torch.Tensor) -> torch.fx.Node:
         group, n, d = self.group_names[step.axis], step.size, step.dim
@@ -102,13 +101,8 @@ class _Emitter:
             comm = self.call(c10d.all_gather_into_tensor.default, x, n, group)
         else:
             comm = self.call(c10d.reduce_scatter_tensor.default, x, "sum", n, group)
-        itemsize = val.element_size()
         comm.meta["ndfunc_input"] = (tuple(step.in_shape), val.dtype, val.device)
-        comm.meta["ndfunc_comm"] = {
-            "kind": step.kind, "axes": (self.axis_names[step.axis],),
-            "bytes": _numel(step.in_shape if step.kind != "all_gather" else step.out_shape) * itemsize,
-            "moved": step.moved_bytes(itemsize),
-        }
+        comm.meta["ndfunc_comm"] = step.describe(val.element_size(), self.axis_names[step.axis])
         out = self.call(c10d.wait_tensor.default, comm)
         if step.reduce_op == "avg":
             out = self.call(aten.div.Tensor, out, n)
@@ -116,13 +110,6 @@ class _Emitter:
             parts = self.call(aten.split.Tensor, out, step.in_shape[0], 0)
             out = self.call(aten.cat.default, [self.call(operator.getitem, parts, i) for i in range(n)], d)
         return out
-
-
-def _numel(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
 
 
 def lower(graph: torch.fx.Graph, plan: Plan, axis_names: Sequence[str], group_names: Sequence[str],
@@ -173,13 +160,10 @@ def lower(graph: torch.fx.Graph, plan: Plan, axis_names: Sequence[str], group_na
             if isinstance(val, torch.Tensor):  # shape and dtype here, for passes before metadata
                 shape = tuple(val.shape) if node.meta.get("ndfunc_manual") else local_shape(tuple(val.shape), s.outs[0], plan.sizes)
                 out.meta["ndfunc_local"] = (shape, val.dtype)
-    output = graph.find_nodes(op="output")[0]
     results = [e.local(v, lay, _val(v)) for v, lay in plan.outputs]
     e.graph.output(results)
     e.graph.eliminate_dead_code()
-    gm = torch.fx.GraphModule(torch.nn.Module(), e.graph)
-    del output
-    return gm
+    return torch.fx.GraphModule(torch.nn.Module(), e.graph)
 
 
 def _val(v) -> torch.Tensor:

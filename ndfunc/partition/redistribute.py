@@ -18,6 +18,7 @@ those transitions have no plan.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 
 from torch.distributed.tensor import Partial, Replicate, Shard
@@ -29,7 +30,7 @@ COLLECTIVES = ("all_gather", "all_reduce", "reduce_scatter")
 
 @dataclasses.dataclass(frozen=True)
 class Step:
-    kind: str  # 'all_gather' | 'all_reduce' | 'reduce_scatter' | 'slice'
+    kind: str  # 'all_gather' | 'all_reduce' | 'reduce_scatter' | 'slice' (and 'all_to_all', user-written)
     axis: int  # partitioned mesh axis
     dim: int | None  # tensor dim gathered, scattered or sliced
     reduce_op: str | None
@@ -41,19 +42,18 @@ class Step:
         """Bytes each rank sends (ring algorithms)."""
         n = self.size
         if self.kind == "all_reduce":
-            return 2 * (n - 1) / n * _numel(self.in_shape) * itemsize
+            return 2 * (n - 1) / n * math.prod(self.in_shape) * itemsize
         if self.kind == "all_gather":
-            return (n - 1) / n * _numel(self.out_shape) * itemsize
-        if self.kind == "reduce_scatter":
-            return (n - 1) / n * _numel(self.in_shape) * itemsize
+            return (n - 1) / n * math.prod(self.out_shape) * itemsize
+        if self.kind in ("reduce_scatter", "all_to_all"):
+            return (n - 1) / n * math.prod(self.in_shape) * itemsize
         return 0.0
 
-
-def _numel(shape: Sequence[int]) -> int:
-    out = 1
-    for s in shape:
-        out *= s
-    return out
+    def describe(self, itemsize: int, axis: str) -> dict:
+        """What `as_text` and `cost_analysis` report of it: kind, axes, bytes, bytes sent per rank."""
+        shape = self.out_shape if self.kind == "all_gather" else self.in_shape
+        return {"kind": self.kind, "axes": (axis,), "bytes": math.prod(shape) * itemsize,
+                "moved": self.moved_bytes(itemsize)}
 
 
 def plan(src: Layout, dst: Layout, shape: Sequence[int], sizes: Sequence[int]) -> list[Step] | None:
@@ -118,4 +118,4 @@ def cost(src: Layout, dst: Layout, shape: Sequence[int], sizes: Sequence[int], i
     if steps is None:
         return float("inf")
     return sum(s.moved_bytes(itemsize) + (ALPHA if s.kind in COLLECTIVES else
-                                          SLICE * _numel(s.out_shape) * itemsize) for s in steps)
+                                          SLICE * math.prod(s.out_shape) * itemsize) for s in steps)

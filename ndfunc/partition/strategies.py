@@ -12,6 +12,7 @@ model's repeated layers cost one lookup each.
 from __future__ import annotations
 
 import dataclasses
+import math
 import functools
 import itertools
 from collections.abc import Sequence
@@ -46,14 +47,7 @@ def propagator():
 @functools.cache
 def planning_mesh(sizes: tuple[int, ...]) -> DeviceMesh:
     """A DeviceMesh of `sizes` with no process group: strategies need only its shape."""
-    return DeviceMesh("cpu", torch.arange(_prod(sizes)).view(sizes), _init_backend=False, _rank=0)
-
-
-def _prod(xs) -> int:
-    out = 1
-    for x in xs:
-        out *= x
-    return out
+    return DeviceMesh("cpu", torch.arange(math.prod(sizes)).view(sizes), _init_backend=False, _rank=0)
 
 
 def tensor_inputs(node: torch.fx.Node) -> list[torch.fx.Node]:
@@ -288,12 +282,6 @@ def _own_rules() -> dict:
 
 
 _OWN_RULES = _own_rules()
-
-
-def register_rule(op, rule) -> None:
-    """Give `op` ndfunc's own candidate rule: `rule(node, sizes) -> list[Strategy]`."""
-    _OWN_RULES[op] = rule
-    _CACHE.clear()
 
 
 def needs_local_args(op) -> bool:
