@@ -18,9 +18,10 @@ from ndfunc.donation import apply_donation, mark_donated
 from ndfunc.partition import lower as lowering
 from ndfunc.partition.analysis import as_text, cost_analysis
 from ndfunc.partition.bucket import bucket_all_reduces
-from ndfunc.partition.inplace import fold_donated_copies, reuse_buffers
+from ndfunc.partition.inplace import fold_donated_copies, fold_scales, reuse_buffers
 from ndfunc.partition.layout import Layout
 from ndfunc.partition.program import Program
+from ndfunc.partition.schedule import hoist_freeing_ops
 from ndfunc.partition.solve import partition
 from ndfunc.partition.strategies import NoStrategy
 from ndfunc.sharding.mesh import Mesh
@@ -83,7 +84,9 @@ class Lowered:
                                        dict(zip(mesh.axis_names, mesh.axis_sizes)))
         while bucket_all_reduces(program.local):  # a merge can free the next (tp after dp)
             pass
+        hoist_freeing_ops(program.local)
         apply_donation(program)
+        fold_scales(program.local)
         fold_donated_copies(program.local)
         reuse_buffers(program.local)
         for t in transforms:

@@ -27,7 +27,10 @@ INPLACE = {
     aten.tanh.default: aten.tanh_.default, aten.silu.default: aten.silu_.default, aten.relu.default: aten.relu_.default,
 }
 _COMMUTATIVE = (aten.add.Tensor, aten.mul.Tensor)
-_WHOLE = (c10d.wait_tensor.default,)  # aliases that are the whole buffer (a collective's result)
+# aliases that are the whole buffer: a collective's result, an in-place op's
+_WHOLE = frozenset({c10d.wait_tensor.default, *INPLACE.values()})
+
+
 def _shape_dtype(node: torch.fx.Node):
     """(shape, dtype) of a node's tensor result, from its metadata or the lowering's note."""
     val = node.meta.get("val")
@@ -54,9 +57,11 @@ def reuse_buffers(gm: torch.fx.GraphModule) -> int:
         if not isinstance(a, torch.fx.Node):
             return False
         r = root.get(a)
-        whole = r is a or (a.target in _WHOLE and a.args[0] is r)  # the buffer itself, not a view of it
+        whole = a  # the buffer itself, not a view of it
+        while whole is not r and whole.target in _WHOLE:
+            whole = whole.args[0]
         out, val = _shape_dtype(n), _shape_dtype(a)
-        return (whole and r.op == "call_function" and a in from_inputs and last[r] == index[n]
+        return (whole is r and r.op == "call_function" and a in from_inputs and last[r] == index[n]
                 and out is not None and out == val and sum(b is a for b in n.args) == 1)
 
     turned = 0
@@ -79,22 +84,59 @@ def reuse_buffers(gm: torch.fx.GraphModule) -> int:
 
 
 def fold_donated_copies(gm: torch.fx.GraphModule) -> int:
-    """`copy_(buffer, op(buffer, ...))`, where nothing reads `buffer` after `op`, becomes
-    `op_(buffer, ...)`: a donated input updated where it lies (Adam's moments by `lerp_`, the
-    parameters by `add_`), with no temporary and no copy. How many were folded."""
+    """`copy_(buffer, op_k(...op_1(buffer, ...)...))`, a chain of elementwise ops each read only by
+    the next, where nothing reads `buffer` after `op_1`, becomes `op_1_(buffer, ...)` ... `op_k_`:
+    a donated input updated where it lies (Adam's first moment by `lerp_`, its second by `mul_` and
+    `addcmul_`, the parameters by `add_`), with no temporary and no copy. How many were folded."""
     index = {n: i for i, n in enumerate(gm.graph.nodes)}
     folded = 0
     for copy in list(gm.graph.find_nodes(op="call_function", target=aten.copy_.default)):
-        buffer, result = copy.args[0], copy.args[1]
-        if (buffer.op != "placeholder" or not isinstance(result, torch.fx.Node) or result.target not in INPLACE
-                or not result.args or result.args[0] is not buffer or len(result.users) != 1
-                or sum(b is buffer for b in result.args) != 1
-                or any(index[r] > index[result] for r in readers(buffer, through_copies=False) if r is not copy)):
+        buffer, chain = copy.args[0], [copy.args[1]]
+        if buffer.op != "placeholder":
             continue
-        result.target = INPLACE[result.target]
-        copy.replace_all_uses_with(result)
+        while _chain_link(chain[-1], buffer) and chain[-1].args[0] is not buffer:
+            chain.append(chain[-1].args[0])
+        first = chain[-1]
+        if (not _chain_link(first, buffer) or first.args[0] is not buffer
+                or any(len(n.users) != 1 or sum(b is n.args[0] for b in n.args) != 1 for n in chain)
+                or any(index[r] > index[first] for r in readers(buffer, through_copies=False) if r is not copy)):
+            continue
+        for n in chain:
+            n.target = INPLACE[n.target]
+        copy.replace_all_uses_with(chain[0])
         gm.graph.erase_node(copy)
         folded += 1
     if folded:
         gm.recompile()
     return folded
+
+
+def fold_scales(gm: torch.fx.GraphModule) -> int:
+    """`add(a, mul(x, c))` with `c` a number and the product read only there becomes
+    `add(a, x, alpha=c)`: one pass over the memory, not two (an update scaled by the learning rate
+    and added to its parameter). How many were folded."""
+    folded = 0
+    for add in list(gm.graph.find_nodes(op="call_function", target=aten.add.Tensor)):
+        if add.kwargs.get("alpha", 1) != 1 or len(add.args) != 2:
+            continue
+        for i in (1, 0):
+            m = add.args[i]
+            if (isinstance(m, torch.fx.Node) and m.target is aten.mul.Tensor and len(m.users) == 1 and not m.kwargs
+                    and isinstance(m.args[1], (int, float)) and not isinstance(m.args[1], bool)
+                    and isinstance(m.args[0], torch.fx.Node) and _shape_dtype(m.args[0]) == _shape_dtype(m)
+                    and isinstance(add.args[1 - i], torch.fx.Node)):
+                add.args, add.kwargs = (add.args[1 - i], m.args[0]), {"alpha": m.args[1]}
+                gm.graph.erase_node(m)
+                folded += 1
+                break
+    if folded:
+        gm.recompile()
+    return folded
+
+
+def _chain_link(node, buffer: torch.fx.Node) -> bool:
+    """Whether `node` is an elementwise op with an in-place form whose result has `buffer`'s
+    shape and dtype, so it may be written into it."""
+    return (isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target in INPLACE
+            and bool(node.args) and isinstance(node.args[0], torch.fx.Node)
+            and _shape_dtype(node) is not None and _shape_dtype(node) == _shape_dtype(buffer))

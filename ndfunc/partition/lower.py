@@ -121,7 +121,10 @@ def lower(graph: torch.fx.Graph, plan: Plan, axis_names: Sequence[str], group_na
     e = _Emitter(plan, axis_names, group_names)
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     for node in placeholders:
-        e.produced[(node, 0)] = e.graph.placeholder(node.name)
+        e.produced[(node, 0)] = ph = e.graph.placeholder(node.name)
+        val = node.meta.get("val")
+        if isinstance(val, torch.Tensor) and node in plan.strategy:
+            ph.meta["ndfunc_local"] = (local_shape(tuple(val.shape), plan.strategy[node].outs[0], plan.sizes), val.dtype)
     e.coords = e.graph.placeholder("coords")
     for node in graph.nodes:
         if node.op != "call_function" or node not in plan.strategy:

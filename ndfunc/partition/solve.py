@@ -275,9 +275,11 @@ class Problem:
     def solve(self) -> Plan:
         """The cheaper of two searches, from two greedy starts: one pricing each layout change at
         its cost, one also at the cost of undoing it (a value split to save a reduction will likely
-        be gathered again: the Megatron choice of keeping activations whole)."""
+        be gathered again: the Megatron choice of keeping activations whole); then moves of many
+        nodes at once from the better."""
         N = len(self.nodes)
         choice = min((self._search(wary) for wary in (False, True)), key=self.total)
+        self._improve_together(choice)  # the costly part: on the better start only
         strategy = {self.nodes[n]: self.strategies[n][choice[n]] for n in range(N)}
         outputs = []
         for v, want in zip(self.output_values, self.requested):
@@ -307,7 +309,6 @@ class Problem:
                     if m not in queued and len(self.c_ins[m]) > 1:
                         work.append(m)
                         queued.add(m)
-        self._improve_together(choice)
         return choice
 
     def _improve_together(self, choice: list, rounds: int = 8) -> None:

@@ -1,0 +1,122 @@
+"""The memory passes over a local program, each on a small hand-built graph: the result must equal
+the graph run as it was built, and the rewrite must be the one promised."""
+
+from __future__ import annotations
+
+import torch
+
+from ndfunc.partition.inplace import fold_donated_copies, fold_scales, reuse_buffers
+from ndfunc.partition.schedule import hoist_freeing_ops
+
+aten = torch.ops.aten
+SHAPE = (4, 8)
+
+
+def build(body, n_inputs: int) -> torch.fx.GraphModule:
+    """A GraphModule of `body(graph, *placeholders) -> outputs`, every value of shape SHAPE."""
+    g = torch.fx.Graph()
+    ins = [g.placeholder(f"x{i}") for i in range(n_inputs)]
+    for node in ins:
+        node.meta["ndfunc_local"] = (SHAPE, torch.float32)
+    out = body(g, *ins)
+    for node in g.nodes:
+        if node.op == "call_function":
+            node.meta["ndfunc_local"] = (SHAPE, torch.float32)
+    g.output(out)
+    return torch.fx.GraphModule(torch.nn.Module(), g)
+
+
+def inputs(n: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return [torch.rand(SHAPE, generator=g) + 0.5 for _ in range(n)]
+
+
+def targets(gm) -> list:
+    return [n.target for n in gm.graph.nodes if n.op == "call_function"]
+
+
+def test_a_donated_moment_is_updated_where_it_lies_through_a_chain_of_ops():
+    # Adam's second moment: copy_(v, addcmul(v * b2, g, g)) -> v.mul_(b2).addcmul_(g, g)
+    def body(g, v, grad):
+        scaled = g.call_function(aten.mul.Tensor, (v, 0.999))
+        new = g.call_function(aten.addcmul.default, (scaled, grad, grad), {"value": 0.001})
+        return (g.call_function(aten.copy_.default, (v, new)),)
+
+    v, grad = inputs(2)
+    expected = v * 0.999 + 0.001 * grad * grad
+    gm = build(body, 2)
+    assert fold_donated_copies(gm) == 1
+    assert targets(gm) == [aten.mul_.Tensor, aten.addcmul_.default]
+    buffer = v.clone()
+    (out,) = gm(buffer, grad)
+    torch.testing.assert_close(out, expected)
+    assert out.data_ptr() == buffer.data_ptr()
+
+
+def test_a_donated_input_read_after_the_chain_starts_is_not_overwritten():
+    def body(g, v, grad):
+        scaled = g.call_function(aten.mul.Tensor, (v, 0.5))
+        later = g.call_function(aten.add.Tensor, (v, grad))  # reads the old v after the chain began
+        new = g.call_function(aten.add.Tensor, (scaled, later))
+        return (g.call_function(aten.copy_.default, (v, new)),)
+
+    gm = build(body, 2)
+    assert fold_donated_copies(gm) == 0
+    assert aten.copy_.default in targets(gm)
+
+
+def test_a_scale_feeding_an_add_becomes_its_alpha():
+    def body(g, p, u):
+        return (g.call_function(aten.add.Tensor, (p, g.call_function(aten.mul.Tensor, (u, -0.01)))),)
+
+    p, u = inputs(2)
+    gm = build(body, 2)
+    assert fold_scales(gm) == 1
+    (node,) = [n for n in gm.graph.nodes if n.op == "call_function"]
+    assert node.target is aten.add.Tensor and node.args[1].name == "x1" and node.kwargs == {"alpha": -0.01}
+    torch.testing.assert_close(gm(p, u)[0], p - 0.01 * u)
+
+
+def test_each_update_is_added_to_its_parameter_before_the_next_is_made():
+    # a tree_map of the update, then a tree_map of the sum: every update alive at once, unless the
+    # sums move up to just after their update
+    def body(g, p0, p1, g0, g1):
+        u0 = g.call_function(aten.mul.Tensor, (g0, 2.0))
+        u1 = g.call_function(aten.mul.Tensor, (g1, 2.0))
+        v0 = g.call_function(aten.sqrt.default, (u0,))
+        v1 = g.call_function(aten.sqrt.default, (u1,))
+        return (g.call_function(aten.add.Tensor, (p0, v0)), g.call_function(aten.add.Tensor, (p1, v1)))
+
+    args = inputs(4)
+    gm = build(body, 4)
+    expected = gm(*args)
+    hoist_freeing_ops(gm)
+    order = [n.name for n in gm.graph.nodes if n.op == "call_function"]
+    assert order == ["mul_tensor", "sqrt_default", "add_tensor", "mul_tensor_1", "sqrt_default_1", "add_tensor_1"]
+    torch.testing.assert_close(gm(*args), expected)
+
+
+def test_nothing_moves_above_a_write():
+    def body(g, p, x):
+        u = g.call_function(aten.mul.Tensor, (x, 2.0))
+        w = g.call_function(aten.copy_.default, (p, x))  # p now holds x
+        return (w, g.call_function(aten.add.Tensor, (u, w)))
+
+    gm = build(body, 2)
+    assert hoist_freeing_ops(gm) == 0
+
+
+def test_an_in_place_result_is_a_whole_buffer_the_next_op_may_write_into():
+    # sqrt_ writes into its input; the add after it may write into the same buffer again
+    def body(g, v, m):
+        d = g.call_function(aten.div.Tensor, (v, 3.0))
+        s = g.call_function(aten.sqrt.default, (d,))
+        e = g.call_function(aten.add.Tensor, (s, 1e-8))
+        return (g.call_function(aten.div.Tensor, (m, e)),)
+
+    v, m = inputs(2)
+    gm = build(body, 2)
+    expected = gm(v, m)
+    assert reuse_buffers(gm) == 2  # sqrt -> sqrt_, add -> add_; the last div's input m is the caller's
+    assert targets(gm) == [aten.div.Tensor, aten.sqrt_.default, aten.add_.Tensor, aten.div.Tensor]
+    torch.testing.assert_close(gm(v, m), expected)
