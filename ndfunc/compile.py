@@ -60,7 +60,8 @@ class Lowered:
         for x in prepared:
             placements = tuple(x.placements) if isinstance(x, DTensor) else (Replicate(),) * len(mesh.axis_names)
             in_layouts.append(_layout(placements, axes))
-        out_layouts = _output_layouts(name, traced, mesh, out_shardings, axes)
+        out_placements = _output_placements(name, traced, mesh, out_shardings)
+        out_layouts = [None if p is None else _layout(p, axes) for p in out_placements]
         for node, spec in traced.constraints():
             val = node.meta["val"]
             sharding = NamedSharding(mesh, spec)
@@ -71,7 +72,8 @@ class Lowered:
                     traced.graph.find_nodes(op="call_function", target=manual.exit_op):
                 node.meta["ndfunc_layout"] = _layout(NamedSharding(mesh, manual.spec_of(node)).placements, axes)
         program = Program(name=name, traced=traced, mesh=mesh, axes=tuple(axes), sizes=sizes,
-                          in_layouts=in_layouts, out_layouts=out_layouts, donated=donated)
+                          in_layouts=in_layouts, out_layouts=out_layouts, donated=donated,
+                          out_placements=out_placements)
         try:
             program.plan = partition(traced.graph, sizes, in_layouts, out_layouts)
         except NoStrategy as e:
@@ -122,8 +124,10 @@ class Compiled:
         # how each result is wrapped, worked out once: placements over the whole mesh, shape, stride
         self._outputs = []
         if isinstance(program.mesh, Mesh):
-            for (_, layout), spec in zip(program.plan.outputs, program.traced.out_specs):
-                placements = [Replicate()] * len(program.mesh.axis_names)
+            for (_, layout), spec, asked in zip(program.plan.outputs, program.traced.out_specs,
+                                                program.out_placements):
+                # as asked, size-1 axes included, so a result passes back in as it came out
+                placements = list(asked) if asked is not None else [Replicate()] * len(program.mesh.axis_names)
                 for axis, placement in zip(program.axes, layout):
                     placements[axis] = placement
                 shape = torch.Size(spec.shape)
@@ -173,21 +177,22 @@ class Compiled:
         return p.traced.out_tree.unflatten(outs)
 
 
-def _output_layouts(name, traced: Traced, mesh: Mesh, out_shardings, axes) -> list:
+def _output_placements(name, traced: Traced, mesh: Mesh, out_shardings) -> list:
+    """Per result leaf, the placements its out_sharding asks for (None: the partitioner's choice)."""
     is_spec = lambda x: isinstance(x, (NamedSharding, PartitionSpec))  # noqa: E731
     outs = traced.out_tree.unflatten(list(traced.out_specs))
     leaf_specs = tree_broadcast_prefix(out_shardings, outs, is_leaf=lambda x: is_spec(x) or x is None,
                                        prefix_name="out_shardings", full_name=f"{name}'s results")
     paths, specs, _ = optree.tree_flatten_with_path(leaf_specs, none_is_leaf=True)
-    layouts = []
+    placements = []
     for path, spec, out in zip(paths, specs, traced.out_specs):
         if spec is None:
-            layouts.append(None)
+            placements.append(None)
             continue
         sharding = NamedSharding(mesh, spec) if isinstance(spec, PartitionSpec) else spec
         sharding.check(out.shape, f"result {keystr(path)}" if path else "result")
-        layouts.append(_layout(sharding.placements, axes))
-    return layouts
+        placements.append(tuple(sharding.placements))
+    return placements
 
 
 def _no_strategy_error(jitted: Jitted, key, e: NoStrategy) -> Exception:

@@ -32,6 +32,7 @@ class Program:
     plan: Any = None  # ndfunc.partition.solve.Plan
     local: torch.fx.GraphModule | None = None
     donation: dict = dataclasses.field(default_factory=dict)  # output leaf -> input leaf it reuses
+    out_placements: list = dataclasses.field(default_factory=list)  # per result: asked, whole mesh, or None
     _meta_ready: bool = False
 
     def ensure_meta(self) -> None:

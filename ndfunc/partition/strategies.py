@@ -220,26 +220,38 @@ def _ask(node, given: list[Layout], n_outs: int, sizes) -> list[Strategy]:
 def _attention_rule(node, sizes) -> list[Strategy]:
     """Flash attention (CPU) forward and backward: q, k, v (B, H, L, K) split alike on batch or
     heads (grouped key/value heads split by the same factor); the mask follows where it has the
-    dim, else stays whole; logsumexp (B, H, L) follows q."""
+    dim, else stays whole; logsumexp (B, H, L) follows q.
+
+    With an explicit mask (not `is_causal`, whose mask assumes the block starts at position 0) the
+    sequence may be split too: each rank's queries against every key and value (gathered), the mask's
+    rows following the queries; in backward the key and value gradients are then partial sums
+    over that axis. (`nf.ring_attention` turns that gather into a ring.)"""
+    backward = "backward" in str(node.target)
     ins = tensor_inputs(node)
     outs = tensor_outputs(node)
-    per_axis = [Replicate(), Shard(0), Shard(1)]
-    q = node.args[1] if "backward" in str(node.target) else node.args[0]
+    q = node.args[1] if backward else node.args[0]
+    kv = {node.args[2], node.args[3]} if backward else {node.args[1], node.args[2]}
+    causal = node.args[7] if backward else (node.args[4] if len(node.args) > 4 else node.kwargs.get("is_causal", False))
     q_shape = tuple(q.meta["val"].shape)
+    seq = Shard(2)
+    per_axis = [Replicate(), Shard(0), Shard(1)] + ([] if causal else [seq])
     found = []
     for combo in itertools.product(per_axis, repeat=len(sizes)):
-        def follow(t: torch.Tensor | None):
+        def follow(t: torch.Tensor | None, key_side: bool, grad: bool = False):
             if t is None:
                 return None
             lay = []
             for p in combo:
-                if isinstance(p, Shard) and (t.ndim <= p.dim or t.shape[p.dim] != q_shape[p.dim]) and not (
+                if p == seq and key_side:
+                    lay.append(Partial("sum") if grad else Replicate())  # every key, each rank's queries
+                elif isinstance(p, Shard) and (t.ndim <= p.dim or t.shape[p.dim] != q_shape[p.dim]) and not (
                         p.dim == 1 and t.ndim == 4 and t.shape[1] > 1):
                     lay.append(Replicate())  # a broadcast mask dim: every block needs all of it
                 else:
                     lay.append(p)
             return tuple(lay)
-        found.append(Strategy(tuple(follow(o) for o in outs), tuple(follow(a.meta["val"]) for a in ins)))
+        out_lays = tuple(follow(o, backward and j in (1, 2), grad=True) for j, o in enumerate(outs))
+        found.append(Strategy(out_lays, tuple(follow(a.meta["val"], a in kv) for a in ins)))
     return found
 
 
