@@ -23,7 +23,11 @@ from safetensors.torch import save_file
 import ndfunc as nf
 from models.llama import LlamaConfig, param_shapes
 from models.safetensors_io import SafetensorsFile
-from ndfunc.tree import tree_broadcast_prefix, tree_flatten_with_path, tree_map_with_path
+from ndfunc.tree import (
+    tree_broadcast_prefix,
+    tree_flatten_with_path,
+    tree_map_with_path,
+)
 
 Index = tuple[slice, ...]
 

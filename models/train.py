@@ -1,23 +1,35 @@
-"""Train the reference Llama on the standard library's source bytes.
+"""Train the reference Llama on the standard library's source bytes, on any ND-parallel layout.
 
-    python -m models.train                          # tiny model, 200 steps, on this machine
-    python -m models.train --config small --steps 20 --batch-size 8 --seq-len 256
-    python -m models.train --hf-checkpoint DIR      # start from a Hugging Face Llama directory
+    python -m models.train                                         # 4D: dp_shard 2 x cp 2 x tp 2, 8 simulated ranks
+    python -m models.train --dp-shard 1 --cp 1 --tp 1               # one device
+    python -m models.train --dp-replicate 2 --dp-shard 2 --simulate 4 --grad-accum 2
+    torchrun --nproc-per-node 4 -m models.train --dp-shard 2 --tp 2   # real processes (gloo on CPU)
+    python -m models.train --hf-checkpoint DIR                      # start from a Hugging Face Llama
 
-One device for now: a pure step (`nf.value_and_grad` of `llama.loss`, then an optax-style AdamW
-update with warmup and cosine decay) over plain tensors. Sharded steps come with `nf.jit`.
+The flags mirror `nf.ParallelConfig`. Parameters are laid out by the config's logical rules (FSDP
+over `('dp_shard', 'cp')`, TP over `tp`), the batch over the data-parallel axes and the sequence
+over `cp`; one `nf.jit` step (loss, gradients, AdamW update) runs on every rank. Not under torchrun,
+the ranks are simulated in this process (`--simulate N`, default: as many as the layout needs).
+
+Effective batch = micro batch x grad accumulation x dp_replicate x dp_shard; `--lr-scaling` adapts
+the learning rate from `--base-batch` to it (linear or sqrt).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
+import sys
 import time
 
+import optree
 import torch
 
 import ndfunc as nf
 from models import data, hf, llama
 from ndfunc import random
+from ndfunc.sharding import NamedSharding, P
 
 
 def make_step(cfg: llama.LlamaConfig, opt: nf.optim.GradientTransformation):
@@ -29,44 +41,173 @@ def make_step(cfg: llama.LlamaConfig, opt: nf.optim.GradientTransformation):
     return step
 
 
-def main(argv: list[str] | None = None) -> list[float]:
+def make_accumulating_steps(cfg: llama.LlamaConfig, opt: nf.optim.GradientTransformation, micro_batches: int):
+    """(micro, update): `micro` adds one micro-batch's loss and gradients to running sums;
+    `update` applies their mean. One program each, whatever the number of micro-batches."""
+    def micro(params, sums, batch):
+        loss, grads = nf.value_and_grad(llama.loss)(params, batch, cfg)
+        loss_sum, grad_sums = sums
+        return loss_sum + loss, optree.tree_map(torch.add, grad_sums, grads)
+
+    def update(params, opt_state, sums):
+        loss_sum, grad_sums = sums
+        grads = optree.tree_map(lambda g: g / micro_batches, grad_sums)
+        updates, opt_state = opt.update(grads, opt_state, params)
+        return nf.optim.apply_updates(params, updates), opt_state, loss_sum / micro_batches
+
+    return micro, update
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    layout = parser.add_argument_group("layout (nf.ParallelConfig)")
+    layout.add_argument("--dp-replicate", type=int, default=1, help="replicas (DDP / across nodes in HSDP)")
+    layout.add_argument("--dp-shard", type=int, default=2, help="FSDP shards; -1 takes what the others leave")
+    layout.add_argument("--cp", type=int, default=2, help="context-parallel ranks (the sequence split)")
+    layout.add_argument("--tp", type=int, default=2, help="tensor-parallel ranks")
+    layout.add_argument("--simulate", type=int, default=None,
+                        help="ranks to simulate in this process when not under torchrun (default: the layout's)")
     parser.add_argument("--config", choices=["tiny", "small"], default="tiny")
     parser.add_argument("--hf-checkpoint", help="a Hugging Face Llama directory to start from")
-    parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--micro-batch", "--batch-size", dest="micro_batch", type=int, default=8,
+                        help="sequences per data-parallel rank per micro-batch")
+    parser.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
     parser.add_argument("--seq-len", type=int, default=128)
-    parser.add_argument("--lr", type=float, default=3e-3)
-    parser.add_argument("--warmup", type=int, default=20)
+    parser.add_argument("--lr", type=float, default=3e-3, help="peak learning rate at --base-batch")
+    parser.add_argument("--lr-scaling", choices=["none", "linear", "sqrt"], default="none",
+                        help="scale --lr from --base-batch to the effective batch")
+    parser.add_argument("--base-batch", type=int, default=None, help="the batch --lr was tuned at (default: effective)")
+    parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--weight-decay", type=float, default=0.1)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--log-every", type=int, default=20)
-    args = parser.parse_args(argv)
+    parser.add_argument("--log-every", type=int, default=10)
+    return parser.parse_args(argv)
 
+
+def main(argv: list[str] | None = None) -> list[float]:
+    args = parse(argv)
+    config = nf.ParallelConfig(args.dp_replicate, args.dp_shard, args.cp, args.tp)
+    under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    if under_torchrun:
+        nf.init()
+        ranks = contextlib.nullcontext()
+        config = config.resolve(nf.world_size())
+    else:
+        n = args.simulate or (config.total_size if config.is_resolved else 1)
+        config = config.resolve(n)
+        ranks = nf.simulate(n) if n > 1 else _world_of_this_process()
+    with ranks:
+        return train(args, config)
+
+
+def train(args: argparse.Namespace, config: nf.ParallelConfig) -> list[float]:
     if args.hf_checkpoint:
         cfg, params = hf.load_llama(args.hf_checkpoint)
     else:
         cfg = getattr(llama.LlamaConfig, args.config)()
-        params = llama.init(cfg, random.key(args.seed))
+        params = None
     if cfg.vocab_size < data.VOCAB_SIZE:
         raise SystemExit(f"the byte corpus needs a vocabulary of at least {data.VOCAB_SIZE}; this model has {cfg.vocab_size}.")
-    schedule = nf.optim.warmup_cosine_decay_schedule(0.0, args.lr, args.warmup, max(args.steps, args.warmup + 1), args.lr / 10)
+    effective = config.effective_batch_size(args.micro_batch, args.grad_accum)
+    lr = args.lr if args.lr_scaling == "none" else nf.ParallelConfig.scale_lr(
+        args.lr, args.base_batch or effective, effective, args.lr_scaling)
+    schedule = nf.optim.warmup_cosine_decay_schedule(0.0, lr, args.warmup, max(args.steps, args.warmup + 1), lr / 10)
     opt = nf.optim.chain(nf.optim.clip_by_global_norm(1.0), nf.optim.adamw(schedule, weight_decay=args.weight_decay))
+
+    mesh = config.build_mesh()
+    put = lambda tree, specs: nf.device_put(tree, optree.tree_map(  # noqa: E731
+        lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda s: isinstance(s, P)))
+    pspec = nf.sharding.logical_to_mesh(llama.param_axes(cfg), config.rules)
+    if params is None:  # each rank makes only its own blocks
+        params = nf.jit(lambda key: llama.init(cfg, key), mesh=mesh, out_shardings=pspec)(random.key(args.seed))
+    else:
+        params = put(params, pspec)
     opt_state = opt.init(params)
-    step = make_step(cfg, opt)
+    sspec = nf.optim.state_shardings(opt_state, pspec)
+    opt_state = put(nf.device_get(opt_state), sspec)
+
+    batch_size = args.micro_batch * config.dp_world_size  # one micro-batch, all data-parallel ranks
+    bsharding = NamedSharding(mesh, config.batch_spec)
+    # explicit positions: the causal mask then follows them, so attention can split the sequence (cp)
+    positions = nf.device_put(torch.arange(args.seq_len).expand(batch_size, args.seq_len).contiguous(), bsharding)
+    bspec = {"tokens": config.batch_spec, "targets": config.batch_spec, "positions": config.batch_spec}
+    kw = dict(mesh=mesh, donate_argnums=(0, 1))
+    if args.grad_accum == 1:
+        step = nf.jit(make_step(cfg, opt), in_shardings=(pspec, sspec, bspec), out_shardings=(pspec, sspec, P()), **kw)
+    else:
+        micro, update = make_accumulating_steps(cfg, opt, args.grad_accum)
+        sums_spec = (P(), pspec)
+        micro = nf.jit(micro, mesh=mesh, in_shardings=(pspec, sums_spec, bspec), out_shardings=sums_spec,
+                       donate_argnums=(1,))
+        update = nf.jit(update, in_shardings=(pspec, sspec, sums_spec), out_shardings=(pspec, sspec, P()), **kw)
 
     sequences = data.Sequences(data.stdlib_corpus(), args.seq_len, seed=args.seed)
-    print(f"{cfg}\n{cfg.num_params() / 1e6:.2f}M parameters; {sequences.num_sequences} sequences of "
-          f"{args.seq_len} bytes; batch {args.batch_size}")
-    losses, start = [], time.perf_counter()
-    for i, batch in enumerate(data.batches(sequences, args.batch_size, steps=args.steps)):
-        params, opt_state, loss = step(params, opt_state, batch)
-        losses.append(float(loss))
-        if (i + 1) % args.log_every == 0 or i == 0:
-            rate = (i + 1) * args.batch_size * args.seq_len / (time.perf_counter() - start)
-            print(f"step {i + 1:>5}  loss {losses[-1]:.3f}  lr {float(schedule(torch.tensor(i))):.2e}  {rate:,.0f} tokens/s")
-    print(f"loss {losses[0]:.3f} -> {sum(losses[-10:]) / min(10, len(losses)):.3f} (mean of the last 10 steps)")
+    say = print if nf.rank() == 0 else (lambda *a, **k: None)
+    say(f"{cfg}\n{cfg.num_params() / 1e6:.2f}M parameters; layout {config.sizes} on {config.total_size} "
+        f"{'simulated ' if nf.is_simulated() else ''}rank(s); effective batch {effective} = micro "
+        f"{args.micro_batch} x accumulation {args.grad_accum} x dp {config.dp_world_size}; lr {lr:.2e}")
+
+    losses, costs, start = [], None, time.perf_counter()
+    stream = data.batches(sequences, batch_size, bsharding, steps=args.steps * args.grad_accum)
+    for i in range(args.steps):
+        micro_batches = [dict(next(stream), positions=positions) for _ in range(args.grad_accum)]
+        if args.grad_accum == 1:
+            if costs is None:
+                costs = step.lower(params, opt_state, micro_batches[0]).cost_analysis()
+            params, opt_state, loss = step(params, opt_state, micro_batches[0])
+        else:
+            sums = (torch.zeros(()), optree.tree_map(lambda p: torch.zeros(p.shape, dtype=p.dtype), nf.device_get(params)))
+            sums = put(sums, sums_spec)
+            if costs is None:
+                costs = _add_costs(micro.lower(params, sums, micro_batches[0]).cost_analysis(), args.grad_accum,
+                                   update.lower(params, opt_state, sums).cost_analysis())
+            for mb in micro_batches:
+                sums = micro(params, sums, mb)
+            params, opt_state, loss = update(params, opt_state, sums)
+        losses.append(float(nf.device_get(loss)))
+        rate = (i + 1) * effective * args.seq_len / (time.perf_counter() - start)
+        _progress(say, i + 1, args.steps, losses[-1], rate, costs["peak_memory_bytes"],
+                  final=(i + 1) % args.log_every == 0 or i + 1 == args.steps)
+    tail = sum(losses[-10:]) / min(10, len(losses))
+    say(f"loss {losses[0]:.3f} -> {tail:.3f} (mean of the last 10 steps); effective batch {effective} sequences "
+        f"({effective * args.seq_len} tokens); per rank per step: {costs['comm_bytes']['total'] / 1e6:.2f} MB "
+        f"sent in {sum(costs['collectives'].values())} collectives, peak memory {costs['peak_memory_bytes'] / 2**20:.1f} MiB "
+        f"(program estimate)")
     return losses
+
+
+@contextlib.contextmanager
+def _world_of_this_process():
+    """A world of one process for the run, left as it was found."""
+    started = not torch.distributed.is_initialized()
+    nf.init()
+    try:
+        yield
+    finally:
+        if started:
+            nf.shutdown()
+
+
+def _add_costs(micro: dict, times: int, update: dict) -> dict:
+    """One optimizer step's costs: `times` micro-steps and an update."""
+    kinds = set(micro["comm_bytes"]) | set(update["comm_bytes"])
+    return {"comm_bytes": {k: times * micro["comm_bytes"].get(k, 0) + update["comm_bytes"].get(k, 0) for k in kinds},
+            "collectives": {k: times * micro["collectives"].get(k, 0) + update["collectives"].get(k, 0)
+                            for k in set(micro["collectives"]) | set(update["collectives"])},
+            "peak_memory_bytes": max(micro["peak_memory_bytes"], update["peak_memory_bytes"])}
+
+
+def _progress(say, done: int, total: int, loss: float, rate: float, peak: int, final: bool) -> None:
+    """A bar redrawn in place on a terminal; on a pipe, a line every `--log-every` steps."""
+    width = 24
+    filled = width * done // total
+    line = (f"[{'#' * filled}{'.' * (width - filled)}] step {done:>5}/{total}  loss {loss:.3f}  "
+            f"{rate:,.0f} tokens/s  {peak / 2**20:.1f} MiB/rank")
+    if sys.stdout.isatty():
+        say("\r" + line, end="\n" if done == total else "", flush=True)
+    elif final:
+        say(line)
 
 
 if __name__ == "__main__":

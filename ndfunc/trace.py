@@ -118,9 +118,32 @@ def trace(fn: Callable, args: Sequence[Any], kwargs: dict | None = None, *, stat
             graph_module = make_fx(flat_fn, tracing_mode="fake", record_stack_traces=record_stack_traces)(*fakes)
         finally:
             _tracing.reset(token)
+    _scalars_as_factories(graph_module)
     out_specs = tuple(TensorSpec(tuple(n.meta["val"].shape), n.meta["val"].dtype)
                       for n in graph_module.graph.find_nodes(op="output")[0].args[0])
     return Traced(graph_module, in_tree, trees[-1], in_specs, out_specs, paths, frozenset(static))
+
+
+def _scalars_as_factories(gm: torch.fx.GraphModule) -> None:
+    """A 0-d tensor the step made from a Python number (`torch.tensor(3)`) is captured as a
+    constant; make it a `scalar_tensor` op, which every rank runs like any other factory. Larger
+    constants stay attributes of the graph."""
+    for node in list(gm.graph.find_nodes(op="get_attr")):
+        value = getattr(gm, node.target, None)
+        if not isinstance(value, torch.Tensor) or value.ndim != 0:
+            continue
+        with gm.graph.inserting_before(node):
+            made = gm.graph.call_function(torch.ops.aten.scalar_tensor.default, (value.item(),),
+                                          {"dtype": value.dtype, "device": value.device})
+        made.meta.update(node.meta)
+        for user in list(node.users):
+            if user.target is torch.ops.aten.lift_fresh_copy.default:  # already a fresh tensor
+                user.replace_all_uses_with(made)
+                gm.graph.erase_node(user)
+        node.replace_all_uses_with(made)
+        gm.graph.erase_node(node)
+        delattr(gm, node.target)
+    gm.recompile()
 
 
 def _flatten(tree) -> tuple[list[tuple[str, torch.Tensor]], optree.PyTreeSpec]:

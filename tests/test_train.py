@@ -1,16 +1,71 @@
-"""The training entry point (README's main job), briefly, from scratch and from a Hugging Face
-checkpoint."""
+"""The training entry point (README's main job), briefly: on the 4D layout in simulation, on one
+device, with gradient accumulation, in real processes, and from a Hugging Face checkpoint."""
 
+import pathlib
+import re
+
+import optree
+import pytest
 import torch
 import transformers
 
-from models import train
+import ndfunc as nf
+from helpers import torchrun
+from models import llama, train
+
+QUICK = ["--seq-len", "32", "--micro-batch", "4", "--warmup", "5"]
 
 
-def test_train_from_scratch_lowers_the_loss(capsys):
-    losses = train.main(["--steps", "40", "--seq-len", "32", "--batch-size", "8", "--warmup", "5", "--log-every", "20"])
-    assert len(losses) == 40 and sum(losses[-5:]) / 5 < losses[0] - 1.0
-    assert "step    20" in capsys.readouterr().out
+def test_train_on_the_4d_layout_in_simulation_lowers_the_loss(capsys):
+    losses = train.main(["--steps", "30", "--log-every", "10", *QUICK])  # default: dp_shard 2 x cp 2 x tp 2
+    assert len(losses) == 30 and sum(losses[-5:]) / 5 < losses[0] - 1.0
+    out = capsys.readouterr().out
+    assert "on 8 simulated rank(s); effective batch 8 = micro 4 x accumulation 1 x dp 2" in out
+    assert "step    10/30" in out and "tokens/s" in out and "MiB/rank" in out
+    assert re.search(r"loss 5\.\d+ -> \d\.\d+ \(mean of the last 10 steps\); effective batch 8 sequences \(256 tokens\); "
+                     r"per rank per step: [\d.]+ MB sent in \d+ collectives", out), out
+
+
+def test_the_4d_run_and_the_one_device_run_agree():
+    one = train.main(["--steps", "3", "--dp-shard", "1", "--cp", "1", "--tp", "1", "--micro-batch", "8", *QUICK[:2], *QUICK[4:]])
+    four_d = train.main(["--steps", "3", *QUICK])  # 4 per dp rank x 2 dp ranks: the same 8 sequences
+    assert four_d == pytest.approx(one, rel=1e-5)
+
+
+def test_accumulated_micro_batches_equal_one_big_batch():
+    cfg = llama.LlamaConfig.tiny()
+    opt = nf.optim.adamw(1e-2)
+    params = llama.init(cfg, nf.random.key(0))
+    g = torch.Generator().manual_seed(0)
+    big = {"tokens": torch.randint(0, cfg.vocab_size, (8, 16), generator=g),
+           "targets": torch.randint(0, cfg.vocab_size, (8, 16), generator=g)}
+    expected = train.make_step(cfg, opt)(params, opt.init(params), big)
+    micro, update = train.make_accumulating_steps(cfg, opt, 2)
+    sums = (torch.zeros(()), optree.tree_map(torch.zeros_like, params))
+    for half in (slice(0, 4), slice(4, 8)):
+        sums = micro(params, sums, {k: v[half] for k, v in big.items()})
+    got = update(params, opt.init(params), sums)
+    # fp32 sums in another order; Adam's first step divides by |g|, so a gradient entry near zero
+    # turns a 1e-7 difference into a visible one: the tolerance used for every Adam step here
+    for a, b in zip(optree.tree_leaves(got), optree.tree_leaves(expected)):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_accumulation_in_the_main_job_matches_the_same_effective_batch_without_it():
+    flags = ["--steps", "2", "--dp-shard", "2", "--cp", "1", "--tp", "1", *QUICK[:2], *QUICK[4:]]
+    accumulated = train.main([*flags, "--micro-batch", "2", "--grad-accum", "2"])
+    whole = train.main([*flags, "--micro-batch", "4"])
+    # the same 8 sequences per step, met in another order within the step
+    assert accumulated == pytest.approx(whole, rel=1e-4)
+
+
+@pytest.mark.gloo
+def test_train_under_torchrun_matches_the_simulated_run():
+    flags = ["--steps", "3", "--dp-shard", "2", "--cp", "1", "--tp", "2", *QUICK]
+    proc = torchrun(pathlib.Path(train.__file__), *flags)
+    real = [float(x) for x in re.findall(r"loss (\d\.\d+)  ", proc.stdout)]
+    simulated = train.main(flags)
+    assert real == pytest.approx(simulated[-1:], rel=1e-4), proc.stdout
 
 
 def test_train_from_a_hugging_face_checkpoint(tmp_path):
@@ -18,6 +73,5 @@ def test_train_from_a_hugging_face_checkpoint(tmp_path):
                                       num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
     torch.manual_seed(0)
     transformers.LlamaForCausalLM(config).save_pretrained(tmp_path)
-    losses = train.main(["--hf-checkpoint", str(tmp_path), "--steps", "20", "--seq-len", "32", "--batch-size", "8",
-                         "--warmup", "5", "--log-every", "10"])
+    losses = train.main(["--hf-checkpoint", str(tmp_path), "--steps", "20", "--log-every", "10", *QUICK])
     assert sum(losses[-5:]) / 5 < losses[0]
