@@ -27,7 +27,11 @@ import optree
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    RowwiseParallel,
+    parallelize_module,
+)
 
 import ndfunc as nf
 from models import hf, llama

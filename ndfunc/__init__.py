@@ -19,9 +19,9 @@ from ndfunc.runtime import init as init
 from ndfunc.runtime import is_simulated as is_simulated
 from ndfunc.runtime import rank as rank
 from ndfunc.runtime import shutdown as shutdown
-from ndfunc.shard_map import shard_map as shard_map
 from ndfunc.runtime import simulate as simulate
 from ndfunc.runtime import world_size as world_size
+from ndfunc.shard_map import shard_map as shard_map
 from ndfunc.sharding.mesh import get_mesh as get_mesh
 from ndfunc.sharding.mesh import make_mesh as make_mesh
 from ndfunc.sharding.mesh import set_mesh as set_mesh
@@ -30,11 +30,12 @@ from ndfunc.transfer import device_get as device_get
 from ndfunc.transfer import device_put as device_put
 from ndfunc.transfer import make_array_from_callback as make_array_from_callback
 from ndfunc.transfer import sharding_of as sharding_of
+from ndfunc.transforms import fsdp as fsdp
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "ParallelConfig", "device_get", "device_put", "get_mesh", "grad", "init", "is_simulated", "jit", "lax", "optim",
+    "ParallelConfig", "device_get", "device_put", "fsdp", "get_mesh", "grad", "init", "is_simulated", "jit", "lax", "optim",
     "random", "value_and_grad", "vmap",
     "make_array_from_callback", "make_mesh", "rank", "set_mesh", "shard_map", "sharding", "sharding_of", "shutdown",
     "simulate", "tree", "visualize_sharding", "with_sharding_constraint", "world_size",

@@ -9,7 +9,6 @@ retired (DTensor or plain): touching it raises; the results are new objects on t
 
 from __future__ import annotations
 
-
 import torch
 from torch.distributed.tensor import DTensor
 

@@ -49,7 +49,9 @@ class simulate:
                 f"still open); leave it first, or run without nf.simulate."
             )
         from torch.distributed.tensor import _random
-        from torch.testing._internal.distributed.fake_pg import FakeStore  # registers "fake"
+        from torch.testing._internal.distributed.fake_pg import (
+            FakeStore,  # registers "fake"
+        )
 
         self._rng_tracker = _random._rng_tracker
         self._mesh_context = mesh_context()

@@ -25,7 +25,6 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from ndfunc.constraints import decode_spec, sharding_constraint_op
 from ndfunc.sharding.partition_spec import PartitionSpec
 
-
 _tracing: contextvars.ContextVar[bool] = contextvars.ContextVar("ndfunc_tracing", default=False)
 
 

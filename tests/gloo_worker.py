@@ -9,9 +9,11 @@ import json
 import sys
 
 import torch
+from helpers import (
+    arange,  # this folder is first on sys.path when torchrun runs the script
+)
 
 import ndfunc as nf
-from helpers import arange  # this folder is first on sys.path when torchrun runs the script
 from ndfunc.sharding import NamedSharding, P
 
 

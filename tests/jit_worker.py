@@ -7,11 +7,14 @@ lowered program's count. Any failure raises, so torchrun exits non-zero.
 
 import optree
 import torch
+from test_jit import (  # this folder is first on sys.path under torchrun
+    jit_llama,
+    llama_case,
+)
+from test_jit_partition import CountRun, adam_step, data
 
 import ndfunc as nf
 from ndfunc.sharding import P
-from test_jit import jit_llama, llama_case  # this folder is first on sys.path under torchrun
-from test_jit_partition import CountRun, adam_step, data
 
 
 def check(got, expected, **tol) -> None:

@@ -4,7 +4,6 @@ import ndfunc as nf
 from ndfunc import ParallelConfig
 from ndfunc.sharding import P
 
-
 # (kwargs, world size, resolved sizes (dp_replicate, dp_shard, cp, tp), dp_world_size)
 VALID = [
     ({}, 1, (1, 1, 1, 1), 1),

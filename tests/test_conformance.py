@@ -6,11 +6,10 @@ import json
 
 import pytest
 import torch
+from helpers import arange, case_id, conformance_cases
 
 import ndfunc as nf
 from ndfunc.sharding import AbstractMesh, IndivisibleError, NamedSharding, P
-
-from helpers import arange, case_id, conformance_cases
 
 CASES = conformance_cases()
 VALID = [c for c in CASES if "error" not in c]

@@ -6,7 +6,6 @@ import subprocess
 import sys
 
 import pytest
-
 from helpers import CONFORMANCE, conformance_cases, outside_torchrun_env, torchrun
 
 WORKER = pathlib.Path(__file__).with_name("gloo_worker.py")

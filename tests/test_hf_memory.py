@@ -7,9 +7,9 @@ import re
 
 import pytest
 import torch
+from helpers import torchrun
 
 import ndfunc as nf
-from helpers import torchrun
 from models import hf, llama
 
 WORKER = pathlib.Path(__file__).with_name("hf_memory_worker.py")

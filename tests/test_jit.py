@@ -7,14 +7,13 @@ import dataclasses
 import optree
 import pytest
 import torch
+from test_jit_partition import assert_same
 from torch.distributed.tensor import DTensor
 
 import ndfunc as nf
 from models import llama
 from ndfunc import lax
 from ndfunc.sharding import NamedSharding, P
-
-from test_jit_partition import assert_same
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 

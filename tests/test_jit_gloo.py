@@ -5,7 +5,6 @@ import pathlib
 import re
 
 import pytest
-
 from helpers import torchrun
 
 WORKER = pathlib.Path(__file__).with_name("jit_worker.py")

@@ -3,7 +3,13 @@ import torch
 import torch.distributed as dist
 
 import ndfunc as nf
-from ndfunc.sharding import AbstractMesh, NamedSharding, P, ShardingError, UnknownAxisError
+from ndfunc.sharding import (
+    AbstractMesh,
+    NamedSharding,
+    P,
+    ShardingError,
+    UnknownAxisError,
+)
 
 
 def test_abstract_mesh():

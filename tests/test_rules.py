@@ -1,10 +1,9 @@
 import pytest
 import torch
+from helpers import flax_logical_rules
 
 import ndfunc as nf
 from ndfunc.sharding import P, ShardingError, logical_to_mesh, match_rules
-
-from helpers import flax_logical_rules
 
 PARAMS = {
     "embed": torch.zeros(32, 8),

@@ -1,13 +1,12 @@
 import pytest
 import torch
 import torch.distributed as dist
+from helpers import arange
 from torch.distributed._local_tensor import local_tensor_mode
 from torch.distributed.tensor import DTensor
 
 import ndfunc as nf
 from ndfunc.sharding import IndivisibleError, NamedSharding, P, ShardingError
-
-from helpers import arange
 
 
 def test_simulate_leaves_no_state_behind():

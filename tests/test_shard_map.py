@@ -3,13 +3,12 @@ gradients of that math through torch.autograd)."""
 
 import pytest
 import torch
+from helpers import arange
 from torch.distributed._local_tensor import rank_map
 
 import ndfunc as nf
 from ndfunc import lax
 from ndfunc.sharding import NamedSharding, P
-
-from helpers import arange
 
 TOL = dict(rtol=1e-5, atol=1e-5)  # float32 sums in another order than the whole-tensor reference
 

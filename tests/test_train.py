@@ -8,9 +8,9 @@ import optree
 import pytest
 import torch
 import transformers
+from helpers import torchrun
 
 import ndfunc as nf
-from helpers import torchrun
 from models import llama, train
 
 QUICK = ["--seq-len", "32", "--micro-batch", "4", "--warmup", "5"]

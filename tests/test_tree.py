@@ -4,7 +4,12 @@ import pytest
 import torch
 
 from ndfunc.sharding import P
-from ndfunc.tree import keystr, tree_broadcast_prefix, tree_flatten_with_path, tree_map_with_path
+from ndfunc.tree import (
+    keystr,
+    tree_broadcast_prefix,
+    tree_flatten_with_path,
+    tree_map_with_path,
+)
 
 
 def test_paths_are_dotted_strings():

@@ -27,7 +27,6 @@ from ndfunc.optim._base import apply_updates as apply_updates
 from ndfunc.optim._base import chain as chain
 from ndfunc.optim._base import identity as identity
 from ndfunc.optim._schedules import constant as constant
-from ndfunc.optim._shardings import state_shardings as state_shardings
 from ndfunc.optim._schedules import constant_schedule as constant_schedule
 from ndfunc.optim._schedules import cosine_decay_schedule as cosine_decay_schedule
 from ndfunc.optim._schedules import join_schedules as join_schedules
@@ -39,6 +38,7 @@ from ndfunc.optim._schedules import warmup_cosine_decay as warmup_cosine_decay
 from ndfunc.optim._schedules import (
     warmup_cosine_decay_schedule as warmup_cosine_decay_schedule,
 )
+from ndfunc.optim._shardings import state_shardings as state_shardings
 from ndfunc.optim._transforms import ScaleByAdamState as ScaleByAdamState
 from ndfunc.optim._transforms import ScaleByScheduleState as ScaleByScheduleState
 from ndfunc.optim._transforms import TraceState as TraceState

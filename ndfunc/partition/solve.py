@@ -30,7 +30,12 @@ from torch.distributed.tensor import Partial, Replicate
 from ndfunc.partition import redistribute
 from ndfunc.partition.flops import node_flops
 from ndfunc.partition.layout import MANUAL, Layout
-from ndfunc.partition.strategies import Strategy, candidates, tensor_inputs, tensor_outputs
+from ndfunc.partition.strategies import (
+    Strategy,
+    candidates,
+    tensor_inputs,
+    tensor_outputs,
+)
 
 Value = tuple  # (producing node, output index)
 FLOPS_PER_BYTE = 100.0  # floating-point work worth one byte sent (CPU-like; GPUs compute more per byte)

@@ -12,16 +12,21 @@ model's repeated layers cost one lookup each.
 from __future__ import annotations
 
 import dataclasses
-import math
 import functools
 import itertools
+import math
 from collections.abc import Sequence
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
-from torch.distributed.tensor._op_schema import OpSchema, OpSpec, OpStrategy, TupleStrategy
+from torch.distributed.tensor._op_schema import (
+    OpSchema,
+    OpSpec,
+    OpStrategy,
+    TupleStrategy,
+)
 from torch.utils import _pytree as pytree
 
 from ndfunc import manual

@@ -9,10 +9,16 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from ndfunc.sharding.errors import IndivisibleError, RankError, ShardingError, UnknownAxisError, where
+from ndfunc.sharding import placements as _placements
+from ndfunc.sharding.errors import (
+    IndivisibleError,
+    RankError,
+    ShardingError,
+    UnknownAxisError,
+    where,
+)
 from ndfunc.sharding.mesh import AbstractMesh, Mesh, get_mesh
 from ndfunc.sharding.partition_spec import PartitionSpec
-from ndfunc.sharding import placements as _placements
 
 
 class NamedSharding:

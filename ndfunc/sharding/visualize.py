@@ -96,10 +96,9 @@ def visualize_sharding(x, *, file=None) -> None:
     sharding = sharding_of(x)
     shape = tuple(x.shape)
     if sharding is None:
+        from ndfunc.runtime import world_size
         from ndfunc.sharding.mesh import AbstractMesh
         from ndfunc.sharding.partition_spec import PartitionSpec
-
-        from ndfunc.runtime import world_size
 
         sharding = NamedSharding(AbstractMesh({"all": world_size()}), PartitionSpec())
     if file is None and _in_jupyter():
