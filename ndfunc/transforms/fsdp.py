@@ -27,8 +27,7 @@ c10d = torch.ops._c10d_functional
 class fsdp:  # noqa: N801 - a transform is named like the function it stands for
     """FSDP's gather schedule for parameters stored sharded over `axis` (a name or a tuple).
 
-    Example:
-        >>> step = nf.jit(train_step, mesh=mesh, in_shardings=..., transforms=[nf.fsdp('dp_shard')])
+    Use: `nf.jit(train_step, mesh=mesh, in_shardings=..., transforms=[nf.fsdp('dp_shard')])`.
     """
 
     axis: str | tuple[str, ...]
