@@ -9,7 +9,6 @@ or, given a batch sharding, each rank's block only (`nf.make_array_from_callback
 from __future__ import annotations
 
 import pathlib
-import random
 import sysconfig
 from collections.abc import Iterator
 
@@ -52,12 +51,9 @@ class Sequences:
         self.order = self.epoch_order(0)
 
     def epoch_order(self, epoch: int) -> torch.Tensor:
-        """The permutation of sequences for one epoch: a function of (seed, epoch) only. Drawn by
-        Python's own generator, not a torch one: under `nf.simulate` every simulated rank runs a
-        torch op in turn, and each would advance a shared generator and draw another order."""
-        order = list(range(self.num_sequences))
-        random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
-        return torch.tensor(order)
+        """The permutation of sequences for one epoch: a function of (seed, epoch) only."""
+        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+        return torch.randperm(self.num_sequences, generator=generator)
 
     def rows(self, sample_ids: torch.Tensor, cols: slice, order: torch.Tensor | None = None):
         """Tokens and targets of the given samples (positions in `order`, by default epoch 0's),

@@ -12,9 +12,42 @@ import os
 
 import torch
 import torch.distributed as dist
-from torch.distributed._local_tensor import LocalTensorMode, local_tensor_mode
+from torch.distributed._local_tensor import LocalTensor, LocalTensorMode, local_tensor_mode
+from torch.utils import _pytree as pytree
 
 from ndfunc.sharding.mesh import mesh_context, restore_mesh_context
+
+
+class _SimulatedRanks(LocalTensorMode):
+    """torch's LocalTensorMode, but an explicit `torch.Generator` draws as it would on real ranks.
+
+    There each process holds its own copy of an identically seeded generator, so every rank draws
+    the same numbers. LocalTensorMode runs an op once per rank with the one shared generator, each
+    rank drawing the next numbers: a data order or an init would differ from rank to rank. Here
+    each rank starts from the generator's state before the op, and the generator ends as one
+    rank's draw leaves it. (The default generator is already kept per rank by LocalTensorMode.)"""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        generators = [a for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, torch.Generator)]
+        if not generators:
+            return super().__torch_dispatch__(func, types, args, kwargs)
+        states = [g.get_state() for g in generators]
+        results = {}
+        for r in sorted(self.ranks):
+            for g, state in zip(generators, states):
+                g.set_state(state)
+            rank_args, rank_kwargs = pytree.tree_map_only(
+                LocalTensor, lambda t, r=r: t._local_tensors[r], (args, kwargs))
+            results[r] = func(*rank_args, **rank_kwargs)
+        if func._schema.is_mutable:  # written in place (`normal_`, `out=`): the rank blocks were
+            return args[0] if args and isinstance(args[0], LocalTensor) else kwargs.get("out")
+        first = results[min(results)]
+        leaves, spec = pytree.tree_flatten(first)
+        per_rank = {r: pytree.tree_leaves(out) for r, out in results.items()}
+        return pytree.tree_unflatten(
+            [LocalTensor({r: per_rank[r][i] for r in per_rank}) if isinstance(leaf, torch.Tensor) else leaf
+             for i, leaf in enumerate(leaves)], spec)
 
 
 class simulate:
@@ -56,7 +89,7 @@ class simulate:
         self._rng_tracker = _random._rng_tracker
         self._mesh_context = mesh_context()
         dist.init_process_group("fake", rank=0, world_size=self.num_ranks, store=FakeStore())
-        self._mode = LocalTensorMode(self.num_ranks)
+        self._mode = _SimulatedRanks(self.num_ranks)
         self._mode.__enter__()
         return self
 

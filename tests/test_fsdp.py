@@ -33,20 +33,8 @@ def setup():
     return params, opt, step, x, y
 
 
-CASE = None
-
-
-def case():
-    """Made once, outside any simulation: there a torch generator would be drawn from once per
-    simulated rank, each rank getting other numbers."""
-    global CASE
-    if CASE is None:
-        CASE = setup()
-    return CASE
-
-
 def jitted(mesh, transforms=()):
-    params, opt, step, x, y = case()
+    params, opt, step, x, y = setup()
     specs = {k: P("dp") for k in params}  # each weight stored as row blocks
     state = opt.init(params)
     sspecs = nf.optim.state_shardings(state, specs)
@@ -63,7 +51,7 @@ def moved(costs, kind):
 
 @pytest.mark.parametrize("reshard", [True, False])
 def test_fsdp_step_equals_the_unsharded_step(reshard):
-    params, opt, step, x, y = case()
+    params, opt, step, x, y = setup()
     expected = step(params, opt.init(params), x, y)
     with nf.simulate(4):
         f, args = jitted(nf.make_mesh(dp=4), [nf.fsdp("dp", reshard_after_forward=reshard)])
@@ -110,7 +98,7 @@ def test_gradients_are_reduced_in_the_reduce_dtype():
         f, args = jitted(nf.make_mesh(dp=4), [nf.fsdp("dp", reshard_after_forward=False, reduce_dtype=torch.float64)])
         costs = f.lower(*args).cost_analysis()
         gm = f.lower(*args).program.local
-        params, opt, step, x, y = case()
+        params, opt, step, x, y = setup()
         expected = step(params, opt.init(params), x, y)
         got = nf.device_get(f(*args))
     rs = [n for n in gm.graph.nodes if n.target is torch.ops._c10d_functional.reduce_scatter_tensor.default]

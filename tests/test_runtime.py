@@ -178,3 +178,19 @@ def test_blocks_of_one_value_share_a_dtype():
         dtypes = iter([torch.float32, torch.float64])
         with pytest.raises(ShardingError, match=r"the ranks' blocks have different dtypes \['torch.float32', 'torch.float64'\]"):
             nf.make_array_from_callback((4,), sharding, lambda i: torch.zeros(2, dtype=next(dtypes)))
+
+
+def test_an_explicit_generator_draws_as_on_real_ranks():
+    # on real ranks each process holds its own identically seeded generator: every rank draws the
+    # numbers one process draws, and the stream goes on from there
+    g = torch.Generator().manual_seed(0)
+    expected = [torch.randn(3, generator=g), torch.randperm(6, generator=g), torch.empty(4).normal_(generator=g),
+                torch.randn(2, generator=g)]
+    with nf.simulate(4):
+        g = torch.Generator().manual_seed(0)
+        drawn = [torch.randn(3, generator=g), torch.randperm(6, generator=g), torch.empty(4).normal_(generator=g),
+                 torch.randn(2, generator=g)]
+        for got, want in zip(drawn, expected):
+            assert sorted(got._local_tensors) == [0, 1, 2, 3]
+            for block in got._local_tensors.values():
+                assert torch.equal(block, want)
