@@ -123,9 +123,8 @@ def train(args: argparse.Namespace, config: nf.ParallelConfig) -> list[float]:
         params = nf.jit(lambda key: llama.init(cfg, key), mesh=mesh, out_shardings=pspec)(random.key(args.seed))
     else:
         params = put(params, pspec)
-    opt_state = opt.init(params)
+    opt_state = opt.init(params)  # moments laid out as their parameters, on each rank's blocks
     sspec = nf.optim.state_shardings(opt_state, pspec)
-    opt_state = put(nf.device_get(opt_state), sspec)
 
     batch_size = args.micro_batch * config.dp_world_size  # one micro-batch, all data-parallel ranks
     bsharding = NamedSharding(mesh, config.batch_spec)
@@ -141,6 +140,8 @@ def train(args: argparse.Namespace, config: nf.ParallelConfig) -> list[float]:
         micro = nf.jit(micro, mesh=mesh, in_shardings=(pspec, sums_spec, bspec), out_shardings=sums_spec,
                        donate_argnums=(1,))
         update = nf.jit(update, in_shardings=(pspec, sspec, sums_spec), out_shardings=(pspec, sspec, P()), **kw)
+        zeros = nf.jit(lambda p: (torch.zeros(()), optree.tree_map(torch.zeros_like, p)), mesh=mesh,
+                       in_shardings=(pspec,), out_shardings=sums_spec)  # each rank makes its blocks
 
     sequences = data.Sequences(data.stdlib_corpus(), args.seq_len, seed=args.seed)
     say = print if nf.rank() == 0 else (lambda *a, **k: None)
@@ -157,8 +158,7 @@ def train(args: argparse.Namespace, config: nf.ParallelConfig) -> list[float]:
                 costs = step.lower(params, opt_state, micro_batches[0]).cost_analysis()
             params, opt_state, loss = step(params, opt_state, micro_batches[0])
         else:
-            sums = (torch.zeros(()), optree.tree_map(lambda p: torch.zeros(p.shape, dtype=p.dtype), nf.device_get(params)))
-            sums = put(sums, sums_spec)
+            sums = zeros(params)
             if costs is None:
                 costs = _add_costs(micro.lower(params, sums, micro_batches[0]).cost_analysis(), args.grad_accum,
                                    update.lower(params, opt_state, sums).cost_analysis())

@@ -60,3 +60,22 @@ def torchrun(script: pathlib.Path, *args: str, nproc: int = 4) -> subprocess.Com
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     return proc
+
+
+def tanh_mlp_step(n_layers: int, opt):
+    """An optimizer step over `{'w0': .., 'w{n-1}': ..}`, a chain of `tanh(h @ w)` from `x`, and the
+    mean squared error to `y`: `step(params, state, x, y) -> (params, state, loss)`."""
+    import ndfunc as nf
+
+    def step(p, s, x, y):
+        def loss_fn(p):
+            h = x
+            for i in range(n_layers):
+                h = torch.tanh(h @ p[f"w{i}"])
+            return ((h - y) ** 2).mean()
+
+        loss, grads = nf.value_and_grad(loss_fn)(p)
+        u, s = opt.update(grads, s, p)
+        return nf.optim.apply_updates(p, u), s, loss
+
+    return step

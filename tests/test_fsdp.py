@@ -6,6 +6,7 @@ from __future__ import annotations
 import optree
 import pytest
 import torch
+from helpers import tanh_mlp_step
 
 import ndfunc as nf
 from ndfunc.sharding import NamedSharding, P
@@ -18,19 +19,7 @@ def setup():
     params = {f"w{i}": torch.randn(D, D, generator=g) / D**0.5 for i in range(N_LAYERS)}
     x, y = torch.randn(B, D, generator=g), torch.randn(B, D, generator=g)
     opt = nf.optim.adam(1e-2)
-
-    def step(p, s, x, y):
-        def loss_fn(p):
-            h = x
-            for i in range(N_LAYERS):
-                h = torch.tanh(h @ p[f"w{i}"])
-            return ((h - y) ** 2).mean()
-
-        loss, grads = nf.value_and_grad(loss_fn)(p)
-        u, s = opt.update(grads, s, p)
-        return nf.optim.apply_updates(p, u), s, loss
-
-    return params, opt, step, x, y
+    return params, opt, tanh_mlp_step(N_LAYERS, opt), x, y
 
 
 def jitted(mesh, transforms=()):

@@ -7,11 +7,12 @@ import dataclasses
 import optree
 import pytest
 import torch
+from helpers import tanh_mlp_step
 from test_jit_partition import assert_same
 from torch.distributed.tensor import DTensor
 
 import ndfunc as nf
-from models import llama
+from models import llama, train
 from ndfunc import lax
 from ndfunc.sharding import NamedSharding, P
 
@@ -209,17 +210,7 @@ def test_donated_buffers_hold_the_results_and_the_donated_values_are_retired():
     params = {f"w{i}": torch.randn(width, width, generator=g) / 12 for i in range(n_leaves)}
     x, y = torch.randn(8, width, generator=g), torch.randn(8, width, generator=g)
     opt = nf.optim.adam(1e-2)
-
-    def step(p, s, x, y):
-        def loss_fn(p):
-            h = x
-            for i in range(n_leaves):
-                h = torch.tanh(h @ p[f"w{i}"])
-            return ((h - y) ** 2).mean()
-
-        loss, grads = nf.value_and_grad(loss_fn)(p)
-        u, s = opt.update(grads, s, p)
-        return nf.optim.apply_updates(p, u), s, loss
+    step = tanh_mlp_step(n_leaves, opt)
 
     state = opt.init(params)
     expected = step(params, state, x, y)
@@ -266,11 +257,7 @@ MESHES = {"dp": dict(dp=4), "fsdp": dict(dp=4), "tp": dict(tp=4), "dp_tp": dict(
 def llama_step():
     cfg = llama.LlamaConfig.tiny()
     opt = nf.optim.adamw(1e-3, weight_decay=0.1)
-
-    def step(params, state, batch):
-        loss, grads = nf.value_and_grad(llama.loss)(params, batch, cfg)
-        updates, state = opt.update(grads, state, params)
-        return nf.optim.apply_updates(params, updates), state, loss
+    step = train.make_step(cfg, opt)
 
     params = llama.init(cfg, nf.random.key(0))
     g = torch.Generator().manual_seed(0)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import ndfunc as nf
-from models import llama
+from models import llama, train
 from ndfunc.sharding import NamedSharding, P
 
 MATRIX = {  # name: (dp_replicate, dp_shard, cp, tp)
@@ -32,11 +32,7 @@ RTOL, ATOL = 1e-4, 2e-5
 def setup():
     cfg = llama.LlamaConfig.tiny()
     opt = nf.optim.adamw(1e-3, weight_decay=0.1)
-
-    def step(params, state, batch):
-        loss, grads = nf.value_and_grad(llama.loss)(params, batch, cfg)
-        updates, state = opt.update(grads, state, params)
-        return nf.optim.apply_updates(params, updates), state, loss
+    step = train.make_step(cfg, opt)
 
     g = torch.Generator().manual_seed(0)
     B, L = 8, 16

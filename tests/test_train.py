@@ -13,7 +13,8 @@ from helpers import torchrun
 import ndfunc as nf
 from models import llama, train
 
-QUICK = ["--seq-len", "32", "--micro-batch", "4", "--warmup", "5"]
+SHORT = ["--seq-len", "32", "--warmup", "5"]
+QUICK = [*SHORT, "--micro-batch", "4"]
 
 
 def test_train_on_the_4d_layout_in_simulation_lowers_the_loss(capsys):
@@ -27,7 +28,7 @@ def test_train_on_the_4d_layout_in_simulation_lowers_the_loss(capsys):
 
 
 def test_the_4d_run_and_the_one_device_run_agree():
-    one = train.main(["--steps", "3", "--dp-shard", "1", "--cp", "1", "--tp", "1", "--micro-batch", "8", *QUICK[:2], *QUICK[4:]])
+    one = train.main(["--steps", "3", "--dp-shard", "1", "--cp", "1", "--tp", "1", "--micro-batch", "8", *SHORT])
     four_d = train.main(["--steps", "3", *QUICK])  # 4 per dp rank x 2 dp ranks: the same 8 sequences
     assert four_d == pytest.approx(one, rel=1e-5)
 
@@ -52,7 +53,7 @@ def test_accumulated_micro_batches_equal_one_big_batch():
 
 
 def test_accumulation_in_the_main_job_matches_the_same_effective_batch_without_it():
-    flags = ["--steps", "2", "--dp-shard", "2", "--cp", "1", "--tp", "1", *QUICK[:2], *QUICK[4:]]
+    flags = ["--steps", "2", "--dp-shard", "2", "--cp", "1", "--tp", "1", *SHORT]
     accumulated = train.main([*flags, "--micro-batch", "2", "--grad-accum", "2"])
     whole = train.main([*flags, "--micro-batch", "4"])
     # the same 8 sequences per step, met in another order within the step

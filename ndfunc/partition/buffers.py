@@ -15,6 +15,15 @@ aten = torch.ops.aten
 _ALIASES = (operator.getitem, torch.ops._c10d_functional.wait_tensor.default, aten._unsafe_view.default)
 
 
+def shape_dtype(node: torch.fx.Node) -> tuple | None:
+    """(shape, dtype) of a node's tensor result, from its metadata or the lowering's note
+    (`meta['ndfunc_local']`, for passes that run before metadata is filled)."""
+    val = node.meta.get("val")
+    if isinstance(val, torch.Tensor):
+        return tuple(val.shape), val.dtype
+    return node.meta.get("ndfunc_local")
+
+
 def aliases_input(node: torch.fx.Node) -> bool:
     """Whether the node's result shares its first input's memory."""
     t = node.target

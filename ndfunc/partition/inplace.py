@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from ndfunc.partition.buffers import lifetimes, readers
+from ndfunc.partition.buffers import lifetimes, readers, shape_dtype
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
@@ -29,14 +29,6 @@ INPLACE = {
 _COMMUTATIVE = (aten.add.Tensor, aten.mul.Tensor)
 # aliases that are the whole buffer: a collective's result, an in-place op's
 _WHOLE = frozenset({c10d.wait_tensor.default, *INPLACE.values()})
-
-
-def _shape_dtype(node: torch.fx.Node):
-    """(shape, dtype) of a node's tensor result, from its metadata or the lowering's note."""
-    val = node.meta.get("val")
-    if isinstance(val, torch.Tensor):
-        return tuple(val.shape), val.dtype
-    return node.meta.get("ndfunc_local")
 
 
 def reuse_buffers(gm: torch.fx.GraphModule) -> int:
@@ -60,7 +52,7 @@ def reuse_buffers(gm: torch.fx.GraphModule) -> int:
         whole = a  # the buffer itself, not a view of it
         while whole is not r and whole.target in _WHOLE:
             whole = whole.args[0]
-        out, val = _shape_dtype(n), _shape_dtype(a)
+        out, val = shape_dtype(n), shape_dtype(a)
         return (whole is r and r.op == "call_function" and a in from_inputs and last[r] == index[n]
                 and out is not None and out == val and sum(b is a for b in n.args) == 1)
 
@@ -123,7 +115,7 @@ def fold_scales(gm: torch.fx.GraphModule) -> int:
             m = add.args[i]
             if (isinstance(m, torch.fx.Node) and m.target is aten.mul.Tensor and len(m.users) == 1 and not m.kwargs
                     and isinstance(m.args[1], (int, float)) and not isinstance(m.args[1], bool)
-                    and isinstance(m.args[0], torch.fx.Node) and _shape_dtype(m.args[0]) == _shape_dtype(m)
+                    and isinstance(m.args[0], torch.fx.Node) and shape_dtype(m.args[0]) == shape_dtype(m)
                     and isinstance(add.args[1 - i], torch.fx.Node)):
                 add.args, add.kwargs = (add.args[1 - i], m.args[0]), {"alpha": m.args[1]}
                 gm.graph.erase_node(m)
@@ -139,4 +131,4 @@ def _chain_link(node, buffer: torch.fx.Node) -> bool:
     shape and dtype, so it may be written into it."""
     return (isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target in INPLACE
             and bool(node.args) and isinstance(node.args[0], torch.fx.Node)
-            and _shape_dtype(node) is not None and _shape_dtype(node) == _shape_dtype(buffer))
+            and shape_dtype(node) is not None and shape_dtype(node) == shape_dtype(buffer))

@@ -16,8 +16,8 @@ import math
 
 import torch
 
-from ndfunc.partition.buffers import lifetimes
-from ndfunc.partition.inplace import INPLACE, _shape_dtype
+from ndfunc.partition.buffers import lifetimes, shape_dtype
+from ndfunc.partition.inplace import INPLACE
 
 
 def hoist_freeing_ops(gm: torch.fx.GraphModule) -> int:
@@ -61,13 +61,13 @@ def _writes(n: torch.fx.Node) -> bool:
 
 def _frees(n: torch.fx.Node, root: dict, last: dict, index: dict) -> bool:
     """Whether `n` is the last reader of a buffer the program made that is at least its result's size."""
-    out = _shape_dtype(n)
+    out = shape_dtype(n)
     if out is None:
         return False
     need = math.prod(out[0]) * out[1].itemsize
     for a in n.all_input_nodes:
         r = root.get(a)
-        sd = _shape_dtype(r) if r is not None else None
+        sd = shape_dtype(r) if r is not None else None
         if (r is not None and r.op == "call_function" and last.get(r) == index[n] and sd is not None
                 and math.prod(sd[0]) * sd[1].itemsize >= need):
             return True

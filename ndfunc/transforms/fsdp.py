@@ -15,6 +15,7 @@ one, so every layer's gathered weights are held at once. This pass makes that FS
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 
 import torch
@@ -43,8 +44,10 @@ class fsdp:  # noqa: N801 - a transform is named like the function it stands for
         gm = program.local
         gathers = [g for g in _parameter_gathers(gm) if set(g.comm["axes"]) <= set(self.axes)]
         if self.reshard_after_forward:
+            index = {n: i for i, n in enumerate(gm.graph.nodes)}  # copies go in; these stay valid
+            firsts = sorted(index[min(g.value.users, key=index.__getitem__)] for g in gathers if g.value.users)
             for g in gathers:
-                _regather_for_second_use(gm, g, gathers)
+                _regather_for_second_use(gm, g, index, firsts)
         gathers = [g for g in _parameter_gathers(gm) if set(g.comm["axes"]) <= set(self.axes)]
         if self.prefetch > 0:
             _prefetch(gm, gathers, self.prefetch)
@@ -92,16 +95,17 @@ def _parameter_gathers(gm: torch.fx.GraphModule) -> list[_Gather]:
     return found
 
 
-def _regather_for_second_use(gm, g: _Gather, gathers: list[_Gather]) -> None:
-    index = {n: i for i, n in enumerate(gm.graph.nodes)}
+def _regather_for_second_use(gm, g: _Gather, index: dict, firsts: list[int]) -> None:
+    """Gather `g` again before its first use that follows another parameter's first use (its
+    backward, after the later layers' forward); the uses from there on read the new copy.
+    `index`: the program order before any copy; `firsts`: each parameter gather's first use."""
     uses = sorted(g.value.users, key=index.__getitem__)
     if len(uses) < 2:
         return
-    firsts = sorted(index[min(o.value.users, key=index.__getitem__)] for o in gathers if o is not g and o.value.users)
-    # split where other parameters are gathered in between: forward, then backward
+    # split where other parameters are first used in between: forward, then backward
     cut = None
     for a, b in zip(uses, uses[1:]):
-        if any(index[a] < f < index[b] for f in firsts):
+        if bisect.bisect_right(firsts, index[a]) < bisect.bisect_left(firsts, index[b]):
             cut = b
             break
     if cut is None:
