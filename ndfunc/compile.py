@@ -74,6 +74,9 @@ class Lowered:
         program = Program(name=name, traced=traced, mesh=mesh, axes=tuple(axes), sizes=sizes,
                           in_layouts=in_layouts, out_layouts=out_layouts, donated=donated,
                           out_placements=out_placements)
+        for t in transforms:
+            if hasattr(t, "traced"):
+                t.traced(program)
         try:
             program.plan = partition(traced.graph, sizes, in_layouts, out_layouts)
         except NoStrategy as e:

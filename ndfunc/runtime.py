@@ -12,7 +12,11 @@ import os
 
 import torch
 import torch.distributed as dist
-from torch.distributed._local_tensor import LocalTensor, LocalTensorMode, local_tensor_mode
+from torch.distributed._local_tensor import (
+    LocalTensor,
+    LocalTensorMode,
+    local_tensor_mode,
+)
 from torch.utils import _pytree as pytree
 
 from ndfunc.sharding.mesh import mesh_context, restore_mesh_context

@@ -145,10 +145,14 @@ def lower(graph: torch.fx.Graph, plan: Plan, axis_names: Sequence[str], group_na
             # a block of a viewable value need not be viewable (its strides differ): reshape,
             # which views when it can and copies when it must
             op = _RESHAPES.get(op, op)
+        extra_meta = {}
+        if "ndfunc_lower" in node.meta:  # a transform's own local op (nf.ring_attention)
+            op, a, kw, extra_meta = node.meta["ndfunc_lower"](e, node, s, op, a, kw)
         mapping = iter(locals_)
         a, kw = torch.utils._pytree.tree_map_only(
             torch.fx.Node, lambda x: next(mapping) if isinstance(x.meta.get("val"), torch.Tensor) else x, (a, kw))
         out = e.graph.call_function(op, tuple(a), dict(kw))
+        out.meta.update(extra_meta)
         if op in _MANUAL_COMMS:
             out.meta["ndfunc_comm"] = e.manual_comm(node)
             given = node.args[0].meta["val"]

@@ -92,7 +92,7 @@ def candidates(node: torch.fx.Node, sizes: tuple[int, ...]) -> list[Strategy]:
     if node.meta.get("ndfunc_manual") or node.target is manual.exit_op:
         return _manual_rule(node, sizes)
     cache = _CACHE.setdefault(sizes, {})
-    sig = _signature(node)
+    sig = (_signature(node), repr(node.meta.get("ndfunc_ring")))
     if sig not in cache:
         cache[sig] = _candidates(node, sizes)
     return cache[sig]
@@ -230,7 +230,8 @@ def _attention_rule(node, sizes) -> list[Strategy]:
     With an explicit mask (not `is_causal`, whose mask assumes the block starts at position 0) the
     sequence may be split too: each rank's queries against every key and value (gathered), the mask's
     rows following the queries; in backward the key and value gradients are then partial sums
-    over that axis. (`nf.ring_attention` turns that gather into a ring.)"""
+    over that axis. On the axis `nf.ring_attention` marked, keys and values (and their gradients)
+    stay split instead: the lowering writes a ring there."""
     backward = "backward" in str(node.target)
     ins = tensor_inputs(node)
     outs = tensor_outputs(node)
@@ -239,15 +240,21 @@ def _attention_rule(node, sizes) -> list[Strategy]:
     causal = node.args[7] if backward else (node.args[4] if len(node.args) > 4 else node.kwargs.get("is_causal", False))
     q_shape = tuple(q.meta["val"].shape)
     seq = Shard(2)
+    ring = (node.meta.get("ndfunc_ring") or {}).get("live")  # nf.ring_attention's axis: keys stay split
     per_axis = [Replicate(), Shard(0), Shard(1)] + ([] if causal else [seq])
+    # on the ring's axis the sequence is what is split (else the cheapest plan may well split the
+    # batch there instead, which is data parallelism, not context parallelism)
+    options = [[seq] if axis == ring else per_axis for axis in range(len(sizes))]
     found = []
-    for combo in itertools.product(per_axis, repeat=len(sizes)):
+    for combo in itertools.product(*options):
         def follow(t: torch.Tensor | None, key_side: bool, grad: bool = False):
             if t is None:
                 return None
             lay = []
-            for p in combo:
-                if p == seq and key_side:
+            for axis, p in enumerate(combo):
+                if p == seq and key_side and axis == ring:
+                    lay.append(seq)  # keys, values and their gradients travel the ring
+                elif p == seq and key_side:
                     lay.append(Partial("sum") if grad else Replicate())  # every key, each rank's queries
                 elif isinstance(p, Shard) and (t.ndim <= p.dim or t.shape[p.dim] != q_shape[p.dim]) and not (
                         p.dim == 1 and t.ndim == 4 and t.shape[1] > 1):

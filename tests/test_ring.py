@@ -1,0 +1,165 @@
+"""nf.ring_attention against full attention (torch's own, on the whole sequence): the ring alone on
+simulated ranks, the gathered form the partitioner writes without it, the ring inside nf.jit, and
+the llama step with context parallelism."""
+
+from __future__ import annotations
+
+import math
+
+import optree
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.distributed._local_tensor import LocalTensor
+
+import ndfunc as nf
+from ndfunc.sharding import P
+from ndfunc.transforms import ring
+
+N = 4  # ranks on the ring
+B, H, L, K = 2, 4, 32, 8
+
+
+def full_attention(q, k, v, positions):
+    """Reference: torch's attention over the whole sequence, mask from positions; and its lse."""
+    mask = positions[:, None, :, None] >= positions[:, None, None, :]
+    kk, vv = (x.repeat_interleave(q.shape[1] // x.shape[1], dim=1) for x in (k, v))
+    out = F.scaled_dot_product_attention(q, kk, vv, attn_mask=mask)
+    scores = (q @ kk.transpose(-1, -2) / math.sqrt(q.shape[-1])).masked_fill(~mask, -math.inf)
+    return out, torch.logsumexp(scores, -1), mask
+
+
+def blocks(x, dim=2):
+    """Rank r's block of a sequence split into N contiguous blocks, as a LocalTensor."""
+    return LocalTensor({r: c.contiguous() for r, c in enumerate(x.chunk(N, dim))})
+
+
+def whole(x, dim=2):
+    return torch.cat([x._local_tensors[r] for r in range(N)], dim)
+
+
+def ring_kwargs(mask):
+    return dict(mask=blocks(mask), scale=None, coords=LocalTensor({r: torch.tensor([r]) for r in range(N)}), axis=0,
+                size=N, peers=tuple((r, (r + 1) % N) for r in range(N)), skip=True)
+
+
+def inputs(kv_heads=H, dtype=torch.float32, layout="zigzag"):
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(B, H, L, K, generator=g)
+    k, v = torch.randn(B, kv_heads, L, K, generator=g), torch.randn(B, kv_heads, L, K, generator=g)
+    grad_out = torch.randn(B, H, L, K, generator=g)
+    positions = torch.arange(L).expand(B, L)
+    if layout == "zigzag":  # the sequence reordered so that rank r holds chunks r and 2N-1-r
+        order = ring.zigzag_order(L, N)
+        q, k, v, grad_out = (x.index_select(2, order) for x in (q, k, v, grad_out))
+        positions = positions.index_select(1, order)
+    return [x.to(dtype) for x in (q, k, v, grad_out)], positions
+
+
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+@pytest.mark.parametrize("kv_heads", [H, 2], ids=["mha", "gqa"])
+def test_ring_forward_and_gradients_equal_full_attention_fp32(layout, kv_heads):
+    (q, k, v, grad_out), positions = inputs(kv_heads, layout=layout)
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    expected, expected_lse, mask = full_attention(*leaves, positions)
+    expected.backward(grad_out)
+    with nf.simulate(N):
+        kw = ring_kwargs(mask)
+        out, lse = ring.ring_forward(blocks(q), blocks(k), blocks(v), **kw)
+        dq, dk, dv = ring.ring_backward(blocks(grad_out), blocks(q), blocks(k), blocks(v), out, lse, **kw)
+        got = [whole(x) for x in (out, lse, dq, dk, dv)]
+    for a, b in zip(got, [expected, expected_lse, *(x.grad for x in leaves)]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_ring_in_bf16_is_within_bf16_rounding_of_fp32_attention():
+    # inputs and outputs rounded to bf16 (8 bits of mantissa: relative 2**-8 = 0.4%), scores,
+    # softmax and merges in fp32: the error is that rounding, a few of it at most, on values of
+    # order 1, so 2e-2 absolute and relative
+    (q, k, v, grad_out), positions = inputs(dtype=torch.bfloat16)
+    leaves = [x.float().requires_grad_() for x in (q, k, v)]
+    expected, _, mask = full_attention(*leaves, positions)
+    expected.backward(grad_out.float())
+    with nf.simulate(N):
+        kw = ring_kwargs(mask)
+        out, lse = ring.ring_forward(blocks(q), blocks(k), blocks(v), **kw)
+        dq, dk, dv = ring.ring_backward(blocks(grad_out), blocks(q), blocks(k), blocks(v), out, lse, **kw)
+        got = [whole(x) for x in (out, dq, dk, dv)]
+    assert all(x.dtype == torch.bfloat16 for x in got)
+    for a, b in zip(got, [expected, *(x.grad for x in leaves)]):
+        torch.testing.assert_close(a.float(), b, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("layout,ratio", [("zigzag", 1.0), ("contiguous", N)])
+def test_zigzag_balances_the_blocks_each_rank_computes(layout, ratio):
+    # a real rank skips the key blocks its queries cannot see; count them as it would
+    _, positions = inputs(layout=layout)
+    mask = positions[:, None, :, None] >= positions[:, None, None, :]
+    work = []
+    for r in range(N):
+        rows = mask.chunk(N, 2)[r]
+        work.append(sum(ring._visible(ring._block(rows, torch.tensor([r]), 0, N, s)[0]) for s in range(N)))
+    assert max(work) / min(work) == ratio  # attention FLOPs per rank, max over min
+    if layout == "zigzag":
+        assert max(work) / min(work) <= 1.1
+
+
+def test_zigzag_lays_out_and_undoes():
+    batch = {"tokens": torch.arange(16).reshape(1, 16), "targets": torch.arange(16).reshape(1, 16) + 1}
+    laid = nf.zigzag(batch, 2)
+    # 4 chunks of 4: rank 0 holds chunks 0 and 3, rank 1 chunks 1 and 2
+    assert laid["tokens"].tolist() == [[0, 1, 2, 3, 12, 13, 14, 15, 4, 5, 6, 7, 8, 9, 10, 11]]
+    assert torch.equal(laid["positions"], laid["tokens"])
+    assert torch.equal(nf.unzigzag(laid["targets"], 2), batch["targets"])
+    with pytest.raises(ValueError, match=r"^zigzag: a sequence of 12 tokens does not cut into 2 x 4 equal chunks; "
+                                         r"use a length divisible by 8\.$"):
+        nf.zigzag({"tokens": torch.zeros(1, 12)}, 4)
+
+
+# --- inside nf.jit ------------------------------------------------------------------------------
+
+def attention_step(q, k, v, positions, w):
+    """Attention and the gradients of a weighted sum of it: forward and backward in one program."""
+    def f(q, k, v):
+        mask = positions[:, None, :, None] >= positions[:, None, None, :]
+        return (F.scaled_dot_product_attention(q, k, v, attn_mask=mask) * w).sum()
+
+    return nf.value_and_grad(f, argnums=(0, 1, 2))(q, k, v)
+
+
+@pytest.mark.parametrize("transforms", [[], [nf.ring_attention("cp")]], ids=["gathered", "ring"])
+def test_sequence_sharded_attention_in_jit_equals_full_attention(transforms):
+    # one sequence, one head: the sequence is the only dim to split, so attention runs split
+    (q, k, v, w), positions = inputs(layout="zigzag")
+    q, k, v, w = (x[:1, :1] for x in (q, k, v, w))
+    positions = positions[:1]
+    expected = attention_step(q, k, v, positions, w)
+    seq = P(None, None, "cp")
+    with nf.simulate(N):
+        mesh = nf.make_mesh(cp=N)
+        step = nf.jit(attention_step, mesh=mesh, in_shardings=(seq, seq, seq, P(None, "cp"), seq),
+                      out_shardings=(P(), (seq, seq, seq)), transforms=transforms)
+        got = nf.device_get(step(q, k, v, positions, w))
+        costs = step.lower(q, k, v, positions, w).cost_analysis()
+    for a, b in zip(optree.tree_leaves(got), optree.tree_leaves(expected)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    if transforms:  # K and V go round the ring, never gathered
+        assert costs["collectives"]["ppermute"] == 2
+        assert costs["comm_bytes"].get("all_gather", 0) < L * K * 4 * 2  # positions only, not K and V
+
+
+def test_ring_holds_less_than_the_gathered_keys_and_falls_with_the_ring_size():
+    (q, k, v, w), positions = inputs(layout="zigzag")
+    q, k, v, w = (x[:1, :1] for x in (q, k, v, w))
+    positions = positions[:1]
+    seq = P(None, None, "cp")
+    peaks = {}
+    for n in (2, 4):
+        with nf.simulate(n):
+            mesh = nf.make_mesh(cp=n)
+            for name, transforms in (("gathered", []), ("ring", [nf.ring_attention("cp")])):
+                step = nf.jit(attention_step, mesh=mesh, in_shardings=(seq, seq, seq, P(None, "cp"), seq),
+                              out_shardings=(P(), (seq, seq, seq)), transforms=transforms)
+                peaks[name, n] = step.lower(q, k, v, positions, w).cost_analysis()["peak_memory_bytes"]
+    assert peaks["ring", 4] < peaks["gathered", 4]
+    assert peaks["ring", 4] < peaks["ring", 2]
