@@ -120,11 +120,11 @@ def _block(mask: torch.Tensor, coords, axis: int, size: int, step: int) -> tuple
     return mask.reshape(b, h, rows, size, cols // size).index_select(3, source).squeeze(3), source
 
 
-def _scores(q, k, mask, scale):
-    """Scaled scores under the mask: a boolean one (True: may attend) or an additive one (0 or -inf,
-    as scaled_dot_product_attention hands its flash kernel)."""
-    s = torch.matmul(q, k.transpose(-1, -2)) * scale
-    return s.masked_fill(~mask, -math.inf) if mask.dtype == torch.bool else s + mask.float()
+def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The mask as the flash kernel takes it: 0 where a query may attend, -inf where not."""
+    if mask.dtype == torch.bool:
+        return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, -math.inf)
+    return mask.to(dtype)
 
 
 def _expand_heads(x: torch.Tensor, heads: int) -> torch.Tensor:
@@ -141,24 +141,24 @@ def _visible(m) -> bool:
 
 def ring_forward(q, k, v, *, mask, scale, coords, axis, size, peers, skip):
     """(out, logsumexp) of this rank's queries against every rank's keys, the keys and values
-    travelling the ring; fp32 merges."""
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    travelling the ring. Each block by the flash kernel (no score matrix held); the blocks merge
+    by their log-sum-exps, in fp32."""
     heads = q.shape[1]
-    qf = q.float()
     out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     lse = torch.full(q.shape[:-1], -math.inf, dtype=torch.float32, device=q.device)
     for step in range(size):
         m, _ = _block(mask, coords, axis, size, step)
         if not skip or _visible(m):
-            kf, vf = _expand_heads(k, heads).float(), _expand_heads(v, heads).float()
-            s = _scores(qf, kf, m, scale)
-            block_lse = torch.logsumexp(s, dim=-1)
-            p = torch.exp(s - block_lse.unsqueeze(-1)).nan_to_num(0.0)  # fully masked rows: nothing
-            block_out = torch.matmul(p, vf)
+            m = _additive(m, q.dtype)
+            block_out, block_lse = FLASH(q, _expand_heads(k, heads), _expand_heads(v, heads), 0.0, False,
+                                         attn_mask=m, scale=scale)
+            # a row that sees no key of this block: the kernel says lse 0, out 0; it is -inf
+            seen = (m > -math.inf).any(-1).expand(block_lse.shape)
+            block_lse = block_lse.float().masked_fill(~seen, -math.inf)
             new = torch.logaddexp(lse, block_lse)
             keep = torch.exp(lse - new).nan_to_num(0.0).unsqueeze(-1)
             take = torch.exp(block_lse - new).nan_to_num(0.0).unsqueeze(-1)
-            out = out * keep + block_out * take
+            out = out * keep + block_out.float() * take
             lse = new
         if step < size - 1:
             k, v = _shift(k, peers), _shift(v, peers)
@@ -166,29 +166,23 @@ def ring_forward(q, k, v, *, mask, scale, coords, axis, size, peers, skip):
 
 
 def ring_backward(grad_out, q, k, v, out, lse, *, mask, scale, coords, axis, size, peers, skip):
-    """(dq, dk, dv): each rank's blocks' gradients; dk and dv travel with their keys and values
-    and are home after `size` steps."""
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    """(dq, dk, dv): each block's gradients by the flash kernel's backward, given the whole
+    output and log-sum-exp (so each block's softmax is the global one); dk and dv travel with
+    their keys and values, in fp32, and are home after `size` steps."""
     heads, groups = q.shape[1], k.shape[1]
-    qf, do = q.float(), grad_out.float()
-    delta = (do * out.float()).sum(-1, keepdim=True)
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
     dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
     for step in range(size):
         m, _ = _block(mask, coords, axis, size, step)
         if not skip or _visible(m):
-            kf, vf = _expand_heads(k, heads).float(), _expand_heads(v, heads).float()
-            p = torch.exp(_scores(qf, kf, m, scale) - lse.unsqueeze(-1)).nan_to_num(0.0)
-            dp = torch.matmul(do, vf.transpose(-1, -2))
-            ds = p * (dp - delta)
-            dq = dq + torch.matmul(ds, kf) * scale
-            dk_block = torch.matmul(ds.transpose(-1, -2), qf) * scale
-            dv_block = torch.matmul(p.transpose(-1, -2), do)
+            dq_block, dk_block, dv_block = FLASH_BACKWARD(
+                grad_out, q, _expand_heads(k, heads), _expand_heads(v, heads), out, lse, 0.0, False,
+                attn_mask=_additive(m, q.dtype), scale=scale)
             if groups != heads:  # the query heads a key/value head served, summed back into it
                 dk_block = dk_block.unflatten(1, (groups, heads // groups)).sum(2)
                 dv_block = dv_block.unflatten(1, (groups, heads // groups)).sum(2)
-            dk, dv = dk + dk_block, dv + dv_block
+            dq, dk, dv = dq + dq_block.float(), dk + dk_block.float(), dv + dv_block.float()
         if step < size - 1:
             k, v = _shift(k, peers), _shift(v, peers)
         dk, dv = _shift(dk, peers), _shift(dv, peers)
