@@ -31,6 +31,7 @@ from ndfunc.transfer import device_put as device_put
 from ndfunc.transfer import make_array_from_callback as make_array_from_callback
 from ndfunc.transfer import sharding_of as sharding_of
 from ndfunc.transforms import fsdp as fsdp
+from ndfunc.transforms import mixed_precision as mixed_precision
 from ndfunc.transforms import ring_attention as ring_attention
 from ndfunc.transforms import unzigzag as unzigzag
 from ndfunc.transforms import zigzag as zigzag
@@ -38,7 +39,7 @@ from ndfunc.transforms import zigzag as zigzag
 __version__ = "0.1.0"
 
 __all__ = [
-    "ParallelConfig", "device_get", "device_put", "fsdp", "get_mesh", "grad", "init", "is_simulated", "jit", "lax", "optim",
+    "ParallelConfig", "device_get", "device_put", "fsdp", "get_mesh", "grad", "init", "is_simulated", "jit", "lax", "mixed_precision", "optim",
     "random", "ring_attention", "unzigzag", "value_and_grad", "vmap", "zigzag",
     "make_array_from_callback", "make_mesh", "rank", "set_mesh", "shard_map", "sharding", "sharding_of", "shutdown",
     "simulate", "tree", "visualize_sharding", "with_sharding_constraint", "world_size",

@@ -10,6 +10,7 @@ functional graph with no autograd left in it.
 
 from __future__ import annotations
 
+import contextvars
 import functools
 from collections.abc import Callable
 from typing import Any
@@ -20,6 +21,12 @@ import torch
 from ndfunc.tree import tree_flatten_with_path
 
 ArgNums = int | tuple[int, ...]
+
+
+# The dtype differentiated float arguments are cast to before `fn` runs (`nf.mixed_precision`
+# sets it while a jitted step is traced); None: as they are.
+COMPUTE_DTYPE: contextvars.ContextVar[torch.dtype | None] = contextvars.ContextVar("ndfunc_compute_dtype",
+                                                                                    default=None)
 
 
 def grad(fn: Callable[..., Any], argnums: ArgNums = 0, has_aux: bool = False) -> Callable[..., Any]:
@@ -87,7 +94,10 @@ def value_and_grad(fn: Callable[..., Any], argnums: ArgNums = 0, has_aux: bool =
 
         def flat_fn(*flat_args):
             new_args = list(args)
+            compute = COMPUTE_DTYPE.get()
             for i, spec, leaves in zip(indices, specs, flat_args):
+                if compute is not None:  # nf.mixed_precision: compute in it; gradients come back as the leaves are
+                    leaves = [x.to(compute) if x.is_floating_point() else x for x in leaves]
                 new_args[i] = optree.tree_unflatten(spec, leaves)
             out = fn(*new_args, **kwargs)
             if not has_aux:

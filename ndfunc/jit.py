@@ -13,6 +13,7 @@ simulation, per-rank tensors - no DTensor dispatch), and wraps the results as DT
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -204,7 +205,11 @@ class Jitted:
         static = dict(key[1])
         n_args = len(dyn_args)
         call_args = [static[i] if i in static else dyn_args[i] for i in range(n_args)]
-        traced = trace(self.fn, call_args, kwargs, static_argnums=tuple(static))
+        with contextlib.ExitStack() as stack:  # transforms that change what is traced (mixed precision)
+            for t in self.transforms:
+                if hasattr(t, "tracing"):
+                    stack.enter_context(t.tracing())
+            traced = trace(self.fn, call_args, kwargs, static_argnums=tuple(static))
         if mesh is None:
             mesh = _world_of_one()
         donated = [i for i in range(len(prepared)) if _arg_index(dynamic_tree, i) in self.donate_argnums]

@@ -20,6 +20,8 @@ import dataclasses
 
 import torch
 
+from ndfunc.transforms._reduce import reduce_in
+
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
 
@@ -52,7 +54,7 @@ class fsdp:  # noqa: N801 - a transform is named like the function it stands for
         if self.prefetch > 0:
             _prefetch(gm, gathers, self.prefetch)
         if self.reduce_dtype is not None:
-            _reduce_in(gm, self.axes, self.reduce_dtype)
+            reduce_in(gm, self.reduce_dtype, self.axes, kinds=(c10d.reduce_scatter_tensor.default,))
         gm.graph.lint()
         gm.recompile()
 
@@ -130,21 +132,3 @@ def _prefetch(gm, gathers: list[_Gather], k: int) -> None:
         start = live[i].start
         if index[anchor] < index[start] and all(index[a] < index[anchor] for a in start.all_input_nodes):
             anchor.prepend(start)  # issued there; its wait stays where it was
-
-
-def _reduce_in(gm, axes: tuple[str, ...], dtype: torch.dtype) -> None:
-    for rs in list(gm.graph.find_nodes(op="call_function", target=c10d.reduce_scatter_tensor.default)):
-        comm = rs.meta.get("ndfunc_comm")
-        shape, given, device = rs.meta.get("ndfunc_input", (None, None, None))
-        if comm is None or not set(comm["axes"]) <= set(axes) or given in (None, dtype):
-            continue
-        (wait,) = rs.users
-        with gm.graph.inserting_before(rs):
-            cast = gm.graph.call_function(aten._to_copy.default, (rs.args[0],), {"dtype": dtype})
-        rs.replace_input_with(rs.args[0], cast)
-        rs.meta["ndfunc_input"] = (shape, dtype, device)
-        rs.meta["ndfunc_comm"] = dict(comm, bytes=comm["bytes"] * dtype.itemsize // given.itemsize,
-                                      moved=comm["moved"] * dtype.itemsize // given.itemsize)
-        with gm.graph.inserting_after(wait):
-            back = gm.graph.call_function(aten._to_copy.default, (wait,), {"dtype": given})
-        wait.replace_all_uses_with(back, delete_user_cb=lambda u: u is not back)

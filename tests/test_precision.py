@@ -1,0 +1,81 @@
+"""nf.mixed_precision: bf16 compute, fp32 master parameters, optimizer state and gradient sums.
+The reference is the same step written by hand on one device: the loss of the parameters cast to
+bf16, differentiated with respect to the fp32 parameters."""
+
+from __future__ import annotations
+
+import optree
+import pytest
+import torch
+from test_matrix import MATRIX, run_sharded, setup
+
+import ndfunc as nf
+from models import llama
+
+c10d = torch.ops._c10d_functional
+
+
+def bf16_loss(params, batch, cfg):
+    return llama.loss(optree.tree_map(lambda x: x.to(torch.bfloat16), params), batch, cfg)
+
+
+def rel_error(got, want) -> float:
+    return float((got.float() - want).norm() / want.norm())
+
+
+@pytest.mark.parametrize("name", ["fsdp", "fsdp_tp"])
+def test_mixed_precision_gradients_equal_the_bf16_gradients_by_hand(name):
+    cfg, _, _, params, batches = setup()
+    batch = batches[0]
+    expected = nf.grad(bf16_loss)(params, batch, cfg)
+    config = nf.ParallelConfig(*MATRIX[name])
+    with nf.simulate(config.total_size):
+        mesh = config.build_mesh()
+        pspec = nf.sharding.logical_to_mesh(llama.param_axes(cfg), config.rules)
+        grads = nf.jit(lambda p, b: nf.grad(llama.loss)(p, b, cfg), mesh=mesh,
+                       in_shardings=(pspec, {k: config.batch_spec for k in batch}), out_shardings=pspec,
+                       transforms=[nf.mixed_precision(torch.bfloat16, torch.float32)])
+        got = nf.device_get(grads(params, batch))
+    # bf16 keeps 8 bits of mantissa (a rounding is 2**-8 = 0.4% relative); the products and sums
+    # round a few times and in another order on each rank: 3% of each gradient's norm
+    for g, want in zip(optree.tree_leaves(got), optree.tree_leaves(expected)):
+        assert g.dtype == torch.float32  # as the parameter it belongs to
+        assert rel_error(g, want) < 3e-2
+
+
+def test_mixed_precision_steps_keep_fp32_parameters_and_state_and_train():
+    cfg, opt, _, params, batches = setup()
+    def by_hand(params, state, batch):
+        loss, grads = nf.value_and_grad(bf16_loss)(params, batch, cfg)
+        updates, state = opt.update(grads, state, params)
+        return nf.optim.apply_updates(params, updates), state, loss
+
+    state, expected = opt.init(params), []
+    p = params
+    for batch in batches:
+        p, state, loss = by_hand(p, state, batch)
+        expected.append(float(loss))
+    got_params, losses, _ = run_sharded(MATRIX["fsdp_tp"], [nf.mixed_precision(torch.bfloat16, torch.float32)])
+    assert losses == pytest.approx(expected, rel=1e-3)
+    assert all(x.dtype == torch.float32 for x in optree.tree_leaves(got_params))
+
+
+def test_the_program_computes_in_bf16_and_sums_gradients_in_fp32():
+    cfg, opt, step, params, batches = setup()
+    config = nf.ParallelConfig(1, 4, 1, 1)
+    with nf.simulate(4):
+        mesh = config.build_mesh()
+        pspec = nf.sharding.logical_to_mesh(llama.param_axes(cfg), config.rules)
+        sspec = nf.optim.state_shardings(opt.init(params), pspec)
+        bspec = {k: config.batch_spec for k in batches[0]}
+        jitted = nf.jit(step, mesh=mesh, in_shardings=(pspec, sspec, bspec), out_shardings=(pspec, sspec, nf.sharding.P()),
+                        transforms=[nf.mixed_precision(torch.bfloat16, torch.float32)])
+        lowered = jitted.lower(params, opt.init(params), batches[0])
+        lowered.program.ensure_meta()
+        gm = lowered.program.local
+    mms = [n for n in gm.graph.nodes if n.target in (torch.ops.aten.mm.default, torch.ops.aten.bmm.default)]
+    assert mms and all(n.meta["val"].dtype == torch.bfloat16 for n in mms)
+    sums = [n for n in gm.graph.nodes if n.target in (c10d.reduce_scatter_tensor.default, c10d.all_reduce.default)]
+    assert sums and all(n.args[0].meta["val"].dtype == torch.float32 for n in sums)
+    outs = gm.graph.find_nodes(op="output")[0].args[0]
+    assert all(o.meta["val"].dtype in (torch.float32, torch.int32) for o in outs)
