@@ -27,6 +27,7 @@ import optree
 import torch
 import torch.nn.functional as F
 
+import ndfunc as nf
 from ndfunc import random
 
 IGNORE_INDEX = -100
@@ -44,6 +45,7 @@ class LlamaConfig:
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
     max_seq_len: int = 2048
+    remat: str | None = None  # recompute each decoder layer in backward: 'full' or 'save_dots' (nf.remat)
 
     def __post_init__(self) -> None:
         for field in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim"):
@@ -179,6 +181,11 @@ def mlp(layer: dict, x_BLD: torch.Tensor) -> torch.Tensor:
     return (gate_BLF * (x_BLD @ layer["w3"])) @ layer["w2"]
 
 
+def decoder_layer(layer: dict, x_BLD: torch.Tensor, cos, sin, cfg: LlamaConfig, mask_BLL=None) -> torch.Tensor:
+    x_BLD = x_BLD + attention(layer["attn"], rms_norm(x_BLD, layer["attn_norm"], cfg.norm_eps), cos, sin, cfg, mask_BLL)
+    return x_BLD + mlp(layer["mlp"], rms_norm(x_BLD, layer["mlp_norm"], cfg.norm_eps))
+
+
 def apply(params: dict, tokens_BL: torch.Tensor, cfg: LlamaConfig, positions_BL: torch.Tensor | None = None) -> torch.Tensor:
     """Logits (B, L, V) for tokens (B, L).
 
@@ -193,9 +200,9 @@ def apply(params: dict, tokens_BL: torch.Tensor, cfg: LlamaConfig, positions_BL:
         mask_BLL = positions_BL[:, :, None] >= positions_BL[:, None, :]
     cos, sin = rope_tables(positions_BL, cfg.head_dim, cfg.rope_theta)
     x_BLD = F.embedding(tokens_BL, params["embed"])
+    block = nf.remat(decoder_layer, cfg.remat) if cfg.remat else decoder_layer
     for layer in params["layers"]:
-        x_BLD = x_BLD + attention(layer["attn"], rms_norm(x_BLD, layer["attn_norm"], cfg.norm_eps), cos, sin, cfg, mask_BLL)
-        x_BLD = x_BLD + mlp(layer["mlp"], rms_norm(x_BLD, layer["mlp_norm"], cfg.norm_eps))
+        x_BLD = block(layer, x_BLD, cos, sin, cfg, mask_BLL)
     x_BLD = rms_norm(x_BLD, params["norm"], cfg.norm_eps)
     head_DV = params["embed"].T if cfg.tie_embeddings else params["lm_head"]
     return x_BLD @ head_DV

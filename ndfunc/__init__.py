@@ -15,6 +15,7 @@ from ndfunc.autodiff import vmap as vmap
 from ndfunc.config import ParallelConfig as ParallelConfig
 from ndfunc.constraints import with_sharding_constraint as with_sharding_constraint
 from ndfunc.jit import jit as jit
+from ndfunc.remat import remat as remat
 from ndfunc.runtime import init as init
 from ndfunc.runtime import is_simulated as is_simulated
 from ndfunc.runtime import rank as rank
@@ -40,7 +41,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ParallelConfig", "device_get", "device_put", "fsdp", "get_mesh", "grad", "init", "is_simulated", "jit", "lax", "mixed_precision", "optim",
-    "random", "ring_attention", "unzigzag", "value_and_grad", "vmap", "zigzag",
+    "random", "remat", "ring_attention", "unzigzag", "value_and_grad", "vmap", "zigzag",
     "make_array_from_callback", "make_mesh", "rank", "set_mesh", "shard_map", "sharding", "sharding_of", "shutdown",
     "simulate", "tree", "visualize_sharding", "with_sharding_constraint", "world_size",
 ]

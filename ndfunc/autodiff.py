@@ -17,11 +17,14 @@ from typing import Any
 
 import optree
 import torch
+import torch.fx.traceback as fx_traceback
 
 from ndfunc.tree import tree_flatten_with_path
 
 ArgNums = int | tuple[int, ...]
 
+
+FORWARD = "ndfunc_forward"  # the mark on the ops of a differentiated function, when traced
 
 # The dtype differentiated float arguments are cast to before `fn` runs (`nf.mixed_precision`
 # sets it while a jitted step is traced); None: as they are.
@@ -99,7 +102,8 @@ def value_and_grad(fn: Callable[..., Any], argnums: ArgNums = 0, has_aux: bool =
                 if compute is not None:  # nf.mixed_precision: compute in it; gradients come back as the leaves are
                     leaves = [x.to(compute) if x.is_floating_point() else x for x in leaves]
                 new_args[i] = optree.tree_unflatten(spec, leaves)
-            out = fn(*new_args, **kwargs)
+            with fx_traceback.annotate({FORWARD: True}):  # nf.remat tells forward from backward by it
+                out = fn(*new_args, **kwargs)
             if not has_aux:
                 return _check_loss(out, fn)
             if not (isinstance(out, (tuple, list)) and len(out) == 2):

@@ -24,6 +24,7 @@ from ndfunc.partition.program import Program
 from ndfunc.partition.schedule import hoist_freeing_ops
 from ndfunc.partition.solve import partition
 from ndfunc.partition.strategies import NoStrategy
+from ndfunc.remat import rematerialize
 from ndfunc.sharding.mesh import Mesh
 from ndfunc.sharding.named_sharding import NamedSharding
 from ndfunc.sharding.partition_spec import PartitionSpec
@@ -74,6 +75,7 @@ class Lowered:
         program = Program(name=name, traced=traced, mesh=mesh, axes=tuple(axes), sizes=sizes,
                           in_layouts=in_layouts, out_layouts=out_layouts, donated=donated,
                           out_placements=out_placements)
+        rematerialize(traced.graph)  # nf.remat regions, recomputed for backward
         for t in transforms:
             if hasattr(t, "traced"):
                 t.traced(program)

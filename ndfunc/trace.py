@@ -18,6 +18,7 @@ from typing import Any
 
 import optree
 import torch
+import torch.fx.traceback as fx_traceback
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed._local_tensor import local_tensor_mode
 from torch.fx.experimental.proxy_tensor import make_fx
@@ -114,7 +115,8 @@ def trace(fn: Callable, args: Sequence[Any], kwargs: dict | None = None, *, stat
             fakes = [torch.empty(s.shape, dtype=s.dtype, device=d) for s, d in zip(in_specs, devices)]
         token = _tracing.set(True)
         try:
-            graph_module = make_fx(flat_fn, tracing_mode="fake", record_stack_traces=record_stack_traces)(*fakes)
+            with fx_traceback.preserve_node_meta():  # annotations (nf.remat's regions) reach the nodes
+                graph_module = make_fx(flat_fn, tracing_mode="fake", record_stack_traces=record_stack_traces)(*fakes)
         finally:
             _tracing.reset(token)
     _scalars_as_factories(graph_module)
