@@ -41,21 +41,13 @@ def make_step(cfg: llama.LlamaConfig, opt: nf.optim.GradientTransformation):
     return step
 
 
-def make_accumulating_steps(cfg: llama.LlamaConfig, opt: nf.optim.GradientTransformation, micro_batches: int):
-    """(micro, update): `micro` adds one micro-batch's loss and gradients to running sums;
-    `update` applies their mean. One program each, whatever the number of micro-batches."""
-    def micro(params, sums, batch):
-        loss, grads = nf.value_and_grad(llama.loss)(params, batch, cfg)
-        loss_sum, grad_sums = sums
-        return loss_sum + loss, optree.tree_map(torch.add, grad_sums, grads)
-
-    def update(params, opt_state, sums):
-        loss_sum, grad_sums = sums
-        grads = optree.tree_map(lambda g: g / micro_batches, grad_sums)
+def make_update(opt: nf.optim.GradientTransformation):
+    """The optimizer step alone, for gradients accumulated by `nf.accumulate`."""
+    def update(params, opt_state, grads):
         updates, opt_state = opt.update(grads, opt_state, params)
-        return nf.optim.apply_updates(params, updates), opt_state, loss_sum / micro_batches
+        return nf.optim.apply_updates(params, updates), opt_state
 
-    return micro, update
+    return update
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -126,7 +118,7 @@ def train(args: argparse.Namespace, config: nf.ParallelConfig) -> list[float]:
     opt_state = opt.init(params)  # moments laid out as their parameters, on each rank's blocks
     sspec = nf.optim.state_shardings(opt_state, pspec)
 
-    batch_size = args.micro_batch * config.dp_world_size  # one micro-batch, all data-parallel ranks
+    batch_size = args.micro_batch * args.grad_accum * config.dp_world_size  # one optimizer step's sequences
     bsharding = NamedSharding(mesh, config.batch_spec)
     # explicit positions: the causal mask then follows them, so attention can split the sequence (cp)
     positions = nf.device_put(torch.arange(args.seq_len).expand(batch_size, args.seq_len).contiguous(), bsharding)
@@ -134,14 +126,9 @@ def train(args: argparse.Namespace, config: nf.ParallelConfig) -> list[float]:
     kw = dict(mesh=mesh, donate_argnums=(0, 1))
     if args.grad_accum == 1:
         step = nf.jit(make_step(cfg, opt), in_shardings=(pspec, sspec, bspec), out_shardings=(pspec, sspec, P()), **kw)
-    else:
-        micro, update = make_accumulating_steps(cfg, opt, args.grad_accum)
-        sums_spec = (P(), pspec)
-        micro = nf.jit(micro, mesh=mesh, in_shardings=(pspec, sums_spec, bspec), out_shardings=sums_spec,
-                       donate_argnums=(1,))
-        update = nf.jit(update, in_shardings=(pspec, sspec, sums_spec), out_shardings=(pspec, sspec, P()), **kw)
-        zeros = nf.jit(lambda p: (torch.zeros(()), optree.tree_map(torch.zeros_like, p)), mesh=mesh,
-                       in_shardings=(pspec,), out_shardings=sums_spec)  # each rank makes its blocks
+    else:  # one program per micro-batch, run grad_accum times; then the update
+        grads_fn = nf.accumulate(nf.value_and_grad(lambda p, b: llama.loss(p, b, cfg)), args.grad_accum)
+        update = nf.jit(make_update(opt), in_shardings=(pspec, sspec, pspec), out_shardings=(pspec, sspec), **kw)
 
     sequences = data.Sequences(data.stdlib_corpus(), args.seq_len, seed=args.seed)
     say = print if nf.rank() == 0 else (lambda *a, **k: None)
@@ -150,21 +137,19 @@ def train(args: argparse.Namespace, config: nf.ParallelConfig) -> list[float]:
         f"{args.micro_batch} x accumulation {args.grad_accum} x dp {config.dp_world_size}; lr {lr:.2e}")
 
     losses, costs, start = [], None, time.perf_counter()
-    stream = data.batches(sequences, batch_size, bsharding, steps=args.steps * args.grad_accum)
+    stream = data.batches(sequences, batch_size, bsharding, steps=args.steps)
     for i in range(args.steps):
-        micro_batches = [dict(next(stream), positions=positions) for _ in range(args.grad_accum)]
+        batch = dict(next(stream), positions=positions)
         if args.grad_accum == 1:
             if costs is None:
-                costs = step.lower(params, opt_state, micro_batches[0]).cost_analysis()
-            params, opt_state, loss = step(params, opt_state, micro_batches[0])
+                costs = step.lower(params, opt_state, batch).cost_analysis()
+            params, opt_state, loss = step(params, opt_state, batch)
         else:
-            sums = zeros(params)
             if costs is None:
-                costs = _add_costs(micro.lower(params, sums, micro_batches[0]).cost_analysis(), args.grad_accum,
-                                   update.lower(params, opt_state, sums).cost_analysis())
-            for mb in micro_batches:
-                sums = micro(params, sums, mb)
-            params, opt_state, loss = update(params, opt_state, sums)
+                costs = _add_costs(grads_fn.lower(params, batch).cost_analysis(), args.grad_accum,
+                                   update.lower(params, opt_state, params).cost_analysis())
+            loss, grads = grads_fn(params, batch)
+            params, opt_state = update(params, opt_state, grads)
         losses.append(float(nf.device_get(loss)))
         rate = (i + 1) * effective * args.seq_len / (time.perf_counter() - start)
         _progress(say, i + 1, args.steps, losses[-1], rate, costs["peak_memory_bytes"],
@@ -190,7 +175,7 @@ def _world_of_this_process():
 
 
 def _add_costs(micro: dict, times: int, update: dict) -> dict:
-    """One optimizer step's costs: `times` micro-steps and an update."""
+    """One optimizer step's costs: `times` micro-batch programs and an update."""
     kinds = set(micro["comm_bytes"]) | set(update["comm_bytes"])
     return {"comm_bytes": {k: times * micro["comm_bytes"].get(k, 0) + update["comm_bytes"].get(k, 0) for k in kinds},
             "collectives": {k: times * micro["collectives"].get(k, 0) + update["collectives"].get(k, 0)

@@ -9,6 +9,7 @@ from ndfunc import optim as optim
 from ndfunc import random as random
 from ndfunc import sharding as sharding
 from ndfunc import tree as tree
+from ndfunc.accumulate import accumulate as accumulate
 from ndfunc.autodiff import grad as grad
 from ndfunc.autodiff import value_and_grad as value_and_grad
 from ndfunc.autodiff import vmap as vmap
@@ -40,7 +41,7 @@ from ndfunc.transforms import zigzag as zigzag
 __version__ = "0.1.0"
 
 __all__ = [
-    "ParallelConfig", "device_get", "device_put", "fsdp", "get_mesh", "grad", "init", "is_simulated", "jit", "lax", "mixed_precision", "optim",
+    "ParallelConfig", "accumulate", "device_get", "device_put", "fsdp", "get_mesh", "grad", "init", "is_simulated", "jit", "lax", "mixed_precision", "optim",
     "random", "remat", "ring_attention", "unzigzag", "value_and_grad", "vmap", "zigzag",
     "make_array_from_callback", "make_mesh", "rank", "set_mesh", "shard_map", "sharding", "sharding_of", "shutdown",
     "simulate", "tree", "visualize_sharding", "with_sharding_constraint", "world_size",

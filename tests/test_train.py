@@ -12,6 +12,7 @@ from helpers import torchrun
 
 import ndfunc as nf
 from models import llama, train
+from ndfunc.sharding import NamedSharding, P
 
 SHORT = ["--seq-len", "32", "--warmup", "5"]
 QUICK = [*SHORT, "--micro-batch", "4"]
@@ -35,21 +36,27 @@ def test_the_4d_run_and_the_one_device_run_agree():
 
 def test_accumulated_micro_batches_equal_one_big_batch():
     cfg = llama.LlamaConfig.tiny()
-    opt = nf.optim.adamw(1e-2)
     params = llama.init(cfg, nf.random.key(0))
     g = torch.Generator().manual_seed(0)
     big = {"tokens": torch.randint(0, cfg.vocab_size, (8, 16), generator=g),
            "targets": torch.randint(0, cfg.vocab_size, (8, 16), generator=g)}
-    expected = train.make_step(cfg, opt)(params, opt.init(params), big)
-    micro, update = train.make_accumulating_steps(cfg, opt, 2)
-    sums = (torch.zeros(()), optree.tree_map(torch.zeros_like, params))
-    for half in (slice(0, 4), slice(4, 8)):
-        sums = micro(params, sums, {k: v[half] for k, v in big.items()})
-    got = update(params, opt.init(params), sums)
-    # fp32 sums in another order; Adam's first step divides by |g|, so a gradient entry near zero
-    # turns a 1e-7 difference into a visible one: the tolerance used for every Adam step here
-    for a, b in zip(optree.tree_leaves(got), optree.tree_leaves(expected)):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    value_and_grad = nf.value_and_grad(lambda p, b: llama.loss(p, b, cfg))
+    expected = value_and_grad(params, big)
+    with nf.simulate(2):  # a batch sharded over dp, each rank cutting its own block in two
+        mesh = nf.make_mesh(dp=2)
+        batch = nf.device_put(big, NamedSharding(mesh, P("dp")))
+        accumulated = nf.accumulate(value_and_grad, 2)
+        got = nf.device_get(accumulated(params, batch))
+        program = accumulated.lower(params, batch)
+    assert program.jitted.trace_count == 1  # one program for both micro-batches
+    for a, b in zip(optree.tree_leaves(got), optree.tree_leaves(expected)):  # fp32 sums in another order
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_accumulate_says_when_the_batch_does_not_split():
+    with pytest.raises(ValueError, match=r"^nf.accumulate: a batch of 6 rows does not split into 4 micro-batches; "
+                                         r"use a batch size that divides by 4\.$"):
+        nf.accumulate(lambda p, b: (b.sum(), p), 4)(torch.ones(2), torch.ones(6, 2))
 
 
 def test_accumulation_in_the_main_job_matches_the_same_effective_batch_without_it():
