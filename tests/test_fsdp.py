@@ -7,6 +7,7 @@ import optree
 import pytest
 import torch
 from helpers import tanh_mlp_step
+from test_jit_partition import CountRun
 
 import ndfunc as nf
 from ndfunc.sharding import NamedSharding, P
@@ -53,8 +54,9 @@ def test_resharding_gathers_each_weight_again_for_backward_and_frees_it_between(
     with nf.simulate(4):
         mesh = nf.make_mesh(dp=4)
         plain, args = jitted(mesh)
-        keep, _ = jitted(mesh, [nf.fsdp("dp", reshard_after_forward=False)])
-        reshard, _ = jitted(mesh, [nf.fsdp("dp")])
+        # one collective per weight here (bucket_bytes=0), to count them
+        keep, _ = jitted(mesh, [nf.fsdp("dp", reshard_after_forward=False, bucket_bytes=0)])
+        reshard, _ = jitted(mesh, [nf.fsdp("dp", bucket_bytes=0)])
         c_plain, c_keep, c_reshard = (f.lower(*args).cost_analysis() for f in (plain, keep, reshard))
     weight = D * D * 4
     per_gather = weight * 3 // 4  # (N-1)/N of a weight comes in
@@ -73,7 +75,7 @@ def test_resharding_gathers_each_weight_again_for_backward_and_frees_it_between(
 
 def test_prefetch_issues_the_next_gather_before_the_current_layer_computes():
     with nf.simulate(4):
-        f, args = jitted(nf.make_mesh(dp=4), [nf.fsdp("dp", reshard_after_forward=False, prefetch=1)])
+        f, args = jitted(nf.make_mesh(dp=4), [nf.fsdp("dp", reshard_after_forward=False, prefetch=1, bucket_bytes=0)])
         gm = f.lower(*args).program.local
     nodes = list(gm.graph.nodes)
     starts = [n for n in nodes if n.target is torch.ops._c10d_functional.all_gather_into_tensor.default]
@@ -94,5 +96,44 @@ def test_gradients_are_reduced_in_the_reduce_dtype():
     assert rs and all(n.args[0].target is torch.ops.aten._to_copy.default
                       and n.args[0].kwargs["dtype"] is torch.float64 for n in rs)
     assert moved(costs, "reduce_scatter") == N_LAYERS * (D * D * 8) * 3 // 4
+    for a, b in zip(optree.tree_leaves(got), optree.tree_leaves(expected)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_buckets_gather_and_reduce_each_layers_weights_at_once_with_the_same_bytes():
+    g = torch.Generator().manual_seed(0)
+    layers = [{"a": torch.randn(D, D, generator=g) / D**0.5, "b": torch.randn(D, D, generator=g) / D**0.5}
+              for _ in range(N_LAYERS)]
+    # a batch much bigger than a weight: gathering weights is the cheap plan (FSDP's)
+    x, y = torch.randn(512, D, generator=g), torch.randn(512, D, generator=g)
+
+    def grads(layers, x, y):
+        def loss(layers):
+            h = x
+            for layer in layers:
+                h = torch.tanh(torch.tanh(h @ layer["a"]) @ layer["b"])
+            return ((h - y) ** 2).mean()
+        return nf.grad(loss)(layers)
+
+    expected = grads(layers, x, y)
+    specs = [{"a": P("dp"), "b": P("dp")} for _ in layers]
+    with nf.simulate(4):
+        mesh = nf.make_mesh(dp=4)
+        put = nf.device_put(layers, optree.tree_map(lambda s: NamedSharding(mesh, s), specs,
+                                                    is_leaf=lambda s: isinstance(s, P)))
+        kw = dict(mesh=mesh, in_shardings=(specs, P("dp"), P("dp")), out_shardings=specs)
+        single = nf.jit(grads, transforms=[nf.fsdp("dp", bucket_bytes=0)], **kw)
+        bucketed = nf.jit(grads, transforms=[nf.fsdp("dp")], **kw)
+        one, many = single.lower(put, x, y).cost_analysis(), bucketed.lower(put, x, y).cost_analysis()
+        with CountRun() as ran:
+            out = bucketed(put, x, y)
+        got = nf.device_get(out)
+    assert many["comm_bytes"] == one["comm_bytes"]  # the same bytes, in fewer collectives
+    # each layer's two weights gathered together (forward and again for backward), the loss's
+    # activations on their own
+    assert many["collectives"]["all_gather"] - 1 == (one["collectives"]["all_gather"] - 1) // 2
+    # gradients: a bucket ends where backward gathers the next weights again
+    assert many["collectives"]["reduce_scatter"] < one["collectives"]["reduce_scatter"] == 2 * N_LAYERS
+    assert {k: v for k, v in ran.counts.items() if v} == many["collectives"]  # what ran is what was lowered
     for a, b in zip(optree.tree_leaves(got), optree.tree_leaves(expected)):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

@@ -10,13 +10,20 @@ one, so every layer's gathered weights are held at once. This pass makes that FS
   again just before the second group, so the first copy dies after forward;
 - prefetch: each parameter's all-gather is issued where the gather `prefetch` places earlier is
   first used (the wait stays at its own first use), so the transfer overlaps that layer's compute;
-- reduce_dtype: gradients are reduce-scattered in that dtype (cast before, cast back after).
+- reduce_dtype: gradients are reduce-scattered in that dtype (cast before, cast back after);
+- buckets: the gathers of one layer's parameters (those whose paths agree up to the last list
+  index, `layers.3.`, as FSDP2 wraps each block) issued one after another become one all-gather
+  of their shards laid end to end; the gradient reduce-scatters of one layer's backward (between
+  two parameter gathers) one reduce-scatter; up to `bucket_bytes` each. A collective's fixed
+  cost is paid once per layer, not once per parameter.
 """
 
 from __future__ import annotations
 
 import bisect
 import dataclasses
+import math
+import operator
 
 import torch
 
@@ -37,6 +44,7 @@ class fsdp:  # noqa: N801 - a transform is named like the function it stands for
     reshard_after_forward: bool = True
     prefetch: int = 1
     reduce_dtype: torch.dtype | None = None
+    bucket_bytes: int = 8 * 2**20  # gathers (and gradient reduce-scatters) issued together, up to this many bytes
 
     @property
     def axes(self) -> tuple[str, ...]:
@@ -55,6 +63,12 @@ class fsdp:  # noqa: N801 - a transform is named like the function it stands for
             _prefetch(gm, gathers, self.prefetch)
         if self.reduce_dtype is not None:
             reduce_in(gm, self.reduce_dtype, self.axes, kinds=(c10d.reduce_scatter_tensor.default,))
+        if self.bucket_bytes:
+            placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+            module = {ph: _module_of(path) for ph, path in zip(placeholders, program.traced.input_paths)}
+            _bucket_gathers(gm, [g for g in _parameter_gathers(gm) if set(g.comm["axes"]) <= set(self.axes)],
+                            self.bucket_bytes, module)
+            _bucket_reduce_scatters(gm, self.axes, self.bucket_bytes)
         gm.graph.lint()
         gm.recompile()
 
@@ -74,10 +88,7 @@ def _parameter_gathers(gm: torch.fx.GraphModule) -> list[_Gather]:
     """All-gathers of program inputs (through views), with the nodes that finish them."""
     found = []
     for start in gm.graph.find_nodes(op="call_function", target=c10d.all_gather_into_tensor.default):
-        src = start.args[0]
-        while src.op == "call_function" and src.target in (aten.clone.default, aten.view.default, aten.reshape.default):
-            src = src.args[0]
-        if src.op != "placeholder" or "ndfunc_comm" not in start.meta:
+        if _source(start.args[0]).op != "placeholder" or "ndfunc_comm" not in start.meta:
             continue
         chain, value = [start], start
         while len(value.users) == 1:  # wait, then (a gather off dim 0) split, getitems, cat
@@ -132,3 +143,124 @@ def _prefetch(gm, gathers: list[_Gather], k: int) -> None:
         start = live[i].start
         if index[anchor] < index[start] and all(index[a] < index[anchor] for a in start.all_input_nodes):
             anchor.prepend(start)  # issued there; its wait stays where it was
+
+
+def _comm_meta(members: list, kind: str, dtype, device, numel: int) -> tuple[dict, tuple]:
+    comms = [m.meta["ndfunc_comm"] for m in members]
+    comm = {"kind": kind, "axes": comms[0]["axes"], "bytes": sum(c["bytes"] for c in comms),
+            "moved": sum(c["moved"] for c in comms), "bucket": len(members)}
+    return comm, ((numel,), dtype, device)
+
+
+def _module_of(path: str) -> str:
+    """The layer a parameter belongs to: its path up to the last list index (`0.layers.3`), or the
+    path itself outside any list (its own bucket)."""
+    parts = path.split(".")
+    last = max((i for i, p in enumerate(parts[1:], 1) if p.isdigit()), default=None)
+    return ".".join(parts[:last + 1]) if last is not None else path
+
+
+def _source(node: torch.fx.Node) -> torch.fx.Node:
+    while node.op == "call_function" and node.target in (aten.clone.default, aten.view.default, aten.reshape.default):
+        node = node.args[0]
+    return node
+
+
+def _bucket_gathers(gm, gathers: list[_Gather], cap: int, module: dict) -> None:
+    """Gathers of one layer's parameters issued one after another (same group and dtype) become
+    one: issued where the first was, its pieces cut out where the first was waited for."""
+    index = {n: i for i, n in enumerate(gm.graph.nodes)}
+    gathers = sorted((g for g in gathers if g.value.users), key=lambda g: index[g.start])
+    groups, current = [], []
+    for g in gathers:
+        shape, dtype, _ = g.start.meta["ndfunc_input"]
+        key = (g.start.args[1], g.start.args[2], dtype, module.get(_source(g.start.args[0])))
+        fits = current and key == current[0][0] and sum(c[1].comm["bytes"] for c in current) + g.comm["bytes"] <= cap
+        if fits and all(index[a] < index[current[0][1].start] or a.op == "placeholder" for a in g.start.all_input_nodes):
+            current.append((key, g))
+            continue
+        if len(current) > 1:
+            groups.append([c[1] for c in current])
+        current = [(key, g)]
+    if len(current) > 1:
+        groups.append([c[1] for c in current])
+    graph = gm.graph
+    for group in groups:
+        first = group[0]
+        n, name = first.start.args[1], first.start.args[2]
+        waits = [g.chain[1] for g in group]
+        wait_at = min(waits, key=index.__getitem__)
+        shapes = [tuple(g.start.args[0].meta["val"].shape) for g in group]  # each rank's shard, as sent
+        sizes = [math.prod(sh) for sh in shapes]
+        with graph.inserting_before(first.start):
+            flat = graph.call_function(aten.cat.default, ([graph.call_function(
+                aten.reshape.default, (g.start.args[0], [-1])) for g in group],))
+            merged = graph.call_function(c10d.all_gather_into_tensor.default, (flat, n, name))
+        merged.meta["ndfunc_comm"], merged.meta["ndfunc_input"] = _comm_meta(
+            [g.start for g in group], "all_gather", *first.start.meta["ndfunc_input"][1:], sum(sizes))
+        with graph.inserting_before(wait_at):
+            waited = graph.call_function(c10d.wait_tensor.default, (merged,))
+            blocks = graph.call_function(aten.reshape.default, (waited, [n, sum(sizes)]))
+            offset = 0
+            for g, shape, size in zip(group, shapes, sizes):
+                piece = graph.call_function(aten.slice.Tensor, (blocks, 1, offset, offset + size))
+                whole = graph.call_function(aten.reshape.default, (piece, [n * shape[0], *shape[1:]]))
+                g.chain[1].replace_all_uses_with(whole)
+                offset += size
+        for g in group:
+            graph.erase_node(g.chain[1])
+            graph.erase_node(g.start)
+
+
+def _bucket_reduce_scatters(gm, axes: tuple[str, ...], cap: int) -> None:
+    """Reduce-scatters over `axes` (same group and dtype) that can all run after the last of
+    their inputs is made and before the first of their results is read become one, issued right
+    after that last input: each input cut into its ranks' rows, laid end to end rank by rank."""
+    graph = gm.graph
+    nodes = list(graph.nodes)
+    index = {n: i for i, n in enumerate(nodes)}
+    found = [rs for rs in graph.find_nodes(op="call_function", target=c10d.reduce_scatter_tensor.default)
+             if "ndfunc_comm" in rs.meta and set(rs.meta["ndfunc_comm"]["axes"]) <= set(axes) and len(rs.users) == 1]
+    # a layer's backward lies between two gathers of parameters: buckets do not cross one
+    gathers = [index[n] for n in graph.find_nodes(op="call_function", target=c10d.all_gather_into_tensor.default)
+               if _source(n.args[0]).op == "placeholder"]
+    groups, current = [], []
+    for rs in sorted(found, key=index.__getitem__):
+        (wait,) = rs.users
+        if not wait.users:
+            continue
+        ready, read = index[rs.args[0]], min(index[u] for u in wait.users)
+        key = (rs.args[1], rs.args[2], rs.args[3], rs.meta["ndfunc_input"][1], bisect.bisect(gathers, ready))
+        if current and key == current[0][0] and max(max(c[2] for c in current), ready) < min(
+                min(c[3] for c in current), read) and sum(c[1].meta["ndfunc_comm"]["bytes"] for c in current) \
+                + rs.meta["ndfunc_comm"]["bytes"] <= cap:
+            current.append((key, rs, ready, read))
+            continue
+        if len(current) > 1:
+            groups.append(current)
+        current = [(key, rs, ready, read)]
+    if len(current) > 1:
+        groups.append(current)
+    for group in groups:
+        members = [c[1] for c in group]
+        after = nodes[max(c[2] for c in group)]
+        op, n, name = members[0].args[1], members[0].args[2], members[0].args[3]
+        shapes = [tuple(m.args[0].meta["val"].shape) for m in members]  # as sent: rank blocks along dim 0
+        sizes = [math.prod(sh) // n for sh in shapes]  # each rank's share of each
+        with graph.inserting_before(after.next):  # in order, right after the last input is made
+            rows = [graph.call_function(aten.reshape.default, (m.args[0], [n, size])) for m, size in zip(members, sizes)]
+            joined = graph.call_function(aten.reshape.default, (graph.call_function(aten.cat.default, (rows, 1)), [-1]))
+            merged = graph.call_function(c10d.reduce_scatter_tensor.default, (joined, op, n, name))
+            waited = graph.call_function(c10d.wait_tensor.default, (merged,))
+            pieces = graph.call_function(aten.split_with_sizes.default, (waited, sizes))
+            outs = []
+            for i, shape in enumerate(shapes):
+                piece = graph.call_function(operator.getitem, (pieces, i))
+                outs.append(graph.call_function(aten.reshape.default, (piece, [shape[0] // n, *shape[1:]])))
+        merged.meta["ndfunc_comm"], merged.meta["ndfunc_input"] = _comm_meta(
+            members, "reduce_scatter", *members[0].meta["ndfunc_input"][1:], n * sum(sizes))
+        for m, out in zip(members, outs):
+            (wait,) = m.users
+            wait.replace_all_uses_with(out)
+            graph.erase_node(wait)
+            graph.erase_node(m)

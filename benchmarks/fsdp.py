@@ -1,0 +1,184 @@
+"""FSDP and FSDP+TP on 4 gloo processes: nf.jit against PyTorch's own composition.
+
+    python benchmarks/fsdp.py [--model mid] [--steps 5]          # runs both, both strategies; prints ratios
+
+PyTorch's way, as torchtitan does it: the Hugging Face `LlamaForCausalLM` with the same weights
+(written by `models.hf.save_llama`); FSDP by `fully_shard` on each decoder layer and on the root
+over `dp_shard` (FSDP2, resharding after forward); for FSDP+TP, `parallelize_module` over `tp`
+first (q/k/v and the MLP's up projections column-wise, o and down row-wise); `torch.optim.AdamW`.
+nf.jit: the same model as pure functions, `ParallelConfig` rules (parameters sharded over
+`dp_shard`, heads and MLP over `tp`), `nf.fsdp('dp_shard')` for the gather schedule.
+
+Each implementation runs in its own 4 processes (so their memory peaks do not mix), over the same
+batches. Per rank: median step time, and the resident set's high-water mark during a step (reset
+before it through /proc/self/clear_refs; Linux), absolute and above the memory held before the
+step. Reported: the ratios nf.jit / PyTorch and both loss curves.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import optree
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import ndfunc as nf
+from models import hf, llama, train
+from ndfunc.sharding import NamedSharding, P
+
+CONFIGS = {
+    "tiny": llama.LlamaConfig.tiny(),
+    "mid": llama.LlamaConfig(vocab_size=4096, dim=256, n_layers=4, n_heads=8, n_kv_heads=4, ffn_dim=768),
+}
+LAYOUTS = {"fsdp": (1, 4, 1, 1), "fsdp_tp": (1, 2, 1, 2)}
+
+
+def _kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(field))
+
+
+def measure(step, batches) -> tuple[list, list, int, int]:
+    """(losses, step seconds, high-water mark during the last step, memory before it), bytes."""
+    losses, times = [float(step(batches[0]))], []
+    for b in batches[1:]:
+        dist.barrier()
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # the high-water mark starts again from here
+        before = _kib("VmRSS:")
+        start = time.perf_counter()
+        losses.append(float(step(b)))
+        times.append(time.perf_counter() - start)
+    return losses, times, _kib("VmHWM:") * 1024, before * 1024
+
+
+def torch_step(cfg, path, config: nf.ParallelConfig, mesh, lr, wd):
+    import transformers
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    model = transformers.LlamaForCausalLM.from_pretrained(path, torch_dtype=torch.float32, attn_implementation="sdpa")
+    if config.tp_size > 1:
+        plan = {"self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
+                "self_attn.v_proj": ColwiseParallel(), "self_attn.o_proj": RowwiseParallel(),
+                "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(), "mlp.down_proj": RowwiseParallel()}
+        for layer in model.model.layers:
+            parallelize_module(layer, mesh.device_mesh["tp"], plan)
+    dp_mesh = mesh.device_mesh["dp_shard"]
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=dp_mesh)
+    fully_shard(model, mesh=dp_mesh)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=wd, eps=1e-8)
+    group = mesh.device_mesh.get_group("dp_shard")
+
+    def step(batch):
+        optimizer.zero_grad(set_to_none=True)
+        logits = model(input_ids=batch["tokens"]).logits
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), batch["targets"].flatten())
+        loss.backward()
+        optimizer.step()
+        total = loss.detach().clone()
+        dist.all_reduce(total, group=group)
+        return total / config.dp_shard_size
+
+    return step
+
+
+def jit_step(cfg, config: nf.ParallelConfig, mesh, params, lr, wd):
+    opt = nf.optim.adamw(lr, weight_decay=wd)
+    pspec = nf.sharding.logical_to_mesh(llama.param_axes(cfg), config.rules)
+    state = opt.init(params)
+    sspec = nf.optim.state_shardings(state, pspec)
+    named = lambda specs: optree.tree_map(lambda s: NamedSharding(mesh, s), specs,  # noqa: E731
+                                          is_leaf=lambda s: isinstance(s, P))
+    bspec = {"tokens": config.batch_spec, "targets": config.batch_spec}
+    jitted = nf.jit(train.make_step(cfg, opt), mesh=mesh, in_shardings=(pspec, sspec, bspec),
+                    out_shardings=(pspec, sspec, P()), donate_argnums=(0, 1), transforms=[nf.fsdp("dp_shard")])
+    carry = [nf.device_put(params, named(pspec)), nf.device_put(state, named(sspec))]
+
+    def step(batch):
+        placed = nf.device_put(batch, {k: NamedSharding(mesh, config.batch_spec) for k in batch})
+        carry[0], carry[1], loss = jitted(carry[0], carry[1], placed)
+        return nf.device_get(loss)
+
+    return step
+
+
+def worker(args) -> None:
+    nf.init()
+    rank = nf.rank()
+    config = nf.ParallelConfig(*LAYOUTS[args.layout])
+    mesh = config.build_mesh()
+    cfg = dataclasses.replace(CONFIGS[args.model], max_seq_len=max(args.seq, 256))
+    lr, wd = 1e-3, 0.1
+    params = llama.init(cfg, nf.random.key(0))
+    g = torch.Generator().manual_seed(0)
+    batches = [{"tokens": torch.randint(0, cfg.vocab_size, (args.batch, args.seq), generator=g),
+                "targets": torch.randint(0, cfg.vocab_size, (args.batch, args.seq), generator=g)}
+               for _ in range(args.steps + 1)]
+    if args.impl == "torch":
+        path = os.path.join(tempfile.gettempdir(), f"ndfunc-bench-{args.model}")
+        if rank == 0:
+            hf.save_llama(path, cfg, params)
+        dist.barrier()
+        step = torch_step(cfg, path, config, mesh, lr, wd)
+        per = args.batch // config.dp_shard_size
+        me = mesh.coordinate(rank)[1]  # position along dp_shard
+        run = lambda b: step({k: v[me * per:(me + 1) * per] for k, v in b.items()})  # noqa: E731
+    else:
+        run = jit_step(cfg, config, mesh, params, lr, wd)
+    losses, times, peak, before = measure(run, batches)
+    print(json.dumps({"rank": rank, "losses": losses, "step_s": statistics.median(times), "peak": peak,
+                      "before": before}), flush=True)
+    nf.shutdown()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="mid", choices=sorted(CONFIGS))
+    parser.add_argument("--batch", type=int, default=8, help="global batch (split over dp_shard)")
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--layout", choices=sorted(LAYOUTS), help="(internal) run one, under torchrun")
+    parser.add_argument("--impl", choices=["torch", "jit"], help="(internal) run one, under torchrun")
+    args = parser.parse_args()
+    if args.impl:
+        worker(args)
+        return
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    for layout in LAYOUTS:
+        rows = {}
+        for impl in ("torch", "jit"):
+            out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
+                                  __file__, f"--model={args.model}", f"--batch={args.batch}", f"--seq={args.seq}",
+                                  f"--steps={args.steps}", f"--layout={layout}", f"--impl={impl}"],
+                                 capture_output=True, text=True, env=env)
+            if out.returncode:
+                raise SystemExit(out.stdout[-3000:] + out.stderr[-3000:])
+            # one JSON object per rank (lines of several ranks may run together)
+            rows[impl] = [json.loads(m) for m in re.findall(r"\{[^{}]*\}", out.stdout)]
+        t = {i: max(r["step_s"] for r in rows[i]) for i in rows}  # the slowest rank sets the pace
+        peak = {i: max(r["peak"] for r in rows[i]) for i in rows}
+        grown = {i: max(r["peak"] - r["before"] for r in rows[i]) for i in rows}
+        print(f"{layout} ({args.model}, batch {args.batch} x {args.seq}, 4 gloo processes, layout {LAYOUTS[layout]}):")
+        print(f"  step: PyTorch {t['torch'] * 1e3:.1f} ms, nf.jit {t['jit'] * 1e3:.1f} ms, ratio {t['jit'] / t['torch']:.2f}")
+        print(f"  peak resident set per rank: PyTorch {peak['torch'] / 2**20:.1f} MiB, nf.jit {peak['jit'] / 2**20:.1f} MiB, "
+              f"ratio {peak['jit'] / peak['torch']:.2f}; during the step, above what was held before: PyTorch "
+              f"{grown['torch'] / 2**20:.1f} MiB, nf.jit {grown['jit'] / 2**20:.1f} MiB")
+        for impl in ("torch", "jit"):
+            print(f"  losses {impl:>5}: {' '.join(f'{x:.4f}' for x in rows[impl][0]['losses'])}")
+
+
+if __name__ == "__main__":
+    main()
