@@ -50,24 +50,26 @@ class fsdp:  # noqa: N801 - a transform is named like the function it stands for
     def axes(self) -> tuple[str, ...]:
         return (self.axis,) if isinstance(self.axis, str) else tuple(self.axis)
 
+    def _gathers(self, gm) -> list:
+        """The program's gathers of parameters over this transform's axes."""
+        return [g for g in _parameter_gathers(gm) if set(g.comm["axes"]) <= set(self.axes)]
+
     def lowered(self, program) -> None:
         gm = program.local
-        gathers = [g for g in _parameter_gathers(gm) if set(g.comm["axes"]) <= set(self.axes)]
+        gathers = self._gathers(gm)
         if self.reshard_after_forward:
             index = {n: i for i, n in enumerate(gm.graph.nodes)}  # copies go in; these stay valid
             firsts = sorted(index[min(g.value.users, key=index.__getitem__)] for g in gathers if g.value.users)
             for g in gathers:
                 _regather_for_second_use(gm, g, index, firsts)
-        gathers = [g for g in _parameter_gathers(gm) if set(g.comm["axes"]) <= set(self.axes)]
         if self.prefetch > 0:
-            _prefetch(gm, gathers, self.prefetch)
+            _prefetch(gm, self._gathers(gm), self.prefetch)
         if self.reduce_dtype is not None:
             reduce_in(gm, self.reduce_dtype, self.axes, kinds=(c10d.reduce_scatter_tensor.default,))
         if self.bucket_bytes:
             placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
             module = {ph: _module_of(path) for ph, path in zip(placeholders, program.traced.input_paths)}
-            _bucket_gathers(gm, [g for g in _parameter_gathers(gm) if set(g.comm["axes"]) <= set(self.axes)],
-                            self.bucket_bytes, module)
+            _bucket_gathers(gm, self._gathers(gm), self.bucket_bytes, module)
             _bucket_reduce_scatters(gm, self.axes, self.bucket_bytes)
         gm.graph.lint()
         gm.recompile()
