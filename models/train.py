@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import os
 import sys
 import time
@@ -73,6 +74,14 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--weight-decay", type=float, default=0.1)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--remat", choices=["none", "full", "save_dots"], default="none",
+                        help="recompute each decoder layer in backward (nf.remat)")
+    parser.add_argument("--mixed-precision", choices=["none", "bf16"], default="none",
+                        help="bf16 compute, fp32 parameters, state and gradient sums (nf.mixed_precision)")
+    parser.add_argument("--ring-attention", action="store_true",
+                        help="attention over the cp-split sequence as a ring (nf.ring_attention), not gathered")
+    parser.add_argument("--fsdp-schedule", action="store_true",
+                        help="FSDP2's gather schedule (nf.fsdp): gather again for backward, prefetch, buckets")
     parser.add_argument("--log-every", type=int, default=10)
     return parser.parse_args(argv)
 
@@ -99,6 +108,7 @@ def train(args: argparse.Namespace, config: nf.ParallelConfig) -> list[float]:
     else:
         cfg = getattr(llama.LlamaConfig, args.config)()
         params = None
+    cfg = dataclasses.replace(cfg, remat=None if args.remat == "none" else args.remat)
     if cfg.vocab_size < data.VOCAB_SIZE:
         raise SystemExit(f"the byte corpus needs a vocabulary of at least {data.VOCAB_SIZE}; this model has {cfg.vocab_size}.")
     effective = config.effective_batch_size(args.micro_batch, args.grad_accum)
@@ -123,11 +133,19 @@ def train(args: argparse.Namespace, config: nf.ParallelConfig) -> list[float]:
     # explicit positions: the causal mask then follows them, so attention can split the sequence (cp)
     positions = nf.device_put(torch.arange(args.seq_len).expand(batch_size, args.seq_len).contiguous(), bsharding)
     bspec = {"tokens": config.batch_spec, "targets": config.batch_spec, "positions": config.batch_spec}
-    kw = dict(mesh=mesh, donate_argnums=(0, 1))
+    transforms = []
+    if args.mixed_precision == "bf16":
+        transforms.append(nf.mixed_precision(torch.bfloat16, torch.float32))
+    if args.ring_attention:
+        transforms.append(nf.ring_attention("cp", load_balance=None))  # batches in plain order
+    if args.fsdp_schedule:
+        transforms.append(nf.fsdp(("dp_shard", "cp")))
+    kw = dict(mesh=mesh, donate_argnums=(0, 1), transforms=transforms)
     if args.grad_accum == 1:
         step = nf.jit(make_step(cfg, opt), in_shardings=(pspec, sspec, bspec), out_shardings=(pspec, sspec, P()), **kw)
     else:  # one program per micro-batch, run grad_accum times; then the update
-        grads_fn = nf.accumulate(nf.value_and_grad(lambda p, b: llama.loss(p, b, cfg)), args.grad_accum)
+        grads_fn = nf.accumulate(nf.value_and_grad(lambda p, b: llama.loss(p, b, cfg)), args.grad_accum,
+                                 transforms=transforms)
         update = nf.jit(make_update(opt), in_shardings=(pspec, sspec, pspec), out_shardings=(pspec, sspec), **kw)
 
     sequences = data.Sequences(data.stdlib_corpus(), args.seq_len, seed=args.seed)

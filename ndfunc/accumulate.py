@@ -27,10 +27,10 @@ from ndfunc.sharding import P
 from ndfunc.transfer import sharding_of
 
 
-def accumulate(value_and_grad_fn: Callable, num_micro_batches: int) -> Callable:
+def accumulate(value_and_grad_fn: Callable, num_micro_batches: int, transforms=()) -> Callable:
     """`fn(params, batch) -> (loss, grads)` over `num_micro_batches` micro-batches of `batch`,
     returning the means (see the module's text). `value_and_grad_fn` is what `nf.value_and_grad`
-    returns for a mean loss."""
+    returns for a mean loss; `transforms` go to the micro-batch program's `nf.jit`."""
     if isinstance(num_micro_batches, bool) or not isinstance(num_micro_batches, int) or num_micro_batches < 1:
         raise ValueError(f"nf.accumulate: num_micro_batches must be an int >= 1, got {num_micro_batches!r}.")
     k = num_micro_batches
@@ -60,7 +60,8 @@ def accumulate(value_and_grad_fn: Callable, num_micro_batches: int) -> Callable:
             shardings = optree.tree_map(lambda p: sharding_of(p) or spec, params)
             sums_sharding = (spec, shardings)
             programs[key] = (jit(zeros, mesh=mesh, out_shardings=sums_sharding),
-                             jit(add, mesh=mesh, out_shardings=sums_sharding, donate_argnums=(1,)),
+                             jit(add, mesh=mesh, out_shardings=sums_sharding, donate_argnums=(1,),
+                                 transforms=list(transforms)),
                              jit(mean, mesh=mesh, out_shardings=sums_sharding, donate_argnums=(0,)))
         return programs[key]
 
