@@ -66,7 +66,11 @@ def measure(step, batches) -> tuple[list, list, int, int]:
 def torch_step(cfg, path, config: nf.ParallelConfig, mesh, lr, wd):
     import transformers
     from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
 
     model = transformers.LlamaForCausalLM.from_pretrained(path, torch_dtype=torch.float32, attn_implementation="sdpa")
     if config.tp_size > 1:
