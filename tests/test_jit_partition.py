@@ -187,3 +187,27 @@ def test_mlp_step_equals_the_unsharded_step(n, axes, specs, batch):
         for name, t in out[0].items():  # results come laid out as out_shardings say
             assert nf.sharding_of(t).is_equivalent_to(nf.sharding.NamedSharding(mesh, specs[name]), t.ndim)
         assert_same(out, expected)
+
+
+def test_a_head_split_on_its_contraction_dim_is_gathered_not_its_logits_reduced():
+    # logits = x @ W with W stored split over its rows (FSDP's layout) and x split by rows of the
+    # batch: gathering W moves D x V; splitting x the other way and reduce-scattering the logits
+    # moves B x V, 32 times more. Views stand between the matmul and the softmax that cannot take
+    # a pending sum, so the choice is one for several nodes at once.
+    g = torch.Generator().manual_seed(0)
+    V = 256
+    w, x = torch.randn(D, V, generator=g) / 4, torch.randn(B, D, generator=g)
+
+    def logprobs(w, x):
+        logits = (x @ w).reshape(B // 8, 8, V).reshape(B, V)
+        return torch.log_softmax(logits, dim=-1)
+
+    with nf.simulate(4):
+        jitted = nf.jit(logprobs, mesh=nf.make_mesh(dp_shard=4), in_shardings=(P("dp_shard"), P("dp_shard")),
+                        out_shardings=P("dp_shard"))
+        costs = jitted.lower(w, x).cost_analysis()
+        assert costs["collectives"] == {"all_gather": 1}
+        assert costs["comm_bytes"]["total"] == pytest.approx(3 / 4 * D * V * 4)
+        out, ran = run_counted(jitted, w, x)
+        assert ran == {"all_gather": 1}
+        assert_same(out, logprobs(w, x))

@@ -330,8 +330,9 @@ class Problem:
                     continue
                 moves = [self._redirect(v, lay, choice) for lay in self._layouts_for(v, choice)]
                 moves += self._producer_moves(v, choice)
-                moves += [self._redirect(u, self.finish(self.out_layout(u, choice)), choice)
-                          for u in self._pending_sources(v, choice)]
+                for u in self._pending_sources(v, choice):
+                    moves.append(self._redirect(u, self.finish(self.out_layout(u, choice)), choice))
+                    moves += self._producer_moves(u, choice)  # or make the sum pending no more
                 delta, changes = min(moves, key=lambda m: m[0], default=(0.0, None))
                 if changes is not None and delta < -EPS:
                     for n, i in changes.items():
