@@ -21,7 +21,7 @@ from ndfunc.partition.bucket import bucket_all_reduces
 from ndfunc.partition.inplace import fold_donated_copies, fold_scales, reuse_buffers
 from ndfunc.partition.layout import Layout
 from ndfunc.partition.program import Program
-from ndfunc.partition.schedule import hoist_freeing_ops
+from ndfunc.partition.schedule import hoist_freeing_ops, issue_reductions_early
 from ndfunc.partition.solve import partition
 from ndfunc.partition.strategies import NoStrategy
 from ndfunc.remat import rematerialize
@@ -89,6 +89,7 @@ class Lowered:
         group_names = [mesh.device_mesh.get_group(i).group_name for i in axes] if axes else []
         program.local = lowering.lower(traced.graph, program.plan, [mesh.axis_names[i] for i in axes], group_names,
                                        dict(zip(mesh.axis_names, mesh.axis_sizes)))
+        issue_reductions_early(program.local)
         while bucket_all_reduces(program.local):  # a merge can free the next (tp after dp)
             pass
         hoist_freeing_ops(program.local)

@@ -6,9 +6,10 @@ from __future__ import annotations
 import torch
 
 from ndfunc.partition.inplace import fold_donated_copies, fold_scales, reuse_buffers
-from ndfunc.partition.schedule import hoist_freeing_ops
+from ndfunc.partition.schedule import hoist_freeing_ops, issue_reductions_early
 
 aten = torch.ops.aten
+c10d = torch.ops._c10d_functional
 SHAPE = (4, 8)
 
 
@@ -120,3 +121,29 @@ def test_an_in_place_result_is_a_whole_buffer_the_next_op_may_write_into():
     assert reuse_buffers(gm) == 2  # sqrt -> sqrt_, add -> add_; the last div's input m is the caller's
     assert targets(gm) == [aten.div.Tensor, aten.sqrt_.default, aten.add_.Tensor, aten.div.Tensor]
     torch.testing.assert_close(gm(v, m), expected)
+
+
+def reduction_after_other_work(g, x, y, write_first: bool):
+    """A gradient `x * 2`, laid out (a transpose and a copy) and reduce-scattered where the
+    optimizer reads it, after other work on `y`; `write_first`: `x` is written in between."""
+    grad = g.call_function(aten.mul.Tensor, (x, 2.0))
+    other = g.call_function(aten.mul.Tensor, (y, 3.0))
+    if write_first:
+        other = g.call_function(aten.add_.Tensor, (grad, other))  # the gradient changes here
+    laid = g.call_function(aten.clone.default, (g.call_function(aten.t.default, (grad,)),))
+    rs = g.call_function(c10d.reduce_scatter_tensor.default, (laid, "sum", 2, "0"))
+    return (g.call_function(c10d.wait_tensor.default, (rs,)), other)
+
+
+def test_a_reduction_and_the_copies_feeding_it_are_issued_right_after_the_gradient():
+    gm = build(lambda g, x, y: reduction_after_other_work(g, x, y, write_first=False), 2)
+    assert issue_reductions_early(gm) == 3
+    assert targets(gm) == [aten.mul.Tensor, aten.t.default, aten.clone.default, c10d.reduce_scatter_tensor.default,
+                           aten.mul.Tensor, c10d.wait_tensor.default]  # the wait stays where it was read
+
+
+def test_a_reduction_does_not_move_above_a_write_to_what_it_reads():
+    gm = build(lambda g, x, y: reduction_after_other_work(g, x, y, write_first=True), 2)
+    before = targets(gm)
+    assert issue_reductions_early(gm) == 0
+    assert targets(gm) == before

@@ -1,4 +1,4 @@
-"""Scheduling: an op that frees a buffer runs as soon as its inputs are ready.
+"""Scheduling: ops that free memory, and reductions, run as soon as their inputs are ready.
 
 A traced step lists ops in the order the tracer met them, which is not the order that keeps
 memory low: an optimizer written leaf by leaf over trees (`tree_map` of the scaled update, then of
@@ -8,11 +8,18 @@ An eager optimizer's per-parameter loop keeps one. Here an elementwise op that i
 an input at least as big as its result moves up to just after the last of its inputs (and any
 earlier write): it frees more than it takes, so the peak never grows, and chains of such ops run
 leaf by leaf.
+
+The lowering writes a layout change where its consumer is, so a gradient's reduction (and the
+copy that lays a gradient split off dim 0 out rank by rank) would wait for the optimizer at the
+end of the step: issued there it overlaps nothing, and the whole gradient lives until then.
+`issue_reductions_early` moves each reduce-scatter and all-reduce, with the views and copies that
+feed it, to just after the op that makes the gradient.
 """
 
 from __future__ import annotations
 
 import math
+import operator
 
 import torch
 
@@ -44,14 +51,7 @@ def hoist_freeing_ops(gm: torch.fx.GraphModule) -> int:
             continue
         key[n] = (*key[anchor], i)
         moved += 1
-    if not moved:
-        return 0
-    order = sorted(nodes, key=key.__getitem__)
-    for prev, n in zip(order, order[1:]):
-        if n.prev is not prev:
-            prev.append(n)
-    gm.recompile()
-    return moved
+    return _reorder(gm, nodes, key) and moved
 
 
 def _writes(n: torch.fx.Node) -> bool:
@@ -72,3 +72,58 @@ def _frees(n: torch.fx.Node, root: dict, last: dict, index: dict) -> bool:
                 and math.prod(sd[0]) * sd[1].itemsize >= need):
             return True
     return False
+
+
+c10d = torch.ops._c10d_functional
+aten = torch.ops.aten
+_REDUCTIONS = (c10d.reduce_scatter_tensor.default, c10d.all_reduce.default)
+_MOVES = {operator.getitem, aten.split.Tensor, aten.cat.default, aten.reshape.default, aten.view.default,
+          aten._unsafe_view.default, aten.permute.default, aten.transpose.int, aten.t.default, aten.clone.default,
+          aten.slice.Tensor, aten.squeeze.dims, aten.unsqueeze.default, aten.contiguous.default}
+
+
+def issue_reductions_early(gm: torch.fx.GraphModule) -> int:
+    """Move each reduce-scatter and all-reduce, and the data movement (views, splits, cats,
+    copies) that makes its input, to just after what they read; how many moved. Their waits stay
+    where they are; nothing moves above a write."""
+    nodes = list(gm.graph.nodes)
+    chain: set = set()
+    for n in nodes:
+        if n.op == "call_function" and n.target in _REDUCTIONS:
+            chain.add(n)
+            todo = list(n.all_input_nodes)
+            while todo:
+                a = todo.pop()
+                if a not in chain and a.op == "call_function" and a.target in _MOVES:
+                    chain.add(a)
+                    todo += a.all_input_nodes
+    root, _ = lifetimes(nodes)
+    key: dict = {}
+    written: dict = {}  # buffer -> its latest write so far: what reads it does not move above that
+    moved = 0
+    for i, n in enumerate(nodes):
+        key[n] = (i,)
+        if n.op != "call_function":
+            continue
+        if n not in chain:
+            if _writes(n):
+                written[root[n]] = n
+            continue
+        anchor = max([*n.all_input_nodes, *(written[root[a]] for a in n.all_input_nodes if root[a] in written)],
+                     key=key.__getitem__, default=None)
+        if anchor is None or key[anchor] >= (i - 1,):
+            continue
+        key[n] = (*key[anchor], i)
+        moved += 1
+    return _reorder(gm, nodes, key) and moved
+
+
+def _reorder(gm: torch.fx.GraphModule, nodes: list, key: dict) -> bool:
+    order = sorted(nodes, key=key.__getitem__)
+    if order == nodes:
+        return False
+    for prev, n in zip(order, order[1:]):
+        if n.prev is not prev:
+            prev.append(n)
+    gm.recompile()
+    return True
