@@ -93,8 +93,10 @@ def test_gradients_are_reduced_in_the_reduce_dtype():
         expected = step(params, opt.init(params), x, y)
         got = nf.device_get(f(*args))
     rs = [n for n in gm.graph.nodes if n.target is torch.ops._c10d_functional.reduce_scatter_tensor.default]
-    assert rs and all(n.args[0].target is torch.ops.aten._to_copy.default
-                      and n.args[0].kwargs["dtype"] is torch.float64 for n in rs)
+    casts = [n for n in gm.graph.nodes if n.target is torch.ops.aten._to_copy.default
+             and n.kwargs.get("dtype") is torch.float64]
+    # each gradient cast up before its reduction (the reductions bucketed or not)
+    assert rs and all(n.meta["ndfunc_input"][1] is torch.float64 for n in rs) and len(casts) == N_LAYERS
     assert moved(costs, "reduce_scatter") == N_LAYERS * (D * D * 8) * 3 // 4
     for a, b in zip(optree.tree_leaves(got), optree.tree_leaves(expected)):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
@@ -137,3 +139,42 @@ def test_buckets_gather_and_reduce_each_layers_weights_at_once_with_the_same_byt
     assert {k: v for k, v in ran.counts.items() if v} == many["collectives"]  # what ran is what was lowered
     for a, b in zip(optree.tree_leaves(got), optree.tree_leaves(expected)):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_llama_under_fsdp_rules_moves_at_most_what_fsdp2_moves_and_reduces_no_activation():
+    # A vocabulary big next to the batch: the head's logits (B*L x V) outweigh its weight.
+    # FSDP2 gathers each parameter and reduce-scatters each gradient: 2 x params x (N-1)/N, and
+    # 3x with resharding. The partitioner may do better (the embedding table can stay split:
+    # gathering the tokens and the rows looked up is cheaper), never worse, and never all-reduces
+    # logits or activations: only the loss.
+    from models import llama, train
+
+    cfg = llama.LlamaConfig(vocab_size=2048, dim=128, n_layers=1, n_heads=4, n_kv_heads=2, ffn_dim=256)
+    params = llama.init(cfg, nf.random.key(0))
+    g = torch.Generator().manual_seed(0)
+    batch = {k: torch.randint(0, cfg.vocab_size, (8, 16), generator=g) for k in ("tokens", "targets")}
+    opt = nf.optim.adamw(1e-3)
+    expected = train.make_step(cfg, opt)(params, opt.init(params), batch)
+    param_bytes = sum(p.numel() * 4 for p in optree.tree_leaves(params))
+    config = nf.ParallelConfig(dp_shard_size=4)
+    with nf.simulate(4):
+        mesh = config.build_mesh()
+        pspec = nf.sharding.logical_to_mesh(llama.param_axes(cfg), config.rules)
+        state = opt.init(params)
+        sspec = nf.optim.state_shardings(state, pspec)
+        named = lambda t, s: nf.device_put(t, optree.tree_map(  # noqa: E731
+            lambda q: NamedSharding(mesh, q), s, is_leaf=lambda q: isinstance(q, P)))
+        args = (named(params, pspec), named(state, sspec), batch)
+        costs = {}
+        for reshard in (False, True):
+            f = nf.jit(train.make_step(cfg, opt, config.rules), mesh=mesh, in_shardings=(pspec, sspec, None),
+                       out_shardings=(pspec, sspec, P()), transforms=[nf.fsdp("dp_shard", reshard_after_forward=reshard)])
+            costs[reshard] = f.lower(*args).cost_analysis()
+        got = nf.device_get(f(*args))
+    assert costs[False]["comm_bytes"]["total"] <= 2 * param_bytes * 3 / 4
+    assert costs[True]["comm_bytes"]["total"] <= 3 * param_bytes * 3 / 4
+    assert costs[True]["comm_bytes"].get("all_reduce", 0) <= 4 * 3 / 4 * 4  # the loss's sum and count
+    # one layer: its parameters gathered in one bucket, again for backward; gradients in one
+    assert costs[True]["collectives"]["reduce_scatter"] <= 2
+    for a, b in zip(optree.tree_leaves(got), optree.tree_leaves(expected)):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=2e-5)

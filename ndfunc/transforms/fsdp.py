@@ -162,10 +162,24 @@ def _module_of(path: str) -> str:
     return ".".join(parts[:last + 1]) if last is not None else path
 
 
+_VIEWS = (aten.clone.default, aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.permute.default,
+          aten.transpose.int, aten.t.default, aten.unsqueeze.default, aten.squeeze.dims, aten.squeeze.dim)
+
+
 def _source(node: torch.fx.Node) -> torch.fx.Node:
-    while node.op == "call_function" and node.target in (aten.clone.default, aten.view.default, aten.reshape.default):
+    """What `node` is a view or copy of (a parameter, read through an einsum's permutes)."""
+    while node.op == "call_function" and node.target in _VIEWS:
         node = node.args[0]
     return node
+
+
+def _views_of_source(node: torch.fx.Node) -> list[torch.fx.Node]:
+    """The views from `_source(node)` to `node`, in program order."""
+    chain = []
+    while node.op == "call_function" and node.target in _VIEWS:
+        chain.append(node)
+        node = node.args[0]
+    return chain[::-1]
 
 
 def _bucket_gathers(gm, gathers: list[_Gather], cap: int, module: dict) -> None:
@@ -178,7 +192,8 @@ def _bucket_gathers(gm, gathers: list[_Gather], cap: int, module: dict) -> None:
         shape, dtype, _ = g.start.meta["ndfunc_input"]
         key = (g.start.args[1], g.start.args[2], dtype, module.get(_source(g.start.args[0])))
         fits = current and key == current[0][0] and sum(c[1].comm["bytes"] for c in current) + g.comm["bytes"] <= cap
-        if fits and all(index[a] < index[current[0][1].start] or a.op == "placeholder" for a in g.start.all_input_nodes):
+        if fits and all(index[a] < index[current[0][1].start] or _source(a).op == "placeholder"
+                        for a in g.start.all_input_nodes):
             current.append((key, g))
             continue
         if len(current) > 1:
@@ -194,12 +209,17 @@ def _bucket_gathers(gm, gathers: list[_Gather], cap: int, module: dict) -> None:
         wait_at = min(waits, key=index.__getitem__)
         shapes = [tuple(g.start.args[0].meta["val"].shape) for g in group]  # each rank's shard, as sent
         sizes = [math.prod(sh) for sh in shapes]
+        for g in group[1:]:  # what a later member sends (views of its parameter) is made before the first
+            for v in _views_of_source(g.start.args[0]):
+                if index[v] > index[first.start]:
+                    first.start.prepend(v)
         with graph.inserting_before(first.start):
             flat = graph.call_function(aten.cat.default, ([graph.call_function(
                 aten.reshape.default, (g.start.args[0], [-1])) for g in group],))
             merged = graph.call_function(c10d.all_gather_into_tensor.default, (flat, n, name))
         merged.meta["ndfunc_comm"], merged.meta["ndfunc_input"] = _comm_meta(
             [g.start for g in group], "all_gather", *first.start.meta["ndfunc_input"][1:], sum(sizes))
+        merged.meta["ndfunc_comm"]["parameters"] = True  # a layer's parameters: _bucket_reduce_scatters' boundary
         with graph.inserting_before(wait_at):
             waited = graph.call_function(c10d.wait_tensor.default, (merged,))
             blocks = graph.call_function(aten.reshape.default, (waited, [n, sum(sizes)]))
@@ -214,6 +234,14 @@ def _bucket_gathers(gm, gathers: list[_Gather], cap: int, module: dict) -> None:
             graph.erase_node(g.start)
 
 
+def _sent_shape(rs: torch.fx.Node) -> tuple:
+    """The shape of what a reduce-scatter sends (through a cast to its reduce dtype)."""
+    x = rs.args[0]
+    if "val" not in x.meta and x.target is aten._to_copy.default:
+        x = x.args[0]
+    return tuple(x.meta["val"].shape)
+
+
 def _bucket_reduce_scatters(gm, axes: tuple[str, ...], cap: int) -> None:
     """Reduce-scatters over `axes` (same group and dtype) that can all run after the last of
     their inputs is made and before the first of their results is read become one, issued right
@@ -225,7 +253,7 @@ def _bucket_reduce_scatters(gm, axes: tuple[str, ...], cap: int) -> None:
              if "ndfunc_comm" in rs.meta and set(rs.meta["ndfunc_comm"]["axes"]) <= set(axes) and len(rs.users) == 1]
     # a layer's backward lies between two gathers of parameters: buckets do not cross one
     gathers = [index[n] for n in graph.find_nodes(op="call_function", target=c10d.all_gather_into_tensor.default)
-               if _source(n.args[0]).op == "placeholder"]
+               if _source(n.args[0]).op == "placeholder" or n.meta.get("ndfunc_comm", {}).get("parameters")]
     groups, current = [], []
     for rs in sorted(found, key=index.__getitem__):
         (wait,) = rs.users
@@ -247,7 +275,7 @@ def _bucket_reduce_scatters(gm, axes: tuple[str, ...], cap: int) -> None:
         members = [c[1] for c in group]
         after = nodes[max(c[2] for c in group)]
         op, n, name = members[0].args[1], members[0].args[2], members[0].args[3]
-        shapes = [tuple(m.args[0].meta["val"].shape) for m in members]  # as sent: rank blocks along dim 0
+        shapes = [_sent_shape(m) for m in members]  # as sent: rank blocks along dim 0
         sizes = [math.prod(sh) // n for sh in shapes]  # each rank's share of each
         with graph.inserting_before(after.next):  # in order, right after the last input is made
             rows = [graph.call_function(aten.reshape.default, (m.args[0], [n, size])) for m, size in zip(members, sizes)]
