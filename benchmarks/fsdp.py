@@ -107,7 +107,7 @@ def jit_step(cfg, config: nf.ParallelConfig, mesh, params, lr, wd):
     named = lambda specs: optree.tree_map(lambda s: NamedSharding(mesh, s), specs,  # noqa: E731
                                           is_leaf=lambda s: isinstance(s, P))
     bspec = {"tokens": config.batch_spec, "targets": config.batch_spec}
-    jitted = nf.jit(train.make_step(cfg, opt), mesh=mesh, in_shardings=(pspec, sspec, bspec),
+    jitted = nf.jit(train.make_step(cfg, opt, config.rules), mesh=mesh, in_shardings=(pspec, sspec, bspec),
                     out_shardings=(pspec, sspec, P()), donate_argnums=(0, 1), transforms=[nf.fsdp("dp_shard")])
     carry = [nf.device_put(params, named(pspec)), nf.device_put(state, named(sspec))]
 

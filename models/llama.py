@@ -186,6 +186,12 @@ def decoder_layer(layer: dict, x_BLD: torch.Tensor, cos, sin, cfg: LlamaConfig, 
     return x_BLD + mlp(layer["mlp"], rms_norm(x_BLD, layer["mlp_norm"], cfg.norm_eps))
 
 
+def _residual(x_BLD: torch.Tensor) -> torch.Tensor:
+    """The residual stream between layers: batch and sequence split as the axis rules say, the
+    model dim whole (as FSDP and Megatron keep it). A no-op without `nf.sharding.axis_rules`."""
+    return nf.with_logical_constraint(x_BLD, ("batch", "seq", None))
+
+
 def apply(params: dict, tokens_BL: torch.Tensor, cfg: LlamaConfig, positions_BL: torch.Tensor | None = None) -> torch.Tensor:
     """Logits (B, L, V) for tokens (B, L).
 
@@ -199,10 +205,10 @@ def apply(params: dict, tokens_BL: torch.Tensor, cfg: LlamaConfig, positions_BL:
     else:
         mask_BLL = positions_BL[:, :, None] >= positions_BL[:, None, :]
     cos, sin = rope_tables(positions_BL, cfg.head_dim, cfg.rope_theta)
-    x_BLD = F.embedding(tokens_BL, params["embed"])
+    x_BLD = _residual(F.embedding(tokens_BL, params["embed"]))
     block = nf.remat(decoder_layer, cfg.remat) if cfg.remat else decoder_layer
     for layer in params["layers"]:
-        x_BLD = block(layer, x_BLD, cos, sin, cfg, mask_BLL)
+        x_BLD = _residual(block(layer, x_BLD, cos, sin, cfg, mask_BLL))
     x_BLD = rms_norm(x_BLD, params["norm"], cfg.norm_eps)
     head_DV = params["embed"].T if cfg.tie_embeddings else params["lm_head"]
     return x_BLD @ head_DV

@@ -33,7 +33,9 @@ from ndfunc import random
 from ndfunc.sharding import NamedSharding, P
 
 
-def make_step(cfg: llama.LlamaConfig, opt: nf.optim.GradientTransformation):
+def make_step(cfg: llama.LlamaConfig, opt: nf.optim.GradientTransformation, rules=None):
+    """One AdamW step of llama; `rules` (a ParallelConfig's `.rules`) lay out its activations."""
+    @nf.sharding.axis_rules(rules)
     def step(params, opt_state, batch):
         loss, grads = nf.value_and_grad(llama.loss)(params, batch, cfg)
         updates, opt_state = opt.update(grads, opt_state, params)
@@ -142,9 +144,10 @@ def train(args: argparse.Namespace, config: nf.ParallelConfig) -> list[float]:
         transforms.append(nf.fsdp(("dp_shard", "cp")))
     kw = dict(mesh=mesh, donate_argnums=(0, 1), transforms=transforms)
     if args.grad_accum == 1:
-        step = nf.jit(make_step(cfg, opt), in_shardings=(pspec, sspec, bspec), out_shardings=(pspec, sspec, P()), **kw)
+        step = nf.jit(make_step(cfg, opt, config.rules), in_shardings=(pspec, sspec, bspec), out_shardings=(pspec, sspec, P()), **kw)
     else:  # one program per micro-batch, run grad_accum times; then the update
-        grads_fn = nf.accumulate(nf.value_and_grad(lambda p, b: llama.loss(p, b, cfg)), args.grad_accum,
+        loss_fn = nf.sharding.axis_rules(config.rules)(lambda p, b: llama.loss(p, b, cfg))
+        grads_fn = nf.accumulate(nf.value_and_grad(loss_fn), args.grad_accum,
                                  transforms=transforms)
         update = nf.jit(make_update(opt), in_shardings=(pspec, sspec, pspec), out_shardings=(pspec, sspec), **kw)
 

@@ -14,6 +14,7 @@ from ndfunc.autodiff import grad as grad
 from ndfunc.autodiff import value_and_grad as value_and_grad
 from ndfunc.autodiff import vmap as vmap
 from ndfunc.config import ParallelConfig as ParallelConfig
+from ndfunc.constraints import with_logical_constraint as with_logical_constraint
 from ndfunc.constraints import with_sharding_constraint as with_sharding_constraint
 from ndfunc.jit import jit as jit
 from ndfunc.remat import remat as remat
@@ -44,5 +45,5 @@ __all__ = [
     "ParallelConfig", "accumulate", "device_get", "device_put", "fsdp", "get_mesh", "grad", "init", "is_simulated", "jit", "lax", "mixed_precision", "optim",
     "random", "remat", "ring_attention", "unzigzag", "value_and_grad", "vmap", "zigzag",
     "make_array_from_callback", "make_mesh", "rank", "set_mesh", "shard_map", "sharding", "sharding_of", "shutdown",
-    "simulate", "tree", "visualize_sharding", "with_sharding_constraint", "world_size",
+    "simulate", "tree", "visualize_sharding", "with_logical_constraint", "with_sharding_constraint", "world_size",
 ]

@@ -1,4 +1,6 @@
 """`nf.with_sharding_constraint`: pin the layout of a value inside a function that `nf.jit` traces.
+`nf.with_logical_constraint`: the same, with the value's dims named (`('batch', 'seq', None)`) and
+the mesh axes taken from the `nf.sharding.axis_rules` in force, if any.
 
 In a traced program the constraint is one node, `ndfunc.sharding_constraint(x, spec)`, which the
 partitioner reads as a fixed placement; its gradient carries the same constraint, as in JAX (the
@@ -78,3 +80,27 @@ def with_sharding_constraint(x: torch.Tensor, sharding: PartitionSpec | NamedSha
             f"{tuple(x.shape)}); the spec needs at most one entry per dim."
         )
     return _Constraint.apply(x, encode_spec(spec))
+
+
+def with_logical_constraint(x: torch.Tensor, names: tuple) -> torch.Tensor:
+    """`x` constrained to the layout the current `nf.sharding.axis_rules` give its dims' logical
+    names (one per dim; None: not sharded); unchanged where no rules are set.
+
+    Example:
+        >>> x = torch.ones(4, 2)
+        >>> nf.with_logical_constraint(x, ('batch', None)) is x  # no rules here: x itself
+        True
+    """
+    from ndfunc.sharding.rules import current_rules, logical_spec
+
+    rules = current_rules()
+    if rules is None:
+        return x
+    if len(names) != x.ndim:
+        from ndfunc.sharding.errors import RankError
+
+        raise RankError(
+            f"with_logical_constraint got names {tuple(names)} for a value of rank {x.ndim} (shape "
+            f"{tuple(x.shape)}); give one logical name (or None) per dim."
+        )
+    return with_sharding_constraint(x, logical_spec(names, rules))

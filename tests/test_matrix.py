@@ -61,8 +61,9 @@ def run_sharded(sizes: tuple[int, ...], transforms=(), layout=None):
 def run_in_this_world(sizes: tuple[int, ...], transforms=(), layout=None):
     """The three steps on the ranks there are (simulated, or real processes under torchrun):
     (updated params gathered, losses, the program's cost analysis)."""
-    cfg, opt, step, params, batches = setup()
+    cfg, opt, _, params, batches = setup()
     config = nf.ParallelConfig(*sizes)
+    step = train.make_step(cfg, opt, config.rules)  # the activations laid out by the rules too
     if layout is not None:
         batches = [layout(b, config.cp_size) for b in batches]
     mesh = config.build_mesh()

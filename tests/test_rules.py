@@ -120,3 +120,31 @@ def test_logical_to_mesh_matches_flax(case):
 
 def test_default_rules_are_the_ones_checked_against_flax():
     assert FLAX["rule_sets"]["accelerate"] == DEFAULT
+
+
+def test_a_logical_constraint_does_nothing_without_rules():
+    x = torch.ones(4, 2)
+    assert nf.with_logical_constraint(x, ("batch", None)) is x
+
+
+def test_axis_rules_lay_out_a_logically_named_activation_inside_jit():
+    rules = [("batch", "dp"), ("embed", None)]
+
+    @nf.sharding.axis_rules(rules)
+    def f(x):
+        return nf.with_logical_constraint(x * 2, ("batch", "embed")) + 1
+
+    x = torch.arange(16.0).reshape(8, 2)
+    with nf.simulate(4):
+        out = nf.jit(f, mesh=nf.make_mesh(dp=4))(x)  # x replicated, the result's layout left free
+        assert nf.sharding_of(out).spec == P("dp")  # where the constraint put it
+        torch.testing.assert_close(nf.device_get(out), x * 2 + 1)
+    assert nf.sharding.rules.current_rules() is None  # the rules were for f's body only
+
+
+def test_a_logical_constraint_needs_one_name_per_dim():
+    with nf.sharding.axis_rules([("batch", "dp")]):
+        with pytest.raises(nf.sharding.RankError) as e:
+            nf.with_logical_constraint(torch.ones(4, 2), ("batch",))
+    assert str(e.value) == ("with_logical_constraint got names ('batch',) for a value of rank 2 (shape (4, 2)); "
+                            "give one logical name (or None) per dim.")

@@ -15,13 +15,15 @@ from ndfunc.sharding.partition_spec import P as P
 from ndfunc.sharding.partition_spec import PartitionSpec as PartitionSpec
 from ndfunc.sharding.placements import placements_to_spec as placements_to_spec
 from ndfunc.sharding.placements import spec_to_placements as spec_to_placements
+from ndfunc.sharding.rules import axis_rules as axis_rules
+from ndfunc.sharding.rules import logical_spec as logical_spec
 from ndfunc.sharding.rules import logical_to_mesh as logical_to_mesh
 from ndfunc.sharding.rules import match_rules as match_rules
 from ndfunc.sharding.visualize import visualize_sharding as visualize_sharding
 
 __all__ = [
     "AbstractMesh", "DuplicateAxisError", "IndivisibleError", "Mesh", "NamedSharding", "P",
-    "PartitionSpec", "RankError", "ShardingError", "UnknownAxisError", "get_mesh",
-    "logical_to_mesh", "make_mesh", "match_rules", "placements_to_spec", "set_mesh",
+    "PartitionSpec", "RankError", "ShardingError", "UnknownAxisError", "axis_rules", "get_mesh",
+    "logical_spec", "logical_to_mesh", "make_mesh", "match_rules", "placements_to_spec", "set_mesh",
     "spec_to_placements", "visualize_sharding",
 ]

@@ -4,12 +4,19 @@ Two ways a model says how it is sharded, both pure:
 - `match_rules`: `(regex, spec)` pairs over leaf paths (`layers.0.attn.wq`), first match wins.
 - `logical_to_mesh`: the model names each dim (`('embed', 'mlp')`), a strategy maps names to
   mesh axes (Flax linen's logical axis rules). Changing strategy is changing that mapping.
+
+Activations are named the same way inside the model (`nf.with_logical_constraint(x, ('batch',
+'seq', None))`); `axis_rules(rules)` says, for the code it wraps, which mapping those names take
+(Flax's `nn.logical_axis_rules`). Without rules such a constraint does nothing, so one model
+runs unchanged on one device and under every strategy.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import re
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from ndfunc.sharding.errors import ShardingError
@@ -117,6 +124,36 @@ def logical_to_mesh(axes_tree: PyTree, rules: LogicalRules) -> PyTree:
         return PartitionSpec(*entries)
 
     return tree_map_with_path(to_spec, axes_tree, is_leaf=_is_axes_leaf)
+
+
+_rules: contextvars.ContextVar[LogicalRules | None] = contextvars.ContextVar("ndfunc_axis_rules", default=None)
+
+
+@contextlib.contextmanager
+def axis_rules(rules: LogicalRules | None) -> Iterator[None]:
+    """Logical axis rules for `with_logical_constraint` in the code run inside (a context manager,
+    or a decorator of the step that `nf.jit` traces).
+
+    Example:
+        >>> @nf.sharding.axis_rules([('batch', 'dp')])
+        ... def f(x):
+        ...     return nf.with_logical_constraint(x, ('batch', None))  # in nf.jit: split over 'dp'
+    """
+    token = _rules.set(None if rules is None else list(rules))
+    try:
+        yield
+    finally:
+        _rules.reset(token)
+
+
+def current_rules() -> LogicalRules | None:
+    """The rules `axis_rules` set here, or None."""
+    return _rules.get()
+
+
+def logical_spec(names: tuple, rules: LogicalRules, what: str = "value") -> PartitionSpec:
+    """The `P` that `rules` give one tensor whose dims are named `names` (see `logical_to_mesh`)."""
+    return logical_to_mesh({what: tuple(names)}, rules)[what]
 
 
 def _as_axes(axes: MeshAxes) -> tuple[str, ...] | None:
