@@ -12,7 +12,9 @@ nf.jit: the same model as pure functions, `ParallelConfig` rules (parameters sha
 Each implementation runs in its own 4 processes (so their memory peaks do not mix), over the same
 batches. Per rank: median step time, and the resident set's high-water mark during a step (reset
 before it through /proc/self/clear_refs; Linux), absolute and above the memory held before the
-step. Reported: the ratios nf.jit / PyTorch and both loss curves.
+step. Reported: the ratios nf.jit / PyTorch and both loss curves; and the CPU time each process
+spends per step (with more ranks than cores, the step time follows the work the ranks do, not
+their waits).
 """
 
 from __future__ import annotations
@@ -49,18 +51,20 @@ def _kib(field: str) -> int:
         return next(int(line.split()[1]) for line in f if line.startswith(field))
 
 
-def measure(step, batches) -> tuple[list, list, int, int]:
-    """(losses, step seconds, high-water mark during the last step, memory before it), bytes."""
-    losses, times = [float(step(batches[0]))], []
+def measure(step, batches) -> tuple[list, list, list, int, int]:
+    """(losses, step seconds, CPU seconds of this process per step, high-water mark during the
+    last step, memory before it), bytes."""
+    losses, times, cpu = [float(step(batches[0]))], [], []
     for b in batches[1:]:
         dist.barrier()
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")  # the high-water mark starts again from here
         before = _kib("VmRSS:")
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.process_time()
         losses.append(float(step(b)))
         times.append(time.perf_counter() - start)
-    return losses, times, _kib("VmHWM:") * 1024, before * 1024
+        cpu.append(time.process_time() - start_cpu)
+    return losses, times, cpu, _kib("VmHWM:") * 1024, before * 1024
 
 
 def torch_step(cfg, path, config: nf.ParallelConfig, mesh, lr, wd):
@@ -142,9 +146,9 @@ def worker(args) -> None:
         run = lambda b: step({k: v[me * per:(me + 1) * per] for k, v in b.items()})  # noqa: E731
     else:
         run = jit_step(cfg, config, mesh, params, lr, wd)
-    losses, times, peak, before = measure(run, batches)
-    print(json.dumps({"rank": rank, "losses": losses, "step_s": statistics.median(times), "peak": peak,
-                      "before": before}), flush=True)
+    losses, times, cpu, peak, before = measure(run, batches)
+    print(json.dumps({"rank": rank, "losses": losses, "step_s": statistics.median(times),
+                      "cpu_s": statistics.median(cpu), "peak": peak, "before": before}), flush=True)
     nf.shutdown()
 
 
@@ -154,6 +158,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8, help="global batch (split over dp_shard)")
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--strategies", nargs="+", default=list(LAYOUTS), choices=sorted(LAYOUTS))
     parser.add_argument("--layout", choices=sorted(LAYOUTS), help="(internal) run one, under torchrun")
     parser.add_argument("--impl", choices=["torch", "jit"], help="(internal) run one, under torchrun")
     args = parser.parse_args()
@@ -161,7 +166,7 @@ def main() -> None:
         worker(args)
         return
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    for layout in LAYOUTS:
+    for layout in args.strategies:
         rows = {}
         for impl in ("torch", "jit"):
             out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
@@ -176,7 +181,10 @@ def main() -> None:
         peak = {i: max(r["peak"] for r in rows[i]) for i in rows}
         grown = {i: max(r["peak"] - r["before"] for r in rows[i]) for i in rows}
         print(f"{layout} ({args.model}, batch {args.batch} x {args.seq}, 4 gloo processes, layout {LAYOUTS[layout]}):")
+        cpu = {i: max(r["cpu_s"] for r in rows[i]) for i in rows}
         print(f"  step: PyTorch {t['torch'] * 1e3:.1f} ms, nf.jit {t['jit'] * 1e3:.1f} ms, ratio {t['jit'] / t['torch']:.2f}")
+        print(f"  CPU time per rank and step (the ranks share {os.cpu_count()} cores): PyTorch {cpu['torch'] * 1e3:.1f} ms, "
+              f"nf.jit {cpu['jit'] * 1e3:.1f} ms, ratio {cpu['jit'] / cpu['torch']:.2f}")
         print(f"  peak resident set per rank: PyTorch {peak['torch'] / 2**20:.1f} MiB, nf.jit {peak['jit'] / 2**20:.1f} MiB, "
               f"ratio {peak['jit'] / peak['torch']:.2f}; during the step, above what was held before: PyTorch "
               f"{grown['torch'] / 2**20:.1f} MiB, nf.jit {grown['jit'] / 2**20:.1f} MiB")

@@ -12,6 +12,7 @@ import optree
 import torch
 from torch.distributed._local_tensor import LocalTensor, local_tensor_mode
 from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from ndfunc import manual
 from ndfunc.donation import apply_donation, mark_donated
@@ -127,6 +128,7 @@ class Compiled:
     def __init__(self, program: Program, jitted: Jitted, key):
         self.program, self._jitted, self._key = program, jitted, key
         self._coords = None
+        self._specs = None  # each result's DTensorSpec, made at the first run
         # how each result is wrapped, worked out once: placements over the whole mesh, shape, stride
         self._outputs = []
         if isinstance(program.mesh, Mesh):
@@ -177,9 +179,13 @@ class Compiled:
         del locals_
         mark_donated(p, prepared, optree.tree_leaves(original_args))
         if self._outputs:  # no mesh: plain tensors, as they came
-            device_mesh = p.mesh.device_mesh
-            outs = [DTensor.from_local(o, device_mesh, placements, run_check=False, shape=shape, stride=stride)
-                    for o, (placements, shape, stride) in zip(outs, self._outputs)]
+            if self._specs is None:
+                device_mesh = p.mesh.device_mesh
+                self._specs = [DTensorSpec(device_mesh, placements, TensorMeta(shape, stride, o.dtype))
+                               for o, (placements, shape, stride) in zip(outs, self._outputs)]
+            # DTensor's constructor, not from_local: no autograd Function per result (nothing
+            # here is differentiated), the layouts were settled when the program was built
+            outs = [DTensor(o, spec, requires_grad=False) for o, spec in zip(outs, self._specs)]
         return p.traced.out_tree.unflatten(outs)
 
 
