@@ -77,6 +77,12 @@ def _put_leaf(path: str, x: Any, sharding: Any) -> Any:
     if sharding is None:  # as in JAX: no sharding given, the value stays as it is
         return x
     sharding = resolve_sharding(sharding, path)
+    if sharding.spec.unreduced and not (isinstance(x, DTensor) and tuple(x.placements) == sharding.placements):
+        raise ShardingError(
+            f"{where(path)}device_put cannot lay a value out as {sharding.spec!r}: a whole value has no "
+            f"parts of a sum to keep. Lay it out without unreduced; unreduced values come from nf.jit "
+            f"(out_shardings) or make_array_from_callback, each rank giving its part."
+        )
     if isinstance(x, DTensor):
         _check_mesh(sharding, path)
         if x.device_mesh == sharding.mesh.device_mesh:

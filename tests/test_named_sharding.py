@@ -48,9 +48,19 @@ def test_from_placements_rejects_what_no_spec_describes():
         NamedSharding.from_placements(MESH, (Shard(2), Replicate(), Replicate(), Replicate()), 2)
 
 
-def test_from_placements_rejects_partial():
-    with pytest.raises(ShardingError, match="pending sum, which no PartitionSpec describes; reduce it first"):
-        NamedSharding.from_placements(MESH, (Partial(), Replicate(), Replicate(), Replicate()), 2)
+def test_a_pending_sum_is_an_unreduced_axis_and_back():
+    s = NamedSharding.from_placements(MESH, (Partial(), Replicate(), Replicate(), Shard(1)), 2)
+    assert s.spec == P(None, "tp", unreduced={"dp_replicate"}) and not s.is_fully_replicated
+    assert s.placements == (Partial(), Replicate(), Replicate(), Shard(1))
+    assert s.shard_shape((8, 8)) == (8, 4)  # a part of the sum is as big as the value
+
+
+def test_from_placements_rejects_a_pending_max():
+    with pytest.raises(ShardingError) as e:
+        NamedSharding.from_placements(MESH, (Partial("max"), Replicate(), Replicate(), Replicate()), 2)
+    assert str(e.value) == ("placement P(max) on mesh axis 'dp_replicate' is a pending max, which no PartitionSpec "
+                            "describes (only a pending sum: unreduced); reduce it first (redistribute to "
+                            "Replicate or Shard).")
 
 
 def test_is_fully_replicated():

@@ -80,3 +80,18 @@ def test_equality_with_tuples_is_consistent_with_hashing():
     assert {("a", None): 1}.get(P("a", None)) == 1
     assert P() != (1,)  # not a valid spec: unequal, not an error
     assert P("b") != ("a", "a")
+
+
+def test_unreduced_axes_are_part_of_the_spec():
+    s = P(None, "tp", unreduced={"dp"})
+    assert repr(s) == "P(None, 'tp', unreduced={'dp'})" and repr(P(unreduced="dp")) == "P(unreduced={'dp'})"
+    assert s.unreduced == {"dp"} and s.axes == ("tp",)
+    assert s != P(None, "tp") and s != (None, "tp") and hash(s) == hash(P(None, "tp", unreduced=["dp"]))
+    assert pickle.loads(pickle.dumps(s)) == s
+
+
+def test_an_axis_cannot_both_split_a_dim_and_be_unreduced():
+    with pytest.raises(DuplicateAxisError) as e:
+        P("dp", unreduced={"dp"})
+    assert str(e.value) == ("PartitionSpec('dp') shards a dim over mesh axis 'dp' and also lists it as unreduced; "
+                            "an axis either splits the value or holds parts of a sum.")

@@ -116,6 +116,20 @@ def test_device_put_errors_name_the_path():
             nf.device_put(params, "dp")
 
 
+def test_device_put_does_not_make_a_whole_value_unreduced():
+    with nf.simulate(2):
+        mesh = nf.make_mesh(dp=2)
+        with pytest.raises(ShardingError) as e:
+            nf.device_put({"g": arange((4, 2))}, NamedSharding(mesh, P(unreduced="dp")))
+        parts = nf.make_array_from_callback((4, 2), NamedSharding(mesh, P(unreduced="dp")), lambda i: arange((4, 2)))
+        again = nf.device_put(parts, NamedSharding(mesh, P(unreduced="dp")))  # already so: it stays so
+        assert again.placements == parts.placements
+        torch.testing.assert_close(nf.device_get(again), 2 * arange((4, 2)))  # the value is the sum of the parts
+    assert str(e.value) == ("'g': device_put cannot lay a value out as P(unreduced={'dp'}): a whole value has no parts "
+                            "of a sum to keep. Lay it out without unreduced; unreduced values come from nf.jit "
+                            "(out_shardings) or make_array_from_callback, each rank giving its part.")
+
+
 def test_device_put_copies():
     full = arange((4, 4))
     with nf.simulate(2):

@@ -43,7 +43,7 @@ class NamedSharding:
                 if isinstance(spec, (tuple, list))
                 else f"NamedSharding expects a PartitionSpec, got {type(spec).__name__}."
             )
-        unknown = [axis for axis in spec.axes if axis not in mesh.axis_names]
+        unknown = [axis for axis in (*spec.axes, *sorted(spec.unreduced)) if axis not in mesh.axis_names]
         if unknown:
             raise UnknownAxisError(
                 f"{spec!r} names mesh axis {unknown[0]!r}, which the mesh does not have; "
@@ -69,8 +69,9 @@ class NamedSharding:
 
     @property
     def is_fully_replicated(self) -> bool:
-        """Whether every rank holds the whole value (no axis of size > 1 shards a dim)."""
-        return all(self._mesh.axis_size(axis) == 1 for axis in self._spec.axes)
+        """Whether every rank holds the whole value (no axis of size > 1 shards a dim or holds
+        parts of a sum)."""
+        return all(self._mesh.axis_size(axis) == 1 for axis in (*self._spec.axes, *self._spec.unreduced))
 
     @property
     def placements(self) -> tuple:

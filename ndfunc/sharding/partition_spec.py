@@ -4,11 +4,15 @@ Semantics are JAX's (`jax.sharding.PartitionSpec`): one entry per leading dim, t
 unsharded. An entry is `None` (not sharded), an axis name, or a tuple of axis names ordered
 major to minor: `P(('dp_shard', 'tp'))` splits dim 0 into `dp_shard * tp` blocks and gives the
 block `i_dp_shard * tp + i_tp` to the rank at mesh coordinate `(i_dp_shard, i_tp)`.
+
+`unreduced` names axes over which the value is a pending sum (JAX's `P(..., unreduced={'dp'})`):
+each rank along them holds a part, the value is their sum. Gradients accumulated over
+micro-batches are kept so, and reduced once at the end.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Union
 
 from ndfunc.sharding.errors import DuplicateAxisError, ShardingError
@@ -48,12 +52,15 @@ class PartitionSpec:
         ('dp_replicate', 'dp_shard', 'cp')
         >>> P('tp', [], ('dp',))
         P('tp', None, 'dp')
+        >>> P(None, 'tp', unreduced={'dp'})  # a sum over dp still to be taken
+        P(None, 'tp', unreduced={'dp'})
     """
 
-    __slots__ = ("_entries",)
+    __slots__ = ("_entries", "_unreduced")
     _entries: tuple[Entry, ...]
+    _unreduced: frozenset[str]
 
-    def __init__(self, *entries: object):
+    def __init__(self, *entries: object, unreduced: str | Iterable[str] = ()):
         normalized = tuple(_normalize_entry(e, i) for i, e in enumerate(entries))
         seen: set[str] = set()
         for entry in normalized:
@@ -65,7 +72,17 @@ class PartitionSpec:
                         f"over several axes, group them in one tuple: P(('dp_shard', 'tp'))."
                     )
                 seen.add(axis)
+        pending = frozenset((unreduced,) if isinstance(unreduced, str) else unreduced)
+        if not all(isinstance(axis, str) for axis in pending):
+            raise ShardingError(f"unreduced={unreduced!r}: expected mesh axis names (str).")
+        both = sorted(pending & seen)
+        if both:
+            raise DuplicateAxisError(
+                f"PartitionSpec{_format_entries(normalized)} shards a dim over mesh axis {both[0]!r} and "
+                f"also lists it as unreduced; an axis either splits the value or holds parts of a sum."
+            )
         object.__setattr__(self, "_entries", normalized)
+        object.__setattr__(self, "_unreduced", pending)
 
     def __setattr__(self, name: str, value: object) -> None:
         raise AttributeError("PartitionSpec is immutable")
@@ -81,27 +98,36 @@ class PartitionSpec:
 
     def __eq__(self, other: object) -> bool:
         if isinstance(other, PartitionSpec):
-            return self._entries == other._entries
+            return self._entries == other._entries and self._unreduced == other._unreduced
         if isinstance(other, tuple):
             try:
-                return self._entries == PartitionSpec(*other)._entries
+                return not self._unreduced and self._entries == PartitionSpec(*other)._entries
             except ShardingError:
                 return False
         return NotImplemented
 
     def __hash__(self) -> int:
-        return hash(self._entries)  # equal to a tuple it equals, so it hashes like one
+        # equal to a tuple it equals, so it hashes like one
+        return hash((self._entries, self._unreduced)) if self._unreduced else hash(self._entries)
 
     def __repr__(self) -> str:
-        return f"P{_format_entries(self._entries)}"
+        if not self._unreduced:
+            return f"P{_format_entries(self._entries)}"
+        pending = "{" + ", ".join(map(repr, sorted(self._unreduced))) + "}"
+        return f"P{_format_entries(self._entries)[:-1]}{', ' if self._entries else ''}unreduced={pending})"
 
     def __reduce__(self):
-        return (PartitionSpec, self._entries)
+        return (_rebuild, (self._entries, tuple(sorted(self._unreduced))))
 
     @property
     def axes(self) -> tuple[str, ...]:
-        """Every mesh axis this spec uses, in entry order."""
+        """Every mesh axis this spec shards a dim over, in entry order (not the unreduced ones)."""
         return tuple(axis for entry in self._entries for axis in _entry_axes(entry))
+
+    @property
+    def unreduced(self) -> frozenset[str]:
+        """The mesh axes over which the value is a sum still to be taken."""
+        return self._unreduced
 
     def dim_axes(self, dim: int) -> tuple[str, ...]:
         """The axes that shard `dim`, major to minor; `()` for an unsharded or trailing dim."""
@@ -118,6 +144,10 @@ class PartitionSpec:
         return all(self.dim_axes(d) == other.dim_axes(d) for d in range(ndim)) and (
             len(self) <= ndim and len(other) <= ndim
         )
+
+
+def _rebuild(entries: tuple, unreduced: tuple) -> "PartitionSpec":
+    return PartitionSpec(*entries, unreduced=unreduced)
 
 
 def _entry_axes(entry: Entry) -> tuple[str, ...]:

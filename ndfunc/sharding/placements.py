@@ -23,9 +23,12 @@ from ndfunc.sharding.partition_spec import PartitionSpec
 
 
 def spec_to_placements(mesh: AbstractMesh, spec: PartitionSpec) -> tuple:
-    """One placement per mesh axis for `spec`; `Replicate()` for axes the spec does not use."""
+    """One placement per mesh axis for `spec`; `Partial()` (a sum) for its unreduced axes,
+    `Replicate()` for axes the spec does not use."""
     position = {name: i for i, name in enumerate(mesh.axis_names)}
     placements: list = [Replicate()] * len(position)
+    for axis in spec.unreduced:
+        placements[position[axis]] = Partial()
     for dim in range(len(spec)):
         axes = spec.dim_axes(dim)
         for i, axis in enumerate(axes):
@@ -41,9 +44,12 @@ def spec_to_placements(mesh: AbstractMesh, spec: PartitionSpec) -> tuple:
 def placements_to_spec(mesh: AbstractMesh, placements: Sequence, ndim: int) -> PartitionSpec:
     """The PartitionSpec whose placements are `placements` (the inverse of `spec_to_placements`).
 
+    A pending sum (`Partial()`) is an unreduced axis.
+
     Raises:
-        ShardingError: for a `Partial` placement (a pending sum has no PartitionSpec), a placement
-            on a dim the value does not have, or a `_StridedShard` no spec produces.
+        ShardingError: for a `Partial` placement of another reduction than a sum (no PartitionSpec
+            describes it), a placement on a dim the value does not have, or a `_StridedShard` no
+            spec produces.
     """
     placements = tuple(placements)
     if len(placements) != len(mesh.axis_names):
@@ -51,14 +57,19 @@ def placements_to_spec(mesh: AbstractMesh, placements: Sequence, ndim: int) -> P
             f"expected one placement per mesh axis {mesh.axis_names}, got {len(placements)}: {placements}."
         )
     dim_axes: dict[int, list[str]] = {}
+    unreduced = []
     for axis, placement in zip(mesh.axis_names, placements):
         if isinstance(placement, Replicate):
             continue
         if isinstance(placement, Partial):
-            raise ShardingError(
-                f"placement {placement} on mesh axis {axis!r} is a pending sum, which no "
-                f"PartitionSpec describes; reduce it first (redistribute to Replicate or Shard)."
-            )
+            if placement.reduce_op != "sum":
+                raise ShardingError(
+                    f"placement {placement} on mesh axis {axis!r} is a pending {placement.reduce_op}, "
+                    f"which no PartitionSpec describes (only a pending sum: unreduced); reduce it "
+                    f"first (redistribute to Replicate or Shard)."
+                )
+            unreduced.append(axis)
+            continue
         if not isinstance(placement, (Shard, _StridedShard)):
             raise ShardingError(f"unsupported placement {placement!r} on mesh axis {axis!r}.")
         dim = placement.dim if placement.dim >= 0 else placement.dim + ndim
@@ -71,7 +82,7 @@ def placements_to_spec(mesh: AbstractMesh, placements: Sequence, ndim: int) -> P
     entries: list = [None] * (max(dim_axes) + 1 if dim_axes else 0)
     for dim, axis_placements in dim_axes.items():
         entries[dim] = _major_to_minor(mesh, dim, dict(axis_placements))
-    return PartitionSpec(*entries)
+    return PartitionSpec(*entries, unreduced=unreduced)
 
 
 def _with_dim(placement, dim: int):
