@@ -68,6 +68,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--micro-batch", "--batch-size", dest="micro_batch", type=int, default=8,
                         help="sequences per data-parallel rank per micro-batch")
     parser.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
+    parser.add_argument("--reduce-grads", choices=["each", "end"], default="each",
+                        help="with --grad-accum: reduce gradients each micro-batch, or once at the end (more memory)")
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--lr", type=float, default=3e-3, help="peak learning rate at --base-batch")
     parser.add_argument("--lr-scaling", choices=["none", "linear", "sqrt"], default="none",
@@ -147,7 +149,7 @@ def train(args: argparse.Namespace, config: nf.ParallelConfig) -> list[float]:
         step = nf.jit(make_step(cfg, opt, config.rules), in_shardings=(pspec, sspec, bspec), out_shardings=(pspec, sspec, P()), **kw)
     else:  # one program per micro-batch, run grad_accum times; then the update
         loss_fn = nf.sharding.axis_rules(config.rules)(lambda p, b: llama.loss(p, b, cfg))
-        grads_fn = nf.accumulate(nf.value_and_grad(loss_fn), args.grad_accum,
+        grads_fn = nf.accumulate(nf.value_and_grad(loss_fn), args.grad_accum, reduce=args.reduce_grads,
                                  transforms=transforms)
         update = nf.jit(make_update(opt), in_shardings=(pspec, sspec, pspec), out_shardings=(pspec, sspec), **kw)
 

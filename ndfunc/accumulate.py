@@ -6,8 +6,11 @@ sums) to the big batch's when every micro-batch weighs the same (a mean loss ove
 targets). One program adds a micro-batch's loss and gradients into running sums, which it
 receives donated and updates where they lie; it is traced, partitioned and lowered once and run
 `k` times, so the program does not grow with `k` and only one micro-batch's activations are alive.
-Each run reduces its gradients to the parameters' layouts (an FSDP gradient is reduce-scattered
-per micro-batch, as FSDP does by default).
+With `reduce='each'` (the default) each run reduces its gradients to the parameters' layouts
+(an FSDP gradient is reduce-scattered per micro-batch, as FSDP does by default). With
+`reduce='end'` the running sums stay unreduced over the batch's mesh axes (`P(..., unreduced=...)`:
+each rank adds its own part, as big as the whole parameter where FSDP would keep a shard) and are
+reduced once, after the last micro-batch: more memory, a `k`-th of the gradient traffic.
 
 A sharded batch (DTensor) is cut per rank: each rank's micro-batch `i` is rows `i*b .. (i+1)*b`
 of its own block, so no data moves; the micro-batches are then other samples than a cut of the
@@ -16,6 +19,7 @@ global batch would give, which the mean does not notice.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import optree
@@ -23,16 +27,20 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from ndfunc.jit import jit
-from ndfunc.sharding import P
-from ndfunc.transfer import sharding_of
+from ndfunc.sharding import NamedSharding, P
+from ndfunc.transfer import make_array_from_callback, sharding_of
 
 
-def accumulate(value_and_grad_fn: Callable, num_micro_batches: int, transforms=()) -> Callable:
+def accumulate(value_and_grad_fn: Callable, num_micro_batches: int, transforms=(), reduce: str = "each") -> Callable:
     """`fn(params, batch) -> (loss, grads)` over `num_micro_batches` micro-batches of `batch`,
     returning the means (see the module's text). `value_and_grad_fn` is what `nf.value_and_grad`
-    returns for a mean loss; `transforms` go to the micro-batch program's `nf.jit`."""
+    returns for a mean loss; `transforms` go to the micro-batch program's `nf.jit`; `reduce`:
+    `'each'` micro-batch reduces its gradients, or they are reduced once at the `'end'`."""
     if isinstance(num_micro_batches, bool) or not isinstance(num_micro_batches, int) or num_micro_batches < 1:
         raise ValueError(f"nf.accumulate: num_micro_batches must be an int >= 1, got {num_micro_batches!r}.")
+    if reduce not in ("each", "end"):
+        raise ValueError(f"nf.accumulate: reduce must be 'each' (each micro-batch reduces its gradients) or "
+                         f"'end' (reduce once, after the last), got {reduce!r}.")
     k = num_micro_batches
 
     def add(params, sums, batch):
@@ -59,10 +67,16 @@ def accumulate(value_and_grad_fn: Callable, num_micro_batches: int, transforms=(
             spec = P() if mesh is not None else None
             shardings = optree.tree_map(lambda p: sharding_of(p) or spec, params)
             sums_sharding = (spec, shardings)
-            programs[key] = (jit(zeros, mesh=mesh, out_shardings=sums_sharding),
+            make_zeros = jit(zeros, mesh=mesh, out_shardings=sums_sharding)
+            if reduce == "end" and mesh is not None:
+                axes = {a for s in map(sharding_of, optree.tree_leaves(batch)) if s is not None for a in s.spec.axes
+                        if mesh.axis_size(a) > 1}
+                sums_sharding = (spec, optree.tree_map(lambda p: NamedSharding(mesh, _unreduced(p, axes)), params))
+                make_zeros = functools.partial(_zeros, mesh, sums_sharding)
+            programs[key] = (make_zeros,
                              jit(add, mesh=mesh, out_shardings=sums_sharding, donate_argnums=(1,),
                                  transforms=list(transforms)),
-                             jit(mean, mesh=mesh, out_shardings=sums_sharding, donate_argnums=(0,)))
+                             jit(mean, mesh=mesh, out_shardings=(spec, shardings), donate_argnums=(0,)))
         return programs[key]
 
     def accumulated(params, batch):
@@ -79,6 +93,23 @@ def accumulate(value_and_grad_fn: Callable, num_micro_batches: int, transforms=(
 
     accumulated.lower = lower
     return accumulated
+
+
+def _unreduced(param, axes: set) -> P:
+    """The layout of a running gradient sum for `param`: its spec without the batch's mesh axes,
+    which instead hold parts of the sum."""
+    spec = sharding_of(param).spec
+    entries = [tuple(a for a in spec.dim_axes(d) if a not in axes) or None for d in range(len(spec))]
+    return P(*entries, unreduced=axes | set(spec.unreduced))
+
+
+def _zeros(mesh, shardings, params):
+    """Zero sums laid out as `shardings` (unreduced: each rank's part is zero)."""
+    loss_spec, grad_shardings = shardings
+    zero = lambda shape, dtype, s: make_array_from_callback(  # noqa: E731
+        shape, s, lambda index: torch.zeros(s.shard_shape(shape), dtype=dtype))
+    grads = optree.tree_map(lambda p, s: zero(tuple(p.shape), p.dtype, s), params, grad_shardings)
+    return zero((), torch.float32, NamedSharding(mesh, loss_spec)), grads
 
 
 def _micro(x: torch.Tensor, i: int, k: int) -> torch.Tensor:

@@ -56,6 +56,40 @@ def test_accumulated_micro_batches_equal_one_big_batch():
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
+def test_accumulating_fsdp_gradients_reduces_them_per_micro_batch_or_once_at_the_end():
+    cfg = llama.LlamaConfig.tiny()
+    params = llama.init(cfg, nf.random.key(0))
+    g = torch.Generator().manual_seed(0)
+    big = {"tokens": torch.randint(0, cfg.vocab_size, (16, 16), generator=g),
+           "targets": torch.randint(0, cfg.vocab_size, (16, 16), generator=g)}
+    value_and_grad = nf.value_and_grad(lambda p, b: llama.loss(p, b, cfg))
+    expected = value_and_grad(params, big)
+    config = nf.ParallelConfig(dp_shard_size=4)
+    costs = {}
+    with nf.simulate(4):
+        mesh = config.build_mesh()
+        pspec = nf.sharding.logical_to_mesh(llama.param_axes(cfg), config.rules)
+        sharded = nf.device_put(params, optree.tree_map(lambda s: NamedSharding(mesh, s), pspec,
+                                                        is_leaf=lambda s: isinstance(s, P)))
+        batch = nf.device_put(big, NamedSharding(mesh, config.batch_spec))
+        for reduce in ("each", "end"):
+            accumulated = nf.accumulate(value_and_grad, 4, reduce=reduce)
+            loss, grads = accumulated(sharded, batch)
+            costs[reduce] = accumulated.lower(sharded, batch).cost_analysis()
+            # the mean comes back laid out as the parameters
+            assert [g.placements for g in optree.tree_leaves(grads)] == [
+                p.placements for p in optree.tree_leaves(sharded)]
+            got = nf.device_get((loss, grads))
+            for a, b in zip(optree.tree_leaves(got), optree.tree_leaves(expected)):  # fp32 sums in another order
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    # per micro-batch: 'each' reduces gradients; 'end' keeps each rank's part of the sums (whole
+    # parameters: more memory) and moves no gradient at all
+    each, end = costs["each"], costs["end"]
+    assert each["comm_bytes"].get("reduce_scatter", 0) > 0 and "reduce_scatter" not in end["comm_bytes"]
+    assert end["comm_bytes"]["total"] < each["comm_bytes"]["total"]
+    assert end["peak_memory_bytes"] > each["peak_memory_bytes"]
+
+
 def test_accumulate_says_when_the_batch_does_not_split():
     with pytest.raises(ValueError, match=r"^nf.accumulate: a batch of 6 rows does not split into 4 micro-batches; "
                                          r"use a batch size that divides by 4\.$"):
@@ -65,9 +99,11 @@ def test_accumulate_says_when_the_batch_does_not_split():
 def test_accumulation_in_the_main_job_matches_the_same_effective_batch_without_it():
     flags = ["--steps", "2", "--dp-shard", "2", "--cp", "1", "--tp", "1", *SHORT]
     accumulated = train.main([*flags, "--micro-batch", "2", "--grad-accum", "2"])
+    reduced_at_end = train.main([*flags, "--micro-batch", "2", "--grad-accum", "2", "--reduce-grads", "end"])
     whole = train.main([*flags, "--micro-batch", "4"])
     # the same 8 sequences per step, met in another order within the step
     assert accumulated == pytest.approx(whole, rel=1e-4)
+    assert reduced_at_end == pytest.approx(whole, rel=1e-4)
 
 
 @pytest.mark.gloo
