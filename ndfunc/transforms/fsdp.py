@@ -83,29 +83,39 @@ class _Gather:
 
     @property
     def comm(self) -> dict:
-        return self.start.meta["ndfunc_comm"]
+        """The first gather's; over several axes (`('dp_shard', 'cp')`), their axes together."""
+        starts = [n for n in self.chain if n.target is c10d.all_gather_into_tensor.default]
+        comm = self.start.meta["ndfunc_comm"]
+        return dict(comm, axes=tuple(a for s in starts for a in s.meta["ndfunc_comm"]["axes"]))
 
 
 def _parameter_gathers(gm: torch.fx.GraphModule) -> list[_Gather]:
-    """All-gathers of program inputs (through views), with the nodes that finish them."""
+    """All-gathers of program inputs (through views), with the nodes that finish them (a gather
+    over several axes is one per axis, each reading the last: one chain)."""
     found = []
     for start in gm.graph.find_nodes(op="call_function", target=c10d.all_gather_into_tensor.default):
         if _source(start.args[0]).op != "placeholder" or "ndfunc_comm" not in start.meta:
             continue
         chain, value = [start], start
-        while len(value.users) == 1:  # wait, then (a gather off dim 0) split, getitems, cat
-            (user,) = value.users
-            if user.target is c10d.wait_tensor.default or user.target is aten.split.Tensor:
-                chain.append(user)
-                value = user
-                continue
-            break
-        if value.target is aten.split.Tensor:
-            items = list(value.users)
-            cats = {u for i in items for u in i.users}
-            if len(cats) == 1:
-                chain += items + [cats.pop()]
-                value = chain[-1]
+        while True:
+            while len(value.users) == 1:  # wait, then (a gather off dim 0) split, getitems, cat
+                (user,) = value.users
+                if user.target is c10d.wait_tensor.default or user.target is aten.split.Tensor:
+                    chain.append(user)
+                    value = user
+                    continue
+                break
+            if value.target is aten.split.Tensor:
+                items = list(value.users)
+                cats = {u for i in items for u in i.users}
+                if len(cats) == 1:
+                    chain += items + [cats.pop()]
+                    value = chain[-1]
+            (user,) = value.users if len(value.users) == 1 else (None,)
+            if user is None or user.target is not c10d.all_gather_into_tensor.default or "ndfunc_comm" not in user.meta:
+                break
+            chain.append(user)  # the gather over the next axis
+            value = user
         found.append(_Gather(start, chain, value))
     return found
 
