@@ -22,6 +22,7 @@ from ndfunc.partition.bucket import bucket_all_reduces
 from ndfunc.partition.inplace import fold_donated_copies, fold_scales, reuse_buffers
 from ndfunc.partition.layout import Layout
 from ndfunc.partition.program import Program
+from ndfunc.partition.runner import direct
 from ndfunc.partition.schedule import hoist_freeing_ops, issue_reductions_early
 from ndfunc.partition.solve import partition
 from ndfunc.partition.strategies import NoStrategy
@@ -129,6 +130,7 @@ class Compiled:
         self.program, self._jitted, self._key = program, jitted, key
         self._coords = None
         self._specs = None  # each result's DTensorSpec, made at the first run
+        self._forward = None  # the local program, as it runs (ndfunc.partition.runner)
         # how each result is wrapped, worked out once: placements over the whole mesh, shape, stride
         self._outputs = []
         if isinstance(program.mesh, Mesh):
@@ -172,8 +174,10 @@ class Compiled:
         if mode is not None:  # in simulation every input is per rank, so no op mixes the two kinds
             locals_ = [x if isinstance(x, LocalTensor) else mode.rank_map(lambda r, x=x: x) for x in locals_]
         device = locals_[0].device if locals_ else torch.device("cpu")
+        if self._forward is None:
+            self._forward = direct(p.local)
         with torch.no_grad():
-            outs = list(p.local(*locals_, self._coords_tensor(device)))
+            outs = list(self._forward(*locals_, self._coords_tensor(device)))
             for j in p.donation:  # a new tensor on the donated memory: the old object is retired
                 outs[j] = outs[j].detach()
         del locals_

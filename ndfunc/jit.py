@@ -82,6 +82,7 @@ class Jitted:
         self._cache: dict = {}
         self._resolved: dict = {}
         self._meshes: dict = {}
+        self._seen: dict = {}  # arguments as they came (see _quick) -> (mesh, key): nothing to lay out
         self.trace_count = 0  # how many signatures were traced
 
     def __call__(self, *args, **kwargs):
@@ -98,10 +99,38 @@ class Jitted:
 
     # --- steps ---------------------------------------------------------------------------------
     def _compiled(self, args, kwargs):
-        mesh, prepared, key = self._prepare(args, kwargs)
+        quick, leaves = self._quick(args, kwargs)
+        seen = self._seen.get(quick) if quick is not None else None
+        if seen is not None:  # a step like the last: its leaves are laid out already
+            mesh, key, _ = seen
+            prepared = leaves
+        else:
+            mesh, prepared, key = self._prepare(args, kwargs)
+            if quick is not None and all(p is x for p, x in zip(prepared, leaves)):
+                # the meshes whose ids the key holds stay alive with it, so no other takes their id
+                meshes = (get_mesh(), *(x.device_mesh for x in leaves if isinstance(x, DTensor)))
+                self._seen[quick] = (mesh, key, meshes)
         if key not in self._cache:
             self._cache[key] = self._lowered(mesh, prepared, key)
         return self._cache[key].compiled, prepared
+
+    def _quick(self, args, kwargs):
+        """(a key of the arguments as they come - tree, static values, each leaf's shape, dtype,
+        device, placements and mesh, the mesh in context - and the leaves), or (None, None) if a
+        leaf is not a tensor or a static value cannot be hashed. Arguments seen before with this
+        key, that `_prepare` passed through unchanged, need no checking or laying out again."""
+        static = {i % len(args) for i in self.static_argnums} if args else set()
+        dynamic = tuple(None if i in static else a for i, a in enumerate(args))
+        leaves, treespec = optree.tree_flatten((dynamic, kwargs))
+        if not all(isinstance(x, torch.Tensor) for x in leaves):
+            return None, None
+        layout = tuple((_leaf_key(x), id(x.device_mesh) if isinstance(x, DTensor) else None) for x in leaves)
+        key = (treespec, tuple((i, args[i]) for i in sorted(static)), id(get_mesh()), layout)
+        try:
+            hash(key)
+        except TypeError:
+            return None, None
+        return key, leaves
 
     def _prepare(self, args, kwargs):
         """Resolve the mesh, lay every leaf out as the in_shardings say, and key the signature."""
