@@ -16,6 +16,7 @@ import operator
 from collections.abc import Sequence
 
 import torch
+from torch.fx._lazy_graph_module import _LazyGraphModule
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from ndfunc import manual
@@ -170,7 +171,9 @@ def lower(graph: torch.fx.Graph, plan: Plan, axis_names: Sequence[str], group_na
     results = [e.local(v, lay, _val(v)) for v, lay in plan.outputs]
     e.graph.output(results)
     e.graph.eliminate_dead_code()
-    return torch.fx.GraphModule(torch.nn.Module(), e.graph)
+    # passes rewrite it and recompile; its code is made only if read or called (the step runs
+    # ndfunc.partition.runner's), not once per pass
+    return _LazyGraphModule(torch.nn.Module(), e.graph)
 
 
 def _val(v) -> torch.Tensor:

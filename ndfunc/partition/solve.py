@@ -91,6 +91,7 @@ class Problem:
         self.layouts: list[Layout] = []
         self.layout_ids: dict[Layout, int] = {}
         self._costs: dict = {}
+        self._as_ids: dict = {}  # id(candidate list) -> (the list, c_ins, c_outs, by_ins, work by flops)
         self.wary = False
         node_ids: dict[torch.fx.Node, int] = {}
         placeholders = iter(input_layouts)
@@ -129,13 +130,23 @@ class Problem:
         n = node_ids[node] = len(self.nodes)
         self.nodes.append(node)
         self.strategies.append(strategies)
-        self.c_ins.append([tuple(self._layout(lay) for lay in s.ins) for s in strategies])
-        self.c_outs.append([tuple(None if lay is None else self._layout(lay) for lay in s.outs) for s in strategies])
-        self.c_work.append([self._work(s, flops) for s in strategies])
+        # candidates come cached per op signature: identical layers share their lists, and so
+        # their layouts as ids
+        known = self._as_ids.get(id(strategies))
+        if known is None or known[0] is not strategies:
+            c_ins = [tuple(self._layout(lay) for lay in s.ins) for s in strategies]
+            c_outs = [tuple(None if lay is None else self._layout(lay) for lay in s.outs) for s in strategies]
+            by_ins: dict = {}
+            for i, layouts in enumerate(c_ins):
+                by_ins.setdefault(layouts, []).append(i)
+            known = self._as_ids[id(strategies)] = (strategies, c_ins, c_outs, by_ins, {})
+        _, c_ins, c_outs, by_ins, work = known
+        self.c_ins.append(c_ins)
+        self.c_outs.append(c_outs)
+        if flops not in work:
+            work[flops] = [self._work(s, flops) for s in strategies]
+        self.c_work.append(work[flops])
         self.min_work.append(min(self.c_work[-1]))
-        by_ins: dict = {}
-        for i, layouts in enumerate(self.c_ins[-1]):
-            by_ins.setdefault(layouts, []).append(i)
         self.by_ins.append(by_ins)
         self.inputs.append(ins)
         for slot, v in enumerate(ins):
@@ -323,6 +334,7 @@ class Problem:
         changed: set | None = None
         for _ in range(rounds):
             touched: set = set()
+            sources_tried: set = set()  # a pending sum feeds several reductions: its producer is tried once
             for v in range(len(self.values)):
                 if self.value_cost(v, choice) <= 0:
                     continue
@@ -332,7 +344,9 @@ class Problem:
                 moves += self._producer_moves(v, choice)
                 for u in self._pending_sources(v, choice):
                     moves.append(self._redirect(u, self.finish(self.out_layout(u, choice)), choice))
-                    moves += self._producer_moves(u, choice)  # or make the sum pending no more
+                    if u not in sources_tried:  # or make the sum pending no more
+                        sources_tried.add(u)
+                        moves += self._producer_moves(u, choice)
                 delta, changes = min(moves, key=lambda m: m[0], default=(0.0, None))
                 if changes is not None and delta < -EPS:
                     for n, i in changes.items():
