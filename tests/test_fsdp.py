@@ -141,36 +141,50 @@ def test_buckets_gather_and_reduce_each_layers_weights_at_once_with_the_same_byt
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
+def llama_case(batch_shape, **config):
+    """A small llama, its parameters, a batch, AdamW, and the parameters' bytes."""
+    from models import llama
+
+    cfg = llama.LlamaConfig(n_heads=4, n_kv_heads=2, **config)
+    params = llama.init(cfg, nf.random.key(0))
+    g = torch.Generator().manual_seed(0)
+    batch = {k: torch.randint(0, cfg.vocab_size, batch_shape, generator=g) for k in ("tokens", "targets")}
+    return cfg, params, batch, nf.optim.adamw(1e-3), sum(p.numel() * 4 for p in optree.tree_leaves(params))
+
+
+def llama_fsdp_step(cfg, params, opt, n, transforms):
+    """The llama AdamW step under FSDP rules on `n` ranks (call inside nf.simulate(n)), and its
+    arguments laid out (the batch split by the step)."""
+    from models import llama, train
+
+    config = nf.ParallelConfig(dp_shard_size=n)
+    mesh = config.build_mesh()
+    pspec = nf.sharding.logical_to_mesh(llama.param_axes(cfg), config.rules)
+    state = opt.init(params)
+    sspec = nf.optim.state_shardings(state, pspec)
+    named = lambda t, s: nf.device_put(t, optree.tree_map(  # noqa: E731
+        lambda q: NamedSharding(mesh, q), s, is_leaf=lambda q: isinstance(q, P)))
+    f = nf.jit(train.make_step(cfg, opt, config.rules), mesh=mesh, in_shardings=(pspec, sspec, None),
+               out_shardings=(pspec, sspec, P()), donate_argnums=(0, 1), transforms=transforms)
+    return f, (named(params, pspec), named(state, sspec))
+
+
 def test_llama_under_fsdp_rules_moves_at_most_what_fsdp2_moves_and_reduces_no_activation():
     # A vocabulary big next to the batch: the head's logits (B*L x V) outweigh its weight.
     # FSDP2 gathers each parameter and reduce-scatters each gradient: 2 x params x (N-1)/N, and
     # 3x with resharding. The partitioner may do better (the embedding table can stay split:
     # gathering the tokens and the rows looked up is cheaper), never worse, and never all-reduces
     # logits or activations: only the loss.
-    from models import llama, train
+    from models import train
 
-    cfg = llama.LlamaConfig(vocab_size=2048, dim=128, n_layers=1, n_heads=4, n_kv_heads=2, ffn_dim=256)
-    params = llama.init(cfg, nf.random.key(0))
-    g = torch.Generator().manual_seed(0)
-    batch = {k: torch.randint(0, cfg.vocab_size, (8, 16), generator=g) for k in ("tokens", "targets")}
-    opt = nf.optim.adamw(1e-3)
+    cfg, params, batch, opt, param_bytes = llama_case((8, 16), vocab_size=2048, dim=128, n_layers=1, ffn_dim=256)
     expected = train.make_step(cfg, opt)(params, opt.init(params), batch)
-    param_bytes = sum(p.numel() * 4 for p in optree.tree_leaves(params))
-    config = nf.ParallelConfig(dp_shard_size=4)
+    costs = {}
     with nf.simulate(4):
-        mesh = config.build_mesh()
-        pspec = nf.sharding.logical_to_mesh(llama.param_axes(cfg), config.rules)
-        state = opt.init(params)
-        sspec = nf.optim.state_shardings(state, pspec)
-        named = lambda t, s: nf.device_put(t, optree.tree_map(  # noqa: E731
-            lambda q: NamedSharding(mesh, q), s, is_leaf=lambda q: isinstance(q, P)))
-        args = (named(params, pspec), named(state, sspec), batch)
-        costs = {}
         for reshard in (False, True):
-            f = nf.jit(train.make_step(cfg, opt, config.rules), mesh=mesh, in_shardings=(pspec, sspec, None),
-                       out_shardings=(pspec, sspec, P()), transforms=[nf.fsdp("dp_shard", reshard_after_forward=reshard)])
-            costs[reshard] = f.lower(*args).cost_analysis()
-        got = nf.device_get(f(*args))
+            f, args = llama_fsdp_step(cfg, params, opt, 4, [nf.fsdp("dp_shard", reshard_after_forward=reshard)])
+            costs[reshard] = f.lower(*args, batch).cost_analysis()
+        got = nf.device_get(f(*args, batch))
     assert costs[False]["comm_bytes"]["total"] <= 2 * param_bytes * 3 / 4
     assert costs[True]["comm_bytes"]["total"] <= 3 * param_bytes * 3 / 4
     assert costs[True]["comm_bytes"].get("all_reduce", 0) <= 4 * 3 / 4 * 4  # the loss's sum and count
@@ -184,27 +198,13 @@ def test_peak_memory_is_the_shards_plus_the_gathered_layers_plus_activations():
     # The analytic FSDP peak per rank: (params + grads + Adam's two moments) / N, the gathered
     # weights of prefetch + 1 layers, and a rank's share of the activations (those of the
     # single-device step, whose peak is the same four copies of the parameters and activations).
-    from models import llama, train
-
-    cfg = llama.LlamaConfig(vocab_size=1024, dim=128, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=384)
-    params = llama.init(cfg, nf.random.key(0))
-    g = torch.Generator().manual_seed(0)
-    batch = {k: torch.randint(0, cfg.vocab_size, (4, 32), generator=g) for k in ("tokens", "targets")}
-    opt = nf.optim.adamw(1e-3)
-    param_bytes = sum(p.numel() * 4 for p in optree.tree_leaves(params))
+    cfg, params, batch, opt, param_bytes = llama_case((4, 32), vocab_size=1024, dim=128, n_layers=4, ffn_dim=384)
     layer_bytes = sum(p.numel() * 4 for p in optree.tree_leaves(params["layers"][0]))
 
     def peak(n, transforms):
-        config = nf.ParallelConfig(dp_shard_size=n)
         with nf.simulate(n):
-            mesh = config.build_mesh()
-            pspec = nf.sharding.logical_to_mesh(llama.param_axes(cfg), config.rules)
-            state = opt.init(params)
-            f = nf.jit(train.make_step(cfg, opt, config.rules), mesh=mesh,
-                       in_shardings=(pspec, nf.optim.state_shardings(state, pspec), None),
-                       out_shardings=(pspec, nf.optim.state_shardings(state, pspec), P()), donate_argnums=(0, 1),
-                       transforms=transforms)
-            return f.lower(params, state, batch).cost_analysis()["peak_memory_bytes"]
+            f, args = llama_fsdp_step(cfg, params, opt, n, transforms)
+            return f.lower(*args, batch).cost_analysis()["peak_memory_bytes"]
 
     activations = peak(1, []) - 4 * param_bytes
     assert 0 < activations < param_bytes  # small next to the parameters: the formula's other terms count

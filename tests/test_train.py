@@ -37,14 +37,20 @@ def test_the_4d_run_and_the_one_device_run_agree_with_and_without_the_transform_
     assert transformed == pytest.approx(one, rel=1e-5)
 
 
-def test_accumulated_micro_batches_equal_one_big_batch():
+def accumulation_case(rows: int):
+    """llama tiny, its parameters, a batch of `rows` sequences, its value_and_grad, and the
+    loss and gradients of the whole batch at once."""
     cfg = llama.LlamaConfig.tiny()
     params = llama.init(cfg, nf.random.key(0))
     g = torch.Generator().manual_seed(0)
-    big = {"tokens": torch.randint(0, cfg.vocab_size, (8, 16), generator=g),
-           "targets": torch.randint(0, cfg.vocab_size, (8, 16), generator=g)}
+    big = {"tokens": torch.randint(0, cfg.vocab_size, (rows, 16), generator=g),
+           "targets": torch.randint(0, cfg.vocab_size, (rows, 16), generator=g)}
     value_and_grad = nf.value_and_grad(lambda p, b: llama.loss(p, b, cfg))
-    expected = value_and_grad(params, big)
+    return cfg, params, big, value_and_grad, value_and_grad(params, big)
+
+
+def test_accumulated_micro_batches_equal_one_big_batch():
+    _, params, big, value_and_grad, expected = accumulation_case(8)
     with nf.simulate(2):  # a batch sharded over dp, each rank cutting its own block in two
         mesh = nf.make_mesh(dp=2)
         batch = nf.device_put(big, NamedSharding(mesh, P("dp")))
@@ -57,13 +63,7 @@ def test_accumulated_micro_batches_equal_one_big_batch():
 
 
 def test_accumulating_fsdp_gradients_reduces_them_per_micro_batch_or_once_at_the_end():
-    cfg = llama.LlamaConfig.tiny()
-    params = llama.init(cfg, nf.random.key(0))
-    g = torch.Generator().manual_seed(0)
-    big = {"tokens": torch.randint(0, cfg.vocab_size, (16, 16), generator=g),
-           "targets": torch.randint(0, cfg.vocab_size, (16, 16), generator=g)}
-    value_and_grad = nf.value_and_grad(lambda p, b: llama.loss(p, b, cfg))
-    expected = value_and_grad(params, big)
+    cfg, params, big, value_and_grad, expected = accumulation_case(16)
     config = nf.ParallelConfig(dp_shard_size=4)
     costs = {}
     with nf.simulate(4):
