@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
+import math
 import operator
 from collections import deque
 
@@ -336,18 +337,17 @@ class Problem:
             touched: set = set()
             sources_tried: set = set()  # a pending sum feeds several reductions: its producer is tried once
             for v in range(len(self.values)):
-                if self.value_cost(v, choice) <= 0:
-                    continue
-                if changed is not None and not self._near(v, changed):
-                    continue
                 cost = self.value_cost(v, choice)
+                if cost <= 0 or (changed is not None and not self._near(v, changed)):
+                    continue
                 # another layout for its consumers pays only if reaching it costs less than now
                 moves = [self._redirect(v, lay, choice) for lay in self._layouts_for(v, choice)
                          if self.tcost(v, self.out_layout(v, choice), lay) < cost]
-                moves += self._producer_moves(v, choice)
+                moves += self._producer_moves(v, choice, below=cost)
                 for u in self._pending_sources(v, choice):
                     moves.append(self._redirect(u, self.finish(self.out_layout(u, choice)), choice))
-                    if u not in sources_tried:  # or make the sum pending no more
+                    # or make the sum pending no more: moving something smaller than v instead
+                    if u not in sources_tried and self._reads_less_than(u, v):
                         sources_tried.add(u)
                         moves += self._producer_moves(u, choice)
                 delta, changes = min(moves, key=lambda m: m[0], default=(0.0, None))
@@ -358,6 +358,15 @@ class Problem:
             if not touched:
                 return
             changed = touched
+
+    def _bytes(self, v: int) -> int:
+        shape, itemsize = self.value_meta[v]
+        return math.prod(shape) * itemsize
+
+    def _reads_less_than(self, u: int, v: int) -> bool:
+        """Whether the op making `u` reads a value smaller than `v` (a head's weight, next to its
+        logits): only then can changing it spare `v`'s reduction for less."""
+        return any(self._bytes(w) < self._bytes(v) for w in self.inputs[self.values[u][0]])
 
     def _pending_sources(self, v: int, choice: list, depth: int = 3) -> list[int]:
         """Values upstream of `v` that carry the same pending sum (a few ops back): reducing
@@ -405,8 +414,9 @@ class Problem:
             return 0.0, None
         return self._settle(old, choice)
 
-    def _producer_moves(self, v: int, choice: list) -> list:
-        """Change the producer of `v` to make it in another layout (the best candidate per layout)."""
+    def _producer_moves(self, v: int, choice: list, below: float | None = None) -> list:
+        """Change the producer of `v` to make it in another layout (the best candidate per layout);
+        `below`: only layouts from which its consumers are reached for less than that."""
         n, j = self.values[v]
         if len(self.c_ins[n]) == 1:
             return []
@@ -419,9 +429,11 @@ class Problem:
                     n, by_layout[outs[j]], choice, True):
                 by_layout[outs[j]] = i
         demands = self.demands(v, choice)
-        ranked = sorted(by_layout.items(), key=lambda item: (sum(self.tcost(v, item[0], w) for w in demands), item[0]))
+        ranked = sorted(((sum(self.tcost(v, lay, w) for w in demands), lay, i) for lay, i in by_layout.items()))
         moves = []
-        for _, i in ranked[:len(self.sizes) + 2]:
+        for reach, _, i in ranked[:len(self.sizes) + 2]:
+            if below is not None and reach >= below:
+                break
             old = {n: choice[n]}
             choice[n] = i
             moves.append(self._settle(old, choice))
