@@ -340,9 +340,7 @@ class Problem:
                 cost = self.value_cost(v, choice)
                 if cost <= 0 or (changed is not None and not self._near(v, changed)):
                     continue
-                # another layout for its consumers pays only if reaching it costs less than now
-                moves = [self._redirect(v, lay, choice) for lay in self._layouts_for(v, choice)
-                         if self.tcost(v, self.out_layout(v, choice), lay) < cost]
+                moves = [self._redirect(v, lay, choice) for lay in self._layouts_for(v, choice)]
                 moves += self._producer_moves(v, choice, below=cost)
                 for u in self._pending_sources(v, choice):
                     moves.append(self._redirect(u, self.finish(self.out_layout(u, choice)), choice))
