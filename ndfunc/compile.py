@@ -129,10 +129,9 @@ class Compiled:
     def __init__(self, program: Program, jitted: Jitted, key):
         self.program, self._jitted, self._key = program, jitted, key
         self._coords = None
-        self._specs = None  # each result's DTensorSpec, made at the first run
         self._forward = None  # the local program, as it runs (ndfunc.partition.runner)
         # how each result is wrapped, worked out once: placements over the whole mesh, shape, stride
-        self._outputs = []
+        self._specs = []
         if isinstance(program.mesh, Mesh):
             for (_, layout), spec, asked in zip(program.plan.outputs, program.traced.out_specs,
                                                 program.out_placements):
@@ -141,7 +140,8 @@ class Compiled:
                 for axis, placement in zip(program.axes, layout):
                     placements[axis] = placement
                 shape = torch.Size(spec.shape)
-                self._outputs.append((tuple(placements), shape, torch.empty(shape, device="meta").stride()))
+                meta = TensorMeta(shape, torch.empty(shape, device="meta").stride(), spec.dtype)
+                self._specs.append(DTensorSpec(program.mesh.device_mesh, tuple(placements), tensor_meta=meta))
 
     def __call__(self, *args, **kwargs):
         _, prepared, key = self._jitted._prepare(args, kwargs)
@@ -182,11 +182,7 @@ class Compiled:
                 outs[j] = outs[j].detach()
         del locals_
         mark_donated(p, prepared, optree.tree_leaves(original_args))
-        if self._outputs:  # no mesh: plain tensors, as they came
-            if self._specs is None:
-                device_mesh = p.mesh.device_mesh
-                self._specs = [DTensorSpec(device_mesh, placements, TensorMeta(shape, stride, o.dtype))
-                               for o, (placements, shape, stride) in zip(outs, self._outputs)]
+        if self._specs:  # no mesh: plain tensors, as they came
             # DTensor's constructor, not from_local: no autograd Function per result (nothing
             # here is differentiated), the layouts were settled when the program was built
             outs = [DTensor(o, spec, requires_grad=False) for o, spec in zip(outs, self._specs)]
