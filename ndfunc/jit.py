@@ -114,13 +114,17 @@ class Jitted:
             self._cache[key] = self._lowered(mesh, prepared, key)
         return self._cache[key].compiled, prepared
 
+    def _split_static(self, args) -> tuple[set, tuple]:
+        """(positions of the static arguments, the arguments with None in their place)."""
+        static = {i % len(args) for i in self.static_argnums} if args else set()
+        return static, tuple(None if i in static else a for i, a in enumerate(args))
+
     def _quick(self, args, kwargs):
         """(a key of the arguments as they come - tree, static values, each leaf's shape, dtype,
         device, placements and mesh, the mesh in context - and the leaves), or (None, None) if a
         leaf is not a tensor or a static value cannot be hashed. Arguments seen before with this
         key, that `_prepare` passed through unchanged, need no checking or laying out again."""
-        static = {i % len(args) for i in self.static_argnums} if args else set()
-        dynamic = tuple(None if i in static else a for i, a in enumerate(args))
+        static, dynamic = self._split_static(args)
         leaves, treespec = optree.tree_flatten((dynamic, kwargs))
         if not all(isinstance(x, torch.Tensor) for x in leaves):
             return None, None
@@ -134,9 +138,8 @@ class Jitted:
 
     def _prepare(self, args, kwargs):
         """Resolve the mesh, lay every leaf out as the in_shardings say, and key the signature."""
-        static = {i % len(args) for i in self.static_argnums} if args else set()
+        static, dynamic = self._split_static(args)
         mesh = self._find_mesh(args, kwargs)
-        dynamic = tuple(None if i in static else a for i, a in enumerate(args))
         specs = self.in_shardings
         if specs is None or isinstance(specs, (NamedSharding, PartitionSpec)):
             specs = tuple(specs for _ in args)
