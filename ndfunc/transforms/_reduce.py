@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from ndfunc.partition.buffers import shape_dtype
+
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
 REDUCTIONS = (c10d.reduce_scatter_tensor.default, c10d.all_reduce.default)
@@ -24,6 +26,9 @@ def reduce_in(gm: torch.fx.GraphModule, dtype: torch.dtype, axes: tuple[str, ...
             (wait,) = node.users
             with gm.graph.inserting_before(node):
                 cast = gm.graph.call_function(aten._to_copy.default, (node.args[0],), {"dtype": dtype})
+            sent = shape_dtype(node.args[0])
+            if sent is not None:  # for passes that read shapes before metadata is filled
+                cast.meta["ndfunc_local"] = (sent[0], dtype)
             node.replace_input_with(node.args[0], cast)
             ratio = dtype.itemsize / given.itemsize
             node.meta["ndfunc_input"] = (shape, dtype, device)

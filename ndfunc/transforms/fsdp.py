@@ -27,6 +27,7 @@ import operator
 
 import torch
 
+from ndfunc.partition.buffers import shape_dtype
 from ndfunc.transforms._reduce import reduce_in
 
 aten = torch.ops.aten
@@ -176,20 +177,19 @@ _VIEWS = (aten.clone.default, aten.view.default, aten.reshape.default, aten._uns
           aten.transpose.int, aten.t.default, aten.unsqueeze.default, aten.squeeze.dims, aten.squeeze.dim)
 
 
-def _source(node: torch.fx.Node) -> torch.fx.Node:
-    """What `node` is a view or copy of (a parameter, read through an einsum's permutes)."""
-    while node.op == "call_function" and node.target in _VIEWS:
-        node = node.args[0]
-    return node
-
-
 def _views_of_source(node: torch.fx.Node) -> list[torch.fx.Node]:
-    """The views from `_source(node)` to `node`, in program order."""
+    """The views and copies from `_source(node)` to `node`, in program order."""
     chain = []
     while node.op == "call_function" and node.target in _VIEWS:
         chain.append(node)
         node = node.args[0]
     return chain[::-1]
+
+
+def _source(node: torch.fx.Node) -> torch.fx.Node:
+    """What `node` is a view or copy of (a parameter, read through an einsum's permutes)."""
+    views = _views_of_source(node)
+    return views[0].args[0] if views else node
 
 
 def _bucket_gathers(gm, gathers: list[_Gather], cap: int, module: dict) -> None:
@@ -244,14 +244,6 @@ def _bucket_gathers(gm, gathers: list[_Gather], cap: int, module: dict) -> None:
             graph.erase_node(g.start)
 
 
-def _sent_shape(rs: torch.fx.Node) -> tuple:
-    """The shape of what a reduce-scatter sends (through a cast to its reduce dtype)."""
-    x = rs.args[0]
-    if "val" not in x.meta and x.target is aten._to_copy.default:
-        x = x.args[0]
-    return tuple(x.meta["val"].shape)
-
-
 def _bucket_reduce_scatters(gm, axes: tuple[str, ...], cap: int) -> None:
     """Reduce-scatters over `axes` (same group and dtype) that can all run after the last of
     their inputs is made and before the first of their results is read become one, issued right
@@ -285,7 +277,7 @@ def _bucket_reduce_scatters(gm, axes: tuple[str, ...], cap: int) -> None:
         members = [c[1] for c in group]
         after = nodes[max(c[2] for c in group)]
         op, n, name = members[0].args[1], members[0].args[2], members[0].args[3]
-        shapes = [_sent_shape(m) for m in members]  # as sent: rank blocks along dim 0
+        shapes = [shape_dtype(m.args[0])[0] for m in members]  # as sent: rank blocks along dim 0
         sizes = [math.prod(sh) // n for sh in shapes]  # each rank's share of each
         with graph.inserting_before(after.next):  # in order, right after the last input is made
             rows = [graph.call_function(aten.reshape.default, (m.args[0], [n, size])) for m, size in zip(members, sizes)]
