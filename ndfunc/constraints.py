@@ -15,8 +15,10 @@ import json
 import torch
 from torch.distributed.tensor import DTensor
 
+from ndfunc.sharding.errors import RankError
 from ndfunc.sharding.named_sharding import NamedSharding
 from ndfunc.sharding.partition_spec import PartitionSpec
+from ndfunc.sharding.rules import current_rules, logical_spec
 
 _lib = torch.library.Library("ndfunc", "DEF")
 _lib.define("sharding_constraint(Tensor x, str spec) -> Tensor")
@@ -73,8 +75,6 @@ def with_sharding_constraint(x: torch.Tensor, sharding: PartitionSpec | NamedSha
             f"write P('dp', None) or NamedSharding(mesh, P('dp', None))."
         )
     if len(spec) > x.ndim:
-        from ndfunc.sharding.errors import RankError
-
         raise RankError(
             f"with_sharding_constraint got {spec!r} for a value of rank {x.ndim} (shape "
             f"{tuple(x.shape)}); the spec needs at most one entry per dim."
@@ -91,14 +91,10 @@ def with_logical_constraint(x: torch.Tensor, names: tuple) -> torch.Tensor:
         >>> nf.with_logical_constraint(x, ('batch', None)) is x  # no rules here: x itself
         True
     """
-    from ndfunc.sharding.rules import current_rules, logical_spec
-
     rules = current_rules()
     if rules is None:
         return x
     if len(names) != x.ndim:
-        from ndfunc.sharding.errors import RankError
-
         raise RankError(
             f"with_logical_constraint got names {tuple(names)} for a value of rank {x.ndim} (shape "
             f"{tuple(x.shape)}); give one logical name (or None) per dim."
