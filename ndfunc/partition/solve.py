@@ -414,7 +414,8 @@ class Problem:
 
     def _producer_moves(self, v: int, choice: list, below: float | None = None) -> list:
         """Change the producer of `v` to make it in another layout (the best candidate per layout);
-        `below`: only layouts from which its consumers are reached for less than that."""
+        `below`: only layouts from which its consumers (and a requested result layout) are reached
+        for less than that."""
         n, j = self.values[v]
         if len(self.c_ins[n]) == 1:
             return []
@@ -427,7 +428,8 @@ class Problem:
                     n, by_layout[outs[j]], choice, True):
                 by_layout[outs[j]] = i
         demands = self.demands(v, choice)
-        ranked = sorted(((sum(self.tcost(v, lay, w) for w in demands), lay, i) for lay, i in by_layout.items()))
+        ranked = sorted(((sum(self.tcost(v, lay, w) for w in demands) + self.output_cost(v, lay), lay, i)
+                         for lay, i in by_layout.items()))
         moves = []
         for reach, _, i in ranked[:len(self.sizes) + 2]:
             if below is not None and reach >= below:
