@@ -20,7 +20,6 @@ their waits).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import re
@@ -34,15 +33,12 @@ import optree
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from _llama import CONFIGS, setup
 
 import ndfunc as nf
 from models import hf, llama, train
 from ndfunc.sharding import NamedSharding, P
 
-CONFIGS = {
-    "tiny": llama.LlamaConfig.tiny(),
-    "mid": llama.LlamaConfig(vocab_size=4096, dim=256, n_layers=4, n_heads=8, n_kv_heads=4, ffn_dim=768),
-}
 LAYOUTS = {"fsdp": (1, 4, 1, 1), "fsdp_tp": (1, 2, 1, 2)}
 
 
@@ -128,13 +124,8 @@ def worker(args) -> None:
     rank = nf.rank()
     config = nf.ParallelConfig(*LAYOUTS[args.layout])
     mesh = config.build_mesh()
-    cfg = dataclasses.replace(CONFIGS[args.model], max_seq_len=max(args.seq, 256))
+    cfg, params, batches = setup(args.model, args.batch, args.seq, args.steps)
     lr, wd = 1e-3, 0.1
-    params = llama.init(cfg, nf.random.key(0))
-    g = torch.Generator().manual_seed(0)
-    batches = [{"tokens": torch.randint(0, cfg.vocab_size, (args.batch, args.seq), generator=g),
-                "targets": torch.randint(0, cfg.vocab_size, (args.batch, args.seq), generator=g)}
-               for _ in range(args.steps + 1)]
     if args.impl == "torch":
         path = os.path.join(tempfile.gettempdir(), f"ndfunc-bench-{args.model}")
         if rank == 0:

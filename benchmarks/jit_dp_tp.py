@@ -17,7 +17,6 @@ nf.jit / PyTorch (below 1: nf.jit is faster).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import statistics
 import tempfile
@@ -27,6 +26,7 @@ import optree
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from _llama import CONFIGS, setup
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     RowwiseParallel,
@@ -38,10 +38,6 @@ from models import hf, llama
 from ndfunc.sharding import NamedSharding, P
 
 RULES = [("batch", "dp"), ("heads", "tp"), ("kv_heads", "tp"), ("mlp", "tp")]
-CONFIGS = {
-    "tiny": llama.LlamaConfig.tiny(),
-    "mid": llama.LlamaConfig(vocab_size=4096, dim=256, n_layers=4, n_heads=8, n_kv_heads=4, ffn_dim=768),
-}
 
 
 def native(cfg, path: str, mesh: nf.sharding.Mesh, lr: float, wd: float):
@@ -88,14 +84,9 @@ def main() -> None:
     nf.init()
     rank = nf.rank()
     assert nf.world_size() == 4, "run with torchrun --nproc-per-node 4"
-    cfg = dataclasses.replace(CONFIGS[args.model], max_seq_len=max(args.seq, 256))
+    cfg, params, batches = setup(args.model, args.batch, args.seq, args.steps)
     mesh = nf.make_mesh(dp=2, tp=2)
     lr, wd = 1e-3, 0.1
-    params = llama.init(cfg, nf.random.key(0))
-    g = torch.Generator().manual_seed(0)
-    batches = [{"tokens": torch.randint(0, cfg.vocab_size, (args.batch, args.seq), generator=g),
-                "targets": torch.randint(0, cfg.vocab_size, (args.batch, args.seq), generator=g)}
-               for _ in range(args.steps + 1)]
 
     # PyTorch's way: the checkpoint written once, read by every rank
     path = os.path.join(tempfile.gettempdir(), f"ndfunc-bench-{args.model}")
