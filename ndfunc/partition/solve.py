@@ -93,6 +93,7 @@ class Problem:
         self.layout_ids: dict[Layout, int] = {}
         self._costs: dict = {}
         self._as_ids: dict = {}  # id(candidate list) -> (the list, c_ins, c_outs, by_ins, work by flops)
+        self._best: dict = {}  # a node's situation -> its best candidate (see `best`)
         self.wary = False
         node_ids: dict[torch.fx.Node, int] = {}
         placeholders = iter(input_layouts)
@@ -250,9 +251,43 @@ class Problem:
         return total
 
     def best(self, n: int, choice: list, forward: bool = False) -> int:
-        count = len(self.c_ins[n])
-        if count == 1:
+        """The candidate of node `n` with the least `local_cost`, keeping the current one on ties.
+
+        Remembered by what the answer depends on (the candidate list, the neighbours' layouts,
+        the moved values' shapes): the nodes of identical layers are answered once."""
+        if len(self.c_ins[n]) == 1:
             return 0
+        key = self._situation(n, choice, forward)
+        i = self._best.get(key)
+        if i is None:
+            i = self._best[key] = self._best_uncached(n, choice, forward)
+        return i
+
+    def _situation(self, n: int, choice: list, forward: bool) -> tuple:
+        """Everything `local_cost(n, ., choice, forward)` reads, for every candidate."""
+        ins = []
+        for v in self.inputs[n]:
+            p, j = self.values[v]
+            have = self.c_outs[p][choice[p]][j] if choice[p] >= 0 else -1
+            others = None if forward else frozenset(self.demands(v, choice, skip=n))
+            ins.append((v, have, others, self.value_meta[v]))
+        if self.repeated[n]:  # which slots read the same value matters; which value, no more
+            first = {v: slot for slot, (v, *_) in reversed(list(enumerate(ins)))}
+            ins = [(first[v], *rest) for v, *rest in ins]
+        else:
+            ins = [tuple(rest) for _, *rest in ins]
+        outs = []
+        for v in self.out_ids[n]:
+            if v is None:
+                outs.append(None)
+                continue
+            wants = self.fixed_wants[v] if forward else self.demands(v, choice)
+            final = self.final.get(v)
+            outs.append((frozenset(wants), frozenset(final) if final else None, self.value_meta[v]))
+        return (id(self.c_work[n]), choice[n], forward, self.wary, tuple(ins), tuple(outs))
+
+    def _best_uncached(self, n: int, choice: list, forward: bool) -> int:
+        count = len(self.c_ins[n])
         current = choice[n]
         if current >= 0 and self.local_cost(n, current, choice, forward) <= self.min_work[n] + EPS:
             return current  # nothing moves and the work is the least there is: no candidate does better
