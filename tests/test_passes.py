@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from ndfunc.partition.buffers import lifetimes
 from ndfunc.partition.inplace import fold_donated_copies, fold_scales, reuse_buffers
 from ndfunc.partition.schedule import hoist_freeing_ops, issue_reductions_early
 
@@ -118,9 +119,32 @@ def test_an_in_place_result_is_a_whole_buffer_the_next_op_may_write_into():
     v, m = inputs(2)
     gm = build(body, 2)
     expected = gm(v, m)
-    assert reuse_buffers(gm) == 2  # sqrt -> sqrt_, add -> add_; the last div's input m is the caller's
-    assert targets(gm) == [aten.div.Tensor, aten.sqrt_.default, aten.add_.Tensor, aten.div.Tensor]
+    # sqrt -> sqrt_, add -> add_; the last div's first input m is the caller's, its second dies: out=
+    assert reuse_buffers(gm) == 3
+    assert targets(gm) == [aten.div.Tensor, aten.sqrt_.default, aten.add_.Tensor, aten.div.out]
     torch.testing.assert_close(gm(v, m), expected)
+
+
+def test_a_quotient_is_written_into_a_divisor_that_dies_and_the_buffers_say_so():
+    def body(g, a, b):
+        d = g.call_function(aten.exp.default, (b,))  # a fresh buffer, read only by the division
+        q = g.call_function(aten.div.Tensor, (a, d))
+        r = g.call_function(aten.sub.Tensor, (a, q), {"alpha": 2})  # q dies here too
+        return (g.call_function(aten.div.Tensor, (r, b)),)  # b is the caller's: never written
+
+    a, b = inputs(2)
+    gm = build(body, 2)
+    expected = a - 2 * (a / b.exp())
+    expected = expected / b
+    assert reuse_buffers(gm) == 3
+    assert targets(gm) == [aten.exp.default, aten.div.out, aten.sub.out, aten.div_.Tensor]
+    nodes = list(gm.graph.nodes)
+    root, _ = lifetimes(nodes)
+    exp, div, sub, last = [n for n in nodes if n.op == "call_function"]
+    assert root[div] is exp and root[sub] is exp and root[last] is exp  # one buffer for the whole chain
+    before = (a.clone(), b.clone())
+    torch.testing.assert_close(gm(a, b)[0], expected)
+    assert torch.equal(a, before[0]) and torch.equal(b, before[1])
 
 
 def reduction_after_other_work(g, x, y, write_first: bool):

@@ -206,9 +206,11 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, eps_roo
             return corrections[decay, dtype]
 
         def rescale(m, v):
-            m_hat = m / correction(b1, m.dtype)
             v_hat = v / correction(b2, v.dtype)
-            return m_hat / (torch.sqrt(v_hat + eps_root if eps_root else v_hat) + eps)
+            denom = torch.sqrt(v_hat + eps_root if eps_root else v_hat) + eps
+            # mu_hat / denom, dividing by the correction last: under nf.jit the quotient is
+            # written into denom's buffer, not a fresh one (mu itself is kept as state)
+            return m / denom / correction(b1, m.dtype)
 
         updates = optree.tree_map(rescale, mu, nu)
         if mu_dtype is not None:

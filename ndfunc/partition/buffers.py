@@ -1,7 +1,7 @@
 """Which memory each value of a local program lives in, and how long it is read.
 
-Views, getitems, a collective's wait and in-place ops return their first input's memory; every
-other op makes a buffer of its own. The passes that reuse memory (in place, donation) and the
+Views, getitems, a collective's wait and in-place ops return their first input's memory, an `out=`
+op its `out` argument's; every other op makes a buffer of its own. The passes that reuse memory (in place, donation) and the
 peak-memory estimate all reason about these buffers, so they share this one account.
 """
 
@@ -24,13 +24,29 @@ def shape_dtype(node: torch.fx.Node) -> tuple | None:
     return node.meta.get("ndfunc_local")
 
 
-def aliases_input(node: torch.fx.Node) -> bool:
-    """Whether the node's result shares its first input's memory."""
-    t = node.target
-    if t in _ALIASES:
-        return True
-    schema = getattr(t, "_schema", None)
-    return schema is not None and any(r.alias_info is not None for r in schema.returns)
+def aliased(node: torch.fx.Node) -> torch.fx.Node | None:
+    """The input whose memory the node's result is: a view's base, an in-place op's target, an
+    `out=` argument; None for an op that makes a buffer of its own."""
+    if node.op != "call_function":
+        return None
+    if node.target in _ALIASES:
+        base = node.args[0] if node.args else None
+        return base if isinstance(base, torch.fx.Node) else None
+    schema = getattr(node.target, "_schema", None)
+    if schema is None or not any(r.alias_info is not None for r in schema.returns):
+        return None
+    sets = {a for r in schema.returns if r.alias_info is not None for a in r.alias_info.before_set}
+    aliasing = [(i, arg) for i, arg in enumerate(schema.arguments) if arg.alias_info is not None]
+    # a list of views (`split`) names its alias set on the elements: the base is the first aliasing argument
+    matched = [(i, arg) for i, arg in aliasing if sets & set(arg.alias_info.before_set)] or aliasing[:1]
+    if not matched:
+        return None
+    i, arg = matched[0]
+    if arg.name in node.kwargs:
+        base = node.kwargs[arg.name]
+    else:
+        base = node.args[i] if i < len(node.args) and not arg.kwarg_only else None
+    return base if isinstance(base, torch.fx.Node) else None
 
 
 def lifetimes(nodes: list[torch.fx.Node]) -> tuple[dict, dict]:
@@ -44,8 +60,8 @@ def lifetimes(nodes: list[torch.fx.Node]) -> tuple[dict, dict]:
             for a in n.all_input_nodes:
                 last[root[a]] = len(nodes)
             continue
-        aliasing = n.op == "call_function" and n.args and isinstance(n.args[0], torch.fx.Node) and aliases_input(n)
-        root[n] = root[n.args[0]] if aliasing else n
+        base = aliased(n)
+        root[n] = root[base] if base is not None else n
         last.setdefault(root[n], len(nodes) if n.op == "placeholder" else i)
         for a in n.all_input_nodes:
             last[root[a]] = max(last[root[a]], i)
@@ -62,6 +78,6 @@ def readers(node: torch.fx.Node, through_copies: bool = True) -> list[torch.fx.N
             if u.op == "output":
                 continue
             out.append(u)
-            if aliases_input(u) and u.args[0] is n and (through_copies or u.target is not aten.copy_.default):
+            if aliased(u) is n and (through_copies or u.target is not aten.copy_.default):
                 todo.append(u)
     return out

@@ -4,14 +4,15 @@ A traced step is functional, so run as it is it allocates a fresh buffer for eve
 on big tensors (an optimizer update over every parameter) the allocations and first-touch page
 faults cost more than the arithmetic. Where the first input of an elementwise op is a buffer the
 program made (not an input the caller owns, not a view, not read later through any alias), the op
-becomes its in-place form (`add` -> `add_`), as eager optimizers do by hand.
+becomes its in-place form (`add` -> `add_`), as eager optimizers do by hand; where only the second
+is, a division or subtraction writes into it (`div(a, b, out=b)`).
 """
 
 from __future__ import annotations
 
 import torch
 
-from ndfunc.partition.buffers import lifetimes, readers, shape_dtype
+from ndfunc.partition.buffers import aliased, lifetimes, readers, shape_dtype
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
@@ -27,12 +28,15 @@ INPLACE = {
     aten.tanh.default: aten.tanh_.default, aten.silu.default: aten.silu_.default, aten.relu.default: aten.relu_.default,
 }
 _COMMUTATIVE = (aten.add.Tensor, aten.mul.Tensor)
-# aliases that are the whole buffer: a collective's result, an in-place op's
-_WHOLE = frozenset({c10d.wait_tensor.default, *INPLACE.values()})
+# `a / b` where `b` dies and `a` does not: written into `b` (`out=b`; elementwise, so exact overlap is safe)
+INTO_SECOND = {aten.div.Tensor: aten.div.out, aten.sub.Tensor: aten.sub.out}
+# aliases that are the whole buffer: a collective's result, an in-place op's, an `out=` op's
+_WHOLE = frozenset({c10d.wait_tensor.default, *INPLACE.values(), *INTO_SECOND.values()})
 
 
 def reuse_buffers(gm: torch.fx.GraphModule) -> int:
-    """Turn ops whose first input dies there into their in-place forms; how many were turned.
+    """Turn ops whose first input dies there into their in-place forms (or whose second does, into
+    `out=` forms); how many were turned.
     Reads shapes from `meta['val']` or the lowering's `meta['ndfunc_local']`."""
     nodes = list(gm.graph.nodes)
     index = {n: i for i, n in enumerate(nodes)}
@@ -51,7 +55,7 @@ def reuse_buffers(gm: torch.fx.GraphModule) -> int:
         r = root.get(a)
         whole = a  # the buffer itself, not a view of it
         while whole is not r and whole.target in _WHOLE:
-            whole = whole.args[0]
+            whole = aliased(whole)
         out, val = shape_dtype(n), shape_dtype(a)
         return (whole is r and r.op == "call_function" and a in from_inputs and last[r] == index[n]
                 and out is not None and out == val and sum(b is a for b in n.args) == 1)
@@ -60,13 +64,16 @@ def reuse_buffers(gm: torch.fx.GraphModule) -> int:
     for n in nodes:
         if n.op != "call_function" or n.target not in INPLACE or not n.args:
             continue
-        if not writable(n.args[0], n):
-            if n.target in _COMMUTATIVE and not n.kwargs and len(n.args) == 2 and writable(n.args[1], n):
-                n.args = (n.args[1], n.args[0])  # a + b = b + a: write into the one that dies
-            else:
-                continue
-        r = root[n.args[0]]
-        n.target = INPLACE[n.target]
+        if writable(n.args[0], n):
+            n.target = INPLACE[n.target]
+        elif len(n.args) == 2 and writable(n.args[1], n) and n.target in _COMMUTATIVE and not n.kwargs:
+            n.args = (n.args[1], n.args[0])  # a + b = b + a: write into the one that dies
+            n.target = INPLACE[n.target]
+        elif len(n.args) == 2 and writable(n.args[1], n) and n.target in INTO_SECOND:
+            n.target, n.kwargs = INTO_SECOND[n.target], {**n.kwargs, "out": n.args[1]}
+        else:
+            continue
+        r = root[aliased(n)]
         root[n] = r  # the result is that buffer now, read until n's own last reader
         last[r] = max(last[r], last.pop(n, index[n]))
         turned += 1
