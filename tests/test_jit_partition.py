@@ -211,3 +211,32 @@ def test_a_head_split_on_its_contraction_dim_is_gathered_not_its_logits_reduced(
         out, ran = run_counted(jitted, w, x)
         assert ran == {"all_gather": 1}
         assert_same(out, logprobs(w, x))
+
+
+def test_identical_layers_are_decided_once():
+    # the solver remembers each node's answer by its local situation: a stack twice as deep adds
+    # a layer's worth of nodes many times over, but almost no new situations to decide
+    from ndfunc.partition.solve import Problem
+
+    def deep_loss(layers, x, y):
+        for p in layers:
+            x = x + torch.relu(x @ p["w1"]) @ p["w2"]
+        return ((x - y) ** 2).mean()
+
+    def problem(depth):
+        g = torch.Generator().manual_seed(0)
+        layers = [{"w1": torch.randn(D, F, generator=g) / 4, "w2": torch.randn(F, D, generator=g) / 4}
+                  for _ in range(depth)]
+        x, y = torch.randn(B, D, generator=g), torch.randn(B, D, generator=g)
+        specs = [{"w1": P(None, "tp"), "w2": P("tp", None)}] * depth
+        jitted = nf.jit(nf.grad(deep_loss), mesh=nf.make_mesh(dp=2, tp=2),
+                        in_shardings=(specs, P("dp"), P("dp")), out_shardings=specs)
+        program = jitted.lower(layers, x, y).program
+        solved = Problem(program.traced.graph, program.sizes, program.in_layouts, program.out_layouts)
+        solved.solve()
+        return len(solved.nodes), len(solved._best)
+
+    with nf.simulate(4):
+        (nodes4, decided4), (nodes8, decided8) = problem(4), problem(8)
+    assert nodes8 > 1.8 * nodes4
+    assert decided8 < 1.1 * decided4, (decided4, decided8)
