@@ -232,8 +232,14 @@ def test_identical_layers_are_decided_once():
         jitted = nf.jit(nf.grad(deep_loss), mesh=nf.make_mesh(dp=2, tp=2),
                         in_shardings=(specs, P("dp"), P("dp")), out_shardings=specs)
         program = jitted.lower(layers, x, y).program
-        solved = Problem(program.traced.graph, program.sizes, program.in_layouts, program.out_layouts)
-        solved.solve()
+        args = (program.traced.graph, program.sizes, program.in_layouts, program.out_layouts)
+        solved = Problem(*args)
+        plan = solved.solve()
+        # and the same search deciding every node afresh: the remembered answers change nothing
+        fresh = Problem(*args)
+        fresh.best = lambda n, choice, forward=False: 0 if len(fresh.c_ins[n]) == 1 else fresh._best_uncached(
+            n, choice, forward)
+        assert fresh.solve().strategy == plan.strategy
         return len(solved.nodes), len(solved._best)
 
     with nf.simulate(4):

@@ -171,3 +171,44 @@ def test_a_reduction_does_not_move_above_a_write_to_what_it_reads():
     before = targets(gm)
     assert issue_reductions_early(gm) == 0
     assert targets(gm) == before
+
+
+def square(body, n_inputs: int, metas: dict | None = None) -> torch.fx.GraphModule:
+    """Like `build`, over 4 x 4 values (so a transpose keeps the shape); `metas` name the others."""
+    g = torch.fx.Graph()
+    ins = [g.placeholder(f"x{i}") for i in range(n_inputs)]
+    g.output(body(g, *ins))
+    for node in g.nodes:
+        if node.op != "output":
+            node.meta["ndfunc_local"] = (metas or {}).get(node.name, ((4, 4), torch.float32))
+    return torch.fx.GraphModule(torch.nn.Module(), g)
+
+
+def test_a_result_read_through_a_view_is_not_written_into_a_second_input_of_other_strides():
+    # exp(x.t()) is column-major; a / it is row-major, as `a` is. Written into the divisor, the
+    # quotient would be column-major and the view after it would fail.
+    def body(g, a, x):
+        b = g.call_function(aten.exp.default, (g.call_function(aten.t.default, (x,)),))
+        flat = g.call_function(aten.view.default, (g.call_function(aten.div.Tensor, (a, b)), [-1]))
+        return (flat,)
+
+    a, x = (torch.rand(4, 4, generator=torch.Generator().manual_seed(i)) + 0.5 for i in range(2))
+    gm = square(body, 2, {"view_default": ((16,), torch.float32)})
+    assert reuse_buffers(gm) == 0
+    torch.testing.assert_close(gm(a, x)[0], (a / x.t().exp()).reshape(-1))
+
+
+def test_nothing_is_written_into_a_buffer_another_input_views():
+    # b.t() / b and b + b.t(): b dies at the op, but the other input reads the same memory
+    def body(g, x):
+        b = g.call_function(aten.exp.default, (x,))
+        c = g.call_function(aten.exp.default, (x,))
+        return (g.call_function(aten.div.Tensor, (g.call_function(aten.t.default, (b,)), b)),
+                g.call_function(aten.add.Tensor, (c, g.call_function(aten.t.default, (c,)))))
+
+    x = torch.rand(4, 4, generator=torch.Generator().manual_seed(0))
+    gm = square(body, 1)
+    assert reuse_buffers(gm) == 0
+    q, s = gm(x)
+    torch.testing.assert_close(q, x.exp().t() / x.exp())
+    torch.testing.assert_close(s, x.exp() + x.exp().t())

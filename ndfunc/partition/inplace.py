@@ -1,4 +1,4 @@
-"""Buffer reuse: an elementwise op whose first input dies there writes its result into it.
+"""Buffer reuse: an elementwise op whose first (or second) input dies there writes its result into it.
 
 A traced step is functional, so run as it is it allocates a fresh buffer for every intermediate;
 on big tensors (an optimizer update over every parameter) the allocations and first-touch page
@@ -28,7 +28,7 @@ INPLACE = {
     aten.tanh.default: aten.tanh_.default, aten.silu.default: aten.silu_.default, aten.relu.default: aten.relu_.default,
 }
 _COMMUTATIVE = (aten.add.Tensor, aten.mul.Tensor)
-# `a / b` where `b` dies and `a` does not: written into `b` (`out=b`; elementwise, so exact overlap is safe)
+# `a / b` where `b` dies and `a` cannot be written into: the quotient goes into `b` (`out=b`)
 INTO_SECOND = {aten.div.Tensor: aten.div.out, aten.sub.Tensor: aten.sub.out}
 # aliases that are the whole buffer: a collective's result, an in-place op's, an `out=` op's
 _WHOLE = frozenset({c10d.wait_tensor.default, *INPLACE.values(), *INTO_SECOND.values()})
@@ -48,8 +48,9 @@ def reuse_buffers(gm: torch.fx.GraphModule) -> int:
             from_inputs.add(n)
     root, last = lifetimes(nodes)
     def writable(a, n) -> bool:
-        """Whether `n` may write its result into `a`'s memory (a fresh, dense buffer: an op's
-        own output, not a view; in-place ops handle any strides it has)."""
+        """Whether `n` may write its result into `a`'s memory: a fresh buffer (an op's own output,
+        not a view) that dies at `n` and that no other input of `n` reads (a view of it would
+        overlap the writes)."""
         if not isinstance(a, torch.fx.Node):
             return False
         r = root.get(a)
@@ -58,18 +59,21 @@ def reuse_buffers(gm: torch.fx.GraphModule) -> int:
             whole = aliased(whole)
         out, val = shape_dtype(n), shape_dtype(a)
         return (whole is r and r.op == "call_function" and a in from_inputs and last[r] == index[n]
-                and out is not None and out == val and sum(b is a for b in n.args) == 1)
+                and out is not None and out == val and sum(b is a for b in n.args) == 1
+                and all(root.get(b) is not r for b in n.all_input_nodes if b is not a))
 
     turned = 0
     for n in nodes:
         if n.op != "call_function" or n.target not in INPLACE or not n.args:
             continue
-        if writable(n.args[0], n):
+        if writable(n.args[0], n):  # the result keeps the first input's layout, as the op's would
             n.target = INPLACE[n.target]
-        elif len(n.args) == 2 and writable(n.args[1], n) and n.target in _COMMUTATIVE and not n.kwargs:
+        elif len(n.args) != 2 or not writable(n.args[1], n) or not _layout_free(n):
+            continue
+        elif n.target in _COMMUTATIVE and not n.kwargs:
             n.args = (n.args[1], n.args[0])  # a + b = b + a: write into the one that dies
             n.target = INPLACE[n.target]
-        elif len(n.args) == 2 and writable(n.args[1], n) and n.target in INTO_SECOND:
+        elif n.target in INTO_SECOND:
             n.target, n.kwargs = INTO_SECOND[n.target], {**n.kwargs, "out": n.args[1]}
         else:
             continue
@@ -80,6 +84,17 @@ def reuse_buffers(gm: torch.fx.GraphModule) -> int:
     if turned:
         gm.recompile()
     return turned
+
+
+# readers that depend on their input's strides, not only its values
+_STRIDED = frozenset({aten.view.default, aten._unsafe_view.default, aten.as_strided.default})
+
+
+def _layout_free(n: torch.fx.Node) -> bool:
+    """Whether nothing reads `n`'s result through an op that depends on its strides. Written into
+    its second input, the result has that input's strides, where the op would have followed the
+    first's (a `view` of it could then fail)."""
+    return not any(r.target in _STRIDED for r in readers(n))
 
 
 def fold_donated_copies(gm: torch.fx.GraphModule) -> int:
