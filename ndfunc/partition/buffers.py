@@ -1,8 +1,9 @@
 """Which memory each value of a local program lives in, and how long it is read.
 
-Views, getitems, a collective's wait and in-place ops return their first input's memory, an `out=`
-op its `out` argument's; every other op makes a buffer of its own. The passes that reuse memory (in place, donation) and the
-peak-memory estimate all reason about these buffers, so they share this one account.
+Views, getitems, a collective's wait and in-place ops return their first input's memory, an
+`out=` op its `out` argument's; every other op makes a buffer of its own. The passes that reuse
+memory (in place, donation) and the peak-memory estimate all reason about these buffers, so they
+share this one account.
 """
 
 from __future__ import annotations

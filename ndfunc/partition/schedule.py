@@ -76,7 +76,7 @@ def _frees(n: torch.fx.Node, root: dict, last: dict, index: dict) -> bool:
 
 c10d = torch.ops._c10d_functional
 aten = torch.ops.aten
-_REDUCTIONS = (c10d.reduce_scatter_tensor.default, c10d.all_reduce.default)
+REDUCTIONS = (c10d.reduce_scatter_tensor.default, c10d.all_reduce.default)  # the gradient collectives
 _MOVES = {operator.getitem, aten.split.Tensor, aten.cat.default, aten.reshape.default, aten.view.default,
           aten._unsafe_view.default, aten.permute.default, aten.transpose.int, aten.t.default, aten.clone.default,
           aten.slice.Tensor, aten.squeeze.dims, aten.unsqueeze.default, aten.contiguous.default}
@@ -89,7 +89,7 @@ def issue_reductions_early(gm: torch.fx.GraphModule) -> int:
     nodes = list(gm.graph.nodes)
     chain: set = set()
     for n in nodes:
-        if n.op == "call_function" and n.target in _REDUCTIONS:
+        if n.op == "call_function" and n.target in REDUCTIONS:
             chain.add(n)
             todo = list(n.all_input_nodes)
             while todo:

@@ -5,10 +5,9 @@ from __future__ import annotations
 import torch
 
 from ndfunc.partition.buffers import shape_dtype
+from ndfunc.partition.schedule import REDUCTIONS
 
 aten = torch.ops.aten
-c10d = torch.ops._c10d_functional
-REDUCTIONS = (c10d.reduce_scatter_tensor.default, c10d.all_reduce.default)
 
 
 def reduce_in(gm: torch.fx.GraphModule, dtype: torch.dtype, axes: tuple[str, ...] | None = None,
