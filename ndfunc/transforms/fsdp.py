@@ -97,28 +97,34 @@ def _parameter_gathers(gm: torch.fx.GraphModule) -> list[_Gather]:
     for start in gm.graph.find_nodes(op="call_function", target=c10d.all_gather_into_tensor.default):
         if _source(start.args[0]).op != "placeholder" or "ndfunc_comm" not in start.meta:
             continue
-        chain, value = [start], start
-        while True:
-            while len(value.users) == 1:  # wait, then (a gather off dim 0) split, getitems, cat
-                (user,) = value.users
-                if user.target is c10d.wait_tensor.default or user.target is aten.split.Tensor:
-                    chain.append(user)
-                    value = user
-                    continue
-                break
-            if value.target is aten.split.Tensor:
-                items = list(value.users)
-                cats = {u for i in items for u in i.users}
-                if len(cats) == 1:
-                    chain += items + [cats.pop()]
-                    value = chain[-1]
-            (user,) = value.users if len(value.users) == 1 else (None,)
-            if user is None or user.target is not c10d.all_gather_into_tensor.default or "ndfunc_comm" not in user.meta:
-                break
+        chain = [start]
+        value = _finish(start, chain)
+        while (user := _only_user(value)) is not None and (
+                user.target is c10d.all_gather_into_tensor.default and "ndfunc_comm" in user.meta):
             chain.append(user)  # the gather over the next axis
-            value = user
+            value = _finish(user, chain)
         found.append(_Gather(start, chain, value))
     return found
+
+
+def _only_user(node: torch.fx.Node) -> torch.fx.Node | None:
+    return next(iter(node.users)) if len(node.users) == 1 else None
+
+
+def _finish(gather: torch.fx.Node, chain: list) -> torch.fx.Node:
+    """Follow `gather` to the whole value: its wait, then (a gather off dim 0) the split, its
+    getitems and their cat; append them to `chain` and return the last."""
+    value = gather
+    while (user := _only_user(value)) is not None and user.target in (c10d.wait_tensor.default, aten.split.Tensor):
+        chain.append(user)
+        value = user
+    if value.target is aten.split.Tensor:
+        items = list(value.users)
+        cats = {u for i in items for u in i.users}
+        if len(cats) == 1:
+            chain += items + [cats.pop()]
+            value = chain[-1]
+    return value
 
 
 def _regather_for_second_use(gm, g: _Gather, index: dict, firsts: list[int]) -> None:
