@@ -98,32 +98,38 @@ def logical_to_mesh(axes_tree: PyTree, rules: LogicalRules) -> PyTree:
     Raises:
         ShardingError: a logical name repeated within one tensor's axes.
     """
-    normalized = [(name, _as_axes(axes)) for name, axes in rules]
+    normalized = _normalized(rules)
+    return tree_map_with_path(lambda path, names: _to_spec(path, names, normalized), axes_tree,
+                              is_leaf=_is_axes_leaf)
 
-    def to_spec(path: str, names: Any) -> PartitionSpec:
-        names = _logical_names(path, names)
-        seen = [n for n in names if n is not None]
-        duplicates = sorted({n for n in seen if seen.count(n) > 1})
-        if duplicates:
-            raise ShardingError(
-                f"{path!r} names logical axis {duplicates[0]!r} twice in {names}; each dim of a "
-                f"tensor needs its own logical name (e.g. 'embed' and 'embed_out')."
-            )
-        # Rules are priorities, as in Flax: walk the rules in order and give each one to its
-        # dim if that dim is still unassigned and none of the rule's mesh axes is taken.
-        unassigned = object()
-        entries: list = [unassigned if n is not None else None for n in names]
-        for rule_name, mesh_axes in normalized:
-            if rule_name not in names:
-                continue
-            dim = names.index(rule_name)
-            taken = {a for e in entries if isinstance(e, tuple) for a in e}
-            if entries[dim] is unassigned and not taken & set(mesh_axes or ()):
-                entries[dim] = mesh_axes
-        entries = [None if e is unassigned else e for e in entries]
-        return PartitionSpec(*entries)
 
-    return tree_map_with_path(to_spec, axes_tree, is_leaf=_is_axes_leaf)
+def _normalized(rules: LogicalRules) -> list:
+    return [(name, _as_axes(axes)) for name, axes in rules]
+
+
+def _to_spec(path: str, names: Any, normalized: list) -> PartitionSpec:
+    """One tensor's `P` from its dims' logical names and the normalized rules."""
+    names = _logical_names(path, names)
+    seen = [n for n in names if n is not None]
+    duplicates = sorted({n for n in seen if seen.count(n) > 1})
+    if duplicates:
+        raise ShardingError(
+            f"{path!r} names logical axis {duplicates[0]!r} twice in {names}; each dim of a "
+            f"tensor needs its own logical name (e.g. 'embed' and 'embed_out')."
+        )
+    # Rules are priorities, as in Flax: walk the rules in order and give each one to its
+    # dim if that dim is still unassigned and none of the rule's mesh axes is taken.
+    unassigned = object()
+    entries: list = [unassigned if n is not None else None for n in names]
+    for rule_name, mesh_axes in normalized:
+        if rule_name not in names:
+            continue
+        dim = names.index(rule_name)
+        taken = {a for e in entries if isinstance(e, tuple) for a in e}
+        if entries[dim] is unassigned and not taken & set(mesh_axes or ()):
+            entries[dim] = mesh_axes
+    entries = [None if e is unassigned else e for e in entries]
+    return PartitionSpec(*entries)
 
 
 _rules: contextvars.ContextVar[LogicalRules | None] = contextvars.ContextVar("ndfunc_axis_rules", default=None)
@@ -153,7 +159,7 @@ def current_rules() -> LogicalRules | None:
 
 def logical_spec(names: tuple, rules: LogicalRules, what: str = "value") -> PartitionSpec:
     """The `P` that `rules` give one tensor whose dims are named `names` (see `logical_to_mesh`)."""
-    return logical_to_mesh({what: tuple(names)}, rules)[what]
+    return _to_spec(what, tuple(names), _normalized(rules))
 
 
 def _as_axes(axes: MeshAxes) -> tuple[str, ...] | None:
