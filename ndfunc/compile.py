@@ -129,7 +129,7 @@ class Compiled:
     def __init__(self, program: Program, jitted: Jitted, key):
         self.program, self._jitted, self._key = program, jitted, key
         self._coords = None
-        self._forward = None  # the local program, as it runs (ndfunc.partition.runner)
+        self._forward = direct(program.local)  # the local program, as it runs (ndfunc.partition.runner)
         # how each result is wrapped, worked out once: placements over the whole mesh, shape, stride
         self._specs = []
         if isinstance(program.mesh, Mesh):
@@ -174,8 +174,6 @@ class Compiled:
         if mode is not None:  # in simulation every input is per rank, so no op mixes the two kinds
             locals_ = [x if isinstance(x, LocalTensor) else mode.rank_map(lambda r, x=x: x) for x in locals_]
         device = locals_[0].device if locals_ else torch.device("cpu")
-        if self._forward is None:
-            self._forward = direct(p.local)
         with torch.no_grad():
             outs = list(self._forward(*locals_, self._coords_tensor(device)))
             for j in p.donation:  # a new tensor on the donated memory: the old object is retired
