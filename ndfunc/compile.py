@@ -23,7 +23,7 @@ from ndfunc.partition.inplace import fold_donated_copies, fold_scales, reuse_buf
 from ndfunc.partition.layout import Layout
 from ndfunc.partition.program import Program
 from ndfunc.partition.runner import direct
-from ndfunc.partition.schedule import hoist_freeing_ops, issue_reductions_early
+from ndfunc.partition.schedule import hoist_freeing_ops, issue_reductions_early, wait_in_turn
 from ndfunc.partition.solve import partition
 from ndfunc.partition.strategies import NoStrategy
 from ndfunc.remat import rematerialize
@@ -94,6 +94,7 @@ class Lowered:
         issue_reductions_early(program.local)
         while bucket_all_reduces(program.local):  # a merge can free the next (tp after dp)
             pass
+        wait_in_turn(program.local)
         hoist_freeing_ops(program.local)
         apply_donation(program)
         fold_scales(program.local)

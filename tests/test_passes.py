@@ -7,7 +7,7 @@ import torch
 
 from ndfunc.partition.buffers import lifetimes
 from ndfunc.partition.inplace import fold_donated_copies, fold_scales, reuse_buffers
-from ndfunc.partition.schedule import hoist_freeing_ops, issue_reductions_early
+from ndfunc.partition.schedule import hoist_freeing_ops, issue_reductions_early, wait_in_turn
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
@@ -212,3 +212,46 @@ def test_nothing_is_written_into_a_buffer_another_input_views():
     q, s = gm(x)
     torch.testing.assert_close(q, x.exp().t() / x.exp())
     torch.testing.assert_close(s, x.exp() + x.exp().t())
+
+
+def in_flight_reduction(g, x, y, wait_first: bool):
+    """A gradient `x * 2` all-reduced, and `grad + y` read while the reduction runs (or, with
+    `wait_first`, after its wait)."""
+    grad = g.call_function(aten.mul.Tensor, (x, 2.0))
+    ar = g.call_function(c10d.all_reduce.default, (grad, "sum", "0"))
+    waited = g.call_function(c10d.wait_tensor.default, (ar,)) if wait_first else None
+    total = g.call_function(aten.add.Tensor, (grad, y))
+    if not wait_first:
+        waited = g.call_function(c10d.wait_tensor.default, (ar,))
+    return (waited, total)
+
+
+def test_a_buffer_a_collective_reads_lives_until_its_wait_and_is_not_written_before():
+    # `grad + y` is grad's last reader: written into grad, it would change what the all-reduce,
+    # still running, sends. After the wait it may.
+    for wait_first, rewrites in ((False, 0), (True, 1)):
+        gm = build(lambda g, x, y: in_flight_reduction(g, x, y, wait_first), 2)
+        nodes = list(gm.graph.nodes)
+        root, last = lifetimes(nodes)
+        grad, wait, total = (next(n for n in nodes if n.target is t)
+                             for t in (aten.mul.Tensor, c10d.wait_tensor.default, aten.add.Tensor))
+        assert last[grad] == nodes.index(total if wait_first else wait)
+        assert reuse_buffers(gm) == rewrites
+
+
+def test_a_reduction_is_waited_for_before_the_next_over_its_group_is_issued():
+    # both waited for at the end: both gradients held to there. In turn: the first is freed
+    # before the second reduction starts.
+    def body(g, x, y):
+        rs = [g.call_function(c10d.reduce_scatter_tensor.default, (g.call_function(aten.mul.Tensor, (v, 2.0)), "sum", 2, "0"))
+              for v in (x, y)]
+        return tuple(g.call_function(c10d.wait_tensor.default, (r,)) for r in rs)
+
+    gm = build(body, 2)
+    first = next(n for n in gm.graph.nodes if n.target is aten.mul.Tensor)
+    assert lifetimes(list(gm.graph.nodes))[1][first] == 6  # after x0, x1, mul, rs, mul, rs: the first wait
+    assert wait_in_turn(gm) == 1
+    assert targets(gm) == [aten.mul.Tensor, c10d.reduce_scatter_tensor.default, aten.mul.Tensor, c10d.wait_tensor.default,
+                           c10d.reduce_scatter_tensor.default, c10d.wait_tensor.default]
+    assert lifetimes(list(gm.graph.nodes))[1][first] == 5
+    assert wait_in_turn(gm) == 0

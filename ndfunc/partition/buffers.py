@@ -13,7 +13,8 @@ import operator
 import torch
 
 aten = torch.ops.aten
-_ALIASES = (operator.getitem, torch.ops._c10d_functional.wait_tensor.default, aten._unsafe_view.default)
+_WAIT = torch.ops._c10d_functional.wait_tensor.default
+_ALIASES = (operator.getitem, _WAIT, aten._unsafe_view.default)
 
 
 def shape_dtype(node: torch.fx.Node) -> tuple | None:
@@ -53,7 +54,8 @@ def aliased(node: torch.fx.Node) -> torch.fx.Node | None:
 def lifetimes(nodes: list[torch.fx.Node]) -> tuple[dict, dict]:
     """`(root, last)`: the node whose buffer each node's result is, and for each such buffer the
     index of the last node reading it through any alias (results: to the end; inputs, which their
-    caller holds: to the end; a buffer nobody reads: where it is made)."""
+    caller holds: to the end; a buffer nobody reads: where it is made). A collective reads its
+    inputs until its wait: it runs in the background from where it is issued."""
     root: dict = {}
     last: dict = {}
     for i, n in enumerate(nodes):
@@ -64,7 +66,10 @@ def lifetimes(nodes: list[torch.fx.Node]) -> tuple[dict, dict]:
         base = aliased(n)
         root[n] = root[base] if base is not None else n
         last.setdefault(root[n], len(nodes) if n.op == "placeholder" else i)
-        for a in n.all_input_nodes:
+        reads = n.all_input_nodes
+        if n.target is _WAIT and isinstance(base, torch.fx.Node):
+            reads = [*reads, *base.all_input_nodes]
+        for a in reads:
             last[root[a]] = max(last[root[a]], i)
     return root, last
 

@@ -118,6 +118,30 @@ def issue_reductions_early(gm: torch.fx.GraphModule) -> int:
     return _reorder(gm, nodes, key) and moved
 
 
+def wait_in_turn(gm: torch.fx.GraphModule) -> int:
+    """Wait for each reduction no later than just before the next reduction over its group is
+    issued; how many waits moved. A collective reads its input until its wait, so a gradient
+    reduced early (`issue_reductions_early`) but waited for where the optimizer reads it, at the
+    end, would be held, full size, all through backward; this way at most one reduction per group
+    is in flight, overlapping the compute up to the next."""
+    nodes = list(gm.graph.nodes)
+    index = {n: i for i, n in enumerate(nodes)}
+    by_group: dict = {}
+    for n in nodes:
+        if n.op == "call_function" and n.target in REDUCTIONS and len(n.users) == 1:
+            by_group.setdefault(n.args[-1], []).append(n)
+    moved = 0
+    for issued in by_group.values():
+        for r, following in zip(issued, issued[1:]):
+            (wait,) = r.users
+            if wait.target is c10d.wait_tensor.default and index[wait] > index[following]:
+                following.prepend(wait)
+                moved += 1
+    if moved:
+        gm.recompile()
+    return moved
+
+
 def _reorder(gm: torch.fx.GraphModule, nodes: list, key: dict) -> bool:
     order = sorted(nodes, key=key.__getitem__)
     if order == nodes:
