@@ -6,7 +6,6 @@ from __future__ import annotations
 import optree
 import pytest
 import torch
-from helpers import tanh_mlp_step
 from test_jit_partition import CountRun
 
 import ndfunc as nf
@@ -16,16 +15,30 @@ N_LAYERS, D, B = 4, 32, 16
 
 
 def setup():
+    """A chain of `tanh(h @ w)` layers, each weight a block of a list (`layers.i.w`), as FSDP
+    wraps each block: the unit `nf.fsdp` gathers, prefetches and buckets by."""
     g = torch.Generator().manual_seed(0)
-    params = {f"w{i}": torch.randn(D, D, generator=g) / D**0.5 for i in range(N_LAYERS)}
+    params = {"layers": [{"w": torch.randn(D, D, generator=g) / D**0.5} for _ in range(N_LAYERS)]}
     x, y = torch.randn(B, D, generator=g), torch.randn(B, D, generator=g)
     opt = nf.optim.adam(1e-2)
-    return params, opt, tanh_mlp_step(N_LAYERS, opt), x, y
+
+    def step(p, s, x, y):
+        def loss_fn(p):
+            h = x
+            for layer in p["layers"]:
+                h = torch.tanh(h @ layer["w"])
+            return ((h - y) ** 2).mean()
+
+        loss, grads = nf.value_and_grad(loss_fn)(p)
+        u, s = opt.update(grads, s, p)
+        return nf.optim.apply_updates(p, u), s, loss
+
+    return params, opt, step, x, y
 
 
 def jitted(mesh, transforms=()):
     params, opt, step, x, y = setup()
-    specs = {k: P("dp") for k in params}  # each weight stored as row blocks
+    specs = optree.tree_map(lambda _: P("dp"), params)  # each weight stored as row blocks
     state = opt.init(params)
     sspecs = nf.optim.state_shardings(state, specs)
     put = lambda t, s: nf.device_put(t, optree.tree_map(lambda q: NamedSharding(mesh, q), s,  # noqa: E731
@@ -213,3 +226,50 @@ def test_peak_memory_is_the_shards_plus_the_gathered_layers_plus_activations():
         got = peak(n, [nf.fsdp("dp_shard", prefetch=prefetch)])
         formula = 4 * param_bytes / n + (prefetch + 1) * layer_bytes + activations / n
         assert got == pytest.approx(formula, rel=0.10), (prefetch, got, formula)
+
+
+@pytest.mark.parametrize("prefetch", [0, 1, 2])
+def test_prefetch_issues_a_whole_layer_that_many_layers_ahead(prefetch):
+    # Three llama blocks: each block's nine parameters come in one gather, and with prefetch k
+    # that gather is in flight over the forward matmuls of the k blocks before it (seven each: q,
+    # k, v, o, gate, up, down). The final norm and the head, which no block holds, come together
+    # (FSDP2's root), once: the norm is not gathered again for a backward that follows the head's.
+    cfg, params, batch, opt, _ = llama_case((4, 32), vocab_size=1024, dim=128, n_layers=3, ffn_dim=384)
+    with nf.simulate(4):
+        f, args = llama_fsdp_step(cfg, params, opt, 4, [nf.fsdp("dp_shard", prefetch=prefetch)])
+        gm = f.lower(*args, batch).program.local
+    nodes = list(gm.graph.nodes)
+    matmuls = [i for i, n in enumerate(nodes) if n.target in (torch.ops.aten.mm.default, torch.ops.aten.bmm.default)]
+    gathers = []  # (parameters in the gather, matmuls while it is in flight)
+    for i, n in enumerate(nodes):
+        if n.target is torch.ops._c10d_functional.all_gather_into_tensor.default and "parameters" in n.meta["ndfunc_comm"]:
+            (wait,) = n.users
+            gathers.append((n.meta["ndfunc_comm"]["bucket"], sum(i < m < nodes.index(wait) for m in matmuls)))
+    forward, head = gathers[:3], gathers[3]
+    assert [b for b, _ in forward] == [9, 9, 9]
+    assert [m for _, m in forward] == [0, 7 * min(prefetch, 1), 7 * min(prefetch, 2)]
+    assert head == (2, 7 * prefetch)
+    assert len(gathers) == 3 + 1 + 3  # and each block again for backward
+
+
+def test_gradient_reductions_are_waited_for_in_turn_so_gradients_are_not_held_to_the_end():
+    # The partitioner issues each gradient's reduce-scatter where the gradient is made; waited for
+    # where the optimizer reads it, at the end, every gradient would be held, full size, through
+    # backward (a collective reads its input until its wait). Waited for before the next is issued,
+    # at most one is: the peak is that of the step holding one layer's gradient at a time.
+    cfg, params, batch, opt, param_bytes = llama_case((4, 32), vocab_size=1024, dim=128, n_layers=4, ffn_dim=384)
+    with nf.simulate(4):
+        f, args = llama_fsdp_step(cfg, params, opt, 4, [])
+        lowered = f.lower(*args, batch)
+        got = nf.device_get(f(*args, batch))
+    nodes = list(lowered.program.local.graph.nodes)
+    rs = [n for n in nodes if n.target is torch.ops._c10d_functional.reduce_scatter_tensor.default]
+    assert len(rs) > 4
+    for r, following in zip(rs, rs[1:]):
+        (wait,) = r.users
+        assert nodes.index(wait) < nodes.index(following)
+    from models import train
+
+    expected = train.make_step(cfg, opt)(params, opt.init(params), batch)
+    for a, b in zip(optree.tree_leaves(got), optree.tree_leaves(expected)):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=2e-5)

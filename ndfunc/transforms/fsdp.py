@@ -5,17 +5,18 @@ its use and its gradient into a reduce-scatter. What it does not decide is *when
 gathers each parameter once and keeps the whole of it alive from the forward use to the backward
 one, so every layer's gathered weights are held at once. This pass makes that FSDP2's schedule:
 
-- reshard after forward: a gathered parameter whose uses fall in two groups, with other
+- reshard after forward: a gathered parameter whose uses fall in two groups, with other layers'
   parameters gathered in between (a layer's forward, then, much later, its backward), is gathered
   again just before the second group, so the first copy dies after forward;
-- prefetch: each parameter's all-gather is issued where the gather `prefetch` places earlier is
-  first used (the wait stays at its own first use), so the transfer overlaps that layer's compute;
+- prefetch: a layer's all-gathers are issued where the layer `prefetch` places earlier first reads
+  its gathered parameters (each wait stays at its own first use), so the transfers overlap that
+  layer's compute;
 - reduce_dtype: gradients are reduce-scattered in that dtype (cast before, cast back after);
 - buckets: the gathers of one layer's parameters (those whose paths agree up to the last list
   index, `layers.3.`, as FSDP2 wraps each block) issued one after another become one all-gather
   of their shards laid end to end; the gradient reduce-scatters of one layer's backward (between
-  two parameter gathers) one reduce-scatter; up to `bucket_bytes` each. A collective's fixed
-  cost is paid once per layer, not once per parameter.
+  where backward first reads two layers' gathered parameters) one reduce-scatter; up to
+  `bucket_bytes` each. A collective's fixed cost is paid once per layer, not once per parameter.
 """
 
 from __future__ import annotations
@@ -58,18 +59,20 @@ class fsdp:  # noqa: N801 - a transform is named like the function it stands for
     def lowered(self, program) -> None:
         gm = program.local
         gathers = self._gathers(gm)
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        module = {ph: _module_of(path) for ph, path in zip(placeholders, program.traced.input_paths)}
         if self.reshard_after_forward:
             index = {n: i for i, n in enumerate(gm.graph.nodes)}  # copies go in; these stay valid
-            firsts = sorted(index[min(g.value.users, key=index.__getitem__)] for g in gathers if g.value.users)
-            for g in gathers:
-                _regather_for_second_use(gm, g, index, firsts)
+            layer = [module.get(_source(g.start.args[0])) for g in gathers]
+            firsts = sorted((index[min(g.value.users, key=index.__getitem__)], m)
+                            for g, m in zip(gathers, layer) if g.value.users)
+            for g, m in zip(gathers, layer):
+                _regather_for_second_use(gm, g, index, firsts, m)
         if self.prefetch > 0:
-            _prefetch(gm, self._gathers(gm), self.prefetch)
+            _prefetch(gm, self._gathers(gm), self.prefetch, module)
         if self.reduce_dtype is not None:
             reduce_in(gm, self.reduce_dtype, self.axes, kinds=(c10d.reduce_scatter_tensor.default,))
         if self.bucket_bytes:
-            placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-            module = {ph: _module_of(path) for ph, path in zip(placeholders, program.traced.input_paths)}
             _bucket_gathers(gm, self._gathers(gm), self.bucket_bytes, module)
             _bucket_reduce_scatters(gm, self.axes, self.bucket_bytes)
         gm.graph.lint()
@@ -127,17 +130,19 @@ def _finish(gather: torch.fx.Node, chain: list) -> torch.fx.Node:
     return value
 
 
-def _regather_for_second_use(gm, g: _Gather, index: dict, firsts: list[int]) -> None:
-    """Gather `g` again before its first use that follows another parameter's first use (its
+def _regather_for_second_use(gm, g: _Gather, index: dict, firsts: list[tuple], layer: str | None) -> None:
+    """Gather `g` again before its first use that follows another layer's first use (its
     backward, after the later layers' forward); the uses from there on read the new copy.
-    `index`: the program order before any copy; `firsts`: each parameter gather's first use."""
+    `index`: the program order before any copy; `firsts`: (first use, layer) of each parameter
+    gather; `layer`: g's."""
     uses = sorted(g.value.users, key=index.__getitem__)
     if len(uses) < 2:
         return
-    # split where other parameters are first used in between: forward, then backward
+    # split where other layers' parameters are first used in between: forward, then backward
     cut = None
     for a, b in zip(uses, uses[1:]):
-        if bisect.bisect_right(firsts, index[a]) < bisect.bisect_left(firsts, index[b]):
+        lo, hi = bisect.bisect_right(firsts, (index[a], "\uffff")), bisect.bisect_left(firsts, (index[b], ""))
+        if any(other != layer for _, other in firsts[lo:hi]):
             cut = b
             break
     if cut is None:
@@ -152,16 +157,33 @@ def _regather_for_second_use(gm, g: _Gather, index: dict, firsts: list[int]) -> 
         u.replace_input_with(g.value, again)
 
 
-def _prefetch(gm, gathers: list[_Gather], k: int) -> None:
+def _prefetch(gm, gathers: list[_Gather], k: int, module: dict) -> None:
+    """Issue each layer's gathers together, where the layer `k` places earlier first reads its
+    gathered parameters. A layer here is a run of gathers of one module's parameters, in the order the
+    program first reads them: a block's forward, and later (resharded) its backward."""
     index = {n: i for i, n in enumerate(gm.graph.nodes)}
-    live = [g for g in gathers if g.value.users]
-    live.sort(key=lambda g: index[min(g.value.users, key=index.__getitem__)])
-    for i in range(k, len(live)):
-        earlier = live[i - k]
-        anchor = min(earlier.value.users, key=index.__getitem__)
-        start = live[i].start
-        if index[anchor] < index[start] and all(index[a] < index[anchor] for a in start.all_input_nodes):
-            anchor.prepend(start)  # issued there; its wait stays where it was
+    first = [(min(g.value.users, key=index.__getitem__), g) for g in gathers if g.value.users]
+    layers: list[list[tuple]] = []  # (first read, gather) of each layer
+    for read, g in sorted(first, key=lambda f: index[f[0]]):
+        if layers and module.get(_source(g.start.args[0])) == module.get(_source(layers[-1][0][1].start.args[0])):
+            layers[-1].append((read, g))
+        else:
+            layers.append([(read, g)])
+    for i, layer in enumerate(layers):
+        # the first k layers: all issued, in order, where the first is first read
+        anchor = layers[max(i - k, 0)][0][0]
+        for _, g in layer:
+            if index[anchor] < index[g.start]:
+                for v in _views_of_source(g.start.args[0]):  # the parameter as sent, if made later
+                    if index[v] > index[anchor]:
+                        _move_before(v, anchor, index)
+                _move_before(g.start, anchor, index)  # issued there; its wait stays where it was
+
+
+def _move_before(node: torch.fx.Node, anchor: torch.fx.Node, index: dict) -> None:
+    """Move `node` to just before `anchor`, keeping `index` (program order) true for later moves."""
+    index[node] = (index[anchor.prev] + index[anchor]) / 2
+    anchor.prepend(node)
 
 
 def _comm_meta(members: list, kind: str, dtype, device, numel: int) -> tuple[dict, tuple]:
@@ -172,11 +194,12 @@ def _comm_meta(members: list, kind: str, dtype, device, numel: int) -> tuple[dic
 
 
 def _module_of(path: str) -> str:
-    """The layer a parameter belongs to: its path up to the last list index (`0.layers.3`), or the
-    path itself outside any list (its own bucket)."""
+    """The layer a parameter belongs to: its path up to the last list index (`0.layers.3`); outside
+    any list, the root of its argument (`0`: the embedding, the final norm and the head), as FSDP2
+    groups what no block wraps."""
     parts = path.split(".")
-    last = max((i for i, p in enumerate(parts[1:], 1) if p.isdigit()), default=None)
-    return ".".join(parts[:last + 1]) if last is not None else path
+    last = max((i for i, p in enumerate(parts[1:], 1) if p.isdigit()), default=0)
+    return ".".join(parts[:last + 1])
 
 
 _VIEWS = (aten.clone.default, aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.permute.default,
@@ -253,15 +276,24 @@ def _bucket_gathers(gm, gathers: list[_Gather], cap: int, module: dict) -> None:
 def _bucket_reduce_scatters(gm, axes: tuple[str, ...], cap: int) -> None:
     """Reduce-scatters over `axes` (same group and dtype) that can all run after the last of
     their inputs is made and before the first of their results is read become one, issued right
-    after that last input: each input cut into its ranks' rows, laid end to end rank by rank."""
+    after that last input: each input cut into its ranks' rows, laid end to end rank by rank.
+    Over several axes, one group at a time, in the order the program reduces over them: a
+    reduction over the second reads the first's results, which bucketing moves."""
+    found = [rs for rs in gm.graph.find_nodes(op="call_function", target=c10d.reduce_scatter_tensor.default)
+             if "ndfunc_comm" in rs.meta and set(rs.meta["ndfunc_comm"]["axes"]) <= set(axes) and len(rs.users) == 1]
+    for name in dict.fromkeys(rs.args[3] for rs in found):
+        _bucket_reduce_scatters_over(gm, [rs for rs in found if rs.args[3] == name], cap)
+
+
+def _bucket_reduce_scatters_over(gm, found: list, cap: int) -> None:
     graph = gm.graph
     nodes = list(graph.nodes)
     index = {n: i for i, n in enumerate(nodes)}
-    found = [rs for rs in graph.find_nodes(op="call_function", target=c10d.reduce_scatter_tensor.default)
-             if "ndfunc_comm" in rs.meta and set(rs.meta["ndfunc_comm"]["axes"]) <= set(axes) and len(rs.users) == 1]
-    # a layer's backward lies between two gathers of parameters: buckets do not cross one
-    gathers = [index[n] for n in graph.find_nodes(op="call_function", target=c10d.all_gather_into_tensor.default)
-               if _source(n.args[0]).op == "placeholder" or n.meta.get("ndfunc_comm", {}).get("parameters")]
+    # a layer's backward starts where gathered parameters are waited for (issued earlier, with
+    # prefetch): buckets do not cross one
+    gathers = sorted(index[w] for n in graph.find_nodes(op="call_function", target=c10d.all_gather_into_tensor.default)
+                     if _source(n.args[0]).op == "placeholder" or n.meta.get("ndfunc_comm", {}).get("parameters")
+                     for w in n.users)
     groups, current = [], []
     for rs in sorted(found, key=index.__getitem__):
         (wait,) = rs.users
@@ -280,21 +312,25 @@ def _bucket_reduce_scatters(gm, axes: tuple[str, ...], cap: int) -> None:
     if len(current) > 1:
         groups.append(current)
     for group in groups:
+        at = max(c[2] for c in group) + 1  # in order, right after the last input is made
         members = [c[1] for c in group]
-        after = nodes[max(c[2] for c in group)]
         op, n, name = members[0].args[1], members[0].args[2], members[0].args[3]
         shapes = [shape_dtype(m.args[0])[0] for m in members]  # as sent: rank blocks along dim 0
         sizes = [math.prod(sh) // n for sh in shapes]  # each rank's share of each
-        with graph.inserting_before(after.next):  # in order, right after the last input is made
+        with graph.inserting_before(nodes[at]):
             rows = [graph.call_function(aten.reshape.default, (m.args[0], [n, size])) for m, size in zip(members, sizes)]
             joined = graph.call_function(aten.reshape.default, (graph.call_function(aten.cat.default, (rows, 1)), [-1]))
             merged = graph.call_function(c10d.reduce_scatter_tensor.default, (joined, op, n, name))
+            # waited for at once, as FSDP2 does on CPU: in flight, the layer's gradients laid out
+            # for it would stay through the next layer's backward, a layer's bytes above FSDP's peak
             waited = graph.call_function(c10d.wait_tensor.default, (merged,))
             pieces = graph.call_function(aten.split_with_sizes.default, (waited, sizes))
             outs = []
             for i, shape in enumerate(shapes):
                 piece = graph.call_function(operator.getitem, (pieces, i))
                 outs.append(graph.call_function(aten.reshape.default, (piece, [shape[0] // n, *shape[1:]])))
+                # a reduction over the next axis may read it, in a later bucket
+                outs[-1].meta["ndfunc_local"] = ((shape[0] // n, *shape[1:]), members[0].meta["ndfunc_input"][1])
         merged.meta["ndfunc_comm"], merged.meta["ndfunc_input"] = _comm_meta(
             members, "reduce_scatter", *members[0].meta["ndfunc_input"][1:], n * sum(sizes))
         for m, out in zip(members, outs):
