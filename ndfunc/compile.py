@@ -19,6 +19,7 @@ from ndfunc.donation import apply_donation, mark_donated
 from ndfunc.partition import lower as lowering
 from ndfunc.partition.analysis import as_text, cost_analysis
 from ndfunc.partition.bucket import bucket_all_reduces
+from ndfunc.partition.algorithms import backend_of, for_backend
 from ndfunc.partition.inplace import fold_donated_copies, fold_scales, reuse_buffers
 from ndfunc.partition.layout import Layout
 from ndfunc.partition.program import Program
@@ -130,7 +131,10 @@ class Compiled:
     def __init__(self, program: Program, jitted: Jitted, key):
         self.program, self._jitted, self._key = program, jitted, key
         self._coords = None
-        self._forward = direct(program.local)  # the local program, as it runs (ndfunc.partition.runner)
+        # the local program as it runs: each collective by the backend's fastest way
+        # (ndfunc.partition.algorithms), each op called directly (ndfunc.partition.runner)
+        self.runs = for_backend(program.local, backend_of)
+        self._forward = direct(self.runs)
         # how each result is wrapped, worked out once: placements over the whole mesh, shape, stride
         self._specs = []
         if isinstance(program.mesh, Mesh):

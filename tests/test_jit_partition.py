@@ -15,7 +15,8 @@ TOL = dict(rtol=1e-5, atol=1e-5)
 D, F, B = 16, 32, 512  # tokens per rank well above the hidden size, as in training
 C10D = {"all_reduce": torch.ops._c10d_functional.all_reduce.default,
         "all_gather": torch.ops._c10d_functional.all_gather_into_tensor.default,
-        "reduce_scatter": torch.ops._c10d_functional.reduce_scatter_tensor.default}
+        "reduce_scatter": torch.ops._c10d_functional.reduce_scatter_tensor.default,
+        "all_to_all": torch.ops._c10d_functional.all_to_all_single.default}
 
 
 class CountRun(TorchDispatchMode):

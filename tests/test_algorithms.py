@@ -1,0 +1,71 @@
+"""On gloo the program runs its reductions and small gathers as all-to-alls
+(ndfunc.partition.algorithms): the same results as the collectives the partitioner wrote, on
+simulated ranks told that their groups are gloo's, and against the single-device step."""
+
+from __future__ import annotations
+
+import optree
+import pytest
+import torch
+from test_fsdp import llama_case
+
+import ndfunc as nf
+import ndfunc.compile
+from ndfunc.sharding import NamedSharding, P
+
+c10d = torch.ops._c10d_functional
+
+
+def fsdp_tp_step(cfg, params, opt):
+    """The llama AdamW step, FSDP x TP 2 x 2 (call inside nf.simulate(4)), and its arguments."""
+    from models import llama, train
+
+    config = nf.ParallelConfig(dp_shard_size=2, tp_size=2)
+    mesh = config.build_mesh()
+    pspec = nf.sharding.logical_to_mesh(llama.param_axes(cfg), config.rules)
+    state = opt.init(params)
+    sspec = nf.optim.state_shardings(state, pspec)
+    named = lambda t, s: nf.device_put(t, optree.tree_map(  # noqa: E731
+        lambda q: NamedSharding(mesh, q), s, is_leaf=lambda q: isinstance(q, P)))
+    f = nf.jit(train.make_step(cfg, opt, config.rules), mesh=mesh, in_shardings=(pspec, sspec, None),
+               out_shardings=(pspec, sspec, P()), transforms=[nf.fsdp("dp_shard")])
+    return f, (named(params, pspec), named(state, sspec))
+
+
+def kinds(gm) -> dict:
+    ops = {"all_reduce": c10d.all_reduce.default, "all_gather": c10d.all_gather_into_tensor.default,
+           "reduce_scatter": c10d.reduce_scatter_tensor.default, "all_to_all": c10d.all_to_all_single.default}
+    return {k: sum(n.target is op for n in gm.graph.nodes) for k, op in ops.items()}
+
+
+def test_on_gloo_reductions_and_small_gathers_run_as_all_to_alls_with_the_same_results(monkeypatch):
+    from models import train
+
+    cfg, params, batch, opt, _ = llama_case((4, 32), vocab_size=512, dim=64, n_layers=2, ffn_dim=128)
+    expected = train.make_step(cfg, opt)(params, opt.init(params), batch)
+    with nf.simulate(4):
+        f, args = fsdp_tp_step(cfg, params, opt)
+        as_written = nf.device_get(f(*args, batch))
+        monkeypatch.setattr(ndfunc.compile, "backend_of", lambda group: "gloo")
+        f, args = fsdp_tp_step(cfg, params, opt)
+        lowered = f.lower(*args, batch)
+        got = nf.device_get(f(*args, batch))
+    written, runs = kinds(lowered.program.local), kinds(lowered.compile().runs)
+    # every reduce-scatter, the gathers of up to 256 KiB (here all: a small model), the
+    # all-reduces from 1 KiB to 1 MiB (tensor parallelism's activations); the loss's, 8 bytes, not
+    assert written["reduce_scatter"] > 0 and written["all_reduce"] > 1
+    assert runs["reduce_scatter"] == runs["all_gather"] == 0 and runs["all_reduce"] >= 1
+    assert runs["all_to_all"] + runs["all_reduce"] == sum(written.values())
+    for a, b, c in zip(optree.tree_leaves(got), optree.tree_leaves(as_written), optree.tree_leaves(expected)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(a, c, rtol=1e-4, atol=2e-5)
+
+
+@pytest.mark.parametrize("backend", ["nccl", "fake"])
+def test_other_backends_run_the_program_as_written(monkeypatch, backend):
+    cfg, params, batch, opt, _ = llama_case((4, 32), vocab_size=512, dim=64, n_layers=1, ffn_dim=128)
+    monkeypatch.setattr(ndfunc.compile, "backend_of", lambda group: backend)
+    with nf.simulate(4):
+        f, args = fsdp_tp_step(cfg, params, opt)
+        lowered = f.lower(*args, batch)
+    assert lowered.compile().runs is lowered.program.local
