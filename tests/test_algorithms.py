@@ -25,7 +25,7 @@ def fsdp_tp_step(cfg, params, opt):
     pspec = nf.sharding.logical_to_mesh(llama.param_axes(cfg), config.rules)
     state = opt.init(params)
     sspec = nf.optim.state_shardings(state, pspec)
-    named = lambda t, s: nf.device_put(t, optree.tree_map(  # noqa: E731
+    named = lambda t, s: nf.device_put(t, optree.tree_map(
         lambda q: NamedSharding(mesh, q), s, is_leaf=lambda q: isinstance(q, P)))
     f = nf.jit(train.make_step(cfg, opt, config.rules), mesh=mesh, in_shardings=(pspec, sspec, None),
                out_shardings=(pspec, sspec, P()), transforms=[nf.fsdp("dp_shard")])
@@ -51,11 +51,10 @@ def test_on_gloo_reductions_and_small_gathers_run_as_all_to_alls_with_the_same_r
         lowered = f.lower(*args, batch)
         got = nf.device_get(f(*args, batch))
     written, runs = kinds(lowered.program.local), kinds(lowered.compile().runs)
-    # every reduce-scatter, the gathers of up to 256 KiB (here all: a small model), the
-    # all-reduces from 1 KiB to 1 MiB (tensor parallelism's activations); the loss's, 8 bytes, not
-    assert written["reduce_scatter"] > 0 and written["all_reduce"] > 1
-    assert runs["reduce_scatter"] == runs["all_gather"] == 0 and runs["all_reduce"] >= 1
-    assert runs["all_to_all"] + runs["all_reduce"] == sum(written.values())
+    # every reduce-scatter, the gathers of up to 256 KiB and the all-reduces of up to 1 MiB
+    # (tensor parallelism's activations, the loss): here all, a small model
+    assert written["reduce_scatter"] > 0 and written["all_reduce"] > 1 and written["all_gather"] > 0
+    assert runs["all_to_all"] == sum(written.values())
     for a, b, c in zip(optree.tree_leaves(got), optree.tree_leaves(as_written), optree.tree_leaves(expected)):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(a, c, rtol=1e-4, atol=2e-5)

@@ -2,17 +2,18 @@
 
 The program names what moves: a reduce-scatter, an all-gather, an all-reduce. How it moves is
 the backend's choice, and gloo (CPU tensors) chooses badly at the sizes a training step moves.
-Measured with 4 processes on one 2-core machine (ms of wall time / of CPU per rank):
+`python benchmarks/gloo_collectives.py` (4 processes on one 2-core machine; wall and CPU time per
+call, the all-to-all form over gloo's):
 
-- reduce-scatter of 3 MB: gloo 6.2 / 2.2; an all-to-all of the input's n blocks, then a local sum
-  of the n blocks that arrive, 1.9 / 0.9. The same bytes move, in one exchange.
-- all-gather of 4 KB, 256 KB per rank: gloo 3.4 / 1.3, 2.6 / 0.9 (its fixed cost); every rank
-  sending its block to every other (an all-to-all of n copies of it) 1.9 / 0.4, 1.6 / 0.4. The same
-  bytes again; past a few hundred KB gloo's is cheaper in CPU, so only blocks up to 256 KiB.
-- all-reduce of 16 KB, 512 KB: gloo 6.0 / 2.0, 6.0 / 1.4; every rank sending the whole tensor to
-  every other and summing the n that arrive, in rank order (so every rank gets the same bits),
-  0.6 / 0.2, 2.6 / 1.2. That moves n times the bytes, so only from 1 KiB (gloo's small-message
-  path is fast: 0.8 ms for 8 bytes) to 1 MiB (at 3 MB gloo's ring wins: 5.0 against 8.5 ms).
+- reduce-scatter: an all-to-all of the input's n row blocks, then a local sum of the n blocks that
+  arrive. The same bytes move, in one exchange: 0.2-0.5 of gloo's time at every size measured,
+  16 bytes to 4 MB.
+- all-gather: an all-to-all of n copies of the block; the same bytes again. 0.2-0.7 of gloo's time
+  up to 256 KiB per rank; from 1 MB on, about gloo's (0.8-1.0) for a local copy more, so only
+  blocks up to 256 KiB.
+- all-reduce: every rank sends the whole tensor to every other and sums the n that arrive, in rank
+  order (so every rank gets the same bits). n times the bytes of a ring, so only up to 1 MiB:
+  0.2-0.3 of gloo's time to 256 KB, 0.6-0.8 at 1 MB, 1.8-2.2 at 4 MB.
 
 `for_backend` rewrites a copy of the local program, the one that runs; `as_text` and
 `cost_analysis` keep the collectives the partitioner chose, as a backend's own choice of ring or
@@ -29,7 +30,7 @@ aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
 REWRITTEN = ("gloo",)
 GATHER_MAX = 256 * 2**10  # bytes per rank
-ALL_REDUCE_RANGE = (2**10, 2**20)  # bytes
+ALL_REDUCE_MAX = 2**20  # bytes
 
 
 def for_backend(gm: torch.fx.GraphModule, backend_of) -> torch.fx.GraphModule:
@@ -61,7 +62,7 @@ def for_backend(gm: torch.fx.GraphModule, backend_of) -> torch.fx.GraphModule:
                 rewrites += 1
         elif node.target is c10d.all_reduce.default:
             x, op, group = node.args
-            if op in ("sum", "avg") and dtype.is_floating_point and ALL_REDUCE_RANGE[0] <= size <= ALL_REDUCE_RANGE[1]:
+            if op in ("sum", "avg") and dtype.is_floating_point and size <= ALL_REDUCE_MAX:
                 n = _group_size(group)
                 with graph.inserting_before(node):
                     copies = graph.call_function(_copies, (graph.call_function(aten.reshape.default, (x, [-1])), n))
