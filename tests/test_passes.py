@@ -67,6 +67,19 @@ def test_a_donated_input_read_after_the_chain_starts_is_not_overwritten():
     assert aten.copy_.default in targets(gm)
 
 
+def test_a_donated_input_a_gather_still_reads_is_not_overwritten():
+    # the gather sends p in the background until its wait: the update may not go into p before
+    def body(g, p, u):
+        gathered = g.call_function(c10d.all_gather_into_tensor.default, (p, 2, "0"))
+        new = g.call_function(aten.add.Tensor, (p, u))
+        waited = g.call_function(c10d.wait_tensor.default, (gathered,))
+        return (g.call_function(aten.copy_.default, (p, new)), waited)
+
+    gm = build(body, 2)
+    assert fold_donated_copies(gm) == 0
+    assert aten.copy_.default in targets(gm)
+
+
 def test_a_scale_feeding_an_add_becomes_its_alpha():
     def body(g, p, u):
         return (g.call_function(aten.add.Tensor, (p, g.call_function(aten.mul.Tensor, (u, -0.01)))),)

@@ -55,7 +55,8 @@ def lifetimes(nodes: list[torch.fx.Node]) -> tuple[dict, dict]:
     """`(root, last)`: the node whose buffer each node's result is, and for each such buffer the
     index of the last node reading it through any alias (results: to the end; inputs, which their
     caller holds: to the end; a buffer nobody reads: where it is made). A collective reads its
-    inputs until its wait: it runs in the background from where it is issued."""
+    inputs until its wait: it may run in the background from where it is issued (gloo's gathers
+    and all-to-alls do; the functional all-reduce copies its input first: this is the safe side)."""
     root: dict = {}
     last: dict = {}
     for i, n in enumerate(nodes):
@@ -75,7 +76,8 @@ def lifetimes(nodes: list[torch.fx.Node]) -> tuple[dict, dict]:
 
 
 def readers(node: torch.fx.Node, through_copies: bool = True) -> list[torch.fx.Node]:
-    """Every node that reads `node`'s memory, through its aliases (not the program's output).
+    """Every node that reads `node`'s memory, through its aliases (not the program's output); a
+    collective's wait among them, as it reads in the background until then.
     `through_copies=False`: a `copy_` into it starts a new value, whose readers are not counted."""
     out, todo = [], [node]
     while todo:
@@ -86,4 +88,6 @@ def readers(node: torch.fx.Node, through_copies: bool = True) -> list[torch.fx.N
             out.append(u)
             if aliased(u) is n and (through_copies or u.target is not aten.copy_.default):
                 todo.append(u)
+            elif str(u.target).startswith("_c10d_functional."):
+                out += [w for w in u.users if w.target is _WAIT]
     return out
