@@ -14,19 +14,21 @@ from ndfunc.sharding import NamedSharding, P
 N_LAYERS, D, B = 4, 32, 16
 
 
-def setup():
+def setup(blocks: bool = True):
     """A chain of `tanh(h @ w)` layers, each weight a block of a list (`layers.i.w`), as FSDP
-    wraps each block: the unit `nf.fsdp` gathers, prefetches and buckets by."""
+    wraps each block: the unit `nf.fsdp` gathers, prefetches and buckets by; or, `blocks=False`,
+    weights side by side (`w0`, `w1`, ..), each then a unit of its own."""
     g = torch.Generator().manual_seed(0)
-    params = {"layers": [{"w": torch.randn(D, D, generator=g) / D**0.5} for _ in range(N_LAYERS)]}
+    weights = [torch.randn(D, D, generator=g) / D**0.5 for _ in range(N_LAYERS)]
+    params = {"layers": [{"w": w} for w in weights]} if blocks else {f"w{i}": w for i, w in enumerate(weights)}
     x, y = torch.randn(B, D, generator=g), torch.randn(B, D, generator=g)
     opt = nf.optim.adam(1e-2)
 
     def step(p, s, x, y):
         def loss_fn(p):
             h = x
-            for layer in p["layers"]:
-                h = torch.tanh(h @ layer["w"])
+            for w in ([layer["w"] for layer in p["layers"]] if blocks else [p[f"w{i}"] for i in range(N_LAYERS)]):
+                h = torch.tanh(h @ w)
             return ((h - y) ** 2).mean()
 
         loss, grads = nf.value_and_grad(loss_fn)(p)
@@ -36,8 +38,8 @@ def setup():
     return params, opt, step, x, y
 
 
-def jitted(mesh, transforms=()):
-    params, opt, step, x, y = setup()
+def jitted(mesh, transforms=(), blocks: bool = True):
+    params, opt, step, x, y = setup(blocks)
     specs = optree.tree_map(lambda _: P("dp"), params)  # each weight stored as row blocks
     state = opt.init(params)
     sspecs = nf.optim.state_shardings(state, specs)
@@ -63,13 +65,14 @@ def test_fsdp_step_equals_the_unsharded_step(reshard):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
-def test_resharding_gathers_each_weight_again_for_backward_and_frees_it_between():
+@pytest.mark.parametrize("blocks", [True, False])
+def test_resharding_gathers_each_weight_again_for_backward_and_frees_it_between(blocks):
     with nf.simulate(4):
         mesh = nf.make_mesh(dp=4)
-        plain, args = jitted(mesh)
+        plain, args = jitted(mesh, blocks=blocks)
         # one collective per weight here (bucket_bytes=0), to count them
-        keep, _ = jitted(mesh, [nf.fsdp("dp", reshard_after_forward=False, bucket_bytes=0)])
-        reshard, _ = jitted(mesh, [nf.fsdp("dp", bucket_bytes=0)])
+        keep, _ = jitted(mesh, [nf.fsdp("dp", reshard_after_forward=False, bucket_bytes=0)], blocks)
+        reshard, _ = jitted(mesh, [nf.fsdp("dp", bucket_bytes=0)], blocks)
         c_plain, c_keep, c_reshard = (f.lower(*args).cost_analysis() for f in (plain, keep, reshard))
     weight = D * D * 4
     per_gather = weight * 3 // 4  # (N-1)/N of a weight comes in

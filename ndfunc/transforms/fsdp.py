@@ -60,7 +60,7 @@ class fsdp:  # noqa: N801 - a transform is named like the function it stands for
         gm = program.local
         gathers = self._gathers(gm)
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-        module = {ph: _module_of(path) for ph, path in zip(placeholders, program.traced.input_paths)}
+        module = _modules(placeholders, program.traced.input_paths)
         if self.reshard_after_forward:
             index = {n: i for i, n in enumerate(gm.graph.nodes)}  # copies go in; these stay valid
             layer = [module.get(_source(g.start.args[0])) for g in gathers]
@@ -193,13 +193,15 @@ def _comm_meta(members: list, kind: str, dtype, device, numel: int) -> tuple[dic
     return comm, ((numel,), dtype, device)
 
 
-def _module_of(path: str) -> str:
-    """The layer a parameter belongs to: its path up to the last list index (`0.layers.3`); outside
-    any list, the root of its argument (`0`: the embedding, the final norm and the head), as FSDP2
-    groups what no block wraps."""
-    parts = path.split(".")
-    last = max((i for i, p in enumerate(parts[1:], 1) if p.isdigit()), default=0)
-    return ".".join(parts[:last + 1])
+def _modules(placeholders: list, paths: list[str]) -> dict:
+    """The layer each parameter belongs to, as FSDP2 wraps them: its path up to the last list
+    index (`0.layers.3`); beside a list of blocks, the root of its argument (`0`: the embedding,
+    the final norm and the head); in an argument with no list of blocks (`{'w0': .., 'w1': ..}`),
+    the parameter on its own."""
+    cuts = [max((i for i, p in enumerate(path.split(".")[1:], 1) if p.isdigit()), default=0) for path in paths]
+    blocks = {path.split(".")[0] for path, cut in zip(paths, cuts) if cut}
+    return {ph: ".".join(path.split(".")[:cut + 1]) if cut or path.split(".")[0] in blocks else path
+            for ph, path, cut in zip(placeholders, paths, cuts)}
 
 
 _VIEWS = (aten.clone.default, aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.permute.default,
