@@ -11,6 +11,7 @@ from test_fsdp import llama_case
 
 import ndfunc as nf
 import ndfunc.compile
+from ndfunc.partition.algorithms import cpu_backend
 from ndfunc.sharding import NamedSharding, P
 
 c10d = torch.ops._c10d_functional
@@ -68,3 +69,9 @@ def test_other_backends_run_the_program_as_written(monkeypatch, backend):
         f, args = fsdp_tp_step(cfg, params, opt)
         lowered = f.lower(*args, batch)
     assert lowered.compile().runs is lowered.program.local
+
+
+@pytest.mark.parametrize(("name", "cpu"), [("gloo", "gloo"), ("cpu:gloo,cuda:nccl", "gloo"), ("nccl", "nccl"),
+                                           ("fake", "fake")])
+def test_a_group_made_for_several_devices_runs_cpu_tensors_on_its_cpu_backend(name, cpu):
+    assert cpu_backend(name) == cpu

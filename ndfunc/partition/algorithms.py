@@ -17,7 +17,8 @@ call, the all-to-all form over gloo's):
 
 `for_backend` rewrites a copy of the local program, the one that runs; `as_text` and
 `cost_analysis` keep the collectives the partitioner chose, as a backend's own choice of ring or
-tree would. Simulated ranks stand for any backend and run the program as the partitioner wrote it.
+tree would (so the peak-memory estimate leaves out the bounded buffers below). Simulated ranks
+stand for any backend and run the program as the partitioner wrote it.
 """
 
 from __future__ import annotations
@@ -29,8 +30,12 @@ import torch
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
 REWRITTEN = ("gloo",)
-GATHER_MAX = 256 * 2**10  # bytes per rank
-ALL_REDUCE_MAX = 2**20  # bytes
+# What an all-to-all form may hold above gloo's own, in bytes: a reduce-scatter's arrivals (as big
+# as its input) until their sum; a gather's or all-reduce's n copies, sent and arrived. The
+# measurements above set the last two (256 KiB and 1 MiB at n = 4).
+REDUCE_SCATTER_MAX = 16 * 2**20
+GATHER_COPIES_MAX = 2**20
+ALL_REDUCE_COPIES_MAX = 4 * 2**20
 
 
 def for_backend(gm: torch.fx.GraphModule, backend_of) -> torch.fx.GraphModule:
@@ -49,12 +54,12 @@ def for_backend(gm: torch.fx.GraphModule, backend_of) -> torch.fx.GraphModule:
             continue
         if node.target is c10d.reduce_scatter_tensor.default:
             x, op, n, group = node.args
-            if op in ("sum", "avg") and dtype.is_floating_point:
+            if op in ("sum", "avg") and dtype.is_floating_point and size <= REDUCE_SCATTER_MAX:
                 _sum_what_comes(graph, node, wait, x, n, group, op)
                 rewrites += 1
         elif node.target is c10d.all_gather_into_tensor.default:
             x, n, group = node.args
-            if shape and size <= GATHER_MAX:
+            if shape and size * n <= GATHER_COPIES_MAX:
                 with graph.inserting_before(node):
                     swapped = _all_to_all(graph, graph.call_function(_copies, (x, n)), n, group)
                 node.replace_all_uses_with(swapped)
@@ -62,8 +67,8 @@ def for_backend(gm: torch.fx.GraphModule, backend_of) -> torch.fx.GraphModule:
                 rewrites += 1
         elif node.target is c10d.all_reduce.default:
             x, op, group = node.args
-            if op in ("sum", "avg") and dtype.is_floating_point and size <= ALL_REDUCE_MAX:
-                n = _group_size(group)
+            n = _group_size(group)
+            if op in ("sum", "avg") and dtype.is_floating_point and size * n <= ALL_REDUCE_COPIES_MAX:
                 with graph.inserting_before(node):
                     copies = graph.call_function(_copies, (graph.call_function(aten.reshape.default, (x, [-1])), n))
                 _sum_what_comes(graph, node, wait, copies, n, group, op, like=x)
@@ -118,8 +123,15 @@ def _group_size(group_name: str) -> int:
 
 
 def backend_of(group_name: str) -> str:
-    """The backend of the process group named `group_name` ('gloo', 'nccl', 'fake', ...)."""
+    """The backend the process group named `group_name` runs CPU tensors on ('gloo', 'fake', ..):
+    a group made for several devices names one per device ('cpu:gloo,cuda:nccl')."""
     import torch.distributed as dist
     from torch.distributed.distributed_c10d import _resolve_process_group
 
-    return dist.get_backend(_resolve_process_group(group_name))
+    return cpu_backend(dist.get_backend(_resolve_process_group(group_name)))
+
+
+def cpu_backend(name: str) -> str:
+    """'gloo' of 'gloo' and of 'cpu:gloo,cuda:nccl'."""
+    per_device = dict(part.split(":", 1) for part in name.split(",") if ":" in part)
+    return per_device.get("cpu", name)
