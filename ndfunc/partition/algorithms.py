@@ -40,7 +40,8 @@ ALL_REDUCE_COPIES_MAX = 4 * 2**20
 
 def for_backend(gm: torch.fx.GraphModule, backend_of) -> torch.fx.GraphModule:
     """A copy of `gm` whose sum and mean reductions and small gathers over groups whose backend
-    (`backend_of(group_name)`) is gloo run as all-to-alls; `gm` itself if none does."""
+    (`backend_of(group_name)`) is gloo run as all-to-alls; `gm` itself if none does. Shapes come
+    from what each collective sends (`meta['ndfunc_input']`), so the program does no shape work."""
     graph = torch.fx.Graph()
     graph.output(graph.graph_copy(gm.graph, {}))
     rewrites = 0
@@ -55,13 +56,14 @@ def for_backend(gm: torch.fx.GraphModule, backend_of) -> torch.fx.GraphModule:
         if node.target is c10d.reduce_scatter_tensor.default:
             x, op, n, group = node.args
             if op in ("sum", "avg") and dtype.is_floating_point and size <= REDUCE_SCATTER_MAX:
-                _sum_what_comes(graph, node, wait, x, n, group, op)
+                _sum_what_comes(graph, node, wait, x, n, group, op, shape)
                 rewrites += 1
         elif node.target is c10d.all_gather_into_tensor.default:
             x, n, group = node.args
             if shape and size * n <= GATHER_COPIES_MAX:
                 with graph.inserting_before(node):
-                    swapped = _all_to_all(graph, graph.call_function(_copies, (x, n)), n, group)
+                    copies = graph.call_function(aten.repeat.default, (x, [n] + [1] * (len(shape) - 1)))
+                    swapped = _all_to_all(graph, copies, n, shape[0] * n, group)
                 node.replace_all_uses_with(swapped)
                 graph.erase_node(node)
                 rewrites += 1
@@ -69,51 +71,37 @@ def for_backend(gm: torch.fx.GraphModule, backend_of) -> torch.fx.GraphModule:
             x, op, group = node.args
             n = _group_size(group)
             if op in ("sum", "avg") and dtype.is_floating_point and size * n <= ALL_REDUCE_COPIES_MAX:
+                numel = math.prod(shape)
                 with graph.inserting_before(node):
-                    copies = graph.call_function(_copies, (graph.call_function(aten.reshape.default, (x, [-1])), n))
-                _sum_what_comes(graph, node, wait, copies, n, group, op, like=x)
+                    copies = graph.call_function(aten.repeat.default, (
+                        graph.call_function(aten.reshape.default, (x, [-1])), [n]))
+                _sum_what_comes(graph, node, wait, copies, n, group, op, (n * numel,), shape)
                 rewrites += 1
     return torch.fx.GraphModule(gm, graph) if rewrites else gm
 
 
-def _sum_what_comes(graph, node, wait, x, n: int, group, op: str, like=None) -> None:
-    """Replace the reduction `node` (and its `wait`) by an all-to-all of `x`'s n row blocks and,
-    once waited for, the sum (`op` 'avg': the mean) of the n blocks that arrive (shaped as `like`,
-    if given)."""
+def _sum_what_comes(graph, node, wait, x, n: int, group, op: str, sent: tuple, result: tuple | None = None) -> None:
+    """Replace the reduction `node` (and its `wait`) by an all-to-all of `x`'s (shape `sent`) n row
+    blocks and, once waited for, the sum (`op` 'avg': the mean) of the n blocks that arrive,
+    shaped `result` (a block's if None)."""
+    k = sent[0] // n
     with graph.inserting_before(node):
-        swapped = _all_to_all(graph, x, n, group)
+        swapped = _all_to_all(graph, x, n, sent[0], group)
     with graph.inserting_before(wait):
-        out = graph.call_function(_sum_blocks, (graph.call_function(c10d.wait_tensor.default, (swapped,)), n, op))
-        if like is not None:
-            out = graph.call_function(_shaped_as, (out, like))
+        arrived = graph.call_function(c10d.wait_tensor.default, (swapped,))
+        blocks = graph.call_function(aten.reshape.default, (arrived, [n, k, *sent[1:]]))
+        out = graph.call_function(aten.sum.dim_IntList if op == "sum" else aten.mean.dim, (blocks, [0]))
+        if result is not None:
+            out = graph.call_function(aten.reshape.default, (out, list(result)))
     wait.replace_all_uses_with(out)
     graph.erase_node(wait)
     graph.erase_node(node)
 
 
-def _all_to_all(graph, x, n: int, group) -> torch.fx.Node:
-    """Block i of `x`'s rows to rank i; what comes back: block i from rank i (to be waited for)."""
-    splits = graph.call_function(_blocks, (x, n))
+def _all_to_all(graph, x, n: int, rows: int, group) -> torch.fx.Node:
+    """Block i of `x`'s `rows` rows to rank i; what comes back: block i from rank i (to be waited for)."""
+    splits = [rows // n] * n
     return graph.call_function(c10d.all_to_all_single.default, (x, splits, splits, group))
-
-
-# What the rewritten program calls: shapes are read when it runs.
-
-def _blocks(x: torch.Tensor, n: int) -> list[int]:
-    return [x.shape[0] // n] * n
-
-
-def _copies(x: torch.Tensor, n: int) -> torch.Tensor:
-    return x.repeat(n, *[1] * (x.dim() - 1))
-
-
-def _sum_blocks(arrived: torch.Tensor, n: int, op: str) -> torch.Tensor:
-    blocks = arrived.view(n, arrived.shape[0] // n, *arrived.shape[1:])
-    return blocks.sum(0) if op == "sum" else blocks.mean(0)
-
-
-def _shaped_as(out: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    return out.view(like.shape)
 
 
 def _group_size(group_name: str) -> int:

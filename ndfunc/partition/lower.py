@@ -90,10 +90,12 @@ class _Emitter:
             split = list(step.in_shape[:d]) + [n, step.out_shape[d]] + list(step.in_shape[d + 1:])
             block = self.call(aten.index_select.default, self.call(aten.reshape.default, x, split), d, index)
             return self.call(aten.reshape.default, block, list(step.out_shape))
+        sent = tuple(step.in_shape)
         if not val.is_contiguous() or (step.kind == "reduce_scatter" and d != 0):
             if step.kind == "reduce_scatter" and d != 0:  # blocks along d, stacked on dim 0
                 x = self.call(aten.cat.default, [self.call(operator.getitem, self.call(
                     aten.split.Tensor, x, step.in_shape[d] // n, d), i) for i in range(n)], 0)
+                sent = (sent[0] * n, *sent[1:d], sent[d] // n, *sent[d + 1:])
             else:
                 x = self.call(aten.clone.default, x, memory_format=torch.contiguous_format)
         if step.kind == "all_reduce":
@@ -102,7 +104,7 @@ class _Emitter:
             comm = self.call(c10d.all_gather_into_tensor.default, x, n, group)
         else:
             comm = self.call(c10d.reduce_scatter_tensor.default, x, "sum", n, group)
-        comm.meta["ndfunc_input"] = (tuple(step.in_shape), val.dtype, val.device)
+        comm.meta["ndfunc_input"] = (sent, val.dtype, val.device)  # what it sends
         comm.meta["ndfunc_comm"] = step.describe(val.element_size(), self.axis_names[step.axis])
         out = self.call(c10d.wait_tensor.default, comm)
         if step.reduce_op == "avg":
