@@ -86,8 +86,7 @@ def readers(node: torch.fx.Node, through_copies: bool = True) -> list[torch.fx.N
             if u.op == "output":
                 continue
             out.append(u)
+            out += [w for w in u.users if w.target is _WAIT]  # u is a collective, reading until then
             if aliased(u) is n and (through_copies or u.target is not aten.copy_.default):
                 todo.append(u)
-            elif str(u.target).startswith("_c10d_functional."):
-                out += [w for w in u.users if w.target is _WAIT]
     return out

@@ -63,11 +63,10 @@ class fsdp:  # noqa: N801 - a transform is named like the function it stands for
         module = _modules(placeholders, program.traced.input_paths)
         if self.reshard_after_forward:
             index = {n: i for i, n in enumerate(gm.graph.nodes)}  # copies go in; these stay valid
-            layer = [module.get(_source(g.start.args[0])) for g in gathers]
-            firsts = sorted((index[min(g.value.users, key=index.__getitem__)], m)
-                            for g, m in zip(gathers, layer) if g.value.users)
-            for g, m in zip(gathers, layer):
-                _regather_for_second_use(gm, g, index, firsts, m)
+            firsts = sorted((index[min(g.value.users, key=index.__getitem__)], g.layer(module))
+                            for g in gathers if g.value.users)
+            for g in gathers:
+                _regather_for_second_use(gm, g, index, firsts, g.layer(module))
         if self.prefetch > 0:
             _prefetch(gm, self._gathers(gm), self.prefetch, module)
         if self.reduce_dtype is not None:
@@ -84,6 +83,10 @@ class _Gather:
     start: torch.fx.Node  # all_gather_into_tensor
     chain: list  # start .. value: the nodes that make the gathered value
     value: torch.fx.Node  # what the program reads
+
+    def layer(self, module: dict) -> str | None:
+        """The layer (`_modules`) of the parameter gathered."""
+        return module.get(_source(self.start.args[0]))
 
     @property
     def comm(self) -> dict:
@@ -139,9 +142,9 @@ def _regather_for_second_use(gm, g: _Gather, index: dict, firsts: list[tuple], l
     if len(uses) < 2:
         return
     # split where other layers' parameters are first used in between: forward, then backward
-    cut = None
+    cut, first = None, operator.itemgetter(0)
     for a, b in zip(uses, uses[1:]):
-        lo, hi = bisect.bisect_right(firsts, (index[a], "\uffff")), bisect.bisect_left(firsts, (index[b], ""))
+        lo, hi = (bisect.bisect_right(firsts, index[a], key=first), bisect.bisect_left(firsts, index[b], key=first))
         if any(other != layer for _, other in firsts[lo:hi]):
             cut = b
             break
@@ -165,7 +168,7 @@ def _prefetch(gm, gathers: list[_Gather], k: int, module: dict) -> None:
     first = [(min(g.value.users, key=index.__getitem__), g) for g in gathers if g.value.users]
     layers: list[list[tuple]] = []  # (first read, gather) of each layer
     for read, g in sorted(first, key=lambda f: index[f[0]]):
-        if layers and module.get(_source(g.start.args[0])) == module.get(_source(layers[-1][0][1].start.args[0])):
+        if layers and g.layer(module) == layers[-1][0][1].layer(module):
             layers[-1].append((read, g))
         else:
             layers.append([(read, g)])
@@ -231,7 +234,7 @@ def _bucket_gathers(gm, gathers: list[_Gather], cap: int, module: dict) -> None:
     groups, current = [], []
     for g in gathers:
         shape, dtype, _ = g.start.meta["ndfunc_input"]
-        key = (g.start.args[1], g.start.args[2], dtype, module.get(_source(g.start.args[0])))
+        key = (g.start.args[1], g.start.args[2], dtype, g.layer(module))
         fits = current and key == current[0][0] and sum(c[1].comm["bytes"] for c in current) + g.comm["bytes"] <= cap
         if fits and all(index[a] < index[current[0][1].start] or _source(a).op == "placeholder"
                         for a in g.start.all_input_nodes):
