@@ -83,6 +83,32 @@ def run_in_this_world(sizes: tuple[int, ...], transforms=(), layout=None):
     return nf.device_get(p), losses, jitted.lower(p, s, batches[0]).cost_analysis()
 
 
+def lowered_step(name: str):
+    """The strategy's step lowered for the first batch, on simulated ranks."""
+    config = nf.ParallelConfig(*MATRIX[name])
+    with nf.simulate(config.total_size):
+        cfg, opt, _, params, batches = setup()
+        pspec = nf.sharding.logical_to_mesh(llama.param_axes(cfg), config.rules)
+        state = opt.init(params)
+        sspec = nf.optim.state_shardings(state, pspec)
+        jitted = nf.jit(train.make_step(cfg, opt, config.rules), mesh=config.build_mesh(),
+                        in_shardings=(pspec, sspec, {k: config.batch_spec for k in batches[0]}),
+                        out_shardings=(pspec, sspec, P()))
+        return jitted.lower(params, state, batches[0])
+
+
+def test_a_plan_does_not_depend_on_what_was_partitioned_before(monkeypatch):
+    # tp=4 and dp_shard=4 both partition over one axis of 4, so they share strategies; a
+    # constraint's spec (the batch over ('dp_replicate', 'dp_shard')) is another layout on each
+    from ndfunc.partition import strategies
+
+    monkeypatch.setattr(strategies, "_CACHE", {})
+    alone = lowered_step("tp").cost_analysis()["collectives"]
+    monkeypatch.setattr(strategies, "_CACHE", {})
+    lowered_step("fsdp")
+    assert lowered_step("tp").cost_analysis()["collectives"] == alone
+
+
 @pytest.fixture(scope="module")
 def single_device():
     return reference()

@@ -92,7 +92,11 @@ def candidates(node: torch.fx.Node, sizes: tuple[int, ...]) -> list[Strategy]:
     if node.meta.get("ndfunc_manual") or node.target is manual.exit_op:
         return _manual_rule(node, sizes)
     cache = _CACHE.setdefault(sizes, {})
-    sig = (_signature(node), repr(node.meta.get("ndfunc_ring")))
+    # a sharding constraint's layout (its own, or an input's) is resolved on the mesh: the same
+    # spec is another layout on another mesh of these sizes (('dp_replicate', 'dp_shard') on dp=4
+    # or on tp=4)
+    layouts = (node.meta.get("ndfunc_layout"), *(a.meta.get("ndfunc_layout") for a in tensor_inputs(node)))
+    sig = (_signature(node), repr(node.meta.get("ndfunc_ring")), repr(layouts))
     if sig not in cache:
         cache[sig] = _candidates(node, sizes)
     return cache[sig]
