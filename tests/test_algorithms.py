@@ -77,24 +77,15 @@ def test_a_group_made_for_several_devices_runs_cpu_tensors_on_its_cpu_backend(na
     assert cpu_backend(name) == cpu
 
 
-@pytest.mark.parametrize("name", ["tp", "4d"])
+@pytest.mark.parametrize("name", ["fsdp", "4d"])
 def test_each_collective_records_the_shape_it_sends(name):
     # the all-to-all forms take their blocks from meta['ndfunc_input']: it must be the input's
     # shape as sent (a reduce-scatter off dim 0 sends its blocks stacked on dim 0), as the
     # program's own shapes, propagated, say
-    from models import llama, train
-    from test_matrix import MATRIX, setup
+    from test_matrix import lowered_step
 
-    config = nf.ParallelConfig(*MATRIX[name])
-    with nf.simulate(config.total_size):
-        cfg, opt, _, params, batches = setup()
-        pspec = nf.sharding.logical_to_mesh(llama.param_axes(cfg), config.rules)
-        state = opt.init(params)
-        f = nf.jit(train.make_step(cfg, opt, config.rules), mesh=config.build_mesh(),
-                   in_shardings=(pspec, nf.optim.state_shardings(state, pspec), {k: config.batch_spec for k in batches[0]}),
-                   out_shardings=(pspec, nf.optim.state_shardings(state, pspec), P()))
-        lowered = f.lower(params, state, batches[0])
-        lowered.cost_analysis()  # fills every node's meta['val']
+    lowered = lowered_step(name)
+    lowered.cost_analysis()  # fills every node's meta['val']
     collectives = [n for n in lowered.program.local.graph.nodes if "ndfunc_input" in n.meta]
     assert any(n.target is c10d.reduce_scatter_tensor.default for n in collectives)
     for n in collectives:
