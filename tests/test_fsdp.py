@@ -9,6 +9,7 @@ import torch
 from test_jit_partition import CountRun
 
 import ndfunc as nf
+from ndfunc.partition.analysis import peak_memory
 from ndfunc.sharding import NamedSharding, P
 
 N_LAYERS, D, B = 4, 32, 16
@@ -65,14 +66,15 @@ def test_fsdp_step_equals_the_unsharded_step(reshard):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("prefetch", [0, 1])
 @pytest.mark.parametrize("blocks", [True, False])
-def test_resharding_gathers_each_weight_again_for_backward_and_frees_it_between(blocks):
+def test_resharding_gathers_each_weight_again_for_backward_and_frees_it_between(blocks, prefetch):
     with nf.simulate(4):
         mesh = nf.make_mesh(dp=4)
         plain, args = jitted(mesh, blocks=blocks)
         # one collective per weight here (bucket_bytes=0), to count them
         keep, _ = jitted(mesh, [nf.fsdp("dp", reshard_after_forward=False, bucket_bytes=0)], blocks)
-        reshard, _ = jitted(mesh, [nf.fsdp("dp", bucket_bytes=0)], blocks)
+        reshard, _ = jitted(mesh, [nf.fsdp("dp", bucket_bytes=0, prefetch=prefetch)], blocks)
         c_plain, c_keep, c_reshard = (f.lower(*args).cost_analysis() for f in (plain, keep, reshard))
     weight = D * D * 4
     per_gather = weight * 3 // 4  # (N-1)/N of a weight comes in
@@ -80,11 +82,14 @@ def test_resharding_gathers_each_weight_again_for_backward_and_frees_it_between(
     # without resharding: each weight gathered once, its gradient reduce-scattered: 2 x params x (N-1)/N
     assert moved(c_keep, "all_gather") == N_LAYERS * per_gather + loss_gather == moved(c_plain, "all_gather")
     assert moved(c_keep, "reduce_scatter") == N_LAYERS * per_gather
-    # resharding: gathered again for backward (3 x params x (N-1)/N), except two weights: the last
-    # layer's, whose backward comes right after its forward (as torchtitan leaves it), and the
-    # first's, which backward does not read (no gradient for the input x)
-    assert moved(c_reshard, "all_gather") == (2 * N_LAYERS - 2) * per_gather + loss_gather
-    assert c_reshard["collectives"]["all_gather"] == c_keep["collectives"]["all_gather"] + N_LAYERS - 2
+    # resharding: gathered again for backward (3 x params x (N-1)/N), except the last layer's,
+    # whose backward comes right after its forward (as torchtitan leaves it), the first's, which
+    # backward does not read (no gradient for the input x), and with prefetch the one before the
+    # last: its gather for backward would be issued where the last layer's forward starts, as
+    # soon as the first copy is freed, which would save no memory
+    again = N_LAYERS - 2 - min(prefetch, 1)
+    assert moved(c_reshard, "all_gather") == (N_LAYERS + again) * per_gather + loss_gather
+    assert c_reshard["collectives"]["all_gather"] == c_keep["collectives"]["all_gather"] + again
     # and the gathered weights are not all held from forward to backward
     assert c_reshard["peak_memory_bytes"] < c_keep["peak_memory_bytes"] <= c_plain["peak_memory_bytes"]
 
@@ -231,6 +236,56 @@ def test_peak_memory_is_the_shards_plus_the_gathered_layers_plus_activations():
         assert got == pytest.approx(formula, rel=0.10), (prefetch, got, formula)
 
 
+def test_gradient_reduce_scatters_stay_in_flight_as_long_as_the_peak_allows():
+    # Each bucketed reduce-scatter is waited for where its results are read (by the optimizer),
+    # else before the next is issued, else at once: whichever is latest without raising the peak
+    # of the program that waits for each at once. The vocabulary here is big next to the layers,
+    # so the step's peak is the logits' and every bucket can stay in flight until it is read.
+    cfg, params, batch, opt, _ = llama_case((4, 32), vocab_size=4096, dim=64, n_layers=3, ffn_dim=192)
+    with nf.simulate(4):
+        f, args = llama_fsdp_step(cfg, params, opt, 4, [nf.fsdp("dp_shard")])
+        lowered = f.lower(*args, batch)
+        got = nf.device_get(f(*args, batch))
+    lowered.program.ensure_meta()
+    gm = lowered.program.local
+    nodes = list(gm.graph.nodes)
+    rs = [n for n in nodes if n.target is torch.ops._c10d_functional.reduce_scatter_tensor.default]
+    waits = [next(iter(r.users)) for r in rs]
+    assert len(rs) == 3 + 1  # a bucket per block, and the root's (final norm and head)
+    buckets = [w for r, w in zip(rs, waits) if r.meta["ndfunc_comm"].get("bucket", 1) > 1]
+    assert len(buckets) >= 3 and all(w.next in w.users for w in buckets)  # as late as can be: read next
+    assert sum(nodes.index(w) > nodes.index(r.next) for w, r in zip(waits, rs[1:])) >= 2  # over later layers
+    peak = peak_memory(gm)
+    for r in rs:  # each waited for at once instead
+        r.append(next(iter(r.users)))
+    assert peak_memory(gm) == peak
+    from models import train
+
+    expected = train.make_step(cfg, opt)(params, opt.init(params), batch)
+    for a, b in zip(optree.tree_leaves(got), optree.tree_leaves(expected)):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=2e-5)
+
+
+def test_reduce_scatters_are_waited_for_at_once_where_in_flight_would_raise_the_peak():
+    # Here the layers outweigh the logits: the peak is in backward, where a reduce-scatter in
+    # flight would hold a layer's gradients over the next layer's; the peak formula's case.
+    cfg, params, batch, opt, _ = llama_case((4, 32), vocab_size=1024, dim=128, n_layers=4, ffn_dim=384)
+    with nf.simulate(4):
+        f, args = llama_fsdp_step(cfg, params, opt, 4, [nf.fsdp("dp_shard", prefetch=0)])
+        lowered = f.lower(*args, batch)
+    lowered.program.ensure_meta()
+    gm = lowered.program.local
+    nodes = list(gm.graph.nodes)
+    rs = [n for n in nodes if n.target is torch.ops._c10d_functional.reduce_scatter_tensor.default]
+    at_once = [next(iter(r.users)) is r.next for r in rs]
+    assert any(at_once)
+    peak = peak_memory(gm)
+    for r, once in zip(rs, at_once):
+        if not once:  # the others, later still, would raise it
+            r.append(next(iter(r.users)))
+    assert peak_memory(gm) == peak
+
+
 @pytest.mark.parametrize("prefetch", [0, 1, 2])
 def test_prefetch_issues_a_whole_layer_that_many_layers_ahead(prefetch):
     # Three llama blocks: each block's nine parameters come in one gather, and with prefetch k
@@ -252,7 +307,9 @@ def test_prefetch_issues_a_whole_layer_that_many_layers_ahead(prefetch):
     assert [b for b, _ in forward] == [9, 9, 9]
     assert [m for _, m in forward] == [0, 7 * min(prefetch, 1), 7 * min(prefetch, 2)]
     assert head == (2, 7 * prefetch)
-    assert len(gathers) == 3 + 1 + 3  # and each block again for backward
+    # and each block again for backward, but with prefetch the last: its gather for backward
+    # would be issued (one layer ahead: at the head) where its forward ends
+    assert len(gathers) == 3 + 1 + 3 - min(prefetch, 1)
 
 
 def test_gradient_reductions_are_waited_for_in_turn_so_gradients_are_not_held_to_the_end():

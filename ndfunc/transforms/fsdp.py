@@ -7,7 +7,8 @@ one, so every layer's gathered weights are held at once. This pass makes that FS
 
 - reshard after forward: a gathered parameter whose uses fall in two groups, with other layers'
   parameters gathered in between (a layer's forward, then, much later, its backward), is gathered
-  again just before the second group, so the first copy dies after forward;
+  again just before the second group, so the first copy dies after forward (with prefetch, not
+  the last block: its backward gather would be issued where its forward ends);
 - prefetch: a layer's all-gathers are issued where the layer `prefetch` places earlier first reads
   its gathered parameters (each wait stays at its own first use), so the transfers overlap that
   layer's compute;
@@ -16,7 +17,9 @@ one, so every layer's gathered weights are held at once. This pass makes that FS
   index, `layers.3.`, as FSDP2 wraps each block) issued one after another become one all-gather
   of their shards laid end to end; the gradient reduce-scatters of one layer's backward (between
   where backward first reads two layers' gathered parameters) one reduce-scatter; up to
-  `bucket_bytes` each. A collective's fixed cost is paid once per layer, not once per parameter.
+  `bucket_bytes` each. A collective's fixed cost is paid once per layer, not once per parameter;
+- reductions in flight: each bucketed reduce-scatter is waited for as late as the step's peak
+  memory allows.
 """
 
 from __future__ import annotations
@@ -28,7 +31,9 @@ import operator
 
 import torch
 
+from ndfunc.partition.analysis import peak_memory
 from ndfunc.partition.buffers import shape_dtype
+from ndfunc.partition.schedule import wait_in_turn
 from ndfunc.transforms._reduce import reduce_in
 
 aten = torch.ops.aten
@@ -61,19 +66,25 @@ class fsdp:  # noqa: N801 - a transform is named like the function it stands for
         gathers = self._gathers(gm)
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         module = _modules(placeholders, program.traced.input_paths)
+        regathers = []  # (gather, the copies of its chain that gather it again for backward)
         if self.reshard_after_forward:
             index = {n: i for i, n in enumerate(gm.graph.nodes)}  # copies go in; these stay valid
             firsts = sorted((index[min(g.value.users, key=index.__getitem__)], g.layer(module))
                             for g in gathers if g.value.users)
             for g in gathers:
-                _regather_for_second_use(gm, g, index, firsts, g.layer(module))
+                if (copies := _regather_for_second_use(gm, g, index, firsts, g.layer(module))) is not None:
+                    regathers.append((g, copies))
         if self.prefetch > 0:
             _prefetch(gm, self._gathers(gm), self.prefetch, module)
+            _keep_where_resharding_frees_nothing(gm, regathers, module)
         if self.reduce_dtype is not None:
             reduce_in(gm, self.reduce_dtype, self.axes, kinds=(c10d.reduce_scatter_tensor.default,))
         if self.bucket_bytes:
             _bucket_gathers(gm, self._gathers(gm), self.bucket_bytes, module)
             _bucket_reduce_scatters(gm, self.axes, self.bucket_bytes)
+            program._meta_ready = False  # sizes of what the buckets made, for the memory account
+            program.ensure_meta()
+            _reduce_in_flight(gm, self.axes)
         gm.graph.lint()
         gm.recompile()
 
@@ -133,14 +144,15 @@ def _finish(gather: torch.fx.Node, chain: list) -> torch.fx.Node:
     return value
 
 
-def _regather_for_second_use(gm, g: _Gather, index: dict, firsts: list[tuple], layer: str | None) -> None:
+def _regather_for_second_use(gm, g: _Gather, index: dict, firsts: list[tuple], layer: str | None) -> list | None:
     """Gather `g` again before its first use that follows another layer's first use (its
-    backward, after the later layers' forward); the uses from there on read the new copy.
+    backward, after the later layers' forward); the uses from there on read the new copy, made
+    by the copies of `g.chain` returned (None: one group of uses, nothing to gather again).
     `index`: the program order before any copy; `firsts`: (first use, layer) of each parameter
     gather; `layer`: g's."""
     uses = sorted(g.value.users, key=index.__getitem__)
     if len(uses) < 2:
-        return
+        return None
     # split where other layers' parameters are first used in between: forward, then backward
     cut, first = None, operator.itemgetter(0)
     for a, b in zip(uses, uses[1:]):
@@ -149,7 +161,7 @@ def _regather_for_second_use(gm, g: _Gather, index: dict, firsts: list[tuple], l
             cut = b
             break
     if cut is None:
-        return
+        return None
     later = [u for u in uses if index[u] >= index[cut]]
     env: dict = {}
     with gm.graph.inserting_before(cut):
@@ -158,6 +170,30 @@ def _regather_for_second_use(gm, g: _Gather, index: dict, firsts: list[tuple], l
     again = env[g.value]
     for u in later:
         u.replace_input_with(g.value, again)
+    return [env[n] for n in g.chain]
+
+
+def _keep_where_resharding_frees_nothing(gm, regathers: list, module: dict) -> None:
+    """Undo the resharding of a layer whose gather for backward, prefetched, is issued before any
+    other layer's parameters are first read after its forward: the first copy would be freed only
+    for the second to take its place. With prefetch, that is the last block, whose backward
+    gather would be issued at the head, where its forward ends (torchtitan leaves it gathered);
+    without, none is."""
+    index = {n: i for i, n in enumerate(gm.graph.nodes)}
+    firsts = sorted((index[min(x.value.users, key=index.__getitem__)], x.layer(module))
+                    for x in _parameter_gathers(gm) if x.value.users)
+    starts: dict = {}  # layer -> its first read for backward
+    for g, copies in regathers:
+        layer, freed, issued = g.layer(module), max(map(index.__getitem__, g.value.users)), index[copies[0]]
+        if any(other != layer and freed < i < issued for i, other in firsts):
+            continue
+        again = copies[-1]
+        starts[layer] = min([*again.users, *([starts[layer]] if layer in starts else [])], key=index.__getitem__)
+        again.replace_all_uses_with(g.value)
+        for n in reversed(copies):
+            gm.graph.erase_node(n)
+    for n in starts.values():  # where its backward starts, as a gather's wait says: buckets end there
+        n.meta["ndfunc_layer_starts"] = True
 
 
 def _prefetch(gm, gathers: list[_Gather], k: int, module: dict) -> None:
@@ -295,10 +331,10 @@ def _bucket_reduce_scatters_over(gm, found: list, cap: int) -> None:
     nodes = list(graph.nodes)
     index = {n: i for i, n in enumerate(nodes)}
     # a layer's backward starts where gathered parameters are waited for (issued earlier, with
-    # prefetch): buckets do not cross one
-    gathers = sorted(index[w] for n in graph.find_nodes(op="call_function", target=c10d.all_gather_into_tensor.default)
-                     if _source(n.args[0]).op == "placeholder" or n.meta.get("ndfunc_comm", {}).get("parameters")
-                     for w in n.users)
+    # prefetch), or a layer kept gathered is first read again: buckets do not cross one
+    gathers = sorted([index[w] for n in graph.find_nodes(op="call_function", target=c10d.all_gather_into_tensor.default)
+                      if _source(n.args[0]).op == "placeholder" or n.meta.get("ndfunc_comm", {}).get("parameters")
+                      for w in n.users] + [i for i, n in enumerate(nodes) if n.meta.get("ndfunc_layer_starts")])
     groups, current = [], []
     for rs in sorted(found, key=index.__getitem__):
         (wait,) = rs.users
@@ -326,8 +362,8 @@ def _bucket_reduce_scatters_over(gm, found: list, cap: int) -> None:
             rows = [graph.call_function(aten.reshape.default, (m.args[0], [n, size])) for m, size in zip(members, sizes)]
             joined = graph.call_function(aten.reshape.default, (graph.call_function(aten.cat.default, (rows, 1)), [-1]))
             merged = graph.call_function(c10d.reduce_scatter_tensor.default, (joined, op, n, name))
-            # waited for at once, as FSDP2 does on CPU: in flight, the layer's gradients laid out
-            # for it would stay through the next layer's backward, a layer's bytes above FSDP's peak
+        # waited for where its results are first read (`_reduce_in_flight` places the wait)
+        with graph.inserting_before(nodes[min(c[3] for c in group)]):
             waited = graph.call_function(c10d.wait_tensor.default, (merged,))
             pieces = graph.call_function(aten.split_with_sizes.default, (waited, sizes))
             outs = []
@@ -343,3 +379,37 @@ def _bucket_reduce_scatters_over(gm, found: list, cap: int) -> None:
             wait.replace_all_uses_with(out)
             graph.erase_node(wait)
             graph.erase_node(m)
+
+
+def _reduce_in_flight(gm, axes: tuple[str, ...]) -> None:
+    """Wait for each gradient reduce-scatter over `axes` as late as the step's peak memory allows,
+    as XLA's latency-hiding scheduler overlaps collectives under a memory limit: where its results
+    are first read (the optimizer); else just before the next reduction over its group is issued
+    (one in flight, over the next layer's backward, as FSDP2's reduce-scatter stream on GPU);
+    else at once (FSDP2 on CPU). In flight, a reduction holds the layer's gradients laid out for
+    it. On CPU the overlap is what lets ranks that share cores drift apart without blocking each
+    other at every layer."""
+    found = [rs for rs in gm.graph.find_nodes(op="call_function", target=c10d.reduce_scatter_tensor.default)
+             if "ndfunc_comm" in rs.meta and set(rs.meta["ndfunc_comm"]["axes"]) <= set(axes) and len(rs.users) == 1]
+    places = {rs: [_after_waits(next(iter(rs.users)))] for rs in found}  # where first read
+    wait_in_turn(gm)
+    for rs in found:
+        (wait,) = rs.users
+        places[rs].append(_after_waits(wait))  # before the next reduction
+        rs.append(wait)  # at once: the peak to keep
+    peak = peak_memory(gm)
+    for rs in found:
+        (wait,) = rs.users
+        for at in dict.fromkeys(places[rs]):
+            at.prepend(wait)
+            if peak_memory(gm) <= peak:
+                break
+            rs.append(wait)
+
+
+def _after_waits(wait: torch.fx.Node) -> torch.fx.Node:
+    """The first node after `wait` that is not a wait (those move; it stays)."""
+    at = wait.next
+    while at.target is c10d.wait_tensor.default:
+        at = at.next
+    return at
