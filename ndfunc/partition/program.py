@@ -35,10 +35,11 @@ class Program:
     out_placements: list = dataclasses.field(default_factory=list)  # per result: asked, whole mesh, or None
     _meta_ready: bool = False
 
-    def ensure_meta(self) -> None:
-        """Fill `meta['val']` of the local program (fake tensors at local shapes), once. Running
-        needs none of it; reading the program (text, costs, transforms) does."""
-        if not self._meta_ready:
+    def ensure_meta(self, changed: bool = False) -> None:
+        """Fill `meta['val']` of the local program (fake tensors at local shapes), once, or again
+        if the program `changed` since. Running needs none of it; reading the program (text,
+        costs, transforms) does."""
+        if changed or not self._meta_ready:
             from ndfunc.partition.lower import propagate_meta
 
             propagate_meta(self.local, self.local_inputs())

@@ -82,8 +82,7 @@ class fsdp:  # noqa: N801 - a transform is named like the function it stands for
         if self.bucket_bytes:
             _bucket_gathers(gm, self._gathers(gm), self.bucket_bytes, module)
             _bucket_reduce_scatters(gm, self.axes, self.bucket_bytes)
-            program._meta_ready = False  # sizes of what the buckets made, for the memory account
-            program.ensure_meta()
+            program.ensure_meta(changed=True)  # sizes of what the buckets made, for the memory account
             _reduce_in_flight(gm, self.axes)
         gm.graph.lint()
         gm.recompile()
@@ -182,18 +181,17 @@ def _keep_where_resharding_frees_nothing(gm, regathers: list, module: dict) -> N
     index = {n: i for i, n in enumerate(gm.graph.nodes)}
     firsts = sorted((index[min(x.value.users, key=index.__getitem__)], x.layer(module))
                     for x in _parameter_gathers(gm) if x.value.users)
-    starts: dict = {}  # layer -> its first read for backward
+    backward: dict = {}  # layer kept -> what its backward reads of it
     for g, copies in regathers:
         layer, freed, issued = g.layer(module), max(map(index.__getitem__, g.value.users)), index[copies[0]]
         if any(other != layer and freed < i < issued for i, other in firsts):
             continue
-        again = copies[-1]
-        starts[layer] = min([*again.users, *([starts[layer]] if layer in starts else [])], key=index.__getitem__)
-        again.replace_all_uses_with(g.value)
+        backward.setdefault(layer, []).extend(copies[-1].users)
+        copies[-1].replace_all_uses_with(g.value)
         for n in reversed(copies):
             gm.graph.erase_node(n)
-    for n in starts.values():  # where its backward starts, as a gather's wait says: buckets end there
-        n.meta["ndfunc_layer_starts"] = True
+    for reads in backward.values():  # where its backward starts, as a gather's wait says: buckets end there
+        min(reads, key=index.__getitem__).meta["ndfunc_layer_starts"] = True
 
 
 def _prefetch(gm, gathers: list[_Gather], k: int, module: dict) -> None:
@@ -320,10 +318,15 @@ def _bucket_reduce_scatters(gm, axes: tuple[str, ...], cap: int) -> None:
     after that last input: each input cut into its ranks' rows, laid end to end rank by rank.
     Over several axes, one group at a time, in the order the program reduces over them: a
     reduction over the second reads the first's results, which bucketing moves."""
-    found = [rs for rs in gm.graph.find_nodes(op="call_function", target=c10d.reduce_scatter_tensor.default)
-             if "ndfunc_comm" in rs.meta and set(rs.meta["ndfunc_comm"]["axes"]) <= set(axes) and len(rs.users) == 1]
+    found = _reduce_scatters_over(gm, axes)
     for name in dict.fromkeys(rs.args[3] for rs in found):
         _bucket_reduce_scatters_over(gm, [rs for rs in found if rs.args[3] == name], cap)
+
+
+def _reduce_scatters_over(gm, axes: tuple[str, ...]) -> list:
+    """The program's reduce-scatters over (some of) `axes`, each with its one wait."""
+    return [rs for rs in gm.graph.find_nodes(op="call_function", target=c10d.reduce_scatter_tensor.default)
+            if "ndfunc_comm" in rs.meta and set(rs.meta["ndfunc_comm"]["axes"]) <= set(axes) and len(rs.users) == 1]
 
 
 def _bucket_reduce_scatters_over(gm, found: list, cap: int) -> None:
@@ -389,8 +392,7 @@ def _reduce_in_flight(gm, axes: tuple[str, ...]) -> None:
     else at once (FSDP2 on CPU). In flight, a reduction holds the layer's gradients laid out for
     it. On CPU the overlap is what lets ranks that share cores drift apart without blocking each
     other at every layer."""
-    found = [rs for rs in gm.graph.find_nodes(op="call_function", target=c10d.reduce_scatter_tensor.default)
-             if "ndfunc_comm" in rs.meta and set(rs.meta["ndfunc_comm"]["axes"]) <= set(axes) and len(rs.users) == 1]
+    found = _reduce_scatters_over(gm, axes)
     places = {rs: [_after_waits(next(iter(rs.users)))] for rs in found}  # where first read
     wait_in_turn(gm)
     for rs in found:
