@@ -127,6 +127,36 @@ def test_megatron_mlp_all_reduces_the_activation_once_forward_and_once_backward(
         assert_same(out, expected)
 
 
+# (in, out, how many axes move their split alone: one all-to-all each; the rest gather and slice)
+MOVES = [
+    ({"dp": 4}, P("dp"), P(None, "dp"), 1),
+    ({"dp": 4}, P(None, None, "dp"), P("dp"), 1),
+    ({"dp": 2, "tp": 2}, P("dp", None, "tp"), P(None, "dp", "tp"), 1),
+    ({"dp": 2, "tp": 2}, P("dp", "tp"), P(None, "tp", "dp"), 1),
+    ({"dp": 2, "tp": 2}, P("dp", "tp"), P("tp", None, "dp"), 0),  # dp moves onto a dim tp leaves
+    ({"dp": 2, "tp": 2}, P("dp", "tp"), P("tp", "dp"), 0),  # each moves onto the other's dim
+    ({"dp": 2, "tp": 2}, P(("dp", "tp")), P(None, ("dp", "tp")), 0),  # both split one dim, nested
+    ({"dp": 2, "tp": 2}, P("dp", None, "tp"), P(None, ("dp", "tp")), 0),
+]
+
+
+@pytest.mark.parametrize("axes, src, dst, swaps", MOVES)
+def test_a_split_moving_between_dims_alone_is_one_all_to_all(axes, src, dst, swaps):
+    x = torch.randn(8, 8, 4, generator=torch.Generator().manual_seed(0))
+    with nf.simulate(4):
+        mesh = nf.make_mesh(**axes)
+        # computed in the input's layout, then moved
+        f = nf.jit(lambda x: nf.with_sharding_constraint(x * 2, src), mesh=mesh, in_shardings=(src,), out_shardings=dst)
+        costs = f.lower(x).cost_analysis()
+        out, ran = run_counted(f, nf.device_put(x, nf.sharding.NamedSharding(mesh, src)))
+        assert nf.sharding_of(out).is_equivalent_to(nf.sharding.NamedSharding(mesh, dst), 3)
+        torch.testing.assert_close(nf.device_get(out), x * 2, rtol=0, atol=0)
+    assert costs["collectives"].get("all_to_all", 0) == ran.get("all_to_all", 0) == swaps
+    if swaps:  # nothing else moves: each rank sends all but 1/n of its block
+        n = 4 if len(axes) == 1 else 2
+        assert costs["comm_bytes"]["total"] == (n - 1) / n * x.numel() * 4 / 4
+
+
 def test_fsdp_gathers_each_parameter_and_reduce_scatters_each_gradient():
     case = adam_case()
     with nf.simulate(4):

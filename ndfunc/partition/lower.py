@@ -90,6 +90,8 @@ class _Emitter:
             split = list(step.in_shape[:d]) + [n, step.out_shape[d]] + list(step.in_shape[d + 1:])
             block = self.call(aten.index_select.default, self.call(aten.reshape.default, x, split), d, index)
             return self.call(aten.reshape.default, block, list(step.out_shape))
+        if step.kind == "all_to_all":
+            return self.all_to_all(step, x, val)
         sent = tuple(step.in_shape)
         if not val.is_contiguous() or (step.kind == "reduce_scatter" and d != 0):
             if step.kind == "reduce_scatter" and d != 0:  # blocks along d, stacked on dim 0
@@ -113,6 +115,25 @@ class _Emitter:
             parts = self.call(aten.split.Tensor, out, step.in_shape[0], 0)
             out = self.call(aten.cat.default, [self.call(operator.getitem, parts, i) for i in range(n)], d)
         return out
+
+
+    def all_to_all(self, step: redistribute.Step, x: torch.fx.Node, val: torch.Tensor) -> torch.fx.Node:
+        """Shard(joined) -> Shard(dim): block i of `dim` to rank i, stacked on a new dim 0; what
+        arrives from rank i is its block of `joined`, put back in rank order."""
+        n, d, a, shape = step.size, step.dim, step.joined, list(step.in_shape)
+        blocks = self.call(aten.reshape.default, x, shape[:d] + [n, shape[d] // n] + shape[d + 1:])
+        rest = list(range(len(shape) + 1))
+        if d != 0:
+            blocks = self.call(aten.permute.default, blocks, [d] + rest[:d] + rest[d + 1:])
+        if d != 0 or not val.is_contiguous():
+            blocks = self.call(aten.clone.default, blocks, memory_format=torch.contiguous_format)
+        comm = self.call(c10d.all_to_all_single.default, blocks, [1] * n, [1] * n, self.group_names[step.axis])
+        comm.meta["ndfunc_input"] = ((n, *shape[:d], shape[d] // n, *shape[d + 1:]), val.dtype, val.device)
+        comm.meta["ndfunc_comm"] = step.describe(val.element_size(), self.axis_names[step.axis])
+        arrived = self.call(c10d.wait_tensor.default, comm)
+        if a != 0:  # the rank blocks next to `joined`'s
+            arrived = self.call(aten.permute.default, arrived, rest[1:a + 1] + [0] + rest[a + 1:])
+        return self.call(aten.reshape.default, arrived, list(step.out_shape))
 
 
 def lower(graph: torch.fx.Graph, plan: Plan, axis_names: Sequence[str], group_names: Sequence[str],

@@ -1,13 +1,22 @@
 """From one layout to another: the collectives, in order, with their sizes.
 
 `plan(src, dst, shape, sizes)` is the single source for both the cost model (bytes moved) and the
-lowering (which emits each step as a functional collective), so what the partitioner pays for is
-what runs. Steps, per mesh axis:
+lowering (which emits each step as a functional collective). Steps, per mesh axis:
 
 - `all_gather`   Shard(d) -> Replicate                   moves (n-1)/n of the output per rank
 - `all_reduce`   Partial -> Replicate                    moves 2(n-1)/n of the input (ring)
 - `reduce_scatter` Partial -> Shard(d)                   moves (n-1)/n of the input
+- `all_to_all`   Shard(d) -> Shard(e)                    moves (n-1)/n of the input
 - `slice`        Replicate -> Shard(d)                   local, free
+
+An axis that moves its split from one dim to another, where no other axis splits either dim,
+exchanges blocks in one all-to-all, as XLA's partitioner and DTensor do: a gather and a slice
+would move n times the bytes to keep a 1/n of them. The partitioner still prices such a move as
+the gather and the slice (`cost`): priced at its own bytes, a split would hop between dims
+wherever activations are smaller than weights, and a data-parallel step given FSDP's specs would
+turn tensor-parallel layer by layer (sharding propagation in XLA keeps the split where the inputs
+put it, too). So the choice of layouts is what it was without all-to-alls, and what runs moves
+less; `cost_analysis` reads what runs.
 
 Several axes sharding one dim nest in mesh order, so before an axis gathers, or newly splits a dim,
 every later axis splitting that dim is gathered first (and split again afterwards). A pending sum
@@ -25,18 +34,19 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 
 from ndfunc.partition.layout import MANUAL, Layout, local_shape
 
-COLLECTIVES = ("all_gather", "all_reduce", "reduce_scatter")
+COLLECTIVES = ("all_gather", "all_reduce", "reduce_scatter", "all_to_all")
 
 
 @dataclasses.dataclass(frozen=True)
 class Step:
-    kind: str  # 'all_gather' | 'all_reduce' | 'reduce_scatter' | 'slice' (and 'all_to_all', user-written)
+    kind: str  # 'all_gather' | 'all_reduce' | 'reduce_scatter' | 'all_to_all' | 'slice'
     axis: int  # partitioned mesh axis
-    dim: int | None  # tensor dim gathered, scattered or sliced
+    dim: int | None  # tensor dim gathered, scattered or sliced; of an all-to-all, the one split
     reduce_op: str | None
     in_shape: tuple[int, ...]
     out_shape: tuple[int, ...]
     size: int  # ranks along the axis
+    joined: int | None = None  # of an all-to-all, the dim whose blocks are joined
 
     def moved_bytes(self, itemsize: int) -> float:
         """Bytes each rank sends (ring algorithms)."""
@@ -56,8 +66,9 @@ class Step:
                 "moved": self.moved_bytes(itemsize)}
 
 
-def plan(src: Layout, dst: Layout, shape: Sequence[int], sizes: Sequence[int]) -> list[Step] | None:
-    """The steps turning a value of global `shape` from `src` into `dst`; None if impossible."""
+def plan(src: Layout, dst: Layout, shape: Sequence[int], sizes: Sequence[int], swaps: bool = True) -> list[Step] | None:
+    """The steps turning a value of global `shape` from `src` into `dst`; None if impossible.
+    Without `swaps`, a split moves between dims by a gather and a slice (no all-to-all)."""
     if src == dst:
         return []
     if MANUAL in (src, dst):
@@ -67,7 +78,8 @@ def plan(src: Layout, dst: Layout, shape: Sequence[int], sizes: Sequence[int]) -
         if isinstance(d, Partial) and s != d:
             return None
     cur = list(src)
-    gather = {m for m in range(k) if isinstance(cur[m], Shard) and dst[m] != cur[m]}
+    swap = {m for m in range(k) if swaps and _swaps_alone(src, dst, m)}
+    gather = {m for m in range(k) if isinstance(cur[m], Shard) and dst[m] != cur[m] and m not in swap}
     grown = True
     while grown:
         grown = False
@@ -91,7 +103,13 @@ def plan(src: Layout, dst: Layout, shape: Sequence[int], sizes: Sequence[int]) -
     for m in range(k):
         if cur[m] == dst[m]:
             continue
-        if isinstance(cur[m], Partial):
+        if m in swap:
+            a, d = cur[m].dim, dst[m].dim
+            out = list(now)
+            out[a], out[d] = now[a] * sizes[m], now[d] // sizes[m]
+            steps.append(Step("all_to_all", m, d, None, now, tuple(out), sizes[m], joined=a))
+            now = tuple(out)
+        elif isinstance(cur[m], Partial):
             op = cur[m].reduce_op
             if isinstance(dst[m], Replicate):
                 steps.append(Step("all_reduce", m, None, op, now, now, sizes[m]))
@@ -109,12 +127,22 @@ def plan(src: Layout, dst: Layout, shape: Sequence[int], sizes: Sequence[int]) -
     return steps
 
 
+def _swaps_alone(src: Layout, dst: Layout, m: int) -> bool:
+    """Whether axis `m` moves its split between two dims that no other axis splits, before or after."""
+    if not (type(src[m]) is Shard and type(dst[m]) is Shard and src[m].dim != dst[m].dim):
+        return False
+    dims = {src[m].dim, dst[m].dim}
+    return not any(isinstance(p, Shard) and p.dim in dims
+                   for j in range(len(src)) if j != m for p in (src[j], dst[j]))
+
+
 ALPHA = 4096.0  # a collective's fixed cost, in bytes-worth: between plans moving about as much, fewer calls
 SLICE = 0.01  # a local slice copies its block: cheap, not free (values stay where they are made)
 
 
 def cost(src: Layout, dst: Layout, shape: Sequence[int], sizes: Sequence[int], itemsize: int) -> float:
-    steps = plan(src, dst, shape, sizes)
+    """What the partitioner pays for a layout change (a move between dims: as a gather and a slice)."""
+    steps = plan(src, dst, shape, sizes, swaps=False)
     if steps is None:
         return float("inf")
     return sum(s.moved_bytes(itemsize) + (ALPHA if s.kind in COLLECTIVES else
