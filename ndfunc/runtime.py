@@ -3,7 +3,8 @@
 `nf.simulate(n)` holds all n ranks in one process: torch's `LocalTensorMode` keeps every rank's
 value of each tensor side by side and runs collectives over them, over a fake process group.
 `nf.init()` joins the real world that torchrun describes (gloo on CPUs, NCCL on GPUs). The same
-user code runs under either; nothing here is global beyond torch.distributed's own default group.
+user code runs under either; nothing here is global beyond torch.distributed's own default group
+(and, in a gloo world, malloc's thresholds: `ndfunc.host_memory`).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from torch.distributed._local_tensor import (
 )
 from torch.utils import _pytree as pytree
 
+from ndfunc.host_memory import keep_freed_memory
 from ndfunc.sharding.mesh import mesh_context, restore_mesh_context
 
 
@@ -126,18 +128,22 @@ def is_simulated() -> bool:
     return local_tensor_mode() is not None
 
 
-def init(backend: str | None = None) -> None:
+def init(backend: str | None = None, keep_host_memory: bool = True) -> None:
     """Join the world of processes that torchrun started; idempotent.
 
     Reads torchrun's environment (`RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `MASTER_ADDR`,
     `MASTER_PORT`). Uses NCCL when CUDA is available (each process on GPU `LOCAL_RANK`) and gloo
     otherwise. Without that environment it starts a world of one process, so a script or notebook
     runs unchanged on one machine. Inside `nf.simulate` (or after an earlier call) it does nothing.
+    A gloo world (steps on CPU) keeps freed host memory mapped between steps unless
+    `keep_host_memory=False` (`ndfunc.host_memory`: glibc's malloc thresholds, process-wide).
     """
     if dist.is_initialized():
         return
     cuda = torch.cuda.is_available()
     backend = backend or ("nccl" if cuda else "gloo")
+    if backend == "gloo" and keep_host_memory:
+        keep_freed_memory()
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
