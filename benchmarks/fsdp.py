@@ -10,10 +10,11 @@ nf.jit: the same model as pure functions, `ParallelConfig` rules (parameters sha
 `dp_shard`, heads and MLP over `tp`), `nf.fsdp('dp_shard')` for the gather schedule.
 
 Each implementation runs in its own 4 processes (so their memory peaks do not mix), over the same
-batches; both join them by `nf.init()`, so both keep the host memory a step frees mapped for the
-next (`ndfunc.host_memory`), and what a step adds above the memory held before it is small. Per rank: median step time, and the resident set's high-water mark during a step (reset
+batches. Per rank: median step time, and the resident set's high-water mark during a step (reset
 before it through /proc/self/clear_refs; Linux), absolute and above the memory held before the
-step. Reported: the ratios nf.jit / PyTorch and both loss curves; and the CPU time each process
+step. Both sides join their processes by `nf.init()`, so both keep the host memory a step frees
+mapped for the next (`ndfunc.host_memory`), and what a step adds above what was held before it is
+small. Reported: the ratios nf.jit / PyTorch and both loss curves; and the CPU time each process
 spends per step (with more ranks than cores, the step time follows the work the ranks do, not
 their waits).
 """

@@ -142,7 +142,7 @@ def init(backend: str | None = None, keep_host_memory: bool = True) -> None:
         return
     cuda = torch.cuda.is_available()
     backend = backend or ("nccl" if cuda else "gloo")
-    if backend == "gloo" and keep_host_memory:
+    if "gloo" in backend.lower() and keep_host_memory:  # 'gloo', or 'cpu:gloo,cuda:nccl'
         keep_freed_memory()
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))

@@ -140,6 +140,23 @@ MOVES = [
 ]
 
 
+def test_an_all_to_all_sends_a_transposed_block_whole():
+    # the block moved is a transposed view (not contiguous) and its split moves onto dim 0: the
+    # blocks sent must be made contiguous first (collectives take dense buffers)
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(0))
+    with nf.simulate(4):
+        mesh = nf.make_mesh(dp=4)
+        f = nf.jit(lambda x: nf.with_sharding_constraint(x.t(), P(None, "dp")), mesh=mesh, in_shardings=(P("dp"),),
+                   out_shardings=P("dp"))
+        lowered = f.lower(x)
+        out, ran = run_counted(f, nf.device_put(x, nf.sharding.NamedSharding(mesh, P("dp"))))
+        torch.testing.assert_close(nf.device_get(out), x.t(), rtol=0, atol=0)
+    assert ran == lowered.cost_analysis()["collectives"] == {"all_to_all": 1}
+    (sent,) = [n.args[0] for n in lowered.program.local.graph.nodes
+               if n.target is torch.ops._c10d_functional.all_to_all_single.default]
+    assert sent.meta["val"].is_contiguous()
+
+
 @pytest.mark.parametrize("axes, src, dst, swaps", MOVES)
 def test_a_split_moving_between_dims_alone_is_one_all_to_all(axes, src, dst, swaps):
     x = torch.randn(8, 8, 4, generator=torch.Generator().manual_seed(0))

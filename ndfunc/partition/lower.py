@@ -116,7 +116,6 @@ class _Emitter:
             out = self.call(aten.cat.default, [self.call(operator.getitem, parts, i) for i in range(n)], d)
         return out
 
-
     def all_to_all(self, step: redistribute.Step, x: torch.fx.Node, val: torch.Tensor) -> torch.fx.Node:
         """Shard(joined) -> Shard(dim): block i of `dim` to rank i, stacked on a new dim 0; what
         arrives from rank i is its block of `joined`, put back in rank order."""
@@ -125,8 +124,9 @@ class _Emitter:
         rest = list(range(len(shape) + 1))
         if d != 0:
             blocks = self.call(aten.permute.default, blocks, [d] + rest[:d] + rest[d + 1:])
-        if d != 0 or not val.is_contiguous():
             blocks = self.call(aten.clone.default, blocks, memory_format=torch.contiguous_format)
+        else:  # the local block may be a view even where the whole value is not: a copy only if so
+            blocks = self.call(aten.contiguous.default, blocks)
         comm = self.call(c10d.all_to_all_single.default, blocks, [1] * n, [1] * n, self.group_names[step.axis])
         comm.meta["ndfunc_input"] = ((n, *shape[:d], shape[d] // n, *shape[d + 1:]), val.dtype, val.device)
         comm.meta["ndfunc_comm"] = step.describe(val.element_size(), self.axis_names[step.axis])
