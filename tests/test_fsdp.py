@@ -162,6 +162,47 @@ def test_buckets_gather_and_reduce_each_layers_weights_at_once_with_the_same_byt
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
+def test_a_weight_gathered_off_dim_0_is_copied_out_of_its_bucket_once():
+    # "b" is stored as column blocks: its gathered copy is the ranks' blocks joined along dim 1,
+    # read straight out of the layer's bucket (views), so joining them is the only copy
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    g = torch.Generator().manual_seed(0)
+    layers = [{"a": torch.randn(D, D, generator=g) / D**0.5, "b": torch.randn(D, D, generator=g) / D**0.5}
+              for _ in range(N_LAYERS)]
+    x, y = torch.randn(512, D, generator=g), torch.randn(512, D, generator=g)
+
+    def grads(layers, x, y):
+        def loss(layers):
+            h = x
+            for layer in layers:
+                h = torch.tanh(torch.tanh(h @ layer["a"]) @ layer["b"])
+            return ((h - y) ** 2).mean()
+        return nf.grad(loss)(layers)
+
+    expected = grads(layers, x, y)
+    specs = [{"a": P("dp"), "b": P(None, "dp")} for _ in layers]
+    with nf.simulate(4):
+        mesh = nf.make_mesh(dp=4)
+        put = nf.device_put(layers, optree.tree_map(lambda s: NamedSharding(mesh, s), specs,
+                                                    is_leaf=lambda s: isinstance(s, P)))
+        f = nf.jit(grads, transforms=[nf.fsdp("dp")], mesh=mesh, in_shardings=(specs, P("dp"), P("dp")),
+                   out_shardings=specs)
+        program = f.lower(put, x, y).program
+        got = nf.device_get(f(put, x, y))
+    program.ensure_meta()
+    nodes = list(program.local.graph.nodes)
+    storage = lambda n: StorageWeakRef(n.meta["val"].untyped_storage())  # noqa: E731
+    buckets = {storage(n) for n in nodes if n.target is torch.ops._c10d_functional.wait_tensor.default
+               and n.args[0].meta.get("ndfunc_comm", {}).get("parameters")}
+    joined = [n for n in nodes if n.target is torch.ops.aten.cat.default and n.meta["val"].shape == (D, D)
+              and any(storage(p) in buckets for p in n.args[0])]
+    assert len(joined) >= N_LAYERS  # each "b", gathered for forward (and some again for backward)
+    assert all(storage(p) in buckets for cat in joined for p in cat.args[0])
+    for a, b in zip(optree.tree_leaves(got), optree.tree_leaves(expected)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
 def llama_case(batch_shape, **config):
     """A small llama, its parameters, a batch, AdamW, and the parameters' bytes."""
     from models import llama

@@ -304,12 +304,26 @@ def _bucket_gathers(gm, gathers: list[_Gather], cap: int, module: dict) -> None:
             offset = 0
             for g, shape, size in zip(group, shapes, sizes):
                 piece = graph.call_function(aten.slice.Tensor, (blocks, 1, offset, offset + size))
-                whole = graph.call_function(aten.reshape.default, (piece, [n * shape[0], *shape[1:]]))
-                g.chain[1].replace_all_uses_with(whole)
+                if not _unstack(graph, g.chain[1], piece, n, shape):
+                    whole = graph.call_function(aten.reshape.default, (piece, [n * shape[0], *shape[1:]]))
+                    g.chain[1].replace_all_uses_with(whole)
                 offset += size
         for g in group:
             graph.erase_node(g.chain[1])
             graph.erase_node(g.start)
+
+
+def _unstack(graph, wait, piece, n: int, shape: tuple) -> bool:
+    """A parameter gathered along a dim other than 0 is cut back into its ranks' blocks (`split`
+    along dim 0, then `cat` along its dim): take the blocks as views of the bucket instead, so the
+    `cat` is its only copy (stacking them on dim 0 first would be a second). Whether it did."""
+    (split,) = wait.users if len(wait.users) == 1 else (None,)
+    if split is None or split.target is not aten.split.Tensor or tuple(split.args[1:]) not in ((shape[0],), (shape[0], 0)):
+        return False
+    blocks = graph.call_function(aten.unbind.int, (graph.call_function(aten.reshape.default, (piece, [n, *shape])), 0))
+    split.replace_all_uses_with(blocks)
+    graph.erase_node(split)
+    return True
 
 
 def _bucket_reduce_scatters(gm, axes: tuple[str, ...], cap: int) -> None:
