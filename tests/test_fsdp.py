@@ -123,11 +123,12 @@ def test_gradients_are_reduced_in_the_reduce_dtype():
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
-def test_buckets_gather_and_reduce_each_layers_weights_at_once_with_the_same_bytes():
+def two_weight_layers():
+    """Layers of two weights, a batch much bigger than a weight (gathering weights is then the
+    cheap plan, FSDP's), and the step: the weights' gradients."""
     g = torch.Generator().manual_seed(0)
     layers = [{"a": torch.randn(D, D, generator=g) / D**0.5, "b": torch.randn(D, D, generator=g) / D**0.5}
               for _ in range(N_LAYERS)]
-    # a batch much bigger than a weight: gathering weights is the cheap plan (FSDP's)
     x, y = torch.randn(512, D, generator=g), torch.randn(512, D, generator=g)
 
     def grads(layers, x, y):
@@ -138,6 +139,11 @@ def test_buckets_gather_and_reduce_each_layers_weights_at_once_with_the_same_byt
             return ((h - y) ** 2).mean()
         return nf.grad(loss)(layers)
 
+    return layers, x, y, grads
+
+
+def test_buckets_gather_and_reduce_each_layers_weights_at_once_with_the_same_bytes():
+    layers, x, y, grads = two_weight_layers()
     expected = grads(layers, x, y)
     specs = [{"a": P("dp"), "b": P("dp")} for _ in layers]
     with nf.simulate(4):
@@ -167,19 +173,7 @@ def test_a_weight_gathered_off_dim_0_is_copied_out_of_its_bucket_once():
     # read straight out of the layer's bucket (views), so joining them is the only copy
     from torch.multiprocessing.reductions import StorageWeakRef
 
-    g = torch.Generator().manual_seed(0)
-    layers = [{"a": torch.randn(D, D, generator=g) / D**0.5, "b": torch.randn(D, D, generator=g) / D**0.5}
-              for _ in range(N_LAYERS)]
-    x, y = torch.randn(512, D, generator=g), torch.randn(512, D, generator=g)
-
-    def grads(layers, x, y):
-        def loss(layers):
-            h = x
-            for layer in layers:
-                h = torch.tanh(torch.tanh(h @ layer["a"]) @ layer["b"])
-            return ((h - y) ** 2).mean()
-        return nf.grad(loss)(layers)
-
+    layers, x, y, grads = two_weight_layers()
     expected = grads(layers, x, y)
     specs = [{"a": P("dp"), "b": P(None, "dp")} for _ in layers]
     with nf.simulate(4):
