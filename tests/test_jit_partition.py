@@ -133,6 +133,7 @@ MOVES = [
     ({"dp": 4}, P(None, None, "dp"), P("dp"), 1),
     ({"dp": 2, "tp": 2}, P("dp", None, "tp"), P(None, "dp", "tp"), 1),
     ({"dp": 2, "tp": 2}, P("dp", "tp"), P(None, "tp", "dp"), 1),
+    ({"dp": 2, "tp": 2}, P("dp", "tp"), P("dp", None, "tp"), 1),  # the second axis moves
     ({"dp": 2, "tp": 2}, P("dp", "tp"), P("tp", None, "dp"), 0),  # dp moves onto a dim tp leaves
     ({"dp": 2, "tp": 2}, P("dp", "tp"), P("tp", "dp"), 0),  # each moves onto the other's dim
     ({"dp": 2, "tp": 2}, P(("dp", "tp")), P(None, ("dp", "tp")), 0),  # both split one dim, nested
