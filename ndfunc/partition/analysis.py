@@ -101,16 +101,24 @@ def _bytes(val) -> int:
 def peak_memory(gm: torch.fx.GraphModule) -> int:
     """Peak bytes alive at once in one run of `gm` (fx frees a value after its last use): inputs
     for the whole run, views and in-place results sharing their base's buffer."""
-    nodes = list(gm.graph.nodes)
+    return max(live_bytes(list(gm.graph.nodes))[0].values(), default=0)
+
+
+def live_bytes(nodes: list[torch.fx.Node]) -> tuple[dict, dict]:
+    """`(live, sizes)`: the bytes alive while each node runs (what it makes included, what it
+    reads last not yet freed), and the size of each buffer by its last reader (`lifetimes`)."""
     root, last = lifetimes(nodes)
     change = [0] * (len(nodes) + 2)  # bytes made at i, freed after i
+    sizes: dict = {}
     for i, n in enumerate(nodes):
         if root.get(n) is n:
             size = _bytes(n.meta.get("val"))
             change[i] += size
             change[last[n] + 1] -= size
-    live = peak = 0
-    for delta in change:
-        live += delta
-        peak = max(peak, live)
-    return peak
+            if last[n] < len(nodes):
+                sizes.setdefault(nodes[last[n]], []).append(size)
+    live, total = {}, 0
+    for n, delta in zip(nodes, change):
+        total += delta
+        live[n] = total
+    return live, sizes

@@ -31,7 +31,7 @@ import operator
 
 import torch
 
-from ndfunc.partition.analysis import peak_memory
+from ndfunc.partition.analysis import live_bytes
 from ndfunc.partition.buffers import shape_dtype
 from ndfunc.partition.schedule import wait_in_turn
 from ndfunc.transforms._reduce import reduce_in
@@ -69,8 +69,7 @@ class fsdp:  # noqa: N801 - a transform is named like the function it stands for
         regathers = []  # (gather, the copies of its chain that gather it again for backward)
         if self.reshard_after_forward:
             index = {n: i for i, n in enumerate(gm.graph.nodes)}  # copies go in; these stay valid
-            firsts = sorted((index[min(g.value.users, key=index.__getitem__)], g.layer(module))
-                            for g in gathers if g.value.users)
+            firsts = _first_reads(gathers, index, module)
             for g in gathers:
                 if (copies := _regather_for_second_use(gm, g, index, firsts, g.layer(module))) is not None:
                     regathers.append((g, copies))
@@ -143,6 +142,11 @@ def _finish(gather: torch.fx.Node, chain: list) -> torch.fx.Node:
     return value
 
 
+def _first_reads(gathers: list[_Gather], index: dict, module: dict) -> list[tuple]:
+    """(where the program first reads it, its layer) of each gathered parameter, in program order."""
+    return sorted((index[min(g.value.users, key=index.__getitem__)], g.layer(module)) for g in gathers if g.value.users)
+
+
 def _regather_for_second_use(gm, g: _Gather, index: dict, firsts: list[tuple], layer: str | None) -> list | None:
     """Gather `g` again before its first use that follows another layer's first use (its
     backward, after the later layers' forward); the uses from there on read the new copy, made
@@ -179,8 +183,7 @@ def _keep_where_resharding_frees_nothing(gm, regathers: list, module: dict) -> N
     gather would be issued at the head, where its forward ends (torchtitan leaves it gathered);
     without, none is."""
     index = {n: i for i, n in enumerate(gm.graph.nodes)}
-    firsts = sorted((index[min(x.value.users, key=index.__getitem__)], x.layer(module))
-                    for x in _parameter_gathers(gm) if x.value.users)
+    firsts = _first_reads(_parameter_gathers(gm), index, module)
     backward: dict = {}  # layer kept -> what its backward reads of it
     for g, copies in regathers:
         layer, freed, issued = g.layer(module), max(map(index.__getitem__, g.value.users)), index[copies[0]]
@@ -413,14 +416,27 @@ def _reduce_in_flight(gm, axes: tuple[str, ...]) -> None:
         (wait,) = rs.users
         places[rs].append(_after_waits(wait))  # before the next reduction
         rs.append(wait)  # at once: the peak to keep
-    peak = peak_memory(gm)
+    live, read_last = live_bytes(list(gm.graph.nodes))
+    peak = max(live.values())
     for rs in found:
         (wait,) = rs.users
+        held = sum(read_last.get(wait, ()))  # what the wait frees: waited for later, it lives longer
         for at in dict.fromkeys(places[rs]):
-            at.prepend(wait)
-            if peak_memory(gm) <= peak:
+            span = _between(wait, at)
+            if max((live[x] for x in span), default=0) + held <= peak:
+                at.prepend(wait)
+                for x in span:
+                    live[x] += held
                 break
-            rs.append(wait)
+
+
+def _between(a: torch.fx.Node, b: torch.fx.Node) -> list:
+    """The nodes after `a` and before `b`."""
+    out, x = [], a.next
+    while x is not b and x.op != "output":
+        out.append(x)
+        x = x.next
+    return out
 
 
 def _after_waits(wait: torch.fx.Node) -> torch.fx.Node:
