@@ -21,6 +21,7 @@ from torch.distributed._local_tensor import (
 from torch.utils import _pytree as pytree
 
 from ndfunc.host_memory import keep_freed_memory
+from ndfunc.partition.algorithms import cpu_backend
 from ndfunc.sharding.mesh import mesh_context, restore_mesh_context
 
 
@@ -142,7 +143,7 @@ def init(backend: str | None = None, keep_host_memory: bool = True) -> None:
         return
     cuda = torch.cuda.is_available()
     backend = backend or ("nccl" if cuda else "gloo")
-    if "gloo" in backend.lower() and keep_host_memory:  # 'gloo', or 'cpu:gloo,cuda:nccl'
+    if cpu_backend(backend) == "gloo" and keep_host_memory:
         keep_freed_memory()
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))

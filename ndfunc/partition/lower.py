@@ -120,7 +120,8 @@ class _Emitter:
         """Shard(joined) -> Shard(dim): block i of `dim` to rank i, stacked on a new dim 0; what
         arrives from rank i is its block of `joined`, put back in rank order."""
         n, d, a, shape = step.size, step.dim, step.joined, list(step.in_shape)
-        blocks = self.call(aten.reshape.default, x, shape[:d] + [n, shape[d] // n] + shape[d + 1:])
+        split = shape[:d] + [n, shape[d] // n] + shape[d + 1:]
+        blocks = self.call(aten.reshape.default, x, split)
         rest = list(range(len(shape) + 1))
         if d != 0:
             blocks = self.call(aten.permute.default, blocks, [d] + rest[:d] + rest[d + 1:])
@@ -128,7 +129,7 @@ class _Emitter:
         else:  # the local block may be a view even where the whole value is not: a copy only if so
             blocks = self.call(aten.contiguous.default, blocks)
         comm = self.call(c10d.all_to_all_single.default, blocks, [1] * n, [1] * n, self.group_names[step.axis])
-        comm.meta["ndfunc_input"] = ((n, *shape[:d], shape[d] // n, *shape[d + 1:]), val.dtype, val.device)
+        comm.meta["ndfunc_input"] = (tuple(split[d:d + 1] + split[:d] + split[d + 1:]), val.dtype, val.device)
         comm.meta["ndfunc_comm"] = step.describe(val.element_size(), self.axis_names[step.axis])
         arrived = self.call(c10d.wait_tensor.default, comm)
         if a != 0:  # the rank blocks next to `joined`'s
