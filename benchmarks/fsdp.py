@@ -1,6 +1,7 @@
 """FSDP and FSDP+TP on 4 gloo processes: nf.jit against PyTorch's own composition.
 
     python benchmarks/fsdp.py [--model mid] [--steps 5]          # runs both, both strategies; prints ratios
+    python benchmarks/fsdp.py --gather-copies-max 1048576      # nf.jit's bigger gathers as gloo's own
 
 PyTorch's way, as torchtitan does it: the Hugging Face `LlamaForCausalLM` with the same weights
 (written by `models.hf.save_llama`); FSDP by `fully_shard` on each decoder layer and on the root
@@ -123,6 +124,10 @@ def jit_step(cfg, config: nf.ParallelConfig, mesh, params, lr, wd):
 
 def worker(args) -> None:
     nf.init()
+    if args.gather_copies_max is not None:
+        from ndfunc.partition import algorithms
+
+        algorithms.GATHER_COPIES_MAX = args.gather_copies_max
     rank = nf.rank()
     config = nf.ParallelConfig(*LAYOUTS[args.layout])
     mesh = config.build_mesh()
@@ -152,6 +157,9 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--strategies", nargs="+", default=list(LAYOUTS), choices=sorted(LAYOUTS))
+    parser.add_argument("--gather-copies-max", type=int,
+                        help="nf.jit on gloo: gathers up to this many bytes (gathered) run as all-to-alls "
+                             "(ndfunc.partition.algorithms.GATHER_COPIES_MAX), bigger ones as gloo's own")
     parser.add_argument("--layout", choices=sorted(LAYOUTS), help="(internal) run one, under torchrun")
     parser.add_argument("--impl", choices=["torch", "jit"], help="(internal) run one, under torchrun")
     args = parser.parse_args()
@@ -164,7 +172,9 @@ def main() -> None:
         for impl in ("torch", "jit"):
             out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
                                   __file__, f"--model={args.model}", f"--batch={args.batch}", f"--seq={args.seq}",
-                                  f"--steps={args.steps}", f"--layout={layout}", f"--impl={impl}"],
+                                  f"--steps={args.steps}", f"--layout={layout}", f"--impl={impl}",
+                                  *([f"--gather-copies-max={args.gather_copies_max}"]
+                                    if args.gather_copies_max is not None else [])],
                                  capture_output=True, text=True, env=env)
             if out.returncode:
                 raise SystemExit(out.stdout[-3000:] + out.stderr[-3000:])

@@ -102,7 +102,9 @@ def main() -> None:
                          capture_output=True, text=True, env=env, check=False)
     if out.returncode:
         raise SystemExit(out.stdout[-3000:] + out.stderr[-3000:])
-    ranks = [json.loads(m) for m in re.findall(r'\{"rank".*\}', out.stdout)]
+    # one JSON object per rank (lines of several ranks may run together)
+    decoder = json.JSONDecoder()
+    ranks = [decoder.raw_decode(out.stdout, m.start())[0] for m in re.finditer(r'\{"rank"', out.stdout)]
     print(f"{args.ranks} gloo processes on {os.cpu_count()} cores; ms per call (wall / CPU), median over ranks")
     print(f"{'collective':>15} {'bytes':>9} {'gloo':>15} {'all-to-all':>15} {'wall ratio':>10} {'CPU ratio':>9}")
     for i, row in enumerate(ranks[0]["rows"]):

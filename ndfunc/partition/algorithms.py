@@ -9,8 +9,13 @@ call, the all-to-all form over gloo's):
   arrive. The same bytes move, in one exchange: 0.2-0.5 of gloo's time at every size measured,
   16 bytes to 4 MB.
 - all-gather: an all-to-all of n copies of the block; the same bytes again. 0.2-0.7 of gloo's time
-  up to 256 KiB per rank; from 1 MB on, about gloo's (0.8-1.0) for a local copy more, so only
-  blocks up to 256 KiB.
+  up to 256 KiB per rank; from 1 MB on, about gloo's (0.8-1.0) for a local copy more, alone. In a
+  training step the one exchange wins at those sizes too: while a gather is in flight the cores
+  compute, and gloo's ring needs n-1 rounds of messages, each waiting for the next rank's gloo
+  thread to be scheduled between that compute. FSDP on 4 ranks of 2 cores, its layers gathered
+  (3 and 4 MB) as all-to-alls: 0.96-0.97 of the step time with gloo's own gathers
+  (`python benchmarks/fsdp.py --gather-copies-max 1048576` runs them as gloo's). So gathers up to
+  what a reduce-scatter may hold above gloo's own.
 - all-reduce: every rank sends the whole tensor to every other and sums the n that arrive, in rank
   order (so every rank gets the same bits). n times the bytes of a ring, so only up to 1 MiB:
   0.2-0.3 of gloo's time to 256 KB, 0.6-0.8 at 1 MB, 1.8-2.2 at 4 MB.
@@ -31,10 +36,10 @@ aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
 REWRITTEN = ("gloo",)
 # What an all-to-all form may hold above gloo's own, in bytes: a reduce-scatter's arrivals (as big
-# as its input) until their sum; a gather's or all-reduce's n copies, sent and arrived. The
-# measurements above set the last two (256 KiB and 1 MiB at n = 4).
+# as its input) until their sum; a gather's n copies sent (as big as its result). An all-reduce's
+# n copies, sent and arrived, are bounded by what the measurements above favour (1 MiB at n = 4).
 REDUCE_SCATTER_MAX = 16 * 2**20
-GATHER_COPIES_MAX = 2**20
+GATHER_COPIES_MAX = REDUCE_SCATTER_MAX
 ALL_REDUCE_COPIES_MAX = 4 * 2**20
 
 
