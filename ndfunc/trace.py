@@ -6,6 +6,11 @@ the optimizer update become one graph with no autograd left in it. Attention sta
 (`_scaled_dot_product_*`), and `nf.with_sharding_constraint` stays one `ndfunc.sharding_constraint`
 node, so later passes can find both. Nothing is allocated at global size: tracing a 100M-parameter
 step costs what its graph costs.
+
+One op is traced as two: a cross-entropy's (`nll_loss`) mean over the targets it does not ignore
+becomes their sum over their count (or total weight). Its rule otherwise averages each rank's
+mean, which is the whole batch's only when every rank ignores as many targets; as a sum and a
+count, both are reduced over the ranks before the division, and the loss is the one device's.
 """
 
 from __future__ import annotations
@@ -116,13 +121,32 @@ def trace(fn: Callable, args: Sequence[Any], kwargs: dict | None = None, *, stat
         token = _tracing.set(True)
         try:
             with fx_traceback.preserve_node_meta():  # annotations (nf.remat's regions) reach the nodes
-                graph_module = make_fx(flat_fn, tracing_mode="fake", record_stack_traces=record_stack_traces)(*fakes)
+                graph_module = make_fx(flat_fn, decomposition_table=_DECOMPOSITIONS, tracing_mode="fake",
+                                       record_stack_traces=record_stack_traces)(*fakes)
         finally:
             _tracing.reset(token)
     _scalars_as_factories(graph_module)
     out_specs = tuple(TensorSpec(tuple(n.meta["val"].shape), n.meta["val"].dtype)
                       for n in graph_module.graph.find_nodes(op="output")[0].args[0])
     return Traced(graph_module, in_tree, trees[-1], in_specs, out_specs, paths, frozenset(static))
+
+
+def _mean_as_sum_over_count(op):
+    """`op` (an `nll_loss` forward) with reduction 'mean' as its 'sum' over its total weight (what
+    the mean divides by, and what its backward reads); other reductions as they are."""
+    mean, total = 1, 2  # torch's Reduction enum
+
+    def decomposed(x, target, weight, reduction, ignore_index):
+        if reduction != mean:
+            return NotImplemented
+        summed, weight_total = op(x, target, weight, total, ignore_index)
+        return summed / weight_total, weight_total
+
+    return decomposed
+
+
+_DECOMPOSITIONS = {op: _mean_as_sum_over_count(op)
+                   for op in (torch.ops.aten.nll_loss_forward.default, torch.ops.aten.nll_loss2d_forward.default)}
 
 
 @contextlib.contextmanager

@@ -295,3 +295,33 @@ def test_identical_layers_are_decided_once():
         (nodes4, decided4), (nodes8, decided8) = problem(4), problem(8)
     assert nodes8 > 1.8 * nodes4
     assert decided8 < 1.1 * decided4, (decided4, decided8)
+
+
+@pytest.mark.parametrize("weighted", [False, True])
+@pytest.mark.parametrize("classes_dim", [1, 2], ids=["logits_NC", "logits_BCL"])
+@pytest.mark.parametrize("axes,batch", [(dict(dp=4), P("dp")), (dict(dp=2, cp=2), P("dp", "cp"))])
+def test_a_cross_entropy_over_targets_ignored_unevenly_is_the_whole_batchs_mean(axes, batch, classes_dim, weighted):
+    # rank 0's block ignores most of its targets and rank 3's none: a mean of each rank's own
+    # mean is not the batch's. (Under cp alone the solver gathers this small step's inputs and
+    # computes the loss whole, so there is nothing to test there.)
+    g = torch.Generator().manual_seed(0)
+    Bt, L, V = 4, 8, 512  # logits far bigger than what a sharded loss reduces: the loss runs sharded
+    w, x = torch.randn(D, V, generator=g), torch.randn(Bt, L, D, generator=g)
+    targets = torch.randint(0, V, (Bt, L), generator=g)
+    targets[0, 1:] = -100
+    targets[1, ::2] = -100
+    class_weight = torch.rand(V, generator=g) + 0.5 if weighted else None
+
+    def loss(w, x, targets):
+        logits = x @ w
+        if classes_dim == 2:  # (B, V, L): cross_entropy takes the classes on dim 1
+            return torch.nn.functional.cross_entropy(logits.transpose(1, 2), targets, weight=class_weight)
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(), weight=class_weight)
+
+    step = lambda w, x, targets: torch.func.grad_and_value(loss)(w, x, targets)  # noqa: E731
+    expected = step(w, x, targets)
+    with nf.simulate(4):
+        jitted = nf.jit(step, mesh=nf.make_mesh(**axes), in_shardings=(P(), batch, batch), out_shardings=(P(), P()))
+        got = nf.device_get(jitted(w, x, targets))
+    assert_same(got, expected)
+
