@@ -325,3 +325,16 @@ def test_a_cross_entropy_over_targets_ignored_unevenly_is_the_whole_batchs_mean(
         got = nf.device_get(jitted(w, x, targets))
     assert_same(got, expected)
 
+
+
+def test_a_tensor_the_step_closes_over_is_whole_on_every_rank_and_left_as_it_was():
+    g = torch.Generator().manual_seed(0)
+    scale, x = torch.randn(D, generator=g), torch.randn(B, D, generator=g)
+    kept = scale.clone()
+    step = lambda x: (x * torch.exp(scale)).sum(0)  # noqa: E731  (exp's input is read last here)
+    with nf.simulate(4):
+        jitted = nf.jit(step, mesh=nf.make_mesh(dp=4), in_shardings=P("dp"), out_shardings=P())
+        got = [nf.device_get(jitted(x)) for _ in range(2)]
+    for out in got:
+        assert_same(out, step(x))
+    assert torch.equal(scale, kept)

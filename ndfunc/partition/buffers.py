@@ -54,7 +54,7 @@ def aliased(node: torch.fx.Node) -> torch.fx.Node | None:
 def lifetimes(nodes: list[torch.fx.Node]) -> tuple[dict, dict]:
     """`(root, last)`: the node whose buffer each node's result is, and for each such buffer the
     index of the last node reading it through any alias (results: to the end; inputs, which their
-    caller holds: to the end; a buffer nobody reads: where it is made). A collective reads its
+    caller holds, and constants: to the end; a buffer nobody reads: where it is made). A collective reads its
     inputs until its wait: it may run in the background from where it is issued (gloo's gathers
     and all-to-alls do; the functional all-reduce copies its input first: this is the safe side)."""
     root: dict = {}
@@ -66,7 +66,7 @@ def lifetimes(nodes: list[torch.fx.Node]) -> tuple[dict, dict]:
             continue
         base = aliased(n)
         root[n] = root[base] if base is not None else n
-        last.setdefault(root[n], len(nodes) if n.op == "placeholder" else i)
+        last.setdefault(root[n], len(nodes) if n.op in ("placeholder", "get_attr") else i)
         reads = n.all_input_nodes
         if n.target is _WAIT and isinstance(base, torch.fx.Node):
             reads = [*reads, *base.all_input_nodes]

@@ -151,6 +151,12 @@ def lower(graph: torch.fx.Graph, plan: Plan, axis_names: Sequence[str], group_na
         if isinstance(val, torch.Tensor) and node in plan.strategy:
             ph.meta["ndfunc_local"] = (local_shape(tuple(val.shape), plan.strategy[node].outs[0], plan.sizes), val.dtype)
     e.coords = e.graph.placeholder("coords")
+    constants = torch.nn.Module()  # the tensors the step closed over, whole on every rank
+    for node in graph.find_nodes(op="get_attr"):
+        if node in plan.strategy:
+            setattr(constants, node.target, getattr(graph.owning_module, node.target))
+            e.produced[(node, 0)] = got = e.graph.get_attr(node.target)
+            got.meta["ndfunc_local"] = (tuple(node.meta["val"].shape), node.meta["val"].dtype)
     for node in graph.nodes:
         if node.op != "call_function" or node not in plan.strategy:
             continue
@@ -197,7 +203,7 @@ def lower(graph: torch.fx.Graph, plan: Plan, axis_names: Sequence[str], group_na
     e.graph.eliminate_dead_code()
     # passes rewrite it and recompile; its code is made only if read or called (the step runs
     # ndfunc.partition.runner's), not once per pass
-    return _LazyGraphModule(torch.nn.Module(), e.graph)
+    return _LazyGraphModule(constants, e.graph)
 
 
 def _val(v) -> torch.Tensor:

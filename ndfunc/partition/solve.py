@@ -30,7 +30,7 @@ from torch.distributed.tensor import Partial, Replicate
 
 from ndfunc.partition import redistribute
 from ndfunc.partition.flops import node_flops
-from ndfunc.partition.layout import MANUAL, Layout
+from ndfunc.partition.layout import MANUAL, Layout, replicated
 from ndfunc.partition.strategies import (
     Strategy,
     candidates,
@@ -100,6 +100,9 @@ class Problem:
         for node in graph.nodes:
             if node.op == "placeholder":
                 self._add_node(node, node_ids, [Strategy((next(placeholders),), ())], [], [node.meta["val"]], 0)
+            elif node.op == "get_attr" and isinstance(node.meta.get("val"), torch.Tensor):
+                # a tensor the step closed over: every rank holds it whole, as a factory's result
+                self._add_node(node, node_ids, [Strategy((replicated(len(sizes)),), ())], [], [node.meta["val"]], 0)
             elif node.op == "call_function":
                 if node.target is operator.getitem and isinstance(node.args[0].meta.get("val"), (tuple, list)):
                     continue
