@@ -52,7 +52,7 @@ def test_on_gloo_reductions_and_small_gathers_run_as_all_to_alls_with_the_same_r
         lowered = f.lower(*args, batch)
         got = nf.device_get(f(*args, batch))
     written, runs = kinds(lowered.program.local), kinds(lowered.compile().runs)
-    # every reduce-scatter, the gathers of up to 256 KiB and the all-reduces of up to 1 MiB
+    # every reduce-scatter, the gathers of up to 16 MiB and the all-reduces of up to 1 MiB
     # (tensor parallelism's activations, the loss): here all, a small model
     assert written["reduce_scatter"] > 0 and written["all_reduce"] > 1 and written["all_gather"] > 0
     assert runs["all_to_all"] == sum(written.values())

@@ -13,7 +13,7 @@ call, the all-to-all form over gloo's):
   training step the one exchange wins at those sizes too: while a gather is in flight the cores
   compute, and gloo's ring needs n-1 rounds of messages, each waiting for the next rank's gloo
   thread to be scheduled between that compute. FSDP on 4 ranks of 2 cores, its layers gathered
-  (3 and 4 MB) as all-to-alls: 0.96-0.97 of the step time with gloo's own gathers
+  (3 and 4 MB) as all-to-alls: 0.95-0.97 of the step time with gloo's own gathers
   (`python benchmarks/fsdp.py --gather-copies-max 1048576` runs them as gloo's). So gathers up to
   what a reduce-scatter may hold above gloo's own.
 - all-reduce: every rank sends the whole tensor to every other and sums the n that arrive, in rank
@@ -44,8 +44,8 @@ ALL_REDUCE_COPIES_MAX = 4 * 2**20
 
 
 def for_backend(gm: torch.fx.GraphModule, backend_of) -> torch.fx.GraphModule:
-    """A copy of `gm` whose sum and mean reductions and small gathers over groups whose backend
-    (`backend_of(group_name)`) is gloo run as all-to-alls; `gm` itself if none does. Shapes come
+    """A copy of `gm` whose sum and mean reductions and gathers (up to the bounds above) over groups
+    whose backend (`backend_of(group_name)`) is gloo run as all-to-alls; `gm` itself if none does. Shapes come
     from what each collective sends (`meta['ndfunc_input']`), so the program does no shape work."""
     graph = torch.fx.Graph()
     graph.output(graph.graph_copy(gm.graph, {}))
