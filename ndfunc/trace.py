@@ -134,12 +134,12 @@ def trace(fn: Callable, args: Sequence[Any], kwargs: dict | None = None, *, stat
 def _mean_as_sum_over_count(op):
     """`op` (an `nll_loss` forward) with reduction 'mean' as its 'sum' over its total weight (what
     the mean divides by, and what its backward reads); other reductions as they are."""
-    mean, total = 1, 2  # torch's Reduction enum
+    mean, summed_up = 1, 2  # torch's Reduction enum: 'mean', 'sum'
 
     def decomposed(x, target, weight, reduction, ignore_index):
         if reduction != mean:
             return NotImplemented
-        summed, weight_total = op(x, target, weight, total, ignore_index)
+        summed, weight_total = op(x, target, weight, summed_up, ignore_index)
         return summed / weight_total, weight_total
 
     return decomposed

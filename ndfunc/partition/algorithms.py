@@ -45,8 +45,9 @@ ALL_REDUCE_COPIES_MAX = 4 * 2**20
 
 def for_backend(gm: torch.fx.GraphModule, backend_of) -> torch.fx.GraphModule:
     """A copy of `gm` whose sum and mean reductions and gathers (up to the bounds above) over groups
-    whose backend (`backend_of(group_name)`) is gloo run as all-to-alls; `gm` itself if none does. Shapes come
-    from what each collective sends (`meta['ndfunc_input']`), so the program does no shape work."""
+    whose backend (`backend_of(group_name)`) is gloo run as all-to-alls; `gm` itself if none does.
+    Shapes come from what each collective sends (`meta['ndfunc_input']`), so the program does no
+    shape work."""
     graph = torch.fx.Graph()
     graph.output(graph.graph_copy(gm.graph, {}))
     rewrites = 0

@@ -54,9 +54,10 @@ def aliased(node: torch.fx.Node) -> torch.fx.Node | None:
 def lifetimes(nodes: list[torch.fx.Node]) -> tuple[dict, dict]:
     """`(root, last)`: the node whose buffer each node's result is, and for each such buffer the
     index of the last node reading it through any alias (results: to the end; inputs, which their
-    caller holds, and constants: to the end; a buffer nobody reads: where it is made). A collective reads its
-    inputs until its wait: it may run in the background from where it is issued (gloo's gathers
-    and all-to-alls do; the functional all-reduce copies its input first: this is the safe side)."""
+    caller holds, and constants: to the end; a buffer nobody reads: where it is made). A
+    collective reads its inputs until its wait: it may run in the background from where it is
+    issued (gloo's gathers and all-to-alls do; the functional all-reduce copies its input first:
+    this is the safe side)."""
     root: dict = {}
     last: dict = {}
     for i, n in enumerate(nodes):
