@@ -90,3 +90,19 @@ def test_each_collective_records_the_shape_it_sends(name):
     assert any(n.target is c10d.reduce_scatter_tensor.default for n in collectives)
     for n in collectives:
         assert n.meta["ndfunc_input"][0] == tuple(n.args[0].meta["val"].shape), n.format_node()
+
+
+@pytest.mark.parametrize(("rows", "rewritten"), [(64, True), (65, False)])
+def test_a_gather_runs_as_an_all_to_all_up_to_the_bound_and_as_gloos_own_above(monkeypatch, rows, rewritten):
+    # 64 rows of 4 floats per rank: 4 KiB gathered, the bound; a row more is above it
+    from ndfunc.partition import algorithms
+
+    monkeypatch.setattr(algorithms, "GATHER_COPIES_MAX", 4096)
+    monkeypatch.setattr(ndfunc.compile, "backend_of", lambda group: "gloo")
+    x = torch.randn(4 * rows, 4)
+    with nf.simulate(4):
+        f = nf.jit(lambda x: x * 2, mesh=nf.make_mesh(dp=4), in_shardings=P("dp"), out_shardings=P())
+        runs = kinds(f.lower(x).compile().runs)
+        got = nf.device_get(f(x))
+    assert (runs["all_to_all"], runs["all_gather"]) == ((1, 0) if rewritten else (0, 1))
+    torch.testing.assert_close(got, x * 2, rtol=0, atol=0)
