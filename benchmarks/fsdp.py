@@ -1,6 +1,7 @@
 """FSDP and FSDP+TP on 4 gloo processes: nf.jit against PyTorch's own composition.
 
     python benchmarks/fsdp.py [--model mid] [--steps 5]          # runs both, both strategies; prints ratios
+    python benchmarks/fsdp.py --rounds 5                       # each side 5 times, alternating; medians
     python benchmarks/fsdp.py --gather-copies-max 1048576      # nf.jit's bigger gathers as gloo's own
 
 PyTorch's way, as torchtitan does it: the Hugging Face `LlamaForCausalLM` with the same weights
@@ -17,7 +18,9 @@ step. Both sides join their processes by `nf.init()`, so both keep the host memo
 mapped for the next (`ndfunc.host_memory`), and what a step adds above what was held before it is
 small. Reported: the ratios nf.jit / PyTorch and both loss curves; and the CPU time each process
 spends per step (with more ranks than cores, the step time follows the work the ranks do, not
-their waits).
+their waits). The slowest rank's figures count. A shared machine's speed drifts from minute to
+minute, so one round's ratio can be a few hundredths off; `--rounds N` runs each side N times,
+alternating which goes first, prints each round's step ratio and reports medians over rounds.
 """
 
 from __future__ import annotations
@@ -156,6 +159,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8, help="global batch (split over dp_shard)")
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="run each side this many times, alternating which goes first; report medians")
     parser.add_argument("--strategies", nargs="+", default=list(LAYOUTS), choices=sorted(LAYOUTS))
     parser.add_argument("--gather-copies-max", type=int,
                         help="nf.jit on gloo: gathers up to this many bytes (gathered) run as all-to-alls "
@@ -166,34 +171,46 @@ def main() -> None:
     if args.impl:
         worker(args)
         return
-    env = dict(os.environ, OMP_NUM_THREADS="1")
     for layout in args.strategies:
-        rows = {}
-        for impl in ("torch", "jit"):
-            out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
-                                  __file__, f"--model={args.model}", f"--batch={args.batch}", f"--seq={args.seq}",
-                                  f"--steps={args.steps}", f"--layout={layout}", f"--impl={impl}",
-                                  *([f"--gather-copies-max={args.gather_copies_max}"]
-                                    if args.gather_copies_max is not None else [])],
-                                 capture_output=True, text=True, env=env)
-            if out.returncode:
-                raise SystemExit(out.stdout[-3000:] + out.stderr[-3000:])
-            # one JSON object per rank (lines of several ranks may run together)
-            rows[impl] = [json.loads(m) for m in re.findall(r"\{[^{}]*\}", out.stdout)]
-        t = {i: max(r["step_s"] for r in rows[i]) for i in rows}  # the slowest rank sets the pace
-        peak = {i: max(r["peak"] for r in rows[i]) for i in rows}
-        grown = {i: max(r["peak"] - r["before"] for r in rows[i]) for i in rows}
+        # rounds alternate which side runs first; each side's figures are the median over rounds
+        rounds = [{impl: _run(args, layout, impl) for impl in (("torch", "jit") if k % 2 == 0 else ("jit", "torch"))}
+                  for k in range(args.rounds)]
+        per = [{impl: _figures(rows) for impl, rows in r.items()} for r in rounds]
+        f = {i: {key: statistics.median(p[i][key] for p in per) for key in per[0][i]} for i in ("torch", "jit")}
         print(f"{layout} ({args.model}, batch {args.batch} x {args.seq}, 4 gloo processes, layout {LAYOUTS[layout]}):")
-        cpu = {i: max(r["cpu_s"] for r in rows[i]) for i in rows}
-        print(f"  step: PyTorch {t['torch'] * 1e3:.1f} ms, nf.jit {t['jit'] * 1e3:.1f} ms, ratio {t['jit'] / t['torch']:.2f}")
-        print(f"  CPU time per rank and step (the ranks share {os.cpu_count()} cores): PyTorch {cpu['torch'] * 1e3:.1f} ms, "
-              f"nf.jit {cpu['jit'] * 1e3:.1f} ms, ratio {cpu['jit'] / cpu['torch']:.2f}")
-        print(f"  peak resident set per rank: PyTorch {peak['torch'] / 2**20:.1f} MiB, nf.jit {peak['jit'] / 2**20:.1f} MiB, "
-              f"ratio {peak['jit'] / peak['torch']:.2f}; during the step, above what was held before: PyTorch "
-              f"{grown['torch'] / 2**20:.1f} MiB, nf.jit {grown['jit'] / 2**20:.1f} MiB")
+        if args.rounds > 1:
+            print("  step ratio per round: " + " ".join(f"{p['jit']['step'] / p['torch']['step']:.2f}" for p in per))
+        print(f"  step: PyTorch {f['torch']['step'] * 1e3:.1f} ms, nf.jit {f['jit']['step'] * 1e3:.1f} ms, "
+              f"ratio {f['jit']['step'] / f['torch']['step']:.2f}")
+        print(f"  CPU time per rank and step (the ranks share {os.cpu_count()} cores): PyTorch "
+              f"{f['torch']['cpu'] * 1e3:.1f} ms, nf.jit {f['jit']['cpu'] * 1e3:.1f} ms, "
+              f"ratio {f['jit']['cpu'] / f['torch']['cpu']:.2f}")
+        print(f"  peak resident set per rank: PyTorch {f['torch']['peak'] / 2**20:.1f} MiB, nf.jit "
+              f"{f['jit']['peak'] / 2**20:.1f} MiB, ratio {f['jit']['peak'] / f['torch']['peak']:.2f}; during the "
+              f"step, above what was held before: PyTorch {f['torch']['grown'] / 2**20:.1f} MiB, nf.jit "
+              f"{f['jit']['grown'] / 2**20:.1f} MiB")
         for impl in ("torch", "jit"):
-            print(f"  losses {impl:>5}: {' '.join(f'{x:.4f}' for x in rows[impl][0]['losses'])}")
+            print(f"  losses {impl:>5}: {' '.join(f'{x:.4f}' for x in rounds[0][impl][0]['losses'])}")
 
+
+def _run(args, layout: str, impl: str) -> list[dict]:
+    """One side's 4 processes under torchrun: a dict per rank."""
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
+                          __file__, f"--model={args.model}", f"--batch={args.batch}", f"--seq={args.seq}",
+                          f"--steps={args.steps}", f"--layout={layout}", f"--impl={impl}",
+                          *([f"--gather-copies-max={args.gather_copies_max}"]
+                            if args.gather_copies_max is not None else [])],
+                         capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    if out.returncode:
+        raise SystemExit(out.stdout[-3000:] + out.stderr[-3000:])
+    # one JSON object per rank (lines of several ranks may run together)
+    return [json.loads(m) for m in re.findall(r"\{[^{}]*\}", out.stdout)]
+
+
+def _figures(rows: list[dict]) -> dict:
+    """The slowest rank's figures: it sets the pace (and the memory a machine must have)."""
+    return {"step": max(r["step_s"] for r in rows), "cpu": max(r["cpu_s"] for r in rows),
+            "peak": max(r["peak"] for r in rows), "grown": max(r["peak"] - r["before"] for r in rows)}
 
 if __name__ == "__main__":
     main()
