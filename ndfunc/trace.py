@@ -7,10 +7,16 @@ the optimizer update become one graph with no autograd left in it. Attention sta
 node, so later passes can find both. Nothing is allocated at global size: tracing a 100M-parameter
 step costs what its graph costs.
 
-One op is traced as two: a cross-entropy's (`nll_loss`) mean over the targets it does not ignore
-becomes their sum over their count (or total weight). Its rule otherwise averages each rank's
-mean, which is the whole batch's only when every rank ignores as many targets; as a sum and a
-count, both are reduced over the ranks before the division, and the loss is the one device's.
+One op is traced as two: a cross-entropy's (`nll_loss`) mean over the targets it does not ignore,
+on float32 or float64 scores, becomes their sum over their count (or total weight). DTensor's
+sharding rule for the mean averages each rank's own mean, which is the whole batch's only when
+every rank ignores as many targets; as a sum and a count, both are summed over the ranks before
+the division, so a sharded step's loss is the single device's. (Half-precision scores keep the op:
+their sum could overflow before the division. Cast them to float32 first, as `models.llama` does.)
+
+A tensor the step closes over is a constant of the program, the same on every rank. One made
+under `nf.simulate` (a value per simulated rank) or one the step writes into is refused: pass it
+as an argument instead.
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ import optree
 import torch
 import torch.fx.traceback as fx_traceback
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.distributed._local_tensor import local_tensor_mode
+from torch.distributed._local_tensor import LocalTensor, local_tensor_mode
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils._python_dispatch import _get_current_dispatch_mode, _pop_mode_temporarily
 
@@ -125,6 +131,7 @@ def trace(fn: Callable, args: Sequence[Any], kwargs: dict | None = None, *, stat
                                        record_stack_traces=record_stack_traces)(*fakes)
         finally:
             _tracing.reset(token)
+    _check_constants(graph_module, getattr(fn, "__name__", "the step"))
     _scalars_as_factories(graph_module)
     out_specs = tuple(TensorSpec(tuple(n.meta["val"].shape), n.meta["val"].dtype)
                       for n in graph_module.graph.find_nodes(op="output")[0].args[0])
@@ -134,12 +141,12 @@ def trace(fn: Callable, args: Sequence[Any], kwargs: dict | None = None, *, stat
 def _mean_as_sum_over_count(op):
     """`op` (an `nll_loss` forward) with reduction 'mean' as its 'sum' over its total weight (what
     the mean divides by, and what its backward reads); other reductions as they are."""
-    mean, summed_up = 1, 2  # torch's Reduction enum: 'mean', 'sum'
+    reduce_mean, reduce_sum = 1, 2  # torch's Reduction enum
 
     def decomposed(x, target, weight, reduction, ignore_index):
-        if reduction != mean:
+        if reduction != reduce_mean or x.dtype not in (torch.float32, torch.float64):
             return NotImplemented
-        summed, weight_total = op(x, target, weight, summed_up, ignore_index)
+        summed, weight_total = op(x, target, weight, reduce_sum, ignore_index)
         return summed / weight_total, weight_total
 
     return decomposed
@@ -147,6 +154,30 @@ def _mean_as_sum_over_count(op):
 
 _DECOMPOSITIONS = {op: _mean_as_sum_over_count(op)
                    for op in (torch.ops.aten.nll_loss_forward.default, torch.ops.aten.nll_loss2d_forward.default)}
+
+
+def _check_constants(gm: torch.fx.GraphModule, name: str) -> None:
+    """Refuse the tensors a step closes over that cannot be constants of the program."""
+    from ndfunc.partition.buffers import aliased
+
+    for node in gm.graph.find_nodes(op="get_attr"):
+        value = getattr(gm, node.target, None)
+        if isinstance(value, LocalTensor):
+            raise TypeError(
+                f"{name} closes over a tensor made under nf.simulate: it holds a value per simulated rank, "
+                f"and a tensor a step closes over is a constant, the same on every rank. Pass it to the "
+                f"step as an argument (with the sharding its values have).")
+    for node in gm.graph.nodes:
+        schema = getattr(node.target, "_schema", None) if node.op == "call_function" else None
+        base = aliased(node) if schema is not None and schema.is_mutable else None
+        while base is not None and base.op == "call_function":
+            base = aliased(base)
+        if base is not None and base.op == "get_attr":
+            raise TypeError(
+                f"{name} writes in place ({node.target}) into a tensor it closes over (shape "
+                f"{list(node.meta['val'].shape)}); tracing has applied that write to it once. A traced "
+                f"step is a function of its arguments: pass the tensor as an argument and return its new "
+                f"value (donate_argnums lets the result reuse its memory).")
 
 
 @contextlib.contextmanager

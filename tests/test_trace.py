@@ -120,3 +120,21 @@ def test_init_traces_to_one_random_node_per_matrix():
     assert len(samplers) == len(matrices)
     for a, b in zip(leaves(traced(CFG, key)), leaves(llama.init(CFG, key))):
         assert torch.equal(a, b)
+
+
+def test_a_tensor_made_under_simulate_cannot_be_closed_over():
+    with nf.simulate(4):
+        per_rank = torch.randn(4)
+        with pytest.raises(TypeError, match=r"^<lambda> closes over a tensor made under nf\.simulate: it holds a "
+                           r"value per simulated rank, and a tensor a step closes over is a constant, the same on "
+                           r"every rank\. Pass it to the step as an argument \(with the sharding its values have\)\.$"):
+            trace(lambda x: x * per_rank, (torch.randn(4),))
+
+
+def test_a_step_that_writes_into_a_tensor_it_closes_over_is_refused():
+    scale = torch.ones(4)
+    with pytest.raises(TypeError, match=r"^<lambda> writes in place \(aten\.mul_\.Tensor\) into a tensor it closes "
+                       r"over \(shape \[4\]\); tracing has applied that write to it once\. A traced step is a "
+                       r"function of its arguments: pass the tensor as an argument and return its new value "
+                       r"\(donate_argnums lets the result reuse its memory\)\.$"):
+        trace(lambda x: x * scale.mul_(2), (torch.randn(4),))
