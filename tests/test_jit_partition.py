@@ -326,15 +326,27 @@ def test_a_cross_entropy_over_targets_ignored_unevenly_is_the_whole_batchs_mean(
     assert_same(got, expected)
 
 
-
 def test_a_tensor_the_step_closes_over_is_whole_on_every_rank_and_left_as_it_was():
     g = torch.Generator().manual_seed(0)
     scale, x = torch.randn(D, generator=g), torch.randn(B, D, generator=g)
     kept = scale.clone()
-    step = lambda x: (x * torch.exp(scale)).sum(0)  # noqa: E731  (exp's input is read last here)
+    # exp reads it last: were it a buffer of the program's own, exp would write into it
+    step = lambda x: (x * torch.exp(scale)).sum(0)  # noqa: E731
     with nf.simulate(4):
         jitted = nf.jit(step, mesh=nf.make_mesh(dp=4), in_shardings=P("dp"), out_shardings=P())
         got = [nf.device_get(jitted(x)) for _ in range(2)]
     for out in got:
         assert_same(out, step(x))
     assert torch.equal(scale, kept)
+
+
+def test_a_constant_the_step_returns_is_a_copy_of_it():
+    scale = torch.arange(4.0)
+    with nf.simulate(4):
+        jitted = nf.jit(lambda x: (x * 2, scale), mesh=nf.make_mesh(dp=4), in_shardings=P("dp"),
+                        out_shardings=(P("dp"), P()))
+        _, returned = jitted(torch.ones(8))
+        returned.add_(1)  # a caller may write into a result, or donate it
+        _, again = jitted(torch.ones(8))
+        assert torch.equal(nf.device_get(again), torch.arange(4.0))
+    assert torch.equal(scale, torch.arange(4.0))
