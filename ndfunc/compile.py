@@ -177,7 +177,11 @@ class Compiled:
         locals_ = [x._local_tensor if isinstance(x, DTensor) else x for x in prepared]
         mode = local_tensor_mode()
         if mode is not None:  # in simulation every input is per rank, so no op mixes the two kinds
-            locals_ = [x if isinstance(x, LocalTensor) else mode.rank_map(lambda r, x=x: x) for x in locals_]
+            # (a donated one a copy per rank: one tensor for all would take every rank's write)
+            donated = set(p.donated)
+            locals_ = [x if isinstance(x, LocalTensor) else
+                       mode.rank_map(lambda r, x=x, copy=i in donated: x.clone() if copy else x)
+                       for i, x in enumerate(locals_)]
         device = locals_[0].device if locals_ else torch.device("cpu")
         with torch.no_grad():
             outs = list(self._forward(*locals_, self._coords_tensor(device)))

@@ -204,6 +204,18 @@ def test_axis_index_inside_jit_is_each_ranks_own():
 
 # --- donation ------------------------------------------------------------------------------------
 
+def test_a_donated_plain_tensor_in_simulation_takes_one_write_not_one_per_rank():
+    # a tensor that is not a DTensor stands for every simulated rank's block; donated, each rank
+    # writes its result into memory of its own, not all four into the one tensor
+    g = torch.Generator().manual_seed(0)
+    s, c = torch.randn(16, generator=g), torch.randn(16, generator=g)
+    with nf.simulate(4):
+        step = nf.jit(lambda s, c: s + c, mesh=nf.make_mesh(dp=4), in_shardings=P(), out_shardings=P(),
+                      donate_argnums=(0,))
+        got = nf.device_get(step(s.clone(), c))
+    assert torch.equal(got, s + c)
+
+
 def test_donated_buffers_hold_the_results_and_the_donated_values_are_retired():
     g = torch.Generator().manual_seed(0)
     n_leaves, width = 8, 128
