@@ -168,6 +168,8 @@ def main() -> None:
     parser.add_argument("--layout", choices=sorted(LAYOUTS), help="(internal) run one, under torchrun")
     parser.add_argument("--impl", choices=["torch", "jit"], help="(internal) run one, under torchrun")
     args = parser.parse_args()
+    if args.rounds < 1:
+        parser.error(f"--rounds must be at least 1 (got {args.rounds})")
     if args.impl:
         worker(args)
         return
@@ -211,6 +213,7 @@ def _figures(rows: list[dict]) -> dict:
     """The slowest rank's figures: it sets the pace (and the memory a machine must have)."""
     return {"step": max(r["step_s"] for r in rows), "cpu": max(r["cpu_s"] for r in rows),
             "peak": max(r["peak"] for r in rows), "grown": max(r["peak"] - r["before"] for r in rows)}
+
 
 if __name__ == "__main__":
     main()

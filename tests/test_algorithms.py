@@ -1,4 +1,4 @@
-"""On gloo the program runs its reductions and small gathers as all-to-alls
+"""On gloo the program runs its reductions and gathers (up to a bound) as all-to-alls
 (ndfunc.partition.algorithms): the same results as the collectives the partitioner wrote, on
 simulated ranks told that their groups are gloo's, and against the single-device step."""
 
@@ -39,7 +39,7 @@ def kinds(gm) -> dict:
     return {k: sum(n.target is op for n in gm.graph.nodes) for k, op in ops.items()}
 
 
-def test_on_gloo_reductions_and_small_gathers_run_as_all_to_alls_with_the_same_results(monkeypatch):
+def test_on_gloo_reductions_and_gathers_run_as_all_to_alls_with_the_same_results(monkeypatch):
     from models import train
 
     cfg, params, batch, opt, _ = llama_case((4, 32), vocab_size=512, dim=64, n_layers=2, ffn_dim=128)
