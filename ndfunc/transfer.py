@@ -111,8 +111,21 @@ def _gather(x: Any) -> Any:
     if isinstance(x, LocalTensor):
         mode = local_tensor_mode()
         with mode.disable() if mode is not None else contextlib.nullcontext():
-            x = x.reconcile()
+            x = _reconcile(x)
     return x
+
+
+def _reconcile(x: LocalTensor) -> torch.Tensor:
+    """The one value every simulated rank holds. NaN counts as equal to NaN: a replicated loss over
+    targets that are all ignored is NaN on every rank, as one device's is."""
+    blocks = list(x._local_tensors.values())
+    for other in blocks[1:]:
+        same = (torch.allclose(blocks[0], other, rtol=0, atol=0, equal_nan=True)
+                if blocks[0].is_floating_point() or blocks[0].is_complex() else torch.equal(blocks[0], other))
+        if not same:
+            raise AssertionError("the simulated ranks hold different values for a tensor that is the same on "
+                                 "every rank (replicated): there is no single value to return")
+    return blocks[0].clone()
 
 
 def _assemble(

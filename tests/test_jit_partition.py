@@ -350,3 +350,13 @@ def test_a_constant_the_step_returns_is_a_copy_of_it():
         _, again = jitted(torch.ones(8))
         assert torch.equal(nf.device_get(again), torch.arange(4.0))
     assert torch.equal(scale, torch.arange(4.0))
+
+
+def test_a_loss_over_targets_all_ignored_is_nan_on_every_rank_as_on_one_device():
+    g = torch.Generator().manual_seed(0)
+    logits, targets = torch.randn(8, 5, generator=g), torch.full((8,), -100)
+    loss = torch.nn.functional.cross_entropy
+    with nf.simulate(4):
+        jitted = nf.jit(loss, mesh=nf.make_mesh(dp=4), in_shardings=(P("dp"), P("dp")), out_shardings=P())
+        got = nf.device_get(jitted(logits, targets))
+    assert got.isnan() and loss(logits, targets).isnan()

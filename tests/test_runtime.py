@@ -60,7 +60,8 @@ def test_ranks_can_hold_different_values():
         for r in range(4):
             assert torch.equal(blocks[r], (full + 100 * r)[2 * r: 2 * r + 2])
         replicated = nf.device_put(x, NamedSharding(mesh, P()))
-        with pytest.raises(AssertionError):  # ranks disagree on a replicated value: no single answer
+        with pytest.raises(AssertionError, match=r"^the simulated ranks hold different values for a tensor that is "
+                           r"the same on every rank \(replicated\): there is no single value to return$"):
             nf.device_get(replicated)
 
 
