@@ -158,7 +158,7 @@ _DECOMPOSITIONS = {op: _mean_as_sum_over_count(op)
 
 def _check_constants(gm: torch.fx.GraphModule, name: str) -> None:
     """Refuse the tensors a step closes over that cannot be constants of the program."""
-    from ndfunc.partition.buffers import aliased
+    from ndfunc.partition.buffers import buffer_of
 
     for node in gm.graph.find_nodes(op="get_attr"):
         value = getattr(gm, node.target, None)
@@ -169,10 +169,7 @@ def _check_constants(gm: torch.fx.GraphModule, name: str) -> None:
                 f"step as an argument (with the sharding its values have).")
     for node in gm.graph.nodes:
         schema = getattr(node.target, "_schema", None) if node.op == "call_function" else None
-        base = aliased(node) if schema is not None and schema.is_mutable else None
-        while base is not None and base.op == "call_function":
-            base = aliased(base)
-        if base is not None and base.op == "get_attr":
+        if schema is not None and schema.is_mutable and buffer_of(node).op == "get_attr":
             raise TypeError(
                 f"{name} writes in place ({node.target}) into a tensor it closes over (shape "
                 f"{list(node.meta['val'].shape)}); tracing has applied that write to it once. A traced "

@@ -51,6 +51,13 @@ def aliased(node: torch.fx.Node) -> torch.fx.Node | None:
     return base if isinstance(base, torch.fx.Node) else None
 
 
+def buffer_of(node: torch.fx.Node) -> torch.fx.Node:
+    """The node whose buffer `node`'s result is (itself, unless it is a view or writes in place)."""
+    while (base := aliased(node)) is not None:
+        node = base
+    return node
+
+
 def lifetimes(nodes: list[torch.fx.Node]) -> tuple[dict, dict]:
     """`(root, last)`: the node whose buffer each node's result is, and for each such buffer the
     index of the last node reading it through any alias (results: to the end; inputs, which their

@@ -22,7 +22,7 @@ from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 from ndfunc import manual
 from ndfunc.constraints import sharding_constraint_op
 from ndfunc.partition import redistribute
-from ndfunc.partition.buffers import aliased
+from ndfunc.partition.buffers import buffer_of
 from ndfunc.partition.layout import Layout, local_shape
 from ndfunc.partition.solve import Plan, value_of
 from ndfunc.partition.strategies import local_args, tensor_inputs
@@ -203,10 +203,7 @@ def lower(graph: torch.fx.Graph, plan: Plan, axis_names: Sequence[str], group_na
     # a constant the step returns (or a block of one) leaves as a copy: the caller may write into
     # a result, or donate it, and the constant serves every later call
     for i, r in enumerate(results):
-        base = r
-        while aliased(base) is not None:
-            base = aliased(base)
-        if base.op == "get_attr":
+        if buffer_of(r).op == "get_attr":
             results[i] = e.call(aten.clone.default, r)
             if "ndfunc_local" in r.meta:
                 results[i].meta["ndfunc_local"] = r.meta["ndfunc_local"]
