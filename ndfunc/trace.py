@@ -12,7 +12,8 @@ on float32 or float64 scores, becomes their sum over their count (or total weigh
 sharding rule for the mean averages each rank's own mean, which is the whole batch's only when
 every rank ignores as many targets; as a sum and a count, both are summed over the ranks before
 the division, so a sharded step's loss is the single device's. (Half-precision scores keep the op:
-their sum could overflow before the division. Cast them to float32 first, as `models.llama` does.)
+their sum could overflow before the division. The partitioner then brings the scores together for
+it, since its sharded rule is that average; cast them to float32 first, as `models.llama` does.)
 
 A tensor the step closes over is a constant of the program, the same on every rank. One made
 under `nf.simulate` (a value per simulated rank) or one the step writes into is refused: pass it

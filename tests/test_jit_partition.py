@@ -360,3 +360,16 @@ def test_a_loss_over_targets_all_ignored_is_nan_on_every_rank_as_on_one_device()
         jitted = nf.jit(loss, mesh=nf.make_mesh(dp=4), in_shardings=(P("dp"), P("dp")), out_shardings=P())
         got = nf.device_get(jitted(logits, targets))
     assert got.isnan() and loss(logits, targets).isnan()
+
+
+def test_a_half_precision_cross_entropy_over_targets_ignored_unevenly_is_not_a_mean_of_means():
+    # bfloat16 scores keep the mean op (their sum could overflow before the division); its rule
+    # must not average each rank's own mean, so the scores come together and the mean is one device's
+    g = torch.Generator().manual_seed(0)
+    logits, targets = torch.randn(32, 512, generator=g).bfloat16(), torch.randint(0, 512, (32,), generator=g)
+    targets[1:8] = -100  # rank 0's block keeps one target of eight
+    loss = torch.nn.functional.cross_entropy
+    with nf.simulate(4):
+        jitted = nf.jit(loss, mesh=nf.make_mesh(dp=4), in_shardings=(P("dp"), P("dp")), out_shardings=P())
+        got = nf.device_get(jitted(logits, targets))
+    assert torch.equal(got, loss(logits, targets))

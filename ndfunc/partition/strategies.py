@@ -297,6 +297,17 @@ def _replicated_rule(node, sizes) -> list[Strategy]:
                      tuple(replicated(k) for _ in tensor_inputs(node)))]
 
 
+def _mean_loss_rule(node, sizes) -> list[Strategy]:
+    """DTensor's rule for an `nll_loss` forward, less its sharded mean: that averages each rank's
+    own mean, the batch's only when every rank ignores as many targets. (The tracer writes a
+    float32 or float64 mean as a sum over a count, which shards; this is the mean it leaves.)"""
+    found = _from_op_strategy(node, tensor_inputs(node), tensor_outputs(node), sizes)
+    reduce_mean = 1  # torch's Reduction enum
+    if node.args[3] != reduce_mean:
+        return found
+    return [s for s in found if not any(isinstance(p, Partial) for p in s.outs[0])]
+
+
 def _own_rules() -> dict:
     from ndfunc.constraints import sharding_constraint_op
     from ndfunc.random._op import random_block_op
@@ -305,6 +316,8 @@ def _own_rules() -> dict:
         aten._scaled_dot_product_flash_attention_for_cpu.default: _attention_rule,
         aten._scaled_dot_product_flash_attention_for_cpu_backward.default: _attention_rule,
         sharding_constraint_op: _constraint_rule,
+        aten.nll_loss_forward.default: _mean_loss_rule,
+        aten.nll_loss2d_forward.default: _mean_loss_rule,
         random_block_op: _replicated_rule,  # whole, from the key: every rank computes it
     }
 
