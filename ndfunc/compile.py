@@ -131,6 +131,7 @@ class Compiled:
     def __init__(self, program: Program, jitted: Jitted, key):
         self.program, self._jitted, self._key = program, jitted, key
         self._coords = None
+        self._donated = frozenset(program.donated)
         # the local program as it runs: each collective by the backend's fastest way
         # (ndfunc.partition.algorithms), each op called directly (ndfunc.partition.runner)
         self.runs = for_backend(program.local, backend_of)
@@ -178,9 +179,8 @@ class Compiled:
         mode = local_tensor_mode()
         if mode is not None:  # in simulation every input is per rank, so no op mixes the two kinds
             # (a donated one a copy per rank: one tensor for all would take every rank's write)
-            donated = set(p.donated)
             locals_ = [x if isinstance(x, LocalTensor) else
-                       mode.rank_map(lambda r, x=x, copy=i in donated: x.clone() if copy else x)
+                       mode.rank_map(lambda r, x=x, copy=i in self._donated: x.clone() if copy else x)
                        for i, x in enumerate(locals_)]
         device = locals_[0].device if locals_ else torch.device("cpu")
         with torch.no_grad():

@@ -34,6 +34,7 @@ import torch.fx.traceback as fx_traceback
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed._local_tensor import LocalTensor, local_tensor_mode
 from torch.fx.experimental.proxy_tensor import make_fx
+from torch.nn import _reduction
 from torch.utils._python_dispatch import _get_current_dispatch_mode, _pop_mode_temporarily
 
 from ndfunc.constraints import decode_spec, sharding_constraint_op
@@ -142,12 +143,10 @@ def trace(fn: Callable, args: Sequence[Any], kwargs: dict | None = None, *, stat
 def _mean_as_sum_over_count(op):
     """`op` (an `nll_loss` forward) with reduction 'mean' as its 'sum' over its total weight (what
     the mean divides by, and what its backward reads); other reductions as they are."""
-    reduce_mean, reduce_sum = 1, 2  # torch's Reduction enum
-
     def decomposed(x, target, weight, reduction, ignore_index):
-        if reduction != reduce_mean or x.dtype not in (torch.float32, torch.float64):
+        if reduction != _reduction.get_enum("mean") or x.dtype not in (torch.float32, torch.float64):
             return NotImplemented
-        summed, weight_total = op(x, target, weight, reduce_sum, ignore_index)
+        summed, weight_total = op(x, target, weight, _reduction.get_enum("sum"), ignore_index)
         return summed / weight_total, weight_total
 
     return decomposed

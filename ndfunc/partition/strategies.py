@@ -27,6 +27,7 @@ from torch.distributed.tensor._op_schema import (
     OpStrategy,
     TupleStrategy,
 )
+from torch.nn import _reduction
 from torch.utils import _pytree as pytree
 
 from ndfunc import manual
@@ -302,8 +303,7 @@ def _mean_loss_rule(node, sizes) -> list[Strategy]:
     own mean, the batch's only when every rank ignores as many targets. (The tracer writes a
     float32 or float64 mean as a sum over a count, which shards; this is the mean it leaves.)"""
     found = _from_op_strategy(node, tensor_inputs(node), tensor_outputs(node), sizes)
-    reduce_mean = 1  # torch's Reduction enum
-    if node.args[3] != reduce_mean:
+    if node.args[3] != _reduction.get_enum("mean"):
         return found
     return [s for s in found if not any(isinstance(p, Partial) for p in s.outs[0])]
 
