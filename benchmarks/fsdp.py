@@ -3,13 +3,17 @@
     python benchmarks/fsdp.py [--model mid] [--steps 5]          # runs both, both strategies; prints ratios
     python benchmarks/fsdp.py --rounds 5                       # each side 5 times, alternating; medians
     python benchmarks/fsdp.py --gather-copies-max 1048576      # nf.jit's bigger gathers as gloo's own
+    python benchmarks/fsdp.py --aten-matmul                    # nf.jit's matmuls as PyTorch's (MKL)
 
 PyTorch's way, as torchtitan does it: the Hugging Face `LlamaForCausalLM` with the same weights
 (written by `models.hf.save_llama`); FSDP by `fully_shard` on each decoder layer and on the root
 over `dp_shard` (FSDP2, resharding after forward); for FSDP+TP, `parallelize_module` over `tp`
 first (q/k/v and the MLP's up projections column-wise, o and down row-wise); `torch.optim.AdamW`.
 nf.jit: the same model as pure functions, `ParallelConfig` rules (parameters sharded over
-`dp_shard`, heads and MLP over `tp`), `nf.fsdp('dp_shard')` for the gather schedule.
+`dp_shard`, heads and MLP over `tp`), `nf.fsdp('dp_shard')` for the gather schedule. On an AMD
+CPU nf.jit runs its fp32 matmuls as oneDNN's, where PyTorch's `mm` runs MKL's AVX2 path
+(ndfunc.partition.kernels); `--aten-matmul` gives both sides the same matmul kernel, so the ratio
+is the partitioner's and the FSDP schedule's alone.
 
 Each implementation runs in its own 4 processes (so their memory peaks do not mix), over the same
 batches. Per rank: median step time, and the resident set's high-water mark during a step (reset
@@ -131,6 +135,10 @@ def worker(args) -> None:
         from ndfunc.partition import algorithms
 
         algorithms.GATHER_COPIES_MAX = args.gather_copies_max
+    if args.aten_matmul:
+        from ndfunc.partition import kernels
+
+        kernels.ONEDNN_MATMUL = False
     rank = nf.rank()
     config = nf.ParallelConfig(*LAYOUTS[args.layout])
     mesh = config.build_mesh()
@@ -165,6 +173,9 @@ def main() -> None:
     parser.add_argument("--gather-copies-max", type=int,
                         help="nf.jit on gloo: gathers up to this many bytes (gathered) run as all-to-alls "
                              "(ndfunc.partition.algorithms.GATHER_COPIES_MAX), bigger ones as gloo's own")
+    parser.add_argument("--aten-matmul", action="store_true",
+                        help="nf.jit runs every matmul as aten's, the kernel PyTorch's side runs, even where "
+                             "oneDNN's is faster (ndfunc.partition.kernels)")
     parser.add_argument("--layout", choices=sorted(LAYOUTS), help="(internal) run one, under torchrun")
     parser.add_argument("--impl", choices=["torch", "jit"], help="(internal) run one, under torchrun")
     args = parser.parse_args()
@@ -193,6 +204,8 @@ def main() -> None:
               f"{f['jit']['grown'] / 2**20:.1f} MiB")
         for impl in ("torch", "jit"):
             print(f"  losses {impl:>5}: {' '.join(f'{x:.4f}' for x in rounds[0][impl][0]['losses'])}")
+        gap = max(abs(a - b) for a, b in zip(rounds[0]["torch"][0]["losses"], rounds[0]["jit"][0]["losses"]))
+        print(f"  largest loss difference: {gap:.1e}")
 
 
 def _run(args, layout: str, impl: str) -> list[dict]:
@@ -201,7 +214,8 @@ def _run(args, layout: str, impl: str) -> list[dict]:
                           __file__, f"--model={args.model}", f"--batch={args.batch}", f"--seq={args.seq}",
                           f"--steps={args.steps}", f"--layout={layout}", f"--impl={impl}",
                           *([f"--gather-copies-max={args.gather_copies_max}"]
-                            if args.gather_copies_max is not None else [])],
+                            if args.gather_copies_max is not None else []),
+                          *(["--aten-matmul"] if args.aten_matmul else [])],
                          capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
     if out.returncode:
         raise SystemExit(out.stdout[-3000:] + out.stderr[-3000:])

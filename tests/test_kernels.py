@@ -1,0 +1,108 @@
+"""The local program's fp32 matmuls on CPU as oneDNN's (ndfunc.partition.kernels): which run as
+oneDNN's, and that those agree with the float64 product within fp32's rounding bound, as aten's do."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import ndfunc as nf
+from ndfunc.partition import kernels
+from ndfunc.sharding import P
+
+pytestmark = pytest.mark.skipif(
+    not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+    or torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"),
+    reason="oneDNN's matmul comes with torch's x86 builds only, and this torch has none")
+
+ONEDNN, MM, BMM = "mkldnn::_linear_pointwise", "aten::mm", "aten::bmm"
+
+
+def ran(f):
+    """f's result, and the names of the ops that ran."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        out = f()
+    return out, {e.key for e in prof.key_averages()}
+
+
+def within_rounding(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> bool:
+    """|out - a @ b| within the fp32 dot product's bound, k u (|a| @ |b|), against the float64 product."""
+    k, u = a.shape[-1], 2.0 ** -24
+    exact = a.double() @ b.double()
+    return bool(((out.double() - exact).abs() <= k * u * (a.double().abs() @ b.double().abs())).all())
+
+
+def layouts(m: int, k: int, n: int, g: torch.Generator) -> dict:
+    r = lambda *shape: torch.randn(*shape, generator=g)  # noqa: E731
+    return {"contiguous": (r(m, k), r(k, n)), "a transposed": (r(k, m).t(), r(k, n)),
+            "b transposed": (r(m, k), r(n, k).t()), "both transposed": (r(k, m).t(), r(n, k).t()),
+            "a every other column": (r(m, 2 * k)[:, ::2], r(k, n)), "b a column slice": (r(m, k), r(k, n + 9)[:, 5:-4]),
+            "a one row broadcast": (r(1, k).expand(m, k), r(k, n)), "a at an offset": (r(m + 7, k)[7:], r(k, n))}
+
+
+@pytest.fixture
+def onednn(monkeypatch):
+    monkeypatch.setattr(kernels, "ONEDNN_MATMUL", True)
+
+
+@pytest.mark.parametrize("layout", list(layouts(1, 1, 1, torch.Generator())))
+def test_a_big_fp32_matmul_runs_as_onednns_and_is_within_fp32_rounding_of_the_exact_product(layout):
+    a, b = layouts(256, 192, 128, torch.Generator().manual_seed(0))[layout]
+    out, ops = ran(lambda: kernels.mm(a, b))
+    assert ONEDNN in ops and MM not in ops
+    assert out.shape == (256, 128) and out.is_contiguous()
+    assert within_rounding(out, a, b)
+    assert within_rounding(torch.mm(a, b), a, b)  # the bound is one aten's result meets too
+
+
+def test_a_batch_of_one_matrix_runs_as_onednns_and_a_batch_of_two_as_atens():
+    g = torch.Generator().manual_seed(1)
+    a, b = torch.randn(1, 256, 192, generator=g), torch.randn(1, 192, 128, generator=g)
+    out, ops = ran(lambda: kernels.bmm(a, b))
+    assert ONEDNN in ops and BMM not in ops and out.shape == (1, 256, 128)
+    assert within_rounding(out[0], a[0], b[0])
+    a2, b2 = torch.cat([a, a]), torch.cat([b, b])
+    out, ops = ran(lambda: kernels.bmm(a2, b2))
+    assert ONEDNN not in ops and BMM in ops
+    assert torch.equal(out, torch.bmm(a2, b2))
+
+
+@pytest.mark.parametrize("case", ["below the bound", "float64", "bfloat16"])
+def test_a_small_or_other_dtype_matmul_stays_atens(case):
+    m, dtype = (64, torch.float32) if case == "below the bound" else (256, getattr(torch, case))
+    g = torch.Generator().manual_seed(2)
+    a, b = torch.randn(m, m, generator=g).to(dtype), torch.randn(m, m, generator=g).to(dtype)
+    out, ops = ran(lambda: kernels.mm(a, b))
+    assert ONEDNN not in ops and MM in ops
+    assert torch.equal(out, torch.mm(a, b))
+
+
+def step(x, w):
+    return torch.einsum("bld,dk->blk", x, w).tanh() @ w.T
+
+
+def as_close_as_eager(out, x, w) -> bool:
+    """out within twice the distance of eager's fp32 result from the float64 one."""
+    exact = step(x.double(), w.double())
+    return bool((out.double() - exact).abs().max() <= 2 * (step(x, w).double() - exact).abs().max())
+
+
+@pytest.mark.parametrize("on", [True, False])
+def test_a_jitted_step_runs_its_fp32_matmuls_as_onednns_when_on_and_as_atens_when_off(monkeypatch, on):
+    monkeypatch.setattr(kernels, "ONEDNN_MATMUL", on)
+    g = torch.Generator().manual_seed(3)
+    x, w = torch.randn(2, 128, 256, generator=g), torch.randn(256, 192, generator=g)
+    out, ops = ran(lambda: nf.jit(step)(x, w))
+    assert (ONEDNN in ops) is on
+    assert as_close_as_eager(out, x, w)
+
+
+def test_simulated_ranks_run_atens_matmul(onednn):
+    g = torch.Generator().manual_seed(4)
+    x, w = torch.randn(2, 128, 256, generator=g), torch.randn(256, 192, generator=g)
+    with nf.simulate(2):
+        mesh = nf.make_mesh(dp_shard=2)
+        f = nf.jit(step, mesh=mesh, in_shardings=(P("dp_shard"), P()), out_shardings=P("dp_shard"))
+        out, ops = ran(lambda: nf.device_get(f(x, w)))
+    assert ONEDNN not in ops
+    assert as_close_as_eager(out, x, w)
