@@ -12,8 +12,8 @@ first (q/k/v and the MLP's up projections column-wise, o and down row-wise); `to
 nf.jit: the same model as pure functions, `ParallelConfig` rules (parameters sharded over
 `dp_shard`, heads and MLP over `tp`), `nf.fsdp('dp_shard')` for the gather schedule. On an AMD
 CPU nf.jit runs its fp32 matmuls as oneDNN's, where PyTorch's `mm` runs MKL's AVX2 path
-(ndfunc.partition.kernels); `--aten-matmul` gives both sides the same matmul kernel, so the ratio
-is the partitioner's and the FSDP schedule's alone.
+(ndfunc.partition.kernels); `--aten-matmul` (NDFUNC_ATEN_MATMUL=1) gives both sides the same
+matmul kernel, so the ratio is the partitioner's and the FSDP schedule's alone.
 
 Each implementation runs in its own 4 processes (so their memory peaks do not mix), over the same
 batches. Per rank: median step time, and the resident set's high-water mark during a step (reset
@@ -135,10 +135,6 @@ def worker(args) -> None:
         from ndfunc.partition import algorithms
 
         algorithms.GATHER_COPIES_MAX = args.gather_copies_max
-    if args.aten_matmul:
-        from ndfunc.partition import kernels
-
-        kernels.ONEDNN_MATMUL = False
     rank = nf.rank()
     config = nf.ParallelConfig(*LAYOUTS[args.layout])
     mesh = config.build_mesh()
@@ -214,9 +210,9 @@ def _run(args, layout: str, impl: str) -> list[dict]:
                           __file__, f"--model={args.model}", f"--batch={args.batch}", f"--seq={args.seq}",
                           f"--steps={args.steps}", f"--layout={layout}", f"--impl={impl}",
                           *([f"--gather-copies-max={args.gather_copies_max}"]
-                            if args.gather_copies_max is not None else []),
-                          *(["--aten-matmul"] if args.aten_matmul else [])],
-                         capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+                            if args.gather_copies_max is not None else [])],
+                         capture_output=True, text=True, env=dict(
+                             os.environ, OMP_NUM_THREADS="1", **({"NDFUNC_ATEN_MATMUL": "1"} if args.aten_matmul else {})))
     if out.returncode:
         raise SystemExit(out.stdout[-3000:] + out.stderr[-3000:])
     # one JSON object per rank (lines of several ranks may run together)

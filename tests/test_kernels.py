@@ -3,6 +3,10 @@ oneDNN's, and that those agree with the float64 product within fp32's rounding b
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -106,3 +110,18 @@ def test_simulated_ranks_run_atens_matmul(onednn):
         out, ops = ran(lambda: nf.device_get(f(x, w)))
     assert ONEDNN not in ops
     assert as_close_as_eager(out, x, w)
+
+
+def on_import(value: str) -> subprocess.CompletedProcess:
+    code = "from ndfunc.partition import kernels; print(kernels.ONEDNN_MATMUL)"
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env=dict(os.environ, NDFUNC_ATEN_MATMUL=value))
+
+
+def test_ndfunc_aten_matmul_1_keeps_atens_matmul_and_another_value_is_refused():
+    assert on_import("1").stdout.strip() == "False"
+    assert on_import("0").returncode == 0
+    refused = on_import("yes")
+    assert refused.returncode != 0
+    assert ("ValueError: NDFUNC_ATEN_MATMUL must be 1 (every matmul as aten's) or 0 or unset (ndfunc's choice), "
+            "not 'yes'") in refused.stderr

@@ -14,10 +14,13 @@ mode), in another order, so results agree with MKL's to fp32 rounding. Every ran
 kernel for the same shapes, so values the ranks compute alike stay alike. Only plain CPU tensors
 take this path; simulated ranks (`nf.simulate`), other devices and dtypes run aten's op.
 
-`ONEDNN_MATMUL` is read when a step is compiled: set it to False to run every matmul as aten's.
+`ONEDNN_MATMUL` is read when a step is compiled: set it to False, or the environment variable
+`NDFUNC_ATEN_MATMUL=1` before ndfunc is imported, to run every matmul as aten's.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -40,7 +43,15 @@ def _mkl_takes_a_slow_path() -> bool:
     return vendor in ("AuthenticAMD", "HygonGenuine")
 
 
-ONEDNN_MATMUL = _mkl_takes_a_slow_path()
+def _asked_for_aten() -> bool:
+    value = os.environ.get("NDFUNC_ATEN_MATMUL", "")
+    if value not in ("", "0", "1"):
+        raise ValueError(f"NDFUNC_ATEN_MATMUL must be 1 (every matmul as aten's) or 0 or unset (ndfunc's choice), "
+                         f"not {value!r}")
+    return value == "1"
+
+
+ONEDNN_MATMUL = not _asked_for_aten() and _mkl_takes_a_slow_path()
 
 
 def _takes_onednn(a: torch.Tensor, b: torch.Tensor, macs: int) -> bool:
