@@ -16,6 +16,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from ndfunc import manual
 from ndfunc.donation import apply_donation, mark_donated
+from ndfunc.partition import kernels
 from ndfunc.partition import lower as lowering
 from ndfunc.partition.analysis import as_text, cost_analysis
 from ndfunc.partition.bucket import bucket_all_reduces
@@ -133,8 +134,10 @@ class Compiled:
         self._coords = None
         self._donated = frozenset(program.donated)
         # the local program as it runs: each collective by the backend's fastest way
-        # (ndfunc.partition.algorithms), each op called directly (ndfunc.partition.runner)
-        self.runs = for_backend(program.local, backend_of)
+        # (ndfunc.partition.algorithms), big fp32 matmuls on CPU by the faster kernel where it
+        # differs (ndfunc.partition.kernels), each op called directly (ndfunc.partition.runner)
+        device_type = program.mesh.device_type if isinstance(program.mesh, Mesh) else None
+        self.runs = kernels.choose(for_backend(program.local, backend_of), device_type)
         self._forward = direct(self.runs)
         # how each result is wrapped, worked out once: placements over the whole mesh, shape, stride
         self._specs = []

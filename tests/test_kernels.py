@@ -1,5 +1,5 @@
 """The local program's fp32 matmuls on CPU as oneDNN's (ndfunc.partition.kernels): which run as
-oneDNN's, and that those agree with the float64 product within fp32's rounding bound, as aten's do."""
+oneDNN's, and that those agree with a float64 product within fp32's rounding bound, as aten's do."""
 
 from __future__ import annotations
 
@@ -41,7 +41,8 @@ def layouts(m: int, k: int, n: int, g: torch.Generator) -> dict:
     return {"contiguous": (r(m, k), r(k, n)), "a transposed": (r(k, m).t(), r(k, n)),
             "b transposed": (r(m, k), r(n, k).t()), "both transposed": (r(k, m).t(), r(n, k).t()),
             "a every other column": (r(m, 2 * k)[:, ::2], r(k, n)), "b a column slice": (r(m, k), r(k, n + 9)[:, 5:-4]),
-            "a one row broadcast": (r(1, k).expand(m, k), r(k, n)), "a at an offset": (r(m + 7, k)[7:], r(k, n))}
+            "a one row broadcast": (r(1, k).expand(m, k), r(k, n)), "a at an offset": (r(m + 7, k)[7:], r(k, n)),
+            "a parameter": (torch.nn.Parameter(r(m, k), requires_grad=False), r(k, n))}
 
 
 @pytest.fixture
@@ -50,7 +51,7 @@ def onednn(monkeypatch):
 
 
 @pytest.mark.parametrize("layout", list(layouts(1, 1, 1, torch.Generator())))
-def test_a_big_fp32_matmul_runs_as_onednns_and_is_within_fp32_rounding_of_the_exact_product(layout):
+def test_a_matmul_runs_as_onednns_and_is_within_fp32_rounding_of_the_exact_product(layout):
     a, b = layouts(256, 192, 128, torch.Generator().manual_seed(0))[layout]
     out, ops = ran(lambda: kernels.mm(a, b))
     assert ONEDNN in ops and MM not in ops
@@ -59,57 +60,94 @@ def test_a_big_fp32_matmul_runs_as_onednns_and_is_within_fp32_rounding_of_the_ex
     assert within_rounding(torch.mm(a, b), a, b)  # the bound is one aten's result meets too
 
 
-def test_a_batch_of_one_matrix_runs_as_onednns_and_a_batch_of_two_as_atens():
+def test_a_batch_of_one_matrix_runs_as_onednns_into_a_tensor_of_its_own_strided_as_atens():
     g = torch.Generator().manual_seed(1)
     a, b = torch.randn(1, 256, 192, generator=g), torch.randn(1, 192, 128, generator=g)
     out, ops = ran(lambda: kernels.bmm(a, b))
-    assert ONEDNN in ops and BMM not in ops and out.shape == (1, 256, 128)
+    assert ONEDNN in ops and BMM not in ops
+    assert out.shape == (1, 256, 128) and out.stride() == torch.bmm(a, b).stride() and out._base is None
     assert within_rounding(out[0], a[0], b[0])
-    a2, b2 = torch.cat([a, a]), torch.cat([b, b])
-    out, ops = ran(lambda: kernels.bmm(a2, b2))
-    assert ONEDNN not in ops and BMM in ops
-    assert torch.equal(out, torch.bmm(a2, b2))
 
 
-@pytest.mark.parametrize("case", ["below the bound", "float64", "bfloat16"])
-def test_a_small_or_other_dtype_matmul_stays_atens(case):
-    m, dtype = (64, torch.float32) if case == "below the bound" else (256, getattr(torch, case))
+def test_a_second_operand_with_overlapping_rows_runs_as_atens():
     g = torch.Generator().manual_seed(2)
-    a, b = torch.randn(m, m, generator=g).to(dtype), torch.randn(m, m, generator=g).to(dtype)
+    a, b = torch.randn(256, 256, generator=g), torch.randn(600, generator=g).unfold(0, 256, 1)[:256]
+    out, ops = ran(lambda: kernels.mm(a, b))  # oneDNN refuses such strides
+    assert ONEDNN not in ops and torch.equal(out, torch.mm(a, b))
+
+
+def test_a_transposed_first_operand_above_the_copy_bound_runs_as_atens(monkeypatch):
+    g = torch.Generator().manual_seed(3)
+    a, b = torch.randn(192, 256, generator=g).t(), torch.randn(192, 128, generator=g)
+    monkeypatch.setattr(kernels, "ONEDNN_COPY_MAX", a.numel() * 4 - 1)
     out, ops = ran(lambda: kernels.mm(a, b))
-    assert ONEDNN not in ops and MM in ops
-    assert torch.equal(out, torch.mm(a, b))
+    assert ONEDNN not in ops and torch.equal(out, torch.mm(a, b))
+    monkeypatch.setattr(kernels, "ONEDNN_COPY_MAX", a.numel() * 4)
+    assert ONEDNN in ran(lambda: kernels.mm(a, b))[1]
 
 
-def step(x, w):
+def einsum_step(x, w):
     return torch.einsum("bld,dk->blk", x, w).tanh() @ w.T
 
 
-def as_close_as_eager(out, x, w) -> bool:
+def as_close_as_eager(f, out, *args) -> bool:
     """out within twice the distance of eager's fp32 result from the float64 one."""
-    exact = step(x.double(), w.double())
-    return bool((out.double() - exact).abs().max() <= 2 * (step(x, w).double() - exact).abs().max())
+    exact = f(*(x.double() for x in args))
+    return bool((out.double() - exact).abs().max() <= 2 * (f(*args).double() - exact).abs().max())
 
 
 @pytest.mark.parametrize("on", [True, False])
 def test_a_jitted_step_runs_its_fp32_matmuls_as_onednns_when_on_and_as_atens_when_off(monkeypatch, on):
     monkeypatch.setattr(kernels, "ONEDNN_MATMUL", on)
-    g = torch.Generator().manual_seed(3)
+    g = torch.Generator().manual_seed(4)
     x, w = torch.randn(2, 128, 256, generator=g), torch.randn(256, 192, generator=g)
-    out, ops = ran(lambda: nf.jit(step)(x, w))
-    assert (ONEDNN in ops) is on
-    assert as_close_as_eager(out, x, w)
+    compiled = nf.jit(einsum_step).lower(x, w).compile()  # profiled apart from tracing, which runs aten's
+    out, ops = ran(lambda: compiled(x, w))
+    assert (ONEDNN in ops) is on and (MM in ops or BMM in ops) is not on
+    assert as_close_as_eager(einsum_step, out, x, w)
+
+
+@pytest.mark.parametrize("m, k, n, dtype, takes", [
+    (128, 128, 128, torch.float32, True), (128, 128, 127, torch.float32, False),  # the bound, and just below
+    (32, 2048, 32, torch.float32, True),  # m k n at the bound, however thin
+    (256, 256, 256, torch.float64, False), (256, 256, 256, torch.bfloat16, False)])
+def test_the_program_binds_fp32_matmuls_of_at_least_the_bound_to_onednn(onednn, m, k, n, dtype, takes):
+    g = torch.Generator().manual_seed(5)
+    a, b = torch.randn(m, k, generator=g).to(dtype), torch.randn(k, n, generator=g).to(dtype)
+    compiled = nf.jit(torch.mm).lower(a, b).compile()
+    out, ops = ran(lambda: compiled(a, b))
+    assert (ONEDNN in ops) is takes and (MM in ops) is not takes
+    assert within_rounding(out, a, b) if dtype is torch.float32 else torch.equal(out, torch.mm(a, b))
+
+
+def test_a_program_keeps_atens_matmul_where_onednn_is_disabled_or_the_mesh_is_not_on_cpu(onednn, monkeypatch):
+    a = torch.randn(256, 256)
+    monkeypatch.setattr(torch.backends.mkldnn, "enabled", False)
+    compiled = nf.jit(torch.mm).lower(a, a).compile()
+    assert ONEDNN not in ran(lambda: compiled(a, a))[1]
+    monkeypatch.setattr(torch.backends.mkldnn, "enabled", True)
+    gm = nf.jit(torch.mm).lower(a, a).program.local
+    assert kernels.choose(gm, "cuda") is gm
+    assert kernels.choose(gm, "cpu") is not gm
+
+
+def test_a_jitted_step_over_an_unfolded_operand_is_right(onednn):
+    g = torch.Generator().manual_seed(6)
+    x, w = torch.randn(600, generator=g), torch.randn(256, 256, generator=g)
+    f = lambda x, w: w @ x.unfold(0, 256, 1)[:256]  # noqa: E731
+    torch.testing.assert_close(nf.jit(f)(x, w), f(x, w))
 
 
 def test_simulated_ranks_run_atens_matmul(onednn):
-    g = torch.Generator().manual_seed(4)
+    g = torch.Generator().manual_seed(7)
     x, w = torch.randn(2, 128, 256, generator=g), torch.randn(256, 192, generator=g)
     with nf.simulate(2):
         mesh = nf.make_mesh(dp_shard=2)
-        f = nf.jit(step, mesh=mesh, in_shardings=(P("dp_shard"), P()), out_shardings=P("dp_shard"))
-        out, ops = ran(lambda: nf.device_get(f(x, w)))
+        f = nf.jit(einsum_step, mesh=mesh, in_shardings=(P("dp_shard"), P()), out_shardings=P("dp_shard"))
+        compiled = f.lower(x, w).compile()
+        out, ops = ran(lambda: nf.device_get(compiled(x, w)))
     assert ONEDNN not in ops
-    assert as_close_as_eager(out, x, w)
+    assert as_close_as_eager(einsum_step, out, x, w)
 
 
 def on_import(value: str) -> subprocess.CompletedProcess:

@@ -4,8 +4,7 @@ An fx GraphModule's code calls `torch.ops.aten.mm.default(a, b)`: four attribute
 OpOverload's Python `__call__` before the op runs. A step of a small model runs hundreds of ops,
 and eager autograd runs its backward from C++ without either; so the program that runs is fx's
 own code with each such call bound once to the overload's entry point (`OpOverload._op`).
-Where another kernel runs an op faster on this machine (`kernels.for_cpu`: fp32 matmuls on
-some CPUs), the call is bound to it instead. The GraphModule stays what passes and `as_text` read.
+The GraphModule stays what passes and `as_text` read.
 """
 
 from __future__ import annotations
@@ -16,24 +15,19 @@ from collections.abc import Callable
 
 import torch
 
-from ndfunc.partition import kernels
-
 _CALL = re.compile(r"\btorch\.ops\.([A-Za-z_]\w*)\.([A-Za-z_]\w*)\.([A-Za-z_]\w*)\(")
 
 
 def direct(gm: torch.fx.GraphModule) -> Callable:
-    """`gm`'s forward, with every `torch.ops.<ns>.<op>.<overload>(` call bound to the op itself
-    (or to the kernel `kernels.for_cpu` runs it as)."""
+    """`gm`'s forward, with every `torch.ops.<ns>.<op>.<overload>(` call bound to the op itself."""
     code = gm.graph.python_code(root_module="self")
     bound: dict = {}
-    instead = kernels.for_cpu()
 
     def bind(match: re.Match) -> str:
         name = "_op_" + "_".join(match.groups())
         if name not in bound:
             ns, op, overload = match.groups()
-            target = getattr(getattr(getattr(torch.ops, ns), op), overload)
-            bound[name] = instead.get(target, target._op)
+            bound[name] = getattr(getattr(getattr(torch.ops, ns), op), overload)._op
         return name + "("
 
     src = _CALL.sub(bind, code.src)
