@@ -52,7 +52,8 @@ def main() -> None:
             exact = a.double() @ b.double()
             aten_s = seconds(lambda: torch.mm(a, b), args.repeats)  # noqa: B023
             onednn_s = seconds(lambda: kernels._onednn(a, b), args.repeats)  # noqa: B023
-            err = [((f(a, b).double() - exact).abs().max() / exact.abs().max()).item() for f in (torch.mm, kernels._onednn)]
+            err = [((f(a, b).double() - exact).abs().max() / exact.abs().max()).item()
+                   for f in (torch.mm, kernels._onednn)]
             flops = 2 * m * k * n
             print(f"{f'{m} x {k} x {n}':>18} {layout:>8} {flops / aten_s / 1e9:10.0f} {flops / onednn_s / 1e9:12.0f} "
                   f"{onednn_s / aten_s:6.2f} {err[0]:9.1e} {err[1]:10.1e}")

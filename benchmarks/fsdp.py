@@ -211,12 +211,17 @@ def _run(args, layout: str, impl: str) -> list[dict]:
                           f"--steps={args.steps}", f"--layout={layout}", f"--impl={impl}",
                           *([f"--gather-copies-max={args.gather_copies_max}"]
                             if args.gather_copies_max is not None else [])],
-                         capture_output=True, text=True, env=dict(
-                             os.environ, OMP_NUM_THREADS="1", **({"NDFUNC_ATEN_MATMUL": "1"} if args.aten_matmul else {})))
+                         capture_output=True, text=True,
+                         env=dict(os.environ, OMP_NUM_THREADS="1", **_aten_matmul_env(args)))
     if out.returncode:
         raise SystemExit(out.stdout[-3000:] + out.stderr[-3000:])
     # one JSON object per rank (lines of several ranks may run together)
     return [json.loads(m) for m in re.findall(r"\{[^{}]*\}", out.stdout)]
+
+
+def _aten_matmul_env(args) -> dict:
+    """What the ranks' environment adds for --aten-matmul (ndfunc.partition.kernels reads it)."""
+    return {"NDFUNC_ATEN_MATMUL": "1"} if args.aten_matmul else {}
 
 
 def _figures(rows: list[dict]) -> dict:

@@ -122,10 +122,10 @@ def test_the_program_binds_fp32_matmuls_of_at_least_the_bound_to_onednn(onednn, 
 
 def test_a_program_keeps_atens_matmul_where_onednn_is_disabled_or_the_mesh_is_not_on_cpu(onednn, monkeypatch):
     a = torch.randn(256, 256)
-    monkeypatch.setattr(torch.backends.mkldnn, "enabled", False)
-    compiled = nf.jit(torch.mm).lower(a, a).compile()
+    with monkeypatch.context() as disabled:
+        disabled.setattr(torch.backends.mkldnn, "enabled", False)
+        compiled = nf.jit(torch.mm).lower(a, a).compile()
     assert ONEDNN not in ran(lambda: compiled(a, a))[1]
-    monkeypatch.setattr(torch.backends.mkldnn, "enabled", True)
     gm = nf.jit(torch.mm).lower(a, a).program.local
     assert kernels.choose(gm, "cuda") is gm
     assert kernels.choose(gm, "cpu") is not gm

@@ -18,8 +18,8 @@ it row-major, so a transposed one (a weight's gradient, `x.T @ dy`) is copied fi
 
 The arithmetic is fp32 products summed in fp32 (oneDNN's default, no reduced-precision mode), in
 another order: results stay within fp32's rounding bound of the exact product, though further from
-it than MKL's (about twice on a llama's shapes, up to four times for sums of thousands of terms). Every rank runs the same kernel for the same shapes, so values the
-ranks compute alike stay alike.
+it than MKL's (about twice on a llama's shapes, up to four times for sums of thousands of terms).
+Every rank runs the same kernel for the same shapes, so values the ranks compute alike stay alike.
 
 `ONEDNN_MATMUL` is read when a step is compiled: set it to False, or the environment variable
 `NDFUNC_ATEN_MATMUL=1` before ndfunc is imported, to run every matmul as aten's.
@@ -90,10 +90,10 @@ def mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 def bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """`aten.bmm(a, b)` of one matrix each, as `mm`."""
-    if not _takes(a[0], b[0]):
+    a0, b0 = a[0], b[0]
+    if not _takes(a0, b0):
         return _BMM(a, b)
-    out = _onednn(a[0], b[0])
-    return out.unsqueeze_(0)  # in place: a tensor of its own, as aten's, not a view
+    return _onednn(a0, b0).unsqueeze_(0)  # in place: a tensor of its own, as aten's, not a view
 
 
 _KERNELS = {aten.mm.default: mm, aten.bmm.default: bmm}
