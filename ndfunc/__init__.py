@@ -9,7 +9,7 @@ from ndfunc import optim as optim
 from ndfunc import random as random
 from ndfunc import sharding as sharding
 from ndfunc import tree as tree
-from ndfunc.accumulate import accumulate as accumulate
+from ndfunc.transforms.accumulate import accumulate as accumulate
 from ndfunc.autodiff import grad as grad
 from ndfunc.autodiff import value_and_grad as value_and_grad
 from ndfunc.autodiff import vmap as vmap
@@ -17,7 +17,7 @@ from ndfunc.config import ParallelConfig as ParallelConfig
 from ndfunc.constraints import with_logical_constraint as with_logical_constraint
 from ndfunc.constraints import with_sharding_constraint as with_sharding_constraint
 from ndfunc.jit import jit as jit
-from ndfunc.remat import remat as remat
+from ndfunc.transforms.remat import remat as remat
 from ndfunc.runtime import init as init
 from ndfunc.runtime import is_simulated as is_simulated
 from ndfunc.runtime import rank as rank

@@ -21,16 +21,15 @@ from typing import Any
 import optree
 import torch
 from torch.distributed.tensor import DTensor, Replicate
-from torch.distributed.tensor.placement_types import _StridedShard
 
-from ndfunc.compile import Lowered
-from ndfunc.sharding.errors import ShardingError, where
+from ndfunc import pipeline
+from ndfunc.arguments import Arguments, Bounded, arg_index, output_placements
+from ndfunc.partition.program import Program
 from ndfunc.sharding.mesh import AbstractMesh, Mesh, get_mesh
-from ndfunc.sharding.named_sharding import NamedSharding
-from ndfunc.sharding.partition_spec import PartitionSpec
+from ndfunc.stages import Lowered
 from ndfunc.trace import trace
-from ndfunc.transfer import device_put, sharding_of
-from ndfunc.tree import keystr, tree_broadcast_prefix
+from ndfunc.transforms.base import check_transforms
+from ndfunc.transforms.remat import remat_regions
 
 
 def jit(fn: Callable | None = None, *, mesh: Mesh | None = None, in_shardings: Any = None,
@@ -49,7 +48,9 @@ def jit(fn: Callable | None = None, *, mesh: Mesh | None = None, in_shardings: A
         static_argnums: arguments baked into the program (configs); they must be hashable.
         donate_argnums: arguments whose DTensor buffers the results may reuse. A donated argument
             is unusable afterwards (touching it raises).
-        transforms: passes over the partitioned and lowered program (see `ndfunc.partition.program`).
+        transforms: passes over the program at the pipeline's hooks (`ndfunc.transforms.base`):
+            `nf.fsdp(axis)`, `nf.ring_attention(axis)`, `nf.mixed_precision(...)`. Each is checked
+            against the mesh: naming an axis it does not have is an error.
 
     Example:
         >>> with nf.simulate(4):
@@ -63,8 +64,11 @@ def jit(fn: Callable | None = None, *, mesh: Mesh | None = None, in_shardings: A
         return functools.partial(jit, mesh=mesh, in_shardings=in_shardings, out_shardings=out_shardings,
                                  static_argnums=static_argnums, donate_argnums=donate_argnums,
                                  transforms=transforms)
-    return Jitted(fn, mesh, in_shardings, out_shardings, _ints(static_argnums), _ints(donate_argnums),
-                  tuple(transforms))
+    transforms = check_transforms(transforms, getattr(fn, "__name__", "fn"))
+    if isinstance(mesh, (Mesh, AbstractMesh)):
+        for t in transforms:
+            t.validate(mesh)
+    return Jitted(fn, mesh, in_shardings, out_shardings, _ints(static_argnums), _ints(donate_argnums), transforms)
 
 
 def _ints(x) -> tuple[int, ...]:
@@ -79,33 +83,33 @@ class Jitted:
         self.fn, self.mesh = fn, mesh
         self.in_shardings, self.out_shardings = in_shardings, out_shardings
         self.static_argnums, self.donate_argnums, self.transforms = static_argnums, donate_argnums, transforms
-        self._cache: dict = {}
-        self._resolved: dict = {}
-        self._meshes: dict = {}
-        self._seen: dict = {}  # arguments as they came (see _quick) -> (mesh, key): nothing to lay out
+        self.arguments = Arguments(self.__name__, mesh, in_shardings, out_shardings, static_argnums)
+        self._cache: dict = {}  # signature -> Lowered
+        # arguments as they came (see Arguments.quick) -> (mesh, key, what the key's ids name):
+        # nothing to lay out
+        self._seen: Bounded = Bounded()
         self.trace_count = 0  # how many signatures were traced
 
     def __call__(self, *args, **kwargs):
         compiled, prepared = self._compiled(args, kwargs)
         return compiled._run(prepared, args)
 
-    def lower(self, *args, **kwargs) -> "Lowered":
+    def lower(self, *args, **kwargs) -> Lowered:
         """The traced, partitioned and lowered program for these arguments (cached: a later call
         with the same signature runs it)."""
-        mesh, prepared, key = self._prepare(args, kwargs)
+        mesh, prepared, key = self.arguments.prepare(args, kwargs)
         if key not in self._cache:
             self._cache[key] = self._lowered(mesh, prepared, key)
         return self._cache[key]
 
-    # --- steps ---------------------------------------------------------------------------------
     def _compiled(self, args, kwargs):
-        quick, leaves = self._quick(args, kwargs)
+        quick, leaves = self.arguments.quick(args, kwargs)
         seen = self._seen.get(quick) if quick is not None else None
         if seen is not None:  # a step like the last: its leaves are laid out already
             mesh, key, _ = seen
             prepared = leaves
         else:
-            mesh, prepared, key = self._prepare(args, kwargs)
+            mesh, prepared, key = self.arguments.prepare(args, kwargs)
             if quick is not None and all(p is x for p, x in zip(prepared, leaves)):
                 # the meshes whose ids the key holds stay alive with it, so no other takes their id
                 meshes = (get_mesh(), *(x.device_mesh for x in leaves if isinstance(x, DTensor)))
@@ -114,154 +118,49 @@ class Jitted:
             self._cache[key] = self._lowered(mesh, prepared, key)
         return self._cache[key].compiled, prepared
 
-    def _split_static(self, args) -> tuple[set, tuple]:
-        """(positions of the static arguments, the arguments with None in their place)."""
-        static = {i % len(args) for i in self.static_argnums} if args else set()
-        return static, tuple(None if i in static else a for i, a in enumerate(args))
-
-    def _quick(self, args, kwargs):
-        """(a key of the arguments as they come - tree, static values, each leaf's shape, dtype,
-        device, placements and mesh, the mesh in context - and the leaves), or (None, None) if a
-        leaf is not a tensor or a static value cannot be hashed. Arguments seen before with this
-        key, that `_prepare` passed through unchanged, need no checking or laying out again."""
-        static, dynamic = self._split_static(args)
-        leaves, treespec = optree.tree_flatten((dynamic, kwargs))
-        if not all(isinstance(x, torch.Tensor) for x in leaves):
-            return None, None
-        layout = tuple((_leaf_key(x), id(x.device_mesh) if isinstance(x, DTensor) else None) for x in leaves)
-        key = (treespec, tuple((i, args[i]) for i in sorted(static)), id(get_mesh()), layout)
-        try:
-            hash(key)
-        except TypeError:
-            return None, None
-        return key, leaves
-
-    def _prepare(self, args, kwargs):
-        """Resolve the mesh, lay every leaf out as the in_shardings say, and key the signature."""
-        static, dynamic = self._split_static(args)
-        mesh = self._find_mesh(args, kwargs)
-        specs = self.in_shardings
-        if specs is None or isinstance(specs, (NamedSharding, PartitionSpec)):
-            specs = tuple(specs for _ in args)
-        elif not isinstance(specs, (tuple, list)) or len(specs) != len(args):
-            raise ValueError(
-                f"in_shardings for {self.__name__} has {len(specs) if isinstance(specs, (tuple, list)) else 1} "
-                f"entries for {len(args)} positional arguments; give one sharding (or prefix tree) per "
-                f"positional argument, or a single sharding for all."
-            )
-        specs = tuple(None if i in static else s for i, s in enumerate(specs))
-        is_spec = lambda x: isinstance(x, (NamedSharding, PartitionSpec))  # noqa: E731
-        leaf_specs = tree_broadcast_prefix(specs, dynamic, is_leaf=is_spec, prefix_name="in_shardings",
-                                           full_name="the arguments")
-        paths, leaves, treespec = optree.tree_flatten_with_path((dynamic, kwargs))
-        spec_leaves = optree.tree_leaves((leaf_specs, optree.tree_map(lambda _: None, kwargs)),
-                                         none_is_leaf=True)
-        prepared = []
-        for path, x, spec in zip(paths, leaves, spec_leaves):
-            name = keystr(path[1:])
-            if not isinstance(x, torch.Tensor):
-                raise TypeError(f"argument leaf {name!r} is a {type(x).__name__} ({x!r}); jitted arguments are "
-                                f"tensors. Make it a tensor, or mark its argument static (static_argnums).")
-            prepared.append(self._place(name, x, spec, mesh))
-        statics = tuple((i, args[i]) for i in sorted(static))
-        try:
-            hash(statics)
-        except TypeError:
-            raise TypeError(f"static arguments of {self.__name__} must be hashable (a frozen dataclass, a "
-                            f"tuple, a number); got {[type(a).__name__ for _, a in statics]}.") from None
-        key = (treespec, statics, tuple(_leaf_key(x) for x in prepared))
-        return mesh, prepared, key
-
-    def _place(self, name: str, x: torch.Tensor, spec, mesh: Mesh | None) -> torch.Tensor:
-        if spec is not None:
-            sharding, placements = self._resolve(spec, mesh)
-            if mesh is not None and sharding.mesh != mesh:
-                raise ShardingError(f"{where(name)}in_shardings uses {sharding.mesh!r}, but the function runs on "
-                                    f"{mesh!r}; use one mesh for every argument.")
-            try:
-                sharding.check(tuple(x.shape), name)
-            except ShardingError as e:
-                raise type(e)(f"argument {e}") from None
-            if isinstance(x, DTensor):
-                # the common case, every step: already laid out so (no Mesh rebuilt to find out)
-                laid_out = x.device_mesh is getattr(sharding.mesh, "device_mesh", None) and tuple(x.placements) == placements
-                if not laid_out and not sharding_of(x).is_equivalent_to(sharding, x.ndim):
-                    x = device_put(x, sharding)
-            elif not sharding.is_fully_replicated:  # a plain tensor is the replicated global value
-                x = device_put(x, sharding)
-        if isinstance(x, DTensor) and any(isinstance(p, _StridedShard) for p in x.placements):
-            # programs hold plain nested splits only: an axis order other than the mesh's is
-            # gathered on that axis first
-            x = x.redistribute(x.device_mesh, [Replicate() if isinstance(p, _StridedShard) else p
-                                               for p in x.placements])
-        return x
-
-    def _resolve(self, spec, mesh: Mesh | None) -> tuple[NamedSharding, tuple]:
-        """`spec` as a NamedSharding on `mesh`, with its placements (once per spec and mesh)."""
-        key = (id(mesh), spec)
-        if key not in self._resolved:
-            sharding = NamedSharding(mesh, spec) if isinstance(spec, PartitionSpec) else spec
-            self._resolved[key] = (mesh, sharding, sharding.placements)  # holds mesh: its id stays its own
-        return self._resolved[key][1:]
-
-    def _find_mesh(self, args, kwargs) -> Mesh | None:
-        if self.mesh is not None:
-            return self.mesh
-        for s in optree.tree_leaves((self.in_shardings, self.out_shardings),
-                                    is_leaf=lambda x: isinstance(x, (NamedSharding, PartitionSpec))):
-            if isinstance(s, NamedSharding) and isinstance(s.mesh, Mesh):
-                return s.mesh
-        for x in optree.tree_leaves((args, kwargs)):
-            if isinstance(x, DTensor):  # its Mesh, built once per DeviceMesh
-                known = self._meshes.get(id(x.device_mesh))
-                if known is None or known.device_mesh is not x.device_mesh:
-                    known = self._meshes[id(x.device_mesh)] = sharding_of(x).mesh
-                return known
-        mesh = get_mesh()
-        if isinstance(mesh, Mesh):
-            return mesh
-        has_specs = any(isinstance(s, PartitionSpec) for s in optree.tree_leaves(
-            (self.in_shardings, self.out_shardings), is_leaf=lambda x: isinstance(x, PartitionSpec)))
-        if has_specs:
-            raise ShardingError(
-                f"nf.jit({self.__name__}) got PartitionSpecs but no mesh: pass mesh=nf.make_mesh(...), "
-                f"call it under `with mesh:` (or nf.set_mesh(mesh)), or give NamedSharding(mesh, spec)."
-            )
-        return None
-
-    def _lowered(self, mesh, prepared, key) -> "Lowered":
-        self.trace_count += 1
-        dynamic_tree = key[0]
-        leaves = [x for x in prepared]
-        (dyn_args, kwargs) = optree.tree_unflatten(dynamic_tree, leaves)
-        static = dict(key[1])
-        n_args = len(dyn_args)
-        call_args = [static[i] if i in static else dyn_args[i] for i in range(n_args)]
-        with contextlib.ExitStack() as stack:  # transforms that change what is traced (mixed precision)
-            for t in self.transforms:
-                if hasattr(t, "tracing"):
-                    stack.enter_context(t.tracing())
-            traced = trace(self.fn, call_args, kwargs, static_argnums=tuple(static))
+    def _lowered(self, mesh, prepared, key) -> Lowered:
         if mesh is None:
             mesh = _world_of_one()
-        donated = [i for i in range(len(prepared)) if _arg_index(dynamic_tree, i) in self.donate_argnums]
-        return Lowered.build(self, key, traced, mesh, prepared, donated)
+        for t in self.transforms:
+            t.validate(mesh)
+        self.trace_count += 1
+        treespec, statics, _ = key
+        dyn_args, kwargs = optree.tree_unflatten(treespec, list(prepared))
+        static = dict(statics)
+        call_args = [static[i] if i in static else dyn_args[i] for i in range(len(dyn_args))]
+        with contextlib.ExitStack() as stack:  # transforms that change what is traced (mixed precision)
+            for t in self.transforms:
+                stack.enter_context(t.tracing())
+            traced = trace(self.fn, call_args, kwargs, static_argnums=tuple(static))
+        program = _program(self.__name__, traced, mesh, prepared, self.out_shardings,
+                           donated=[i for i in range(len(prepared)) if arg_index(treespec, i) in self.donate_argnums],
+                           transforms=(remat_regions(), *self.transforms), retrace=self._retrace(key))
+        return Lowered(self.__name__, pipeline.run(program, pipeline.PASSES[:pipeline.LOWERED]), self.arguments, key)
+
+    def _retrace(self, key) -> Callable[[], Any]:
+        """The function called again on fake tensors of this signature (inside a FakeTensorMode)."""
+        treespec, statics, leaves = key
+
+        def retrace():
+            fakes = [torch.empty(s, dtype=d) for s, d, _, _ in leaves]
+            dyn_args, kwargs = optree.tree_unflatten(treespec, fakes)
+            static = dict(statics)
+            self.fn(*[static[i] if i in static else a for i, a in enumerate(dyn_args)], **kwargs)
+
+        return retrace
 
 
-def _arg_index(treespec, leaf_index: int):
-    """Which positional argument the flat leaf `leaf_index` belongs to (None for kwargs)."""
-    counts = [c.num_leaves for c in optree.treespec_children(optree.treespec_children(treespec)[0])]
-    total = 0
-    for i, c in enumerate(counts):
-        total += c
-        if leaf_index < total:
-            return i
-    return None
-
-
-def _leaf_key(x: torch.Tensor) -> tuple:
-    placements = tuple(x.placements) if isinstance(x, DTensor) else None
-    return (tuple(x.shape), x.dtype, x.device.type, placements)
+def _program(name: str, traced, mesh, prepared: list, out_shardings, **fields) -> Program:
+    """The program record of a traced step: its mesh's partitioned axes and its boundary layouts."""
+    axes = tuple(i for i, n in enumerate(mesh.axis_sizes) if n > 1)
+    program = Program(name=name, traced=traced, mesh=mesh, axes=axes, sizes=tuple(mesh.axis_sizes[i] for i in axes),
+                      in_layouts=[], out_layouts=[], **fields)
+    for x in prepared:
+        placements = tuple(x.placements) if isinstance(x, DTensor) else (Replicate(),) * len(mesh.axis_names)
+        program.in_layouts.append(program.layout_of(placements))
+    program.out_placements = output_placements(name, traced, mesh, out_shardings)
+    program.out_layouts = [None if p is None else program.layout_of(p) for p in program.out_placements]
+    return program
 
 
 def _world_of_one() -> AbstractMesh:

@@ -21,9 +21,13 @@ import contextvars
 from collections.abc import Iterator, Sequence
 
 import torch
-import torch.distributed._functional_collectives as funcol
 
+from ndfunc._torch_compat import flattened, functional_collectives, local_tensor_mode, unset_fake_temporarily
 from ndfunc.sharding.mesh import Mesh
+
+_funcol = functional_collectives()
+
+__all__ = ["all_gather", "all_to_all", "axis_index", "axis_size", "pmax", "pmean", "ppermute", "psum", "psum_scatter"]
 
 AxisName = str | tuple[str, ...]
 
@@ -31,7 +35,7 @@ _manual_mesh: contextvars.ContextVar[Mesh | None] = contextvars.ContextVar("ndfu
 
 
 @contextlib.contextmanager
-def manual_axes(mesh: Mesh) -> Iterator[None]:
+def _manual_axes(mesh: Mesh) -> Iterator[None]:
     """Inside, collectives name axes of `mesh` (entered by `nf.shard_map`)."""
     token = _manual_mesh.set(mesh)
     try:
@@ -69,33 +73,32 @@ def _group(axis_name: AxisName, op: str):
     from ndfunc.trace import is_tracing
 
     if is_tracing():  # making the flattened group computes on real tensors, not traced ones
-        from torch._subclasses.fake_tensor import unset_fake_temporarily
         from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
 
         with unset_fake_temporarily(), disable_proxy_modes_tracing():
-            return mesh.device_mesh[names]._flatten(), size
-    return mesh.device_mesh[names]._flatten(), size
+            return flattened(mesh.device_mesh[names]), size
+    return flattened(mesh.device_mesh[names]), size
 
 
 def _wait(x: torch.Tensor) -> torch.Tensor:
-    return funcol.wait_tensor(x) if isinstance(x, funcol.AsyncCollectiveTensor) else x
+    return _funcol.wait_tensor(x) if isinstance(x, _funcol.AsyncCollectiveTensor) else x
 
 
 # The collectives run inside autograd Functions that define their own transposes, so their own
 # autograd must not engage (under torch.func.grad it would, and it cannot be transformed).
 @torch.no_grad()
 def _all_reduce(x, op, group):
-    return _wait(funcol.all_reduce(x, op, group))
+    return _wait(_funcol.all_reduce(x, op, group))
 
 
 @torch.no_grad()
 def _all_gather(x, dim, group):
-    return _wait(funcol.all_gather_single(x.contiguous(), dim, group))
+    return _wait(_funcol.all_gather_single(x.contiguous(), dim, group))
 
 
 @torch.no_grad()
 def _reduce_scatter(x, dim, group):
-    return _wait(funcol.reduce_scatter_single(x.contiguous(), "sum", dim, group))
+    return _wait(_funcol.reduce_scatter_single(x.contiguous(), "sum", dim, group))
 
 
 class _Linear(torch.autograd.Function):
@@ -143,22 +146,22 @@ class _Pmax(torch.autograd.Function):
         return grad * (x == out).to(grad.dtype), None  # every rank holding the max gets the cotangent
 
 
-def replicated_axes(mesh: Mesh, spec) -> tuple[str, ...]:
+def _replicated_axes(mesh: Mesh, spec) -> tuple[str, ...]:
     """The axes (of size > 1, in mesh order) along which a value laid out by `spec` is whole."""
     return tuple(a for a in mesh.axis_names if a not in spec.axes and mesh.axis_size(a) > 1)
 
 
-def enter_input(x: torch.Tensor, mesh: Mesh, spec) -> torch.Tensor:
-    axes = replicated_axes(mesh, spec)
+def _enter_input(x: torch.Tensor, mesh: Mesh, spec) -> torch.Tensor:
+    axes = _replicated_axes(mesh, spec)
     if not axes or not x.requires_grad:
         return x
-    with manual_axes(mesh):
+    with _manual_axes(mesh):
         group, _ = _group(axes, "shard_map")
     return _Linear.apply(x, _identity, _scaled_sum, group, 1)  # its cotangents, summed
 
 
-def leave_output(y: torch.Tensor, mesh: Mesh, spec) -> torch.Tensor:
-    axes = replicated_axes(mesh, spec)
+def _leave_output(y: torch.Tensor, mesh: Mesh, spec) -> torch.Tensor:
+    axes = _replicated_axes(mesh, spec)
     holders = 1
     for a in axes:
         holders *= mesh.axis_size(a)
@@ -228,8 +231,6 @@ def axis_index(axis_name: AxisName) -> torch.Tensor:
             index = index * mesh.axis_size(a) + coordinate[mesh.axis_names.index(a)]
         return index
 
-    from torch.distributed._local_tensor import local_tensor_mode
-
     from ndfunc.trace import is_tracing
 
     if is_tracing():  # in nf.jit's program: read from the rank's coordinates when it runs
@@ -266,7 +267,7 @@ def _permute(x: torch.Tensor, where: tuple, pairs: tuple, size: int) -> torch.Te
     for s, d in pairs:
         source_of[d] = s
     mesh, axis_name = where  # explicit: a backward pass runs after shard_map has returned
-    with manual_axes(mesh):
+    with _manual_axes(mesh):
         blocks = all_gather(x, axis_name, dim=0, tiled=False)  # (size, *x.shape)
         mine = torch.tensor([s if s >= 0 else size for s in source_of]).index_select(
             0, axis_index(axis_name).reshape(1))  # a tensor op: per rank in simulation
@@ -301,7 +302,7 @@ def all_to_all(x: torch.Tensor, axis_name: AxisName, split_dim: int, concat_dim:
 def _exchange(x, split_dim, concat_dim, group, size):
     blocks = x.movedim(split_dim, 0).unflatten(0, (size, -1))  # (size, block, ...): block j for j
     with torch.no_grad():
-        arrived = _wait(funcol.all_to_all_single(blocks.contiguous(), None, None, group))  # (size, block, ...) from i
+        arrived = _wait(_funcol.all_to_all_single(blocks.contiguous(), None, None, group))  # (size, block, ...) from i
     arrived = arrived.flatten(0, 1).movedim(0, split_dim)  # back in place: split_dim holds the arrivals
     if concat_dim == split_dim:
         return arrived

@@ -73,15 +73,3 @@ def axis_index(axes: tuple[str, ...], device) -> torch.Tensor:
 
 def spec_of(node: torch.fx.Node):
     return decode_spec(node.args[1])
-
-
-def mark_regions(graph: torch.fx.Graph) -> bool:
-    """Set `meta['ndfunc_manual']` on every node inside a region; whether there is any."""
-    any_region = False
-    for node in graph.nodes:
-        if node.op != "call_function" or node.target is exit_op:
-            continue
-        if node.target in (enter_op, axis_index_op) or any(a.meta.get("ndfunc_manual") for a in node.all_input_nodes):
-            node.meta["ndfunc_manual"] = True
-            any_region = True
-    return any_region

@@ -13,13 +13,17 @@ import os
 
 import torch
 import torch.distributed as dist
-from torch.distributed._local_tensor import (
+
+from ndfunc._torch_compat import (
     LocalTensor,
     LocalTensorMode,
+    fake_store,
+    local_blocks,
     local_tensor_mode,
+    pytree,
+    random_rng_tracker,
+    set_random_rng_tracker,
 )
-from torch.utils import _pytree as pytree
-
 from ndfunc.host_memory import keep_freed_memory
 from ndfunc.partition.algorithms import cpu_backend
 from ndfunc.sharding.mesh import mesh_context, restore_mesh_context
@@ -45,7 +49,7 @@ class _SimulatedRanks(LocalTensorMode):
             for g, state in zip(generators, states):
                 g.set_state(state)
             rank_args, rank_kwargs = pytree.tree_map_only(
-                LocalTensor, lambda t, r=r: t._local_tensors[r], (args, kwargs))
+                LocalTensor, lambda t, r=r: local_blocks(t)[r], (args, kwargs))
             results[r] = func(*rank_args, **rank_kwargs)
         if func._schema.is_mutable:  # written in place (`normal_`, `out=`): the rank blocks were
             return args[0] if args and isinstance(args[0], LocalTensor) else kwargs.get("out")
@@ -88,14 +92,9 @@ class simulate:
                 f"size {dist.get_world_size()} is running (nf.init(), torchrun, or a simulation "
                 f"still open); leave it first, or run without nf.simulate."
             )
-        from torch.distributed.tensor import _random
-        from torch.testing._internal.distributed.fake_pg import (
-            FakeStore,  # registers "fake"
-        )
-
-        self._rng_tracker = _random._rng_tracker
+        self._rng_tracker = random_rng_tracker()
         self._mesh_context = mesh_context()
-        dist.init_process_group("fake", rank=0, world_size=self.num_ranks, store=FakeStore())
+        dist.init_process_group("fake", rank=0, world_size=self.num_ranks, store=fake_store())
         self._mode = _SimulatedRanks(self.num_ranks)
         self._mode.__enter__()
         return self
@@ -103,14 +102,12 @@ class simulate:
     def stop(self) -> None:
         if self._mode is None:
             return
-        from torch.distributed.tensor import _random
-
         mode, self._mode = self._mode, None
         try:
             mode.__exit__(None, None, None)
         finally:
             dist.destroy_process_group()
-            _random._rng_tracker = self._rng_tracker
+            set_random_rng_tracker(self._rng_tracker)
             # Meshes made inside die with the world: bare `P`s must not find them afterwards.
             restore_mesh_context(self._mesh_context)
 

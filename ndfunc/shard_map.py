@@ -20,7 +20,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from ndfunc import manual
-from ndfunc.lax import enter_input, leave_output, manual_axes
+from ndfunc.lax import _enter_input, _leave_output, _manual_axes
 from ndfunc.sharding.errors import ShardingError
 from ndfunc.sharding.mesh import Mesh, get_mesh
 from ndfunc.sharding.named_sharding import NamedSharding
@@ -57,7 +57,7 @@ def shard_map(fn: Callable, mesh: Mesh | None = None, *, in_specs: Any, out_spec
         specs = tree_broadcast_prefix(tuple(in_specs) if isinstance(in_specs, list) else in_specs, args,
                                       prefix_name="in_specs", full_name="arguments")
         locals_ = tree_map_with_path(lambda path, x, spec: _to_local(mapped_mesh, path, x, spec), args, specs)
-        with manual_axes(mapped_mesh):
+        with _manual_axes(mapped_mesh):
             out = fn(*locals_)
         out_spec_tree = tree_broadcast_prefix(out_specs, out, prefix_name="out_specs", full_name="results")
         return tree_map_with_path(lambda path, y, spec: _from_local(mapped_mesh, path, y, spec), out, out_spec_tree)
@@ -75,14 +75,14 @@ def _to_local(mesh: Mesh, path: str, x: Any, spec: Any) -> torch.Tensor:
     sharding = NamedSharding(mesh, _spec(path, spec, "in_specs"))
     if is_tracing():  # inside nf.jit: a global value becomes this rank's block in the program
         sharding.check(tuple(x.shape), path)
-        return enter_input(manual.enter(x, sharding.spec, sharding.shard_shape(tuple(x.shape))), mesh, sharding.spec)
+        return _enter_input(manual.enter(x, sharding.spec, sharding.shard_shape(tuple(x.shape))), mesh, sharding.spec)
     if isinstance(x, DTensor):
         # DTensor's redistribute (a no-op when x is laid out so already) keeps x's autograd history;
         # device_put would hand back detached values.
         x = x.redistribute(mesh.device_mesh, sharding.placements)
     else:
         x = device_put(x, sharding)  # a plain tensor: a global value, taken as data (not differentiated)
-    return enter_input(x.to_local(), mesh, sharding.spec)
+    return _enter_input(x.to_local(), mesh, sharding.spec)
 
 
 def _from_local(mesh: Mesh, path: str, y: Any, spec: Any) -> DTensor:
@@ -93,8 +93,8 @@ def _from_local(mesh: Mesh, path: str, y: Any, spec: Any) -> DTensor:
         raise ShardingError(f"out_specs {sharding.spec!r} at {path or 'the root'!r} has more entries than the result's {y.ndim} dims.")
     shape = torch.Size(n * sharding.num_blocks(d) for d, n in enumerate(y.shape))
     if is_tracing():
-        return manual.exit(leave_output(y, mesh, sharding.spec), sharding.spec, shape)
-    return from_local(leave_output(y, mesh, sharding.spec), mesh.device_mesh, sharding.placements, shape)
+        return manual.exit(_leave_output(y, mesh, sharding.spec), sharding.spec, shape)
+    return from_local(_leave_output(y, mesh, sharding.spec), mesh.device_mesh, sharding.placements, shape)
 
 
 __all__ = ["shard_map"]

@@ -31,12 +31,10 @@ from typing import Any
 import optree
 import torch
 import torch.fx.traceback as fx_traceback
-from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.distributed._local_tensor import LocalTensor, local_tensor_mode
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.nn import _reduction
-from torch.utils._python_dispatch import _get_current_dispatch_mode, _pop_mode_temporarily
 
+from ndfunc._torch_compat import FakeTensorMode, LocalTensor, current_dispatch_mode, local_tensor_mode, pop_dispatch_mode
 from ndfunc.constraints import decode_spec, sharding_constraint_op
 from ndfunc.sharding.partition_spec import PartitionSpec
 
@@ -186,8 +184,8 @@ def _without_simulated_ranks():
         yield
         return
     with mode.disable():
-        if _get_current_dispatch_mode() is mode:
-            with _pop_mode_temporarily():
+        if current_dispatch_mode() is mode:
+            with pop_dispatch_mode():
                 yield
         else:
             yield

@@ -14,9 +14,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed._local_tensor import LocalTensor, local_tensor_mode
 from torch.distributed.tensor import DTensor
 
+from ndfunc._torch_compat import REDISTRIBUTE_LOGGER, LocalTensor, local_blocks, local_tensor_mode
 from ndfunc.sharding.errors import ShardingError, where
 from ndfunc.sharding.mesh import AbstractMesh, Mesh
 from ndfunc.sharding.named_sharding import NamedSharding, resolve_sharding
@@ -118,7 +118,7 @@ def _gather(x: Any) -> Any:
 def _reconcile(x: LocalTensor) -> torch.Tensor:
     """The one value every simulated rank holds. NaN counts as equal to NaN: a replicated loss over
     targets that are all ignored is NaN on every rank, as one device's is."""
-    blocks = list(x._local_tensors.values())
+    blocks = list(local_blocks(x).values())
     for other in blocks[1:]:
         same = (torch.allclose(blocks[0], other, rtol=0, atol=0, equal_nan=True)
                 if blocks[0].is_floating_point() or blocks[0].is_complex() else torch.equal(blocks[0], other))
@@ -176,7 +176,7 @@ def _check_mesh(sharding: NamedSharding, path: str | None) -> None:
 
 def _on_rank(x: Any, rank: int) -> Any:
     """Rank `rank`'s value of `x` (in simulation a tensor can differ across ranks)."""
-    return x._local_tensors[rank] if isinstance(x, LocalTensor) else x
+    return local_blocks(x)[rank] if isinstance(x, LocalTensor) else x
 
 
 def _checked(block: Any, expected: tuple[int, ...], rank: int, path: str | None) -> torch.Tensor:
@@ -199,7 +199,7 @@ def _is_sharding(x: Any) -> bool:
 def _quiet_redistribute():
     # DTensor logs a performance warning when it gathers a dim split over several mesh axes in
     # more than one step; for a one-off device_get that is expected, not a problem to report.
-    logger = logging.getLogger("torch.distributed.tensor._redistribute")
+    logger = logging.getLogger(REDISTRIBUTE_LOGGER)
     level = logger.level
     logger.setLevel(logging.ERROR)
     try:

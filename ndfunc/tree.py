@@ -15,6 +15,9 @@ import optree
 PyTree = Any
 
 
+__all__ = ["keystr", "tree_broadcast_prefix", "tree_flatten_with_path", "tree_map_with_path"]
+
+
 def keystr(path: tuple) -> str:
     """`('layers', 0, 'attn')` -> `'layers.0.attn'`."""
     return ".".join(str(key) for key in path)

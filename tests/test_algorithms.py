@@ -10,7 +10,8 @@ import torch
 from test_fsdp import llama_case
 
 import ndfunc as nf
-import ndfunc.compile
+import ndfunc.partition.algorithms
+from ndfunc.partition import program
 from ndfunc.partition.algorithms import cpu_backend
 from ndfunc.sharding import NamedSharding, P
 
@@ -47,7 +48,7 @@ def test_on_gloo_reductions_and_gathers_run_as_all_to_alls_with_the_same_results
     with nf.simulate(4):
         f, args = fsdp_tp_step(cfg, params, opt)
         as_written = nf.device_get(f(*args, batch))
-        monkeypatch.setattr(ndfunc.compile, "backend_of", lambda group: "gloo")
+        monkeypatch.setattr(ndfunc.partition.algorithms, "backend_of", lambda group: "gloo")
         f, args = fsdp_tp_step(cfg, params, opt)
         lowered = f.lower(*args, batch)
         got = nf.device_get(f(*args, batch))
@@ -64,7 +65,7 @@ def test_on_gloo_reductions_and_gathers_run_as_all_to_alls_with_the_same_results
 @pytest.mark.parametrize("backend", ["nccl", "fake"])
 def test_other_backends_run_the_program_as_written(monkeypatch, backend):
     cfg, params, batch, opt, _ = llama_case((4, 32), vocab_size=512, dim=64, n_layers=1, ffn_dim=128)
-    monkeypatch.setattr(ndfunc.compile, "backend_of", lambda group: backend)
+    monkeypatch.setattr(ndfunc.partition.algorithms, "backend_of", lambda group: backend)
     with nf.simulate(4):
         f, args = fsdp_tp_step(cfg, params, opt)
         lowered = f.lower(*args, batch)
@@ -79,17 +80,17 @@ def test_a_group_made_for_several_devices_runs_cpu_tensors_on_its_cpu_backend(na
 
 @pytest.mark.parametrize("name", ["fsdp", "4d"])
 def test_each_collective_records_the_shape_it_sends(name):
-    # the all-to-all forms take their blocks from meta['ndfunc_input']: it must be the input's
+    # the all-to-all forms take their blocks from each collective's Comm: it must be the input's
     # shape as sent (a reduce-scatter off dim 0 sends its blocks stacked on dim 0), as the
     # program's own shapes, propagated, say
     from test_matrix import lowered_step
 
     lowered = lowered_step(name)
     lowered.cost_analysis()  # fills every node's meta['val']
-    collectives = [n for n in lowered.program.local.graph.nodes if "ndfunc_input" in n.meta]
+    collectives = [n for n, _ in program.collectives(lowered.program.local)]
     assert any(n.target is c10d.reduce_scatter_tensor.default for n in collectives)
     for n in collectives:
-        assert n.meta["ndfunc_input"][0] == tuple(n.args[0].meta["val"].shape), n.format_node()
+        assert program.comm(n).sent == tuple(n.args[0].meta["val"].shape), n.format_node()
 
 
 @pytest.mark.parametrize(("rows", "rewritten"), [(64, True), (65, False)])
@@ -98,7 +99,7 @@ def test_a_gather_runs_as_an_all_to_all_up_to_the_bound_and_as_gloos_own_above(m
     from ndfunc.partition import algorithms
 
     monkeypatch.setattr(algorithms, "GATHER_COPIES_MAX", 4096)
-    monkeypatch.setattr(ndfunc.compile, "backend_of", lambda group: "gloo")
+    monkeypatch.setattr(ndfunc.partition.algorithms, "backend_of", lambda group: "gloo")
     x = torch.randn(4 * rows, 4)
     with nf.simulate(4):
         f = nf.jit(lambda x: x * 2, mesh=nf.make_mesh(dp=4), in_shardings=P("dp"), out_shardings=P())

@@ -1,4 +1,4 @@
-"""JAX's own sharding results (shared/conformance), checked three ways:
+"""JAX's own sharding results (tests/data/jax_partition_spec_cases.json), checked three ways:
 the pure block math, the DTensor placements it maps to (by moving real data in 8 simulated
 ranks), and the inverse map from placements back to a spec."""
 

@@ -100,11 +100,11 @@ def lowered_step(name: str):
 def test_a_plan_does_not_depend_on_what_was_partitioned_before(monkeypatch):
     # tp=4 and dp_shard=4 both partition over one axis of 4, so they share strategies; a
     # constraint's spec (the batch over ('dp_replicate', 'dp_shard')) is another layout on each
-    from ndfunc.partition import strategies
+    from ndfunc.partition import ops
 
-    monkeypatch.setattr(strategies, "_CACHE", {})
+    monkeypatch.setattr(ops, "_CACHE", {})
     alone = lowered_step("tp").cost_analysis()["collectives"]
-    monkeypatch.setattr(strategies, "_CACHE", {})
+    monkeypatch.setattr(ops, "_CACHE", {})
     lowered_step("fsdp")
     assert lowered_step("tp").cost_analysis()["collectives"] == alone
 

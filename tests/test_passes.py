@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from ndfunc.partition.buffers import lifetimes
+from ndfunc.partition.program import note_local
 from ndfunc.partition.inplace import fold_donated_copies, fold_scales, reuse_buffers
 from ndfunc.partition.schedule import hoist_freeing_ops, issue_reductions_early, wait_in_turn
 
@@ -19,11 +20,11 @@ def build(body, n_inputs: int) -> torch.fx.GraphModule:
     g = torch.fx.Graph()
     ins = [g.placeholder(f"x{i}") for i in range(n_inputs)]
     for node in ins:
-        node.meta["ndfunc_local"] = (SHAPE, torch.float32)
+        note_local(node, SHAPE, torch.float32)
     out = body(g, *ins)
     for node in g.nodes:
         if node.op == "call_function":
-            node.meta["ndfunc_local"] = (SHAPE, torch.float32)
+            note_local(node, SHAPE, torch.float32)
     g.output(out)
     return torch.fx.GraphModule(torch.nn.Module(), g)
 
@@ -193,7 +194,7 @@ def square(body, n_inputs: int, metas: dict | None = None) -> torch.fx.GraphModu
     g.output(body(g, *ins))
     for node in g.nodes:
         if node.op != "output":
-            node.meta["ndfunc_local"] = (metas or {}).get(node.name, ((4, 4), torch.float32))
+            note_local(node, *(metas or {}).get(node.name, ((4, 4), torch.float32)))
     return torch.fx.GraphModule(torch.nn.Module(), g)
 
 

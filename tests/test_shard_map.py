@@ -63,7 +63,7 @@ def test_fsdp_style_gather_and_its_gradient():
 def test_collectives_on_per_rank_values():
     with nf.simulate(4):
         mesh = nf.make_mesh(dp=2, tp=2)
-        with nf.lax.manual_axes(mesh):
+        with nf.lax._manual_axes(mesh):
             x = rank_map(lambda r: torch.tensor([float(r), 10.0 + r]))
             assert [t.tolist() for t in per_rank(lax.psum(x, "tp")).values()] == [[1, 21], [1, 21], [5, 25], [5, 25]]
             assert per_rank(lax.pmean(x, ("dp", "tp")))[3].tolist() == [1.5, 11.5]
@@ -86,7 +86,7 @@ def test_all_to_all_matches_the_block_transpose():
     full = arange((4, 8))  # rank r holds row r; columns split in 4 blocks of 2
     with nf.simulate(4):
         mesh = nf.make_mesh(x=4)
-        with nf.lax.manual_axes(mesh):
+        with nf.lax._manual_axes(mesh):
             x = rank_map(lambda r: full[r:r + 1].clone())
             out = per_rank(lax.all_to_all(x, "x", split_dim=1, concat_dim=0, tiled=True))
             for r in range(4):  # rank r ends with column block r of every row
@@ -139,7 +139,7 @@ def test_errors():
         lax.psum(torch.ones(2), "tp")
     with nf.simulate(4):
         mesh = nf.make_mesh(dp=2, tp=2)
-        with nf.lax.manual_axes(mesh):
+        with nf.lax._manual_axes(mesh):
             with pytest.raises(ValueError, match=r"axis_name 'cp' is not an axis of the shard_map's mesh, whose axes are \('dp', 'tp'\)"):
                 lax.psum(torch.ones(2), "cp")
             with pytest.raises(ValueError, match=r"lists mesh axes out of mesh order; write them as the mesh orders them: \('dp', 'tp'\)"):

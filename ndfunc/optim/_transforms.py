@@ -30,14 +30,20 @@ ScalarOrSchedule = float | torch.Tensor | Schedule
 
 
 class ScaleByScheduleState(NamedTuple):
+    """`scale_by_schedule`'s state: how many updates it has scaled."""
+
     count: torch.Tensor  # int32, 0-dim: updates seen so far
 
 
 class TraceState(NamedTuple):
+    """`trace`'s state: the running momentum, laid out as the parameters."""
+
     trace: PyTree
 
 
 class ScaleByAdamState(NamedTuple):
+    """`scale_by_adam`'s state: the step count and both moments, laid out as the parameters."""
+
     count: torch.Tensor  # int32, 0-dim: updates seen so far
     mu: PyTree  # first moment, like params
     nu: PyTree  # second moment, like params

@@ -32,6 +32,9 @@ import math
 
 import torch
 
+from ndfunc._torch_compat import group_backend, group_size
+from ndfunc.partition.program import comm
+
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
 REWRITTEN = ("gloo",)
@@ -46,15 +49,14 @@ ALL_REDUCE_COPIES_MAX = 4 * 2**20
 def for_backend(gm: torch.fx.GraphModule, backend_of) -> torch.fx.GraphModule:
     """A copy of `gm` whose sum and mean reductions and gathers (up to the bounds above) over groups
     whose backend (`backend_of(group_name)`) is gloo run as all-to-alls; `gm` itself if none does.
-    Shapes come from what each collective sends (`meta['ndfunc_input']`), so the program does no
-    shape work."""
+    Shapes come from what each collective sends (its `Comm`), so the program does no shape work."""
     graph = torch.fx.Graph()
     graph.output(graph.graph_copy(gm.graph, {}))
     rewrites = 0
     for node in list(graph.nodes):
-        if node.op != "call_function" or "ndfunc_input" not in node.meta or len(node.users) != 1:
+        if node.op != "call_function" or (c := comm(node)) is None or len(node.users) != 1:
             continue
-        shape, dtype, device = node.meta["ndfunc_input"]
+        shape, dtype, device = c.sent, c.dtype, c.device
         (wait,) = node.users
         size = math.prod(shape) * dtype.itemsize
         if device.type != "cpu" or wait.target is not c10d.wait_tensor.default or backend_of(node.args[-1]) not in REWRITTEN:
@@ -110,19 +112,13 @@ def _all_to_all(graph, x, n: int, rows: int, group) -> torch.fx.Node:
     return graph.call_function(c10d.all_to_all_single.default, (x, splits, splits, group))
 
 
-def _group_size(group_name: str) -> int:
-    from torch.distributed.distributed_c10d import _resolve_process_group
-
-    return _resolve_process_group(group_name).size()
+_group_size = group_size
 
 
 def backend_of(group_name: str) -> str:
     """The backend the process group named `group_name` runs CPU tensors on ('gloo', 'fake', ..):
     a group made for several devices names one per device ('cpu:gloo,cuda:nccl')."""
-    import torch.distributed as dist
-    from torch.distributed.distributed_c10d import _resolve_process_group
-
-    return cpu_backend(dist.get_backend(_resolve_process_group(group_name)))
+    return cpu_backend(group_backend(group_name))
 
 
 def cpu_backend(name: str) -> str:

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import operator
+import types
 
 import torch
 
 from ndfunc.partition.buffers import lifetimes
 from ndfunc.partition.layout import describe
+from ndfunc.partition.program import collectives, comm
 
 
 def _fmt(val) -> str:
@@ -21,6 +23,8 @@ def _fmt(val) -> str:
 def _op_name(target) -> str:
     if target is operator.getitem:
         return "getitem"
+    if isinstance(target, types.FunctionType):
+        return f"{target.__module__}.{target.__qualname__}"  # a Python function (ring, CPU kernels)
     name = str(target)
     return name.removeprefix("aten.").removesuffix(".default")
 
@@ -33,9 +37,10 @@ def _arg(a) -> str:
     return repr(a)
 
 
-def as_text(program) -> str:
+def as_text(program, gm: torch.fx.GraphModule | None = None) -> str:
+    """The local program (`program.local`, or `gm`, a rewrite of it with its metadata filled)."""
     program.ensure_meta()
-    gm = program.local
+    gm = program.local if gm is None else gm
     names = program.axis_names
     header = (f"# {program.name}: the program each rank runs; mesh "
               f"{dict(zip(program.mesh.axis_names, program.mesh.axis_sizes))}, partitioned over {names or '()'}")
@@ -53,12 +58,8 @@ def as_text(program) -> str:
             continue
         args = ", ".join([_arg(a) for a in node.args] + [f"{k}={_arg(v)}" for k, v in node.kwargs.items()])
         line = f"    {node.name}: {_fmt(node.meta.get('val'))} = {_op_name(node.target)}({args})"
-        comm = node.meta.get("ndfunc_comm")
-        if comm:
-            line += (f"  # {comm['kind']} over {comm['axes']}: {comm['bytes']} B, "
-                     f"{comm['moved']:.0f} B sent per rank")
-            if comm.get("bucket"):
-                line += f" (a bucket of {comm['bucket']})"
+        if (c := comm(node)) is not None:
+            line += f"  # {c.describe()}"
         lines.append(line)
     out = gm.graph.find_nodes(op="output")[0]
     results = ", ".join(f"{a.name} {describe(lay, names)}" for a, (_, lay) in zip(out.args[0], program.plan.outputs))
@@ -66,25 +67,22 @@ def as_text(program) -> str:
     return "\n".join(lines)
 
 
-def collectives(gm: torch.fx.GraphModule) -> list[dict]:
-    return [n.meta["ndfunc_comm"] for n in gm.graph.nodes if "ndfunc_comm" in n.meta]
-
-
-def cost_analysis(program) -> dict:
+def cost_analysis(program, gm: torch.fx.GraphModule | None = None) -> dict:
+    """What one run of the local program (or `gm`, as `as_text`) costs each rank."""
     from ndfunc.partition.flops import graph_flops
 
     program.ensure_meta()
-    comms = collectives(program.local)
+    gm = program.local if gm is None else gm
     by_kind: dict[str, float] = {}
     counts: dict[str, int] = {}
-    for c in comms:
-        by_kind[c["kind"]] = by_kind.get(c["kind"], 0.0) + c["moved"]
-        counts[c["kind"]] = counts.get(c["kind"], 0) + 1
+    for _, c in collectives(gm):
+        by_kind[c.kind] = by_kind.get(c.kind, 0.0) + c.moved
+        counts[c.kind] = counts.get(c.kind, 0) + 1
     return {
-        "flops": float(graph_flops(program.local.graph)),
+        "flops": float(graph_flops(gm.graph)),
         "comm_bytes": {"total": float(sum(by_kind.values())), **by_kind},
         "collectives": counts,
-        "peak_memory_bytes": peak_memory(program.local),
+        "peak_memory_bytes": peak_memory(gm),
     }
 
 

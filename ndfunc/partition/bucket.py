@@ -15,20 +15,21 @@ import operator
 
 import torch
 
+from ndfunc.partition.program import comm, merged, set_comm
+
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
 BUCKET_BYTES = 25 * 2**20  # DDP's default bucket
 
 
 def bucket_all_reduces(gm: torch.fx.GraphModule) -> int:
-    """Merge all-reduces in `gm` (each with `meta['ndfunc_input']`: its input's shape, dtype and
-    device, as the lowering records); how many were merged away."""
+    """Merge all-reduces in `gm` (those the lowering recorded a `Comm` for); how many were merged away."""
     nodes = list(gm.graph.nodes)
     index = {n: i for i, n in enumerate(nodes)}
     buckets, open_ = [], {}  # key -> the bucket being filled: [(all_reduce, wait, ready, first read)]
     for n in nodes:
         if n.op != "call_function" or n.target is not c10d.all_reduce.default or len(n.users) != 1 \
-                or "ndfunc_input" not in n.meta:
+                or comm(n) is None:
             continue
         wait = next(iter(n.users))
         if wait.target is not c10d.wait_tensor.default or not wait.users:
@@ -55,16 +56,16 @@ def bucket_all_reduces(gm: torch.fx.GraphModule) -> int:
 
 
 def _key(ar: torch.fx.Node) -> tuple:
-    shape, dtype, device = ar.meta["ndfunc_input"]
-    return (ar.args[1], ar.args[2], dtype, device)
+    c = comm(ar)
+    return (ar.args[1], ar.args[2], c.dtype, c.device)
 
 
 def _numel(ar: torch.fx.Node) -> int:
-    return math.prod(ar.meta["ndfunc_input"][0])
+    return math.prod(comm(ar).sent)
 
 
 def _bytes(ar: torch.fx.Node) -> int:
-    return _numel(ar) * ar.meta["ndfunc_input"][1].itemsize
+    return comm(ar).sent_bytes
 
 
 def _merge(graph: torch.fx.Graph, bucket: list, ready: torch.fx.Node) -> None:
@@ -74,19 +75,15 @@ def _merge(graph: torch.fx.Graph, bucket: list, ready: torch.fx.Node) -> None:
     with graph.inserting_before(last):
         flats = [graph.call_function(aten.reshape.default, (ar.args[0], [-1])) for ar, *_ in bucket]
         joined = graph.call_function(aten.cat.default, (flats,))
-        merged = graph.call_function(c10d.all_reduce.default, (joined, op, group))
-        waited = graph.call_function(c10d.wait_tensor.default, (merged,))
+        reduced = graph.call_function(c10d.all_reduce.default, (joined, op, group))
+        waited = graph.call_function(c10d.wait_tensor.default, (reduced,))
         sizes = [_numel(ar) for ar, *_ in bucket]
         pieces = graph.call_function(aten.split_with_sizes.default, (waited, sizes))
-    comms = [ar.meta.get("ndfunc_comm", {}) for ar, *_ in bucket]
-    merged.meta["ndfunc_input"] = ((sum(sizes),), bucket[0][0].meta["ndfunc_input"][1], bucket[0][0].meta["ndfunc_input"][2])
-    merged.meta["ndfunc_comm"] = {"kind": "all_reduce", "axes": comms[0].get("axes", ()),
-                                  "bytes": sum(c.get("bytes", 0) for c in comms),
-                                  "moved": sum(c.get("moved", 0.0) for c in comms), "bucket": len(bucket)}
+    set_comm(reduced, merged([comm(ar) for ar, *_ in bucket], (sum(sizes),), (sum(sizes),)))
     for i, (ar, wait, _, _) in enumerate(bucket):
         with graph.inserting_before(last):  # before any reader
             piece = graph.call_function(operator.getitem, (pieces, i))
-            view = graph.call_function(aten.reshape.default, (piece, list(ar.meta["ndfunc_input"][0])))
+            view = graph.call_function(aten.reshape.default, (piece, list(comm(ar).sent)))
         wait.replace_all_uses_with(view)
     for ar, wait, _, _ in bucket:
         graph.erase_node(wait)

@@ -37,7 +37,7 @@ _WHOLE = frozenset({c10d.wait_tensor.default, *INPLACE.values(), *INTO_SECOND.va
 def reuse_buffers(gm: torch.fx.GraphModule) -> int:
     """Turn ops whose first input dies there into their in-place forms (or whose second does, into
     `out=` forms); how many were turned.
-    Reads shapes from `meta['val']` or the lowering's `meta['ndfunc_local']`."""
+    Reads shapes from `meta['val']` or the lowering's note (`program.local_note`)."""
     nodes = list(gm.graph.nodes)
     index = {n: i for i, n in enumerate(nodes)}
     # values computed from factories alone stay plain tensors in simulation, where writing into

@@ -32,6 +32,7 @@ import os
 
 import torch
 
+from ndfunc._torch_compat import onednn_available, onednn_linear
 from ndfunc.partition.buffers import shape_dtype
 
 aten = torch.ops.aten
@@ -43,7 +44,7 @@ _MM, _BMM = aten.mm.default._op, aten.bmm.default._op
 def _mkl_takes_a_slow_path() -> bool:
     """Whether torch's fp32 `mm` is MKL's on an AMD CPU with AVX-512, and oneDNN is built in."""
     if not (torch.backends.mkl.is_available() and torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_linear_pointwise")):
+            and onednn_available()):
         return False
     if torch.backends.cpu.get_cpu_capability() != "AVX512":
         return False
@@ -66,9 +67,7 @@ def _asked_for_aten() -> bool:
 ONEDNN_MATMUL = not _asked_for_aten() and _mkl_takes_a_slow_path()
 
 
-def _onednn(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    # a linear layer's kernel: x @ w.T, here with w = b.T (as it lies; no bias, no fused op)
-    return torch.ops.mkldnn._linear_pointwise.default(a, b.t(), None, "none", [], "")
+_onednn = onednn_linear
 
 
 def _plain(t: torch.Tensor) -> bool:

@@ -5,27 +5,28 @@ as its dispatcher would); every layout change a consumer needs becomes the steps
 `redistribute.plan`, emitted as `_c10d_functional` collectives (each followed by its
 `wait_tensor`) or a local slice. A slice picks this rank's block with `index_select` on an extra
 input, `coords` (the rank's position on each partitioned axis), so the program holds no rank
-number and one program serves every simulated rank. Each collective node carries
-`meta['ndfunc_comm']`: kind, mesh axes, tensor bytes and bytes moved per rank.
+number and one program serves every simulated rank. Each collective node carries its `Comm`
+(`ndfunc.partition.program.comm`): kind, mesh axes, shapes sent and received, bytes.
 """
 
 from __future__ import annotations
 
-import json
+import dataclasses
 import operator
 from collections.abc import Sequence
 
 import torch
-from torch.fx._lazy_graph_module import _LazyGraphModule
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
-from ndfunc import manual
-from ndfunc.constraints import sharding_constraint_op
+from ndfunc._torch_compat import FakeTensorMode, LazyGraphModule, local_tensor_mode, pytree
 from ndfunc.partition import redistribute
 from ndfunc.partition.buffers import buffer_of
+from ndfunc.partition import program as prog
 from ndfunc.partition.layout import Layout, local_shape
-from ndfunc.partition.solve import Plan, value_of
-from ndfunc.partition.strategies import local_args, tensor_inputs
+from ndfunc.partition.ops import rule_of
+from ndfunc.partition.program import Comm, LoweringContext
+from ndfunc.partition.solve import Plan
+from ndfunc.partition.strategies import local_args, tensor_inputs, value_of
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
@@ -35,8 +36,9 @@ _MANUAL_COMMS = (c10d.all_reduce.default, c10d.all_gather_into_tensor.default, c
 
 
 class _Emitter:
-    def __init__(self, plan: Plan, axis_names: Sequence[str], group_names: Sequence[str]):
+    def __init__(self, plan: Plan, axis_names: Sequence[str], group_names: Sequence[str], mesh_sizes: dict[str, int]):
         self.plan = plan
+        self.mesh_sizes = mesh_sizes  # every mesh axis, size-1 ones too
         self.sizes = plan.sizes
         self.axis_names = tuple(axis_names)
         self.group_names = tuple(group_names)
@@ -57,13 +59,13 @@ class _Emitter:
             if steps is None:  # the solver never picks an impossible change
                 raise AssertionError(f"no way from {have} to {layout} for {v[0].name}")
             for step in steps:
-                node = self.emit(step, node, val)
-                node.meta["ndfunc_local"] = (tuple(step.out_shape), val.dtype)
+                node = prog.note_local(self.emit(step, node, val), step.out_shape, val.dtype)
             self.env[key] = node
         return self.env[key]
 
-    def axis_index(self, names: Sequence[str], mesh_sizes: dict[str, int]) -> torch.fx.Node:
+    def axis_index(self, names: Sequence[str]) -> torch.fx.Node:
         """This rank's position along `names` (major to minor), from `coords`."""
+        mesh_sizes = self.mesh_sizes
         index = self.call(aten.scalar_tensor.default, 0, dtype=torch.int64)
         for name in names:
             if mesh_sizes[name] > 1:
@@ -71,7 +73,15 @@ class _Emitter:
                 index = self.call(aten.add.Tensor, self.call(aten.mul.Tensor, index, mesh_sizes[name]), coord)
         return index
 
-    def manual_comm(self, node: torch.fx.Node) -> dict:
+    def comm(self, step: redistribute.Step, val: torch.Tensor, sent: tuple[int, ...],
+             axis: str | None = None, group: str | None = None) -> Comm:
+        """The record of `step` run on a value like `val`, handed a tensor of shape `sent`."""
+        itemsize = val.element_size()
+        return Comm(step.kind, (axis or self.axis_names[step.axis],), tuple(sent),
+                    prog.received_shape(step.kind, sent, step.size), val.dtype, val.device,
+                    group or self.group_names[step.axis], step.value_bytes(itemsize), step.moved_bytes(itemsize))
+
+    def manual_comm(self, node: torch.fx.Node) -> Comm:
         """What a collective the user wrote (nf.lax, in a shard_map) moves."""
         kind = {c10d.all_reduce.default: "all_reduce", c10d.all_gather_into_tensor.default: "all_gather",
                 c10d.reduce_scatter_tensor.default: "reduce_scatter",
@@ -82,7 +92,8 @@ class _Emitter:
         val, out = node.args[0].meta["val"], node.meta["val"]
         step = redistribute.Step(kind, axis, None, None, tuple(val.shape), tuple(out.shape),
                                  self.sizes[axis] if known else 2)
-        return step.describe(val.element_size(), self.axis_names[axis] if known else "axes of the region")
+        c = self.comm(step, val, tuple(val.shape), self.axis_names[axis] if known else "axes of the region", group)
+        return dataclasses.replace(c, received=tuple(out.shape))
 
     def emit(self, step: redistribute.Step, x: torch.fx.Node, val: torch.Tensor) -> torch.fx.Node:
         group, n, d = self.group_names[step.axis], step.size, step.dim
@@ -107,8 +118,7 @@ class _Emitter:
             comm = self.call(c10d.all_gather_into_tensor.default, x, n, group)
         else:
             comm = self.call(c10d.reduce_scatter_tensor.default, x, "sum", n, group)
-        comm.meta["ndfunc_input"] = (sent, val.dtype, val.device)  # what it sends
-        comm.meta["ndfunc_comm"] = step.describe(val.element_size(), self.axis_names[step.axis])
+        prog.set_comm(comm, self.comm(step, val, sent))
         out = self.call(c10d.wait_tensor.default, comm)
         if step.reduce_op == "avg":
             out = self.call(aten.div.Tensor, out, n)
@@ -130,8 +140,7 @@ class _Emitter:
         else:  # the local block may be a view even where the whole value is not: a copy only if so
             blocks = self.call(aten.contiguous.default, blocks)
         comm = self.call(c10d.all_to_all_single.default, blocks, [1] * n, [1] * n, self.group_names[step.axis])
-        comm.meta["ndfunc_input"] = (tuple(split[d:d + 1] + split[:d] + split[d + 1:]), val.dtype, val.device)
-        comm.meta["ndfunc_comm"] = step.describe(val.element_size(), self.axis_names[step.axis])
+        prog.set_comm(comm, self.comm(step, val, tuple(split[d:d + 1] + split[:d] + split[d + 1:])))
         arrived = self.call(c10d.wait_tensor.default, comm)
         if a != 0:  # the rank blocks next to `joined`'s
             arrived = self.call(aten.permute.default, arrived, rest[1:a + 1] + [0] + rest[a + 1:])
@@ -144,51 +153,48 @@ def lower(graph: torch.fx.Graph, plan: Plan, axis_names: Sequence[str], group_na
     inputs, then `coords`; outputs are local blocks in `plan.outputs`' layouts. `mesh_sizes`
     (every mesh axis, size-1 ones too) places `nf.lax.axis_index` over several axes."""
     mesh_sizes = dict(mesh_sizes or dict(zip(axis_names, plan.sizes)))
-    e = _Emitter(plan, axis_names, group_names)
+    e = _Emitter(plan, axis_names, group_names, mesh_sizes)
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     for node in placeholders:
         e.produced[(node, 0)] = ph = e.graph.placeholder(node.name)
         val = node.meta.get("val")
         if isinstance(val, torch.Tensor) and node in plan.strategy:
-            ph.meta["ndfunc_local"] = (local_shape(tuple(val.shape), plan.strategy[node].outs[0], plan.sizes), val.dtype)
+            prog.note_local(ph, local_shape(tuple(val.shape), plan.strategy[node].outs[0], plan.sizes), val.dtype)
     e.coords = e.graph.placeholder("coords")
     constants = torch.nn.Module()  # the tensors the step closed over, whole on every rank
     for node in graph.find_nodes(op="get_attr"):
         if node in plan.strategy:
             setattr(constants, node.target, getattr(graph.owning_module, node.target))
             e.produced[(node, 0)] = got = e.graph.get_attr(node.target)
-            got.meta["ndfunc_local"] = (tuple(node.meta["val"].shape), node.meta["val"].dtype)
+            prog.note_local(got, node.meta["val"].shape, node.meta["val"].dtype)
     for node in graph.nodes:
         if node.op != "call_function" or node not in plan.strategy:
             continue
         s = plan.strategy[node]
         args = tensor_inputs(node)
         locals_ = [e.local(value_of(a), lay, a.meta["val"]) for a, lay in zip(args, s.ins)]
-        if node.target in (sharding_constraint_op, manual.enter_op, manual.exit_op):
-            e.produced[(node, 0)] = locals_[0]  # the layouts were the point; the value is the same
+        rule = rule_of(node.target)
+        if rule is not None and rule.lower is not None:  # not the op on blocks (ndfunc.partition.ops)
+            e.produced[(node, 0)] = rule.lower(e, node, locals_)
             continue
-        if node.target is manual.axis_index_op:
-            e.produced[(node, 0)] = e.axis_index(json.loads(node.args[0]), mesh_sizes)
-            continue
-        if node.meta.get("ndfunc_manual"):  # already per rank, as the user wrote it
+        if prog.is_manual(node):  # already per rank, as the user wrote it
             op, a, kw = node.target, node.args, node.kwargs
         else:
             op, a, kw = local_args(node, s.ins, plan.sizes)
             # a block of a viewable value need not be viewable (its strides differ): reshape,
             # which views when it can and copies when it must
             op = _RESHAPES.get(op, op)
-        extra_meta = {}
-        if "ndfunc_lower" in node.meta:  # a transform's own local op (nf.ring_attention)
-            op, a, kw, extra_meta = node.meta["ndfunc_lower"](e, node, s, op, a, kw)
+        own_comm = None
+        if (own := prog.local_op(node)) is not None:  # a transform's own local op (nf.ring_attention)
+            op, a, kw, own_comm = own(LoweringContext(e.coords, e.axis_names, e.sizes), node, s, op, a, kw)
         mapping = iter(locals_)
-        a, kw = torch.utils._pytree.tree_map_only(
+        a, kw = pytree.tree_map_only(
             torch.fx.Node, lambda x: next(mapping) if isinstance(x.meta.get("val"), torch.Tensor) else x, (a, kw))
         out = e.graph.call_function(op, tuple(a), dict(kw))
-        out.meta.update(extra_meta)
+        if own_comm is not None:
+            prog.set_comm(out, own_comm)
         if op in _MANUAL_COMMS:
-            out.meta["ndfunc_comm"] = e.manual_comm(node)
-            given = node.args[0].meta["val"]
-            out.meta["ndfunc_input"] = (tuple(given.shape), given.dtype, given.device)
+            prog.set_comm(out, e.manual_comm(node))
         if isinstance(node.meta.get("val"), (tuple, list)):
             for j, lay in enumerate(s.outs):
                 if lay is not None:
@@ -197,21 +203,21 @@ def lower(graph: torch.fx.Graph, plan: Plan, axis_names: Sequence[str], group_na
             e.produced[(node, 0)] = out
             val = node.meta.get("val")
             if isinstance(val, torch.Tensor):  # shape and dtype here, for passes before metadata
-                shape = tuple(val.shape) if node.meta.get("ndfunc_manual") else local_shape(tuple(val.shape), s.outs[0], plan.sizes)
-                out.meta["ndfunc_local"] = (shape, val.dtype)
+                shape = tuple(val.shape) if prog.is_manual(node) else local_shape(tuple(val.shape), s.outs[0], plan.sizes)
+                prog.note_local(out, shape, val.dtype)
     results = [e.local(v, lay, _val(v)) for v, lay in plan.outputs]
     # a constant the step returns (or a block of one) leaves as a copy: the caller may write into
     # a result, or donate it, and the constant serves every later call
     for i, r in enumerate(results):
         if buffer_of(r).op == "get_attr":
             results[i] = e.call(aten.clone.default, r)
-            if "ndfunc_local" in r.meta:
-                results[i].meta["ndfunc_local"] = r.meta["ndfunc_local"]
+            if (note := prog.local_note(r)) is not None:
+                prog.note_local(results[i], *note)
     e.graph.output(results)
     e.graph.eliminate_dead_code()
     # passes rewrite it and recompile; its code is made only if read or called (the step runs
-    # ndfunc.partition.runner's), not once per pass
-    return _LazyGraphModule(constants, e.graph)
+    # ops bound by `_torch_compat.bind_ops`), not once per pass
+    return LazyGraphModule(constants, e.graph)
 
 
 def _val(v) -> torch.Tensor:
@@ -222,9 +228,6 @@ def _val(v) -> torch.Tensor:
 def propagate_meta(gm: torch.fx.GraphModule, inputs: Sequence[tuple[tuple[int, ...], torch.dtype, torch.device]]) -> None:
     """Fill `meta['val']` of the local program with fake tensors of the local shapes."""
     import contextlib
-
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.distributed._local_tensor import local_tensor_mode
 
     simulated = local_tensor_mode()
     with simulated.disable() if simulated is not None else contextlib.nullcontext():

@@ -59,11 +59,9 @@ class Step:
             return (n - 1) / n * math.prod(self.in_shape) * itemsize
         return 0.0
 
-    def describe(self, itemsize: int, axis: str) -> dict:
-        """What `as_text` and `cost_analysis` report of it: kind, axes, bytes, bytes sent per rank."""
-        shape = self.out_shape if self.kind == "all_gather" else self.in_shape
-        return {"kind": self.kind, "axes": (axis,), "bytes": math.prod(shape) * itemsize,
-                "moved": self.moved_bytes(itemsize)}
+    def value_bytes(self, itemsize: int) -> int:
+        """The size of the value it is about: the gathered whole, the reduced or exchanged input."""
+        return math.prod(self.out_shape if self.kind == "all_gather" else self.in_shape) * itemsize
 
 
 def plan(src: Layout, dst: Layout, shape: Sequence[int], sizes: Sequence[int], swaps: bool = True) -> list[Step] | None:

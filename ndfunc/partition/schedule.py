@@ -23,6 +23,8 @@ import operator
 
 import torch
 
+from ndfunc.partition import program as prog
+from ndfunc.partition.analysis import live_bytes
 from ndfunc.partition.buffers import lifetimes, shape_dtype
 from ndfunc.partition.inplace import INPLACE
 
@@ -140,6 +142,56 @@ def wait_in_turn(gm: torch.fx.GraphModule) -> int:
     if moved:
         gm.recompile()
     return moved
+
+
+def keep_in_flight(gm: torch.fx.GraphModule) -> int:
+    """Wait for each reduction a transform let stay in flight (`program.let_stay_in_flight`; its
+    wait right after it) as late as the step's peak memory allows, as XLA's latency-hiding
+    scheduler overlaps collectives under a memory limit: where its results are first read (the
+    optimizer); else just before the next reduction over its group is issued (one in flight, over
+    the next layer's backward, as FSDP2's reduce-scatter stream on GPU); else at once (FSDP2 on
+    CPU). In flight, a reduction holds what it reduces. On CPU the overlap lets ranks that share
+    cores drift apart without blocking each other at every layer. How many waits moved."""
+    nodes = list(gm.graph.nodes)
+    found = [n for n in nodes if n.op == "call_function" and n.target in REDUCTIONS and prog.stays_in_flight(n)
+             and len(n.users) == 1]
+    if not found:
+        return 0
+    index = {n: i for i, n in enumerate(nodes)}
+    places = {}
+    for rs in found:
+        (wait,) = rs.users
+        read = min(wait.users, key=index.__getitem__) if wait.users else None
+        following = next((n for n in nodes[index[rs] + 1:] if n.op == "call_function" and n.target in REDUCTIONS
+                          and n.args[-1] == rs.args[-1]), None)
+        turn = following if following is not None and read is not None and index[following] < index[read] else read
+        places[rs] = [at for at in dict.fromkeys((read, turn)) if at is not None]
+    live, read_last = live_bytes(nodes)
+    peak = max(live.values())
+    moved = 0
+    for rs in found:
+        (wait,) = rs.users
+        held = sum(read_last.get(wait, ()))  # what the wait frees: waited for later, it lives longer
+        for at in places[rs]:
+            span = _between(wait, at)
+            if max((live[x] for x in span), default=0) + held <= peak:
+                at.prepend(wait)
+                for x in span:
+                    live[x] += held
+                moved += 1
+                break
+    if moved:
+        gm.recompile()
+    return moved
+
+
+def _between(a: torch.fx.Node, b: torch.fx.Node) -> list:
+    """The nodes after `a` and before `b`."""
+    out, x = [], a.next
+    while x is not b and x.op != "output":
+        out.append(x)
+        x = x.next
+    return out
 
 
 def _reorder(gm: torch.fx.GraphModule, nodes: list, key: dict) -> bool:

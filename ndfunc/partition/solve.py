@@ -31,12 +31,8 @@ from torch.distributed.tensor import Partial, Replicate
 from ndfunc.partition import redistribute
 from ndfunc.partition.flops import node_flops
 from ndfunc.partition.layout import MANUAL, Layout, replicated
-from ndfunc.partition.strategies import (
-    Strategy,
-    candidates,
-    tensor_inputs,
-    tensor_outputs,
-)
+from ndfunc.partition.ops import candidates
+from ndfunc.partition.strategies import Strategy, tensor_inputs, tensor_outputs, value_of
 
 Value = tuple  # (producing node, output index)
 FLOPS_PER_BYTE = 100.0  # floating-point work worth one byte sent (CPU-like; GPUs compute more per byte)
@@ -46,14 +42,6 @@ EPS = 1e-6
 def finished(layout: Layout) -> Layout:
     """`layout` with pending sums reduced (what a free output becomes)."""
     return tuple(Replicate() if isinstance(p, Partial) else p for p in layout)
-
-
-def value_of(arg: torch.fx.Node) -> Value:
-    """The value an fx argument refers to: a getitem of a multi-output node is (node, i)."""
-    if arg.op == "call_function" and arg.target is operator.getitem and isinstance(
-            arg.args[0].meta.get("val"), (tuple, list)):
-        return (arg.args[0], arg.args[1])
-    return (arg, 0)
 
 
 @dataclasses.dataclass

@@ -1,12 +1,11 @@
-"""Candidate strategies per graph node, from DTensor's own sharding rules.
+"""Strategies from DTensor's own sharding rules, and the local form of an op's arguments.
 
 A `Strategy` says, for one way of running a node on the mesh, the layout of each tensor output and
 the layout each tensor input must arrive in. DTensor registers rules two ways and we read both:
 single-dim rules (placements valid along one mesh axis; we take their product over the axes) and
-full op strategies (called with every layout each input could have). Ops DTensor has no rule for,
-but ndfunc needs, get one here: CPU flash attention (batch or heads split), factories (built
-replicated), and `ndfunc.*` ops. Results are cached by op, input shapes and other arguments, so a
-model's repeated layers cost one lookup each.
+full op strategies (called with every layout each input could have). What ndfunc adds to them
+(its own ops, attention, the rules it corrects) is in the op registry, `ndfunc.partition.ops`,
+which asks here for the rest.
 """
 
 from __future__ import annotations
@@ -14,24 +13,17 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
-import math
+import operator
 from collections.abc import Sequence
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
-from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
-from torch.distributed.tensor._op_schema import (
-    OpSchema,
-    OpSpec,
-    OpStrategy,
-    TupleStrategy,
-)
-from torch.nn import _reduction
-from torch.utils import _pytree as pytree
+from torch.distributed.tensor import Partial, Replicate, Shard
 
-from ndfunc import manual
-from ndfunc.partition.layout import MANUAL, Layout, all_layouts, fits, replicated
+from ndfunc._torch_compat import DTensorSpec, OpSchema, OpSpec, OpStrategy, TensorMeta, TupleStrategy, pytree
+from ndfunc._torch_compat import shape_only_device_mesh
+from ndfunc._torch_compat import sharding_propagator as propagator
+from ndfunc.partition.layout import Layout, all_layouts, replicated
 
 aten = torch.ops.aten
 
@@ -46,20 +38,25 @@ class NoStrategy(Exception):
     """DTensor has no sharding rule for this op (and ndfunc adds none)."""
 
 
-def propagator():
-    return DTensor._op_dispatcher.sharding_propagator
-
-
 @functools.cache
 def planning_mesh(sizes: tuple[int, ...]) -> DeviceMesh:
     """A DeviceMesh of `sizes` with no process group: strategies need only its shape."""
-    return DeviceMesh("cpu", torch.arange(math.prod(sizes)).view(sizes), _init_backend=False, _rank=0)
+    return shape_only_device_mesh(sizes)
 
 
 def tensor_inputs(node: torch.fx.Node) -> list[torch.fx.Node]:
     """The node's tensor-valued inputs, in the order DTensor's OpSchema lists them."""
     leaves = pytree.tree_leaves((node.args, node.kwargs))
     return [a for a in leaves if isinstance(a, torch.fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)]
+
+
+def value_of(arg: torch.fx.Node) -> tuple:
+    """The value an fx argument refers to, `(node, output index)`: a getitem of a multi-output
+    node is (node, i)."""
+    if arg.op == "call_function" and arg.target is operator.getitem and isinstance(
+            arg.args[0].meta.get("val"), (tuple, list)):
+        return (arg.args[0], arg.args[1])
+    return (arg, 0)
 
 
 def tensor_outputs(node: torch.fx.Node) -> list[torch.Tensor | None]:
@@ -75,7 +72,7 @@ def _meta(t: torch.Tensor) -> TensorMeta:
     return TensorMeta(t.shape, t.stride(), t.dtype)
 
 
-def _signature(node: torch.fx.Node) -> tuple:
+def signature(node: torch.fx.Node) -> tuple:
     """What a node's strategies depend on: its op, its tensors' shapes and dtypes, other args."""
     leaves, spec = pytree.tree_flatten((node.args, node.kwargs))
     key = []
@@ -88,64 +85,17 @@ def _signature(node: torch.fx.Node) -> tuple:
     return (node.target, str(spec), tuple(key))
 
 
-def candidates(node: torch.fx.Node, sizes: tuple[int, ...]) -> list[Strategy]:
-    """Every strategy for `node` on a mesh of `sizes` whose layouts fit the values' shapes."""
-    if node.meta.get("ndfunc_manual") or node.target is manual.exit_op:
-        return _manual_rule(node, sizes)
-    cache = _CACHE.setdefault(sizes, {})
-    # a sharding constraint's layout (its own, or an input's) is resolved on the mesh: the same
-    # spec is another layout on another mesh of these sizes (('dp_replicate', 'dp_shard') on dp=4
-    # or on tp=4)
-    layouts = (node.meta.get("ndfunc_layout"), *(a.meta.get("ndfunc_layout") for a in tensor_inputs(node)))
-    sig = (_signature(node), repr(node.meta.get("ndfunc_ring")), repr(layouts))
-    if sig not in cache:
-        cache[sig] = _candidates(node, sizes)
-    return cache[sig]
-
-
-_CACHE: dict[tuple[int, ...], dict] = {}
-
-
-def _candidates(node: torch.fx.Node, sizes: tuple[int, ...]) -> list[Strategy]:
+def from_dtensor(node: torch.fx.Node, ins: list, outs: list, sizes: tuple[int, ...]) -> list[Strategy] | None:
+    """DTensor's strategies for `node` (a factory with no tensor input: built replicated); None if
+    DTensor has no rule for its op."""
     op = node.target
-    ins = tensor_inputs(node)
-    outs = tensor_outputs(node)
-    k = len(sizes)
-    if k == 0:  # nothing to partition over: every op runs whole
-        return _replicated_rule(node, sizes)
-    if op in _OWN_RULES:
-        found = _OWN_RULES[op](node, sizes)
-    elif not ins:
-        found = [Strategy(tuple(None if o is None else replicated(k) for o in outs), ())]
-    elif op in propagator().op_single_dim_strategy_funcs:
-        found = _from_single_dim(node, ins, outs, sizes)
-    elif op in propagator().op_strategy_funcs:
-        found = _from_op_strategy(node, ins, outs, sizes)
-    elif all(_constrained_replicated(a) for a in ins):
-        found = _replicated_rule(node, sizes)  # no rule, but the user replicated every input
-    else:
-        raise NoStrategy(op)
-    shapes_in = [tuple(a.meta["val"].shape) for a in ins]
-    shapes_out = [None if o is None else tuple(o.shape) for o in outs]
-    kept, seen = [], set()
-    for s in found:
-        if len(s.ins) != len(ins) or len(s.outs) != len(outs) or s in seen:
-            continue
-        if all(fits(lay, shp, sizes) for lay, shp in zip(s.ins, shapes_in)) and all(
-                shp is None or (lay is not None and fits(lay, shp, sizes)) for lay, shp in zip(s.outs, shapes_out)):
-            kept.append(s)
-            seen.add(s)
-    if not kept:
-        raise NoStrategy(op)
-    return kept
-
-
-def _constrained_replicated(a: torch.fx.Node) -> bool:
-    from ndfunc.constraints import sharding_constraint_op
-
-    layout = a.meta.get("ndfunc_layout")
-    return a.target is sharding_constraint_op and layout is not None and all(
-        isinstance(p, Replicate) for p in layout)
+    if not ins:
+        return [Strategy(tuple(None if o is None else replicated(len(sizes)) for o in outs), ())]
+    if op in propagator().op_single_dim_strategy_funcs:
+        return _from_single_dim(node, ins, outs, sizes)
+    if op in propagator().op_strategy_funcs:
+        return from_op_strategy(node, ins, outs, sizes)
+    return None
 
 
 def _placeholder_to_shard(p):
@@ -176,7 +126,7 @@ def _from_single_dim(node, ins, outs, sizes) -> list[Strategy]:
     return found
 
 
-def _from_op_strategy(node, ins, outs, sizes) -> list[Strategy]:
+def from_op_strategy(node, ins, outs, sizes) -> list[Strategy]:
     """DTensor's full op strategies expect each input to arrive in one layout (they follow it).
     Ask once per layout of each input, the others replicated, and pool the answers."""
     found: list[Strategy] = []
@@ -225,106 +175,6 @@ def _ask(node, given: list[Layout], n_outs: int, sizes) -> list[Strategy]:
     return found
 
 
-# --- ndfunc's own rules ------------------------------------------------------------------------
-
-def _attention_rule(node, sizes) -> list[Strategy]:
-    """Flash attention (CPU) forward and backward: q, k, v (B, H, L, K) split alike on batch or
-    heads (grouped key/value heads split by the same factor); the mask follows where it has the
-    dim, else stays whole; logsumexp (B, H, L) follows q.
-
-    With an explicit mask (not `is_causal`, whose mask assumes the block starts at position 0) the
-    sequence may be split too: each rank's queries against every key and value (gathered), the mask's
-    rows following the queries; in backward the key and value gradients are then partial sums
-    over that axis. On the axis `nf.ring_attention` marked, keys and values (and their gradients)
-    stay split instead: the lowering writes a ring there."""
-    backward = "backward" in str(node.target)
-    ins = tensor_inputs(node)
-    outs = tensor_outputs(node)
-    q = node.args[1] if backward else node.args[0]
-    kv = {node.args[2], node.args[3]} if backward else {node.args[1], node.args[2]}
-    causal = node.args[7] if backward else (node.args[4] if len(node.args) > 4 else node.kwargs.get("is_causal", False))
-    q_shape = tuple(q.meta["val"].shape)
-    seq = Shard(2)
-    ring = (node.meta.get("ndfunc_ring") or {}).get("live")  # nf.ring_attention's axis: keys stay split
-    per_axis = [Replicate(), Shard(0), Shard(1)] + ([] if causal else [seq])
-    # on the ring's axis the sequence is what is split (else the cheapest plan may well split the
-    # batch there instead, which is data parallelism, not context parallelism)
-    options = [[seq] if axis == ring else per_axis for axis in range(len(sizes))]
-    found = []
-    for combo in itertools.product(*options):
-        def follow(t: torch.Tensor | None, key_side: bool, grad: bool = False):
-            if t is None:
-                return None
-            lay = []
-            for axis, p in enumerate(combo):
-                if p == seq and key_side and axis == ring:
-                    lay.append(seq)  # keys, values and their gradients travel the ring
-                elif p == seq and key_side:
-                    lay.append(Partial("sum") if grad else Replicate())  # every key, each rank's queries
-                elif isinstance(p, Shard) and (t.ndim <= p.dim or t.shape[p.dim] != q_shape[p.dim]) and not (
-                        p.dim == 1 and t.ndim == 4 and t.shape[1] > 1):
-                    lay.append(Replicate())  # a broadcast mask dim: every block needs all of it
-                else:
-                    lay.append(p)
-            return tuple(lay)
-        out_lays = tuple(follow(o, backward and j in (1, 2), grad=True) for j, o in enumerate(outs))
-        found.append(Strategy(out_lays, tuple(follow(a.meta["val"], a in kv) for a in ins)))
-    return found
-
-
-def _manual_rule(node, sizes) -> list[Strategy]:
-    """Inside a shard_map region every value is a rank's own block; a value from outside it
-    (a captured constant) comes whole. The region's entry and exit have the specs' layouts."""
-    from ndfunc.partition.solve import value_of
-
-    k = len(sizes)
-    outs = tensor_outputs(node)
-    if node.target is manual.enter_op:
-        return [Strategy((MANUAL,), (node.meta["ndfunc_layout"],))]
-    if node.target is manual.exit_op:
-        return [Strategy((node.meta["ndfunc_layout"],), (MANUAL,))]
-    ins = tuple(MANUAL if value_of(a)[0].meta.get("ndfunc_manual") else replicated(k) for a in tensor_inputs(node))
-    return [Strategy(tuple(None if o is None else MANUAL for o in outs), ins)]
-
-
-def _constraint_rule(node, sizes) -> list[Strategy]:
-    lay = node.meta["ndfunc_layout"]
-    return [Strategy((lay,), (lay,))]
-
-
-def _replicated_rule(node, sizes) -> list[Strategy]:
-    k = len(sizes)
-    return [Strategy(tuple(None if o is None else replicated(k) for o in tensor_outputs(node)),
-                     tuple(replicated(k) for _ in tensor_inputs(node)))]
-
-
-def _mean_loss_rule(node, sizes) -> list[Strategy]:
-    """DTensor's rule for an `nll_loss` forward, less its sharded mean: that averages each rank's
-    own mean, the batch's only when every rank ignores as many targets. (The tracer writes a
-    float32 or float64 mean as a sum over a count, which shards; this is the mean it leaves.)"""
-    found = _from_op_strategy(node, tensor_inputs(node), tensor_outputs(node), sizes)
-    if node.args[3] != _reduction.get_enum("mean"):
-        return found
-    return [s for s in found if not any(isinstance(p, Partial) for p in s.outs[0])]
-
-
-def _own_rules() -> dict:
-    from ndfunc.constraints import sharding_constraint_op
-    from ndfunc.random._op import random_block_op
-
-    return {
-        aten._scaled_dot_product_flash_attention_for_cpu.default: _attention_rule,
-        aten._scaled_dot_product_flash_attention_for_cpu_backward.default: _attention_rule,
-        sharding_constraint_op: _constraint_rule,
-        aten.nll_loss_forward.default: _mean_loss_rule,
-        aten.nll_loss2d_forward.default: _mean_loss_rule,
-        random_block_op: _replicated_rule,  # whole, from the key: every rank computes it
-    }
-
-
-_OWN_RULES = _own_rules()
-
-
 def needs_local_args(op) -> bool:
     """Whether DTensor rewrites this op's non-tensor arguments (shapes) for local blocks."""
     p = propagator()
@@ -337,7 +187,7 @@ def local_args(node: torch.fx.Node, in_layouts: Sequence[Layout], sizes: tuple[i
     Nodes."""
     if not needs_local_args(node.target):
         return node.target, node.args, node.kwargs
-    key = (_signature(node), tuple(in_layouts), sizes)
+    key = (signature(node), tuple(in_layouts), sizes)
     if key not in _LOCAL_ARGS:
         _LOCAL_ARGS[key] = _local_args(node, in_layouts, sizes)
     op, args, kwargs = _LOCAL_ARGS[key]

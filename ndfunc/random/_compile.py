@@ -9,7 +9,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+from ndfunc._torch_compat import current_dispatch_mode
 
 # The package, for `COMPILE_CHUNK`: read at each call, so setting `ndfunc.random.COMPILE_CHUNK` works.
 from ndfunc import random as nfr
@@ -38,7 +39,7 @@ def compiled_chunks(out: torch.Tensor, kernel: Callable, k0, k1, flat_indices: C
     the rest eagerly."""
     numel = out.numel()
     done = 0
-    if _COMPILE["enabled"] and numel >= nfr.COMPILE_CHUNK and _get_current_dispatch_mode() is None:
+    if _COMPILE["enabled"] and numel >= nfr.COMPILE_CHUNK and current_dispatch_mode() is None:
         while done + nfr.COMPILE_CHUNK <= numel:
             values = _compiled(kernel, k0, k1, flat_indices(done, done + nfr.COMPILE_CHUNK, device), args)
             if values is None:  # the kernel would not compile, or differed from the eager one

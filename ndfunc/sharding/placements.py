@@ -15,8 +15,8 @@ import math
 from collections.abc import Sequence
 
 from torch.distributed.tensor import Partial, Replicate, Shard
-from torch.distributed.tensor.placement_types import _StridedShard
 
+from ndfunc._torch_compat import StridedShard
 from ndfunc.sharding.errors import ShardingError
 from ndfunc.sharding.mesh import AbstractMesh
 from ndfunc.sharding.partition_spec import PartitionSpec
@@ -36,7 +36,7 @@ def spec_to_placements(mesh: AbstractMesh, spec: PartitionSpec) -> tuple:
                 mesh.axis_size(major) for major in axes[:i] if position[major] > position[axis]
             )
             placements[position[axis]] = (
-                Shard(dim) if split_factor == 1 else _StridedShard(dim, split_factor=split_factor)
+                Shard(dim) if split_factor == 1 else StridedShard(dim, split_factor=split_factor)
             )
     return tuple(placements)
 
@@ -70,7 +70,7 @@ def placements_to_spec(mesh: AbstractMesh, placements: Sequence, ndim: int) -> P
                 )
             unreduced.append(axis)
             continue
-        if not isinstance(placement, (Shard, _StridedShard)):
+        if not isinstance(placement, (Shard, StridedShard)):
             raise ShardingError(f"unsupported placement {placement!r} on mesh axis {axis!r}.")
         dim = placement.dim if placement.dim >= 0 else placement.dim + ndim
         if not 0 <= dim < ndim:
@@ -86,8 +86,8 @@ def placements_to_spec(mesh: AbstractMesh, placements: Sequence, ndim: int) -> P
 
 
 def _with_dim(placement, dim: int):
-    if isinstance(placement, _StridedShard):
-        return _StridedShard(dim, split_factor=placement.split_factor)
+    if isinstance(placement, StridedShard):
+        return StridedShard(dim, split_factor=placement.split_factor)
     return Shard(dim)
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from ndfunc.partition import program as prog
 from ndfunc.partition.buffers import shape_dtype
 from ndfunc.partition.schedule import REDUCTIONS
 
@@ -17,9 +18,9 @@ def reduce_in(gm: torch.fx.GraphModule, dtype: torch.dtype, axes: tuple[str, ...
     changed = 0
     for op in kinds:
         for node in list(gm.graph.find_nodes(op="call_function", target=op)):
-            comm = node.meta.get("ndfunc_comm")
-            shape, given, device = node.meta.get("ndfunc_input", (None, None, None))
-            if (comm is None or given in (None, dtype) or (axes is not None and not set(comm["axes"]) <= set(axes))
+            comm = prog.comm(node)
+            given = comm.dtype if comm is not None else None
+            if (comm is None or given == dtype or (axes is not None and not set(comm.axes) <= set(axes))
                     or (only_from is not None and given != only_from)):
                 continue
             (wait,) = node.users
@@ -27,11 +28,9 @@ def reduce_in(gm: torch.fx.GraphModule, dtype: torch.dtype, axes: tuple[str, ...
                 cast = gm.graph.call_function(aten._to_copy.default, (node.args[0],), {"dtype": dtype})
             sent = shape_dtype(node.args[0])
             if sent is not None:  # for passes that read shapes before metadata is filled
-                cast.meta["ndfunc_local"] = (sent[0], dtype)
+                prog.note_local(cast, sent[0], dtype)
             node.replace_input_with(node.args[0], cast)
-            ratio = dtype.itemsize / given.itemsize
-            node.meta["ndfunc_input"] = (shape, dtype, device)
-            node.meta["ndfunc_comm"] = dict(comm, bytes=comm["bytes"] * ratio, moved=comm["moved"] * ratio)
+            prog.set_comm(node, comm.in_dtype(dtype))
             with gm.graph.inserting_after(wait):
                 back = gm.graph.call_function(aten._to_copy.default, (wait,), {"dtype": given})
             wait.replace_all_uses_with(back, delete_user_cb=lambda u: u is not back)

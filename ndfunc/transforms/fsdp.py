@@ -18,8 +18,9 @@ one, so every layer's gathered weights are held at once. This pass makes that FS
   of their shards laid end to end; the gradient reduce-scatters of one layer's backward (between
   where backward first reads two layers' gathered parameters) one reduce-scatter; up to
   `bucket_bytes` each. A collective's fixed cost is paid once per layer, not once per parameter;
-- reductions in flight: each bucketed reduce-scatter is waited for as late as the step's peak
-  memory allows.
+- reductions in flight: each bucketed reduce-scatter may be waited for as late as the step's peak
+  memory allows (`ndfunc.partition.schedule.keep_in_flight` places the waits, after the memory
+  passes, so the peak it keeps is the one that runs).
 """
 
 from __future__ import annotations
@@ -31,17 +32,18 @@ import operator
 
 import torch
 
-from ndfunc.partition.analysis import live_bytes
+from ndfunc.partition import program as prog
 from ndfunc.partition.buffers import shape_dtype
-from ndfunc.partition.schedule import wait_in_turn
 from ndfunc.transforms._reduce import reduce_in
+from ndfunc.transforms.base import Transform
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
+_LAYER_STARTS = "ndfunc_fsdp_layer_starts"  # this pass's own mark: where a kept layer's backward starts
 
 
 @dataclasses.dataclass(frozen=True)
-class fsdp:  # noqa: N801 - a transform is named like the function it stands for
+class fsdp(Transform):  # noqa: N801 - a transform is named like the function it stands for
     """FSDP's gather schedule for parameters stored sharded over `axis` (a name or a tuple).
 
     Use: `nf.jit(train_step, mesh=mesh, in_shardings=..., transforms=[nf.fsdp('dp_shard')])`.
@@ -57,9 +59,12 @@ class fsdp:  # noqa: N801 - a transform is named like the function it stands for
     def axes(self) -> tuple[str, ...]:
         return (self.axis,) if isinstance(self.axis, str) else tuple(self.axis)
 
+    def axes_used(self) -> tuple[str, ...]:
+        return self.axes
+
     def _gathers(self, gm) -> list:
         """The program's gathers of parameters over this transform's axes."""
-        return [g for g in _parameter_gathers(gm) if set(g.comm["axes"]) <= set(self.axes)]
+        return [g for g in _parameter_gathers(gm) if set(g.comm.axes) <= set(self.axes)]
 
     def lowered(self, program) -> None:
         gm = program.local
@@ -81,8 +86,9 @@ class fsdp:  # noqa: N801 - a transform is named like the function it stands for
         if self.bucket_bytes:
             _bucket_gathers(gm, self._gathers(gm), self.bucket_bytes, module)
             _bucket_reduce_scatters(gm, self.axes, self.bucket_bytes)
-            program.ensure_meta(changed=True)  # sizes of what the buckets made, for the memory account
-            _reduce_in_flight(gm, self.axes)
+            for rs in _reduce_scatters_over(gm, self.axes):  # waited for at once, until the pipeline's
+                rs.append(next(iter(rs.users)))  # scheduler sees the memory passes' program
+                prog.let_stay_in_flight(rs)
         gm.graph.lint()
         gm.recompile()
 
@@ -98,11 +104,10 @@ class _Gather:
         return module.get(_source(self.start.args[0]))
 
     @property
-    def comm(self) -> dict:
+    def comm(self) -> prog.Comm:
         """The first gather's; over several axes (`('dp_shard', 'cp')`), their axes together."""
         starts = [n for n in self.chain if n.target is c10d.all_gather_into_tensor.default]
-        comm = self.start.meta["ndfunc_comm"]
-        return dict(comm, axes=tuple(a for s in starts for a in s.meta["ndfunc_comm"]["axes"]))
+        return dataclasses.replace(prog.comm(self.start), axes=tuple(a for s in starts for a in prog.comm(s).axes))
 
 
 def _parameter_gathers(gm: torch.fx.GraphModule) -> list[_Gather]:
@@ -110,12 +115,12 @@ def _parameter_gathers(gm: torch.fx.GraphModule) -> list[_Gather]:
     over several axes is one per axis, each reading the last: one chain)."""
     found = []
     for start in gm.graph.find_nodes(op="call_function", target=c10d.all_gather_into_tensor.default):
-        if _source(start.args[0]).op != "placeholder" or "ndfunc_comm" not in start.meta:
+        if _source(start.args[0]).op != "placeholder" or prog.comm(start) is None:
             continue
         chain = [start]
         value = _finish(start, chain)
         while (user := _only_user(value)) is not None and (
-                user.target is c10d.all_gather_into_tensor.default and "ndfunc_comm" in user.meta):
+                user.target is c10d.all_gather_into_tensor.default and prog.comm(user) is not None):
             chain.append(user)  # the gather over the next axis
             value = _finish(user, chain)
         found.append(_Gather(start, chain, value))
@@ -194,7 +199,7 @@ def _keep_where_resharding_frees_nothing(gm, regathers: list, module: dict) -> N
         for n in reversed(copies):
             gm.graph.erase_node(n)
     for reads in backward.values():  # where its backward starts, as a gather's wait says: buckets end there
-        min(reads, key=index.__getitem__).meta["ndfunc_layer_starts"] = True
+        min(reads, key=index.__getitem__).meta[_LAYER_STARTS] = True
 
 
 def _prefetch(gm, gathers: list[_Gather], k: int, module: dict) -> None:
@@ -224,13 +229,6 @@ def _move_before(node: torch.fx.Node, anchor: torch.fx.Node, index: dict) -> Non
     """Move `node` to just before `anchor`, keeping `index` (program order) true for later moves."""
     index[node] = (index[anchor.prev] + index[anchor]) / 2
     anchor.prepend(node)
-
-
-def _comm_meta(members: list, kind: str, dtype, device, numel: int) -> tuple[dict, tuple]:
-    comms = [m.meta["ndfunc_comm"] for m in members]
-    comm = {"kind": kind, "axes": comms[0]["axes"], "bytes": sum(c["bytes"] for c in comms),
-            "moved": sum(c["moved"] for c in comms), "bucket": len(members)}
-    return comm, ((numel,), dtype, device)
 
 
 def _modules(placeholders: list, paths: list[str]) -> dict:
@@ -270,9 +268,8 @@ def _bucket_gathers(gm, gathers: list[_Gather], cap: int, module: dict) -> None:
     gathers = sorted((g for g in gathers if g.value.users), key=lambda g: index[g.start])
     groups, current = [], []
     for g in gathers:
-        shape, dtype, _ = g.start.meta["ndfunc_input"]
-        key = (g.start.args[1], g.start.args[2], dtype, g.layer(module))
-        fits = current and key == current[0][0] and sum(c[1].comm["bytes"] for c in current) + g.comm["bytes"] <= cap
+        key = (g.start.args[1], g.start.args[2], prog.comm(g.start).dtype, g.layer(module))
+        fits = current and key == current[0][0] and sum(c[1].comm.bytes for c in current) + g.comm.bytes <= cap
         if fits and all(index[a] < index[current[0][1].start] or _source(a).op == "placeholder"
                         for a in g.start.all_input_nodes):
             current.append((key, g))
@@ -298,9 +295,9 @@ def _bucket_gathers(gm, gathers: list[_Gather], cap: int, module: dict) -> None:
             flat = graph.call_function(aten.cat.default, ([graph.call_function(
                 aten.reshape.default, (g.start.args[0], [-1])) for g in group],))
             merged = graph.call_function(c10d.all_gather_into_tensor.default, (flat, n, name))
-        merged.meta["ndfunc_comm"], merged.meta["ndfunc_input"] = _comm_meta(
-            [g.start for g in group], "all_gather", *first.start.meta["ndfunc_input"][1:], sum(sizes))
-        merged.meta["ndfunc_comm"]["parameters"] = True  # a layer's parameters: _bucket_reduce_scatters' boundary
+        # a layer's parameters: _bucket_reduce_scatters' boundary
+        prog.set_comm(merged, prog.merged([prog.comm(g.start) for g in group], (sum(sizes),), (n * sum(sizes),),
+                                          parameters=True))
         with graph.inserting_before(wait_at):
             waited = graph.call_function(c10d.wait_tensor.default, (merged,))
             blocks = graph.call_function(aten.reshape.default, (waited, [n, sum(sizes)]))
@@ -343,7 +340,7 @@ def _bucket_reduce_scatters(gm, axes: tuple[str, ...], cap: int) -> None:
 def _reduce_scatters_over(gm, axes: tuple[str, ...]) -> list:
     """The program's reduce-scatters over (some of) `axes`, each with its one wait."""
     return [rs for rs in gm.graph.find_nodes(op="call_function", target=c10d.reduce_scatter_tensor.default)
-            if "ndfunc_comm" in rs.meta and set(rs.meta["ndfunc_comm"]["axes"]) <= set(axes) and len(rs.users) == 1]
+            if (c := prog.comm(rs)) is not None and set(c.axes) <= set(axes) and len(rs.users) == 1]
 
 
 def _bucket_reduce_scatters_over(gm, found: list, cap: int) -> None:
@@ -353,18 +350,18 @@ def _bucket_reduce_scatters_over(gm, found: list, cap: int) -> None:
     # a layer's backward starts where gathered parameters are waited for (issued earlier, with
     # prefetch), or a layer kept gathered is first read again: buckets do not cross one
     gathers = sorted([index[w] for n in graph.find_nodes(op="call_function", target=c10d.all_gather_into_tensor.default)
-                      if _source(n.args[0]).op == "placeholder" or n.meta.get("ndfunc_comm", {}).get("parameters")
-                      for w in n.users] + [i for i, n in enumerate(nodes) if n.meta.get("ndfunc_layer_starts")])
+                      if _source(n.args[0]).op == "placeholder" or getattr(prog.comm(n), "parameters", False)
+                      for w in n.users] + [i for i, n in enumerate(nodes) if n.meta.get(_LAYER_STARTS)])
     groups, current = [], []
     for rs in sorted(found, key=index.__getitem__):
         (wait,) = rs.users
         if not wait.users:
             continue
         ready, read = index[rs.args[0]], min(index[u] for u in wait.users)
-        key = (rs.args[1], rs.args[2], rs.args[3], rs.meta["ndfunc_input"][1], bisect.bisect(gathers, ready))
+        key = (rs.args[1], rs.args[2], rs.args[3], prog.comm(rs).dtype, bisect.bisect(gathers, ready))
         if current and key == current[0][0] and max(max(c[2] for c in current), ready) < min(
-                min(c[3] for c in current), read) and sum(c[1].meta["ndfunc_comm"]["bytes"] for c in current) \
-                + rs.meta["ndfunc_comm"]["bytes"] <= cap:
+                min(c[3] for c in current), read) and sum(prog.comm(c[1]).bytes for c in current) \
+                + prog.comm(rs).bytes <= cap:
             current.append((key, rs, ready, read))
             continue
         if len(current) > 1:
@@ -382,7 +379,8 @@ def _bucket_reduce_scatters_over(gm, found: list, cap: int) -> None:
             rows = [graph.call_function(aten.reshape.default, (m.args[0], [n, size])) for m, size in zip(members, sizes)]
             joined = graph.call_function(aten.reshape.default, (graph.call_function(aten.cat.default, (rows, 1)), [-1]))
             merged = graph.call_function(c10d.reduce_scatter_tensor.default, (joined, op, n, name))
-        # waited for where its results are first read (`_reduce_in_flight` places the wait)
+        # waited for where its results are first read (then at once, and the pipeline's
+        # `keep_in_flight` places the wait)
         with graph.inserting_before(nodes[min(c[3] for c in group)]):
             waited = graph.call_function(c10d.wait_tensor.default, (merged,))
             pieces = graph.call_function(aten.split_with_sizes.default, (waited, sizes))
@@ -391,57 +389,10 @@ def _bucket_reduce_scatters_over(gm, found: list, cap: int) -> None:
                 piece = graph.call_function(operator.getitem, (pieces, i))
                 outs.append(graph.call_function(aten.reshape.default, (piece, [shape[0] // n, *shape[1:]])))
                 # a reduction over the next axis may read it, in a later bucket
-                outs[-1].meta["ndfunc_local"] = ((shape[0] // n, *shape[1:]), members[0].meta["ndfunc_input"][1])
-        merged.meta["ndfunc_comm"], merged.meta["ndfunc_input"] = _comm_meta(
-            members, "reduce_scatter", *members[0].meta["ndfunc_input"][1:], n * sum(sizes))
+                prog.note_local(outs[-1], (shape[0] // n, *shape[1:]), prog.comm(members[0]).dtype)
+        prog.set_comm(merged, prog.merged([prog.comm(m) for m in members], (n * sum(sizes),), (sum(sizes),)))
         for m, out in zip(members, outs):
             (wait,) = m.users
             wait.replace_all_uses_with(out)
             graph.erase_node(wait)
             graph.erase_node(m)
-
-
-def _reduce_in_flight(gm, axes: tuple[str, ...]) -> None:
-    """Wait for each gradient reduce-scatter over `axes` as late as the step's peak memory allows,
-    as XLA's latency-hiding scheduler overlaps collectives under a memory limit: where its results
-    are first read (the optimizer); else just before the next reduction over its group is issued
-    (one in flight, over the next layer's backward, as FSDP2's reduce-scatter stream on GPU);
-    else at once (FSDP2 on CPU). In flight, a reduction holds the layer's gradients laid out for
-    it. On CPU the overlap is what lets ranks that share cores drift apart without blocking each
-    other at every layer."""
-    found = _reduce_scatters_over(gm, axes)
-    places = {rs: [_after_waits(next(iter(rs.users)))] for rs in found}  # where first read
-    wait_in_turn(gm)
-    for rs in found:
-        (wait,) = rs.users
-        places[rs].append(_after_waits(wait))  # before the next reduction
-        rs.append(wait)  # at once: the peak to keep
-    live, read_last = live_bytes(list(gm.graph.nodes))
-    peak = max(live.values())
-    for rs in found:
-        (wait,) = rs.users
-        held = sum(read_last.get(wait, ()))  # what the wait frees: waited for later, it lives longer
-        for at in dict.fromkeys(places[rs]):
-            span = _between(wait, at)
-            if max((live[x] for x in span), default=0) + held <= peak:
-                at.prepend(wait)
-                for x in span:
-                    live[x] += held
-                break
-
-
-def _between(a: torch.fx.Node, b: torch.fx.Node) -> list:
-    """The nodes after `a` and before `b`."""
-    out, x = [], a.next
-    while x is not b and x.op != "output":
-        out.append(x)
-        x = x.next
-    return out
-
-
-def _after_waits(wait: torch.fx.Node) -> torch.fx.Node:
-    """The first node after `wait` that is not a wait (those move; it stays)."""
-    at = wait.next
-    while at.target is c10d.wait_tensor.default:
-        at = at.next
-    return at

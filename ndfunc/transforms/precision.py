@@ -17,10 +17,11 @@ import torch
 
 from ndfunc.autodiff import COMPUTE_DTYPE
 from ndfunc.transforms._reduce import reduce_in
+from ndfunc.transforms.base import Transform
 
 
 @dataclasses.dataclass(frozen=True)
-class mixed_precision:  # noqa: N801 - a transform is named like the function it stands for
+class mixed_precision(Transform):  # noqa: N801 - a transform is named like the function it stands for
     """Compute in `param_dtype`, reduce gradients in `reduce_dtype`, keep the rest as it is.
 
     Use: `nf.jit(step, ..., transforms=[nf.mixed_precision(torch.bfloat16, torch.float32)])`.

@@ -3,7 +3,7 @@
 Without it, attention whose sequence is split over an axis gathers every key and value on every
 rank (memory and traffic of the whole sequence per rank). With it, each rank keeps its blocks of
 Q, K and V; the K, V blocks travel the ring for `axis_size` steps, and each step's partial result
-merges into the running one by an online softmax on the log-sum-exp, in fp32. Backward is a ring
+merges into the running one by an online softmax on the log-sum-exp, in fp32 (fp64 for fp64). Backward is a ring
 too: each rank computes its blocks' gradients from the saved output and log-sum-exp, and the
 key/value gradients travel with their blocks until they are home. The causal mask comes from
 positions (the mask the model builds from them), so any layout of the sequence is right;
@@ -21,10 +21,11 @@ import math
 
 import torch
 import torch.distributed as dist
-from torch._subclasses.fake_tensor import FakeTensor
-from torch.distributed._local_tensor import LocalTensor
 
+from ndfunc._torch_compat import FakeTensor, LocalTensor, local_blocks
+from ndfunc.partition import program as prog
 from ndfunc.partition.layout import local_shape
+from ndfunc.transforms.base import Transform
 
 aten = torch.ops.aten
 FLASH = aten._scaled_dot_product_flash_attention_for_cpu.default
@@ -32,7 +33,7 @@ FLASH_BACKWARD = aten._scaled_dot_product_flash_attention_for_cpu_backward.defau
 
 
 @dataclasses.dataclass(frozen=True)
-class ring_attention:  # noqa: N801 - a transform is named like the function it stands for
+class ring_attention(Transform):  # noqa: N801 - a transform is named like the function it stands for
     """Attention with its sequence split over `axis` runs as a ring over that axis.
 
     `load_balance='zigzag'`: the batch is laid out by `nf.zigzag` and a rank skips the key/value
@@ -50,44 +51,58 @@ class ring_attention:  # noqa: N801 - a transform is named like the function it 
         if self.load_balance not in ("zigzag", None):
             raise ValueError(f"ring_attention: load_balance is 'zigzag' or None, got {self.load_balance!r}.")
 
+    def axes_used(self) -> tuple[str, ...]:
+        return (self.axis,)
+
     def traced(self, program) -> None:
-        names = [program.mesh.axis_names[i] for i in program.axes]
-        if self.axis not in names:
-            return  # a size-1 or absent axis: nothing is split, nothing to do
-        live = names.index(self.axis)
+        live = program.axis_position(self.axis)
+        if live is None:
+            return  # a size-1 axis: nothing is split, nothing to do
         dim = program.mesh.axis_names.index(self.axis)
         grid = program.mesh.device_mesh.mesh  # global ranks by coordinate
         # each rank's next along the axis, its other coordinates the same
         peers = tuple(zip(grid.flatten().tolist(), grid.roll(-1, dim).flatten().tolist()))
-        ring = {"live": live, "axis": self.axis, "size": grid.shape[dim], "peers": peers,
-                "skip": self.load_balance == "zigzag"}
+        ring = _Ring(live=live, axis=self.axis, size=grid.shape[dim], peers=peers, skip=self.load_balance == "zigzag")
         for node in program.traced.graph.nodes:
             if node.target in (FLASH, FLASH_BACKWARD) and node.kwargs.get("attn_mask") is not None:
-                node.meta["ndfunc_ring"] = ring
-                node.meta["ndfunc_lower"] = _lower
+                prog.keep_split(node, ring)
+                prog.set_local_op(node, _lower)
 
 
-def _lower(emitter, node, strategy, op, args, kwargs):
+@dataclasses.dataclass(frozen=True)
+class _Ring:
+    """The mark on an attention node: its keys stay split on partitioned axis `live` (`axis`)."""
+
+    live: int
+    axis: str
+    size: int
+    peers: tuple  # (global rank, its next along the axis)
+    skip: bool  # skip the blocks no query sees
+
+
+def _lower(ctx: prog.LoweringContext, node, strategy, op, args, kwargs):
     """The local op for a ring-marked attention: the ring where its keys are split over the ring
     axis (and what it sends, for `as_text` and `cost_analysis`), else the op itself."""
-    ring = node.meta["ndfunc_ring"]
+    ring = prog.kept_split(node)
     backward = node.target is FLASH_BACKWARD
     k_slot = 2 if backward else 1
-    if strategy.ins[k_slot][ring["live"]] != SEQ:
-        return op, args, kwargs, {}
+    if strategy.ins[k_slot][ring.live] != SEQ:
+        return op, args, kwargs, None
     q, k, v = args[1:4] if backward else args[:3]
-    common = dict(mask=kwargs["attn_mask"], scale=kwargs.get("scale"), coords=emitter.coords,
-                  axis=emitter.axis_names.index(ring["axis"]), size=ring["size"], peers=ring["peers"],
-                  skip=ring["skip"])
+    common = dict(mask=kwargs["attn_mask"], scale=kwargs.get("scale"), coords=ctx.coords,
+                  axis=ctx.axis_names.index(ring.axis), size=ring.size, peers=ring.peers, skip=ring.skip)
     kv = k.meta["val"]
-    block = math.prod(local_shape(tuple(kv.shape), strategy.ins[k_slot], emitter.sizes)) * kv.element_size()
-    n = ring["size"]
-    # forward: K and V go round n-1 times; backward: K and V n-1 times, dK and dV n times (fp32)
-    moved = 2 * (n - 1) * block + (2 * n * block * 4 // kv.element_size() if backward else 0)
-    meta = {"ndfunc_comm": {"kind": "ppermute", "axes": (ring["axis"],), "bytes": 2 * block, "moved": moved}}
+    shape = local_shape(tuple(kv.shape), strategy.ins[k_slot], ctx.sizes)
+    block = math.prod(shape) * kv.element_size()
+    n = ring.size
+    # forward: K and V go round n-1 times; backward: K and V n-1 times, dK and dV n times (summed
+    # in fp32, or fp64)
+    moved = 2 * (n - 1) * block + (2 * n * block * _accumulator(kv.dtype).itemsize // kv.element_size() if backward else 0)
+    sent = (2, *shape)  # a key block and a value block
+    comm = prog.Comm("ppermute", (ring.axis,), sent, sent, kv.dtype, kv.device, None, 2 * block, moved)
     if backward:
-        return ring_backward, (args[0], q, k, v, args[4], args[5]), common, meta
-    return ring_forward, (q, k, v), common, meta
+        return ring_backward, (args[0], q, k, v, args[4], args[5]), common, comm
+    return ring_forward, (q, k, v), common, comm
 
 
 SEQ = torch.distributed.tensor.Shard(2)
@@ -101,7 +116,7 @@ def _shift(x: torch.Tensor, peers: tuple) -> torch.Tensor:
         return x.clone()
     if isinstance(x, LocalTensor):  # one process holds every rank: hand the blocks on
         to = dict(peers)
-        return LocalTensor({to[r]: t for r, t in x._local_tensors.items()})
+        return LocalTensor({to[r]: t for r, t in local_blocks(x).items()})
     to = dict(peers)
     me = dist.get_rank()
     source = next(r for r, nxt in to.items() if nxt == me)
@@ -139,13 +154,19 @@ def _visible(m) -> bool:
     return bool((m if m.dtype == torch.bool else m > -math.inf).any())
 
 
+def _accumulator(dtype: torch.dtype) -> torch.dtype:
+    """What the ring sums its blocks in: fp32 for half precision and fp32, fp64 for fp64 (the
+    flash kernel's own log-sum-exp dtype, which backward is handed)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
 def ring_forward(q, k, v, *, mask, scale, coords, axis, size, peers, skip):
     """(out, logsumexp) of this rank's queries against every rank's keys, the keys and values
     travelling the ring. Each block by the flash kernel (no score matrix held); the blocks merge
-    by their log-sum-exps, in fp32."""
-    heads = q.shape[1]
-    out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    lse = torch.full(q.shape[:-1], -math.inf, dtype=torch.float32, device=q.device)
+    by their log-sum-exps, in fp32 (fp64 for fp64)."""
+    heads, acc = q.shape[1], _accumulator(q.dtype)
+    out = torch.zeros(q.shape, dtype=acc, device=q.device)
+    lse = torch.full(q.shape[:-1], -math.inf, dtype=acc, device=q.device)
     for step in range(size):
         m, _ = _block(mask, coords, axis, size, step)
         if not skip or _visible(m):
@@ -154,11 +175,11 @@ def ring_forward(q, k, v, *, mask, scale, coords, axis, size, peers, skip):
                                          attn_mask=m, scale=scale)
             # a row that sees no key of this block: the kernel says lse 0, out 0; it is -inf
             seen = (m > -math.inf).any(-1).expand(block_lse.shape)
-            block_lse = block_lse.float().masked_fill(~seen, -math.inf)
+            block_lse = block_lse.to(acc).masked_fill(~seen, -math.inf)
             new = torch.logaddexp(lse, block_lse)
             keep = torch.exp(lse - new).nan_to_num(0.0).unsqueeze(-1)
             take = torch.exp(block_lse - new).nan_to_num(0.0).unsqueeze(-1)
-            out = out * keep + block_out.float() * take
+            out = out * keep + block_out.to(acc) * take
             lse = new
         if step < size - 1:
             k, v = _shift(k, peers), _shift(v, peers)
@@ -168,11 +189,11 @@ def ring_forward(q, k, v, *, mask, scale, coords, axis, size, peers, skip):
 def ring_backward(grad_out, q, k, v, out, lse, *, mask, scale, coords, axis, size, peers, skip):
     """(dq, dk, dv): each block's gradients by the flash kernel's backward, given the whole
     output and log-sum-exp (so each block's softmax is the global one); dk and dv travel with
-    their keys and values, in fp32, and are home after `size` steps."""
-    heads, groups = q.shape[1], k.shape[1]
-    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
-    dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
+    their keys and values, in fp32 (fp64 for fp64), and are home after `size` steps."""
+    heads, groups, acc = q.shape[1], k.shape[1], _accumulator(q.dtype)
+    dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+    dk = torch.zeros(k.shape, dtype=acc, device=k.device)
+    dv = torch.zeros(v.shape, dtype=acc, device=v.device)
     for step in range(size):
         m, _ = _block(mask, coords, axis, size, step)
         if not skip or _visible(m):
@@ -182,7 +203,7 @@ def ring_backward(grad_out, q, k, v, out, lse, *, mask, scale, coords, axis, siz
             if groups != heads:  # the query heads a key/value head served, summed back into it
                 dk_block = dk_block.unflatten(1, (groups, heads // groups)).sum(2)
                 dv_block = dv_block.unflatten(1, (groups, heads // groups)).sum(2)
-            dq, dk, dv = dq + dq_block.float(), dk + dk_block.float(), dv + dv_block.float()
+            dq, dk, dv = dq + dq_block.to(acc), dk + dk_block.to(acc), dv + dv_block.to(acc)
         if step < size - 1:
             k, v = _shift(k, peers), _shift(v, peers)
         dk, dv = _shift(dk, peers), _shift(dv, peers)

@@ -79,20 +79,32 @@ def accumulate(value_and_grad_fn: Callable, num_micro_batches: int, transforms=(
                              jit(mean, mesh=mesh, out_shardings=(spec, shardings), donate_argnums=(0,)))
         return programs[key]
 
-    def accumulated(params, batch):
-        make_zeros, add_one, take_mean = compiled(params, batch)
+    compiled.programs = programs
+    return Accumulated(compiled, k)
+
+
+class Accumulated:
+    """What `nf.accumulate` returns: call it as the function it wraps; `.lower(params, batch)` is the
+    program run once per micro-batch; `.trace_count` how many such programs were traced."""
+
+    def __init__(self, compiled, k: int):
+        self._compiled, self._k = compiled, k
+
+    def __call__(self, params, batch):
+        make_zeros, add_one, take_mean = self._compiled(params, batch)
         sums = make_zeros(params)
-        for i in range(k):
-            sums = add_one(params, sums, optree.tree_map(lambda x: _micro(x, i, k), batch))
+        for i in range(self._k):
+            sums = add_one(params, sums, optree.tree_map(lambda x, i=i: _micro(x, i, self._k), batch))
         return take_mean(sums)
 
-    def lower(params, batch):
+    def lower(self, params, batch):
         """The program run once per micro-batch, lowered (read its text and costs)."""
-        make_zeros, add_one, _ = compiled(params, batch)
-        return add_one.lower(params, make_zeros(params), optree.tree_map(lambda x: _micro(x, 0, k), batch))
+        make_zeros, add_one, _ = self._compiled(params, batch)
+        return add_one.lower(params, make_zeros(params), optree.tree_map(lambda x: _micro(x, 0, self._k), batch))
 
-    accumulated.lower = lower
-    return accumulated
+    @property
+    def trace_count(self) -> int:
+        return sum(programs[1].trace_count for programs in self._compiled.programs.values())
 
 
 def _unreduced(param, axes: set) -> P:

@@ -14,6 +14,7 @@ rotary embeddings) from them.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 from collections.abc import Callable
@@ -25,9 +26,10 @@ import torch.fx.traceback as fx_traceback
 from ndfunc.autodiff import (
     FORWARD,  # nf.value_and_grad marks the ops of what it differentiates
 )
+from ndfunc.partition.ops import saved_by_remat
+from ndfunc.transforms.base import Transform
 
 aten = torch.ops.aten
-DOTS = frozenset({aten.mm.default, aten.bmm.default, aten.addmm.default, aten.baddbmm.default})
 POLICIES = ("full", "save_dots")
 REGION = "ndfunc_remat"
 _regions = itertools.count()  # a fresh id per call of a remat'd function
@@ -68,7 +70,7 @@ def _forward(node: torch.fx.Node) -> bool:
 
 def _recompute(graph: torch.fx.Graph, inside: list, policy: str) -> int:
     members = set(inside)
-    kept = {n for n in inside if policy == "save_dots" and n.target in DOTS}
+    kept = {n for n in inside if policy == "save_dots" and saved_by_remat(n.target)}
     # what backward reads of the region: values with a reader outside forward
     read = [n for n in inside if n not in kept and any(not _forward(u) for u in n.users)]
     if not read:
@@ -96,3 +98,12 @@ def _recompute(graph: torch.fx.Graph, inside: list, policy: str) -> int:
             if not _forward(u) and u not in copies:
                 u.replace_input_with(n, env[n])
     return len(need)
+
+
+@dataclasses.dataclass(frozen=True)
+class remat_regions(Transform):  # noqa: N801 - a transform is named like the function it stands for
+    """The pass behind `nf.remat`, always first among a step's transforms: the regions `nf.remat`
+    marked while the step was traced are recomputed for backward (`rematerialize`)."""
+
+    def traced(self, program) -> None:
+        rematerialize(program.traced.graph)

@@ -1,0 +1,114 @@
+"""Every private torch API ndfunc uses (`ndfunc._torch_compat`), exercised against what it stands
+for: after a torch upgrade this file says which entry point moved."""
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+import ndfunc as nf
+from ndfunc import _torch_compat as compat
+
+
+def test_every_entry_point_is_tested_here():
+    # each name (case and underscores aside) is in the name of a test below
+    tested = [name.replace("_", "") for name in globals() if name.startswith("test_")]
+    covered = {n for n in compat.__all__ if any(n.lower().replace("_", "") in t for t in tested)}
+    assert covered == set(compat.__all__), sorted(set(compat.__all__) - covered)
+
+
+def test_sharding_propagator_and_opschema_dtensorspec_tensormeta_opspec_opstrategy_tuplestrategy():
+    p = compat.sharding_propagator()
+    mm = torch.ops.aten.mm.default
+    assert mm in p.op_strategy_funcs or mm in p.op_single_dim_strategy_funcs
+    mesh = compat.shape_only_device_mesh((2, 2))
+    meta = compat.TensorMeta(torch.Size([4, 4]), (4, 1), torch.float32)
+    spec = compat.DTensorSpec(mesh, (Shard(0), Replicate()), tensor_meta=meta)
+    strategy = compat.OpStrategy([compat.OpSpec(spec)])
+    schema = compat.OpSchema(torch.ops.aten.cat.default, (compat.TupleStrategy((strategy, strategy)),), {})
+    assert schema.op is torch.ops.aten.cat.default and spec.placements == (Shard(0), Replicate())
+
+
+def test_shape_only_device_mesh_has_a_shape_and_no_process_group():
+    mesh = compat.shape_only_device_mesh((2, 4))
+    assert tuple(mesh.mesh.shape) == (2, 4) and not dist.is_initialized()
+
+
+def test_localtensor_localtensormode_local_tensor_mode_local_blocks_fake_store_random_rng_tracker_set_random_rng_tracker():
+    assert compat.local_tensor_mode() is None
+    tracker = compat.random_rng_tracker()
+    with nf.simulate(2):
+        mode = compat.local_tensor_mode()
+        assert isinstance(mode, compat.LocalTensorMode) and dist.get_backend() == "fake"
+        x = mode.rank_map(lambda r: torch.full((2,), float(r)))
+        assert isinstance(x, compat.LocalTensor)
+        assert {r: t.tolist() for r, t in compat.local_blocks(x).items()} == {0: [0.0, 0.0], 1: [1.0, 1.0]}
+    compat.set_random_rng_tracker(compat.random_rng_tracker())
+    assert compat.random_rng_tracker() is tracker
+    store = compat.fake_store()
+    assert store is not None
+
+
+def test_local_of_and_dtensor_of_local_group_size_group_backend_flattened_functional_collectives():
+    with nf.simulate(4):
+        mesh = nf.make_mesh(dp=2, tp=2)
+        x = distribute_tensor(torch.arange(8.0).reshape(4, 2), mesh.device_mesh, [Shard(0), Replicate()])
+        local = compat.local_of(x)
+        y = compat.dtensor_of_local(local, x._spec)
+        assert isinstance(y, DTensor) and torch.equal(y.full_tensor(), x.full_tensor())
+        group = mesh.device_mesh.get_group(0).group_name
+        assert compat.group_size(group) == 2 and compat.group_backend(group) == "fake"
+        flat = compat.flattened(mesh.device_mesh[("dp", "tp")])
+        assert flat.size() == 4
+        funcol = compat.functional_collectives()
+        summed = funcol.wait_tensor(funcol.all_reduce(local, "sum", (mesh.device_mesh, 0)))  # over dp
+        whole = torch.arange(8.0).reshape(4, 2)
+        assert all(torch.equal(t, whole[:2] + whole[2:]) for t in compat.local_blocks(summed).values())
+
+
+def test_stridedshard_is_dtensors_own():
+    p = compat.StridedShard(0, split_factor=2)
+    assert type(p).__name__ == "_StridedShard" and (p.dim, p.split_factor) == (0, 2)
+
+
+def test_faketensor_faketensormode_unset_fake_temporarily_torchdispatchmode_current_dispatch_mode_pop_dispatch_mode():
+    with compat.FakeTensorMode():
+        t = torch.empty(3)
+        assert isinstance(t, compat.FakeTensor)
+        with compat.unset_fake_temporarily():
+            assert not isinstance(torch.empty(3), compat.FakeTensor)
+
+    class Count(compat.TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    with Count() as mode:
+        assert compat.current_dispatch_mode() is mode
+        with compat.pop_dispatch_mode() as popped:
+            assert popped is mode and compat.current_dispatch_mode() is None
+
+
+def test_lazygraphmodule_bind_ops_and_pytree():
+    g = torch.fx.Graph()
+    a, b = g.placeholder("a"), g.placeholder("b")
+    g.output(g.call_function(torch.ops.aten.add.Tensor, (g.call_function(torch.ops.aten.mul.Tensor, (a, b)), 1)))
+    gm = compat.LazyGraphModule(torch.nn.Module(), g)
+    run = compat.bind_ops(gm)
+    x = torch.tensor([1.0, 2.0])
+    assert torch.equal(run(x, x), x * x + 1) and torch.equal(gm(x, x), x * x + 1)
+    assert compat.pytree.tree_leaves({"a": [1, 2]}) == [1, 2]
+
+
+@pytest.mark.skipif(not compat.onednn_available(), reason="this torch is built without oneDNN")
+def test_onednn_available_and_onednn_linear_multiply():
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(8, 16, generator=g), torch.randn(16, 4, generator=g)
+    torch.testing.assert_close(compat.onednn_linear(a, b), a @ b)
+
+
+def test_redistribute_logger_is_dtensors():
+    import logging
+
+    import torch.distributed.tensor._redistribute  # noqa: F401 - the module whose logger it names
+
+    assert compat.REDISTRIBUTE_LOGGER in logging.Logger.manager.loggerDict
