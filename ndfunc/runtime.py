@@ -25,7 +25,6 @@ from ndfunc._torch_compat import (
     set_random_rng_tracker,
 )
 from ndfunc.host_memory import keep_freed_memory
-from ndfunc.partition.algorithms import cpu_backend
 from ndfunc.sharding.mesh import mesh_context, restore_mesh_context
 
 
@@ -170,3 +169,9 @@ def rank() -> int:
 def world_size() -> int:
     """The number of ranks: processes under torchrun, simulated ranks in `nf.simulate(n)`."""
     return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def cpu_backend(name: str) -> str:
+    """'gloo' of 'gloo' and of 'cpu:gloo,cuda:nccl'."""
+    per_device = dict(part.split(":", 1) for part in name.split(",") if ":" in part)
+    return per_device.get("cpu", name)

@@ -23,7 +23,7 @@ from ndfunc._torch_compat import local_tensor_mode
 from ndfunc.arguments import Arguments
 from ndfunc.donation import mark_donated
 from ndfunc.partition.analysis import as_text, cost_analysis
-from ndfunc.partition.program import Program
+from ndfunc.partition.program import Program, propagate_meta
 from ndfunc.sharding.mesh import Mesh
 
 
@@ -88,8 +88,6 @@ class Compiled:
 
     def _runs(self) -> torch.fx.GraphModule:
         if not self._runs_meta and self.program.runs is not self.program.local:
-            from ndfunc.partition.lower import propagate_meta
-
             propagate_meta(self.program.runs, self.program.local_inputs())
         self._runs_meta = True
         return self.program.runs

@@ -12,7 +12,7 @@ from test_fsdp import llama_case
 import ndfunc as nf
 import ndfunc.partition.algorithms
 from ndfunc.partition import program
-from ndfunc.partition.algorithms import cpu_backend
+from ndfunc.runtime import cpu_backend
 from ndfunc.sharding import NamedSharding, P
 
 c10d = torch.ops._c10d_functional

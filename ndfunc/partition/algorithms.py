@@ -33,6 +33,7 @@ import math
 import torch
 
 from ndfunc._torch_compat import group_backend, group_size
+from ndfunc.runtime import cpu_backend
 from ndfunc.partition.program import comm
 
 aten = torch.ops.aten
@@ -119,9 +120,3 @@ def backend_of(group_name: str) -> str:
     """The backend the process group named `group_name` runs CPU tensors on ('gloo', 'fake', ..):
     a group made for several devices names one per device ('cpu:gloo,cuda:nccl')."""
     return cpu_backend(group_backend(group_name))
-
-
-def cpu_backend(name: str) -> str:
-    """'gloo' of 'gloo' and of 'cpu:gloo,cuda:nccl'."""
-    per_device = dict(part.split(":", 1) for part in name.split(",") if ":" in part)
-    return per_device.get("cpu", name)

@@ -12,20 +12,9 @@ import operator
 
 import torch
 
-from ndfunc.partition.program import local_note
-
 aten = torch.ops.aten
 _WAIT = torch.ops._c10d_functional.wait_tensor.default
 _ALIASES = (operator.getitem, _WAIT, aten._unsafe_view.default)
-
-
-def shape_dtype(node: torch.fx.Node) -> tuple | None:
-    """(shape, dtype) of a node's tensor result, from its metadata or the lowering's note
-    (`local_note`, for passes that run before metadata is filled)."""
-    val = node.meta.get("val")
-    if isinstance(val, torch.Tensor):
-        return tuple(val.shape), val.dtype
-    return local_note(node)
 
 
 def aliased(node: torch.fx.Node) -> torch.fx.Node | None:

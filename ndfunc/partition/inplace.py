@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from ndfunc.partition.buffers import aliased, lifetimes, readers, shape_dtype
+from ndfunc.partition.buffers import aliased, lifetimes, readers
+from ndfunc.partition.program import shape_dtype
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional

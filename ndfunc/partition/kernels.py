@@ -33,7 +33,7 @@ import os
 import torch
 
 from ndfunc._torch_compat import onednn_available, onednn_linear
-from ndfunc.partition.buffers import shape_dtype
+from ndfunc.partition.program import shape_dtype
 
 aten = torch.ops.aten
 ONEDNN_MIN_MACS = 128 * 128 * 128

@@ -16,9 +16,8 @@ import operator
 from collections.abc import Sequence
 
 import torch
-from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
-from ndfunc._torch_compat import FakeTensorMode, LazyGraphModule, local_tensor_mode, pytree
+from ndfunc._torch_compat import LazyGraphModule, pytree
 from ndfunc.partition import redistribute
 from ndfunc.partition.buffers import buffer_of
 from ndfunc.partition import program as prog
@@ -223,15 +222,3 @@ def lower(graph: torch.fx.Graph, plan: Plan, axis_names: Sequence[str], group_na
 def _val(v) -> torch.Tensor:
     val = v[0].meta["val"]
     return val[v[1]] if isinstance(val, (tuple, list)) else val
-
-
-def propagate_meta(gm: torch.fx.GraphModule, inputs: Sequence[tuple[tuple[int, ...], torch.dtype, torch.device]]) -> None:
-    """Fill `meta['val']` of the local program with fake tensors of the local shapes."""
-    import contextlib
-
-    simulated = local_tensor_mode()
-    with simulated.disable() if simulated is not None else contextlib.nullcontext():
-        mode = FakeTensorMode(allow_non_fake_inputs=True)
-        with mode:
-            fakes = [torch.empty(shape, dtype=dtype, device=device) for shape, dtype, device in inputs]
-        FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*fakes)

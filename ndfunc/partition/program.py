@@ -16,6 +16,7 @@ only through the functions below (no module spells a metadata key):
 
     comm(node) / set_comm(node, c)             a collective: a `Comm`, what it moves
     local_note(node) / note_local(node, ...)   (shape, dtype) of a local value before `meta['val']`
+    shape_dtype(node)                          its `meta['val']`'s, else the note
     constraint_layout(node) / set_...          the layout a constraint or region boundary fixes
     is_manual(node) / mark_manual(node)        inside an `nf.shard_map` region: already per rank
     local_op(node) / set_local_op(node, ...)   a transform's own lowering of a node (the ring)
@@ -25,6 +26,7 @@ only through the functions below (no module spells a metadata key):
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from collections.abc import Callable, Sequence
@@ -32,7 +34,9 @@ from typing import Any
 
 import torch
 from torch.distributed.tensor import Replicate
+from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
+from ndfunc._torch_compat import FakeTensorMode, local_tensor_mode
 from ndfunc.partition.layout import Layout, local_shape
 
 KINDS = ("all_gather", "all_reduce", "reduce_scatter", "all_to_all", "ppermute")
@@ -117,6 +121,15 @@ def set_comm(node: torch.fx.Node, c: Comm) -> None:
 def collectives(gm: torch.fx.GraphModule) -> list[tuple[torch.fx.Node, Comm]]:
     """Every collective of the local program `gm`, in program order."""
     return [(n, n.meta[_COMM]) for n in gm.graph.nodes if _COMM in n.meta]
+
+
+def shape_dtype(node: torch.fx.Node) -> tuple | None:
+    """(shape, dtype) of a node's tensor result, from its metadata or the lowering's note (for
+    passes that run before metadata is filled)."""
+    val = node.meta.get("val")
+    if isinstance(val, torch.Tensor):
+        return tuple(val.shape), val.dtype
+    return local_note(node)
 
 
 def local_note(node: torch.fx.Node) -> tuple | None:
@@ -246,8 +259,6 @@ class Program:
         if the program `changed` since. Running needs none of it; reading the program (text,
         costs, transforms) does."""
         if changed or not self._meta_ready:
-            from ndfunc.partition.lower import propagate_meta
-
             propagate_meta(self.local, self.local_inputs())
             self._meta_ready = True
 
@@ -263,3 +274,13 @@ class Program:
 
     def _placeholders(self):
         return [n for n in self.traced.graph.nodes if n.op == "placeholder"]
+
+
+def propagate_meta(gm: torch.fx.GraphModule, inputs: Sequence[tuple[tuple[int, ...], torch.dtype, torch.device]]) -> None:
+    """Fill `meta['val']` of a local program with fake tensors of the local shapes `inputs`."""
+    simulated = local_tensor_mode()
+    with simulated.disable() if simulated is not None else contextlib.nullcontext():
+        mode = FakeTensorMode(allow_non_fake_inputs=True)
+        with mode:
+            fakes = [torch.empty(shape, dtype=dtype, device=device) for shape, dtype, device in inputs]
+        FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*fakes)

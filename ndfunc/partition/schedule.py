@@ -25,8 +25,9 @@ import torch
 
 from ndfunc.partition import program as prog
 from ndfunc.partition.analysis import live_bytes
-from ndfunc.partition.buffers import lifetimes, shape_dtype
+from ndfunc.partition.buffers import lifetimes
 from ndfunc.partition.inplace import INPLACE
+from ndfunc.partition.program import shape_dtype
 
 
 def hoist_freeing_ops(gm: torch.fx.GraphModule) -> int:

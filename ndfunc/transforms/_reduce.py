@@ -5,7 +5,6 @@ from __future__ import annotations
 import torch
 
 from ndfunc.partition import program as prog
-from ndfunc.partition.buffers import shape_dtype
 from ndfunc.partition.schedule import REDUCTIONS
 
 aten = torch.ops.aten
@@ -26,7 +25,7 @@ def reduce_in(gm: torch.fx.GraphModule, dtype: torch.dtype, axes: tuple[str, ...
             (wait,) = node.users
             with gm.graph.inserting_before(node):
                 cast = gm.graph.call_function(aten._to_copy.default, (node.args[0],), {"dtype": dtype})
-            sent = shape_dtype(node.args[0])
+            sent = prog.shape_dtype(node.args[0])
             if sent is not None:  # for passes that read shapes before metadata is filled
                 prog.note_local(cast, sent[0], dtype)
             node.replace_input_with(node.args[0], cast)

@@ -33,7 +33,6 @@ import operator
 import torch
 
 from ndfunc.partition import program as prog
-from ndfunc.partition.buffers import shape_dtype
 from ndfunc.transforms._reduce import reduce_in
 from ndfunc.transforms.base import Transform
 
@@ -373,7 +372,7 @@ def _bucket_reduce_scatters_over(gm, found: list, cap: int) -> None:
         at = max(c[2] for c in group) + 1  # in order, right after the last input is made
         members = [c[1] for c in group]
         op, n, name = members[0].args[1], members[0].args[2], members[0].args[3]
-        shapes = [shape_dtype(m.args[0])[0] for m in members]  # as sent: rank blocks along dim 0
+        shapes = [prog.shape_dtype(m.args[0])[0] for m in members]  # as sent: rank blocks along dim 0
         sizes = [math.prod(sh) // n for sh in shapes]  # each rank's share of each
         with graph.inserting_before(nodes[at]):
             rows = [graph.call_function(aten.reshape.default, (m.args[0], [n, size])) for m, size in zip(members, sizes)]
