@@ -17,10 +17,10 @@ import torch
 
 import ndfunc as nf
 from models import llama
-from ndfunc.partition import lower as lowering
-from ndfunc.partition.solve import partition
+from ndfunc._src.partition import lower as lowering
+from ndfunc._src.partition.planning.solve import partition
+from ndfunc._src.trace import trace
 from ndfunc.sharding import P
-from ndfunc.trace import trace
 
 RULES = [("batch", "dp"), ("heads", "tp"), ("kv_heads", "tp"), ("mlp", "tp"), ("vocab", "tp")]
 

@@ -1,5 +1,5 @@
 """fp32 matmuls on one CPU core: PyTorch's `torch.mm` (MKL's sgemm) against oneDNN's matmul, the
-kernel ndfunc's local program runs them as where MKL takes a slow path (ndfunc.partition.kernels).
+kernel ndfunc's local program runs them as where MKL takes a slow path (ndfunc._src.partition.backends.cpu_kernels).
 
     python benchmarks/cpu_matmul.py [--repeats 50]
 
@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from ndfunc.partition import kernels
+from ndfunc._src.partition.backends import cpu_kernels as kernels
 
 SHAPES = [(64, 64, 64), (64, 128, 128), (128, 128, 128), (256, 256, 64), (256, 256, 256), (256, 256, 768),
           (256, 768, 256), (256, 256, 4096), (256, 4096, 256), (1024, 1024, 1024)]  # m, k, n

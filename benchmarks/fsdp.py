@@ -12,14 +12,14 @@ first (q/k/v and the MLP's up projections column-wise, o and down row-wise); `to
 nf.jit: the same model as pure functions, `ParallelConfig` rules (parameters sharded over
 `dp_shard`, heads and MLP over `tp`), `nf.fsdp('dp_shard')` for the gather schedule. On an AMD
 CPU nf.jit runs its fp32 matmuls as oneDNN's, where PyTorch's `mm` runs MKL's AVX2 path
-(ndfunc.partition.kernels); `--aten-matmul` (NDFUNC_ATEN_MATMUL=1) gives both sides the same
+(ndfunc._src.partition.backends.cpu_kernels); `--aten-matmul` (NDFUNC_ATEN_MATMUL=1) gives both sides the same
 matmul kernel, so the ratio is the partitioner's and the FSDP schedule's alone.
 
 Each implementation runs in its own 4 processes (so their memory peaks do not mix), over the same
 batches. Per rank: median step time, and the resident set's high-water mark during a step (reset
 before it through /proc/self/clear_refs; Linux), absolute and above the memory held before the
 step. Both sides join their processes by `nf.init()`, so both keep the host memory a step frees
-mapped for the next (`ndfunc.host_memory`), and what a step adds above what was held before it is
+mapped for the next (`ndfunc._src.host_memory`), and what a step adds above what was held before it is
 small. Reported: the ratios nf.jit / PyTorch and both loss curves; and the CPU time each process
 spends per step (with more ranks than cores, the step time follows the work the ranks do, not
 their waits). The slowest rank's figures count. A shared machine's speed drifts from minute to
@@ -132,8 +132,7 @@ def jit_step(cfg, config: nf.ParallelConfig, mesh, params, lr, wd):
 def worker(args) -> None:
     nf.init()
     if args.gather_copies_max is not None:
-        from ndfunc.partition import algorithms
-
+        from ndfunc._src.partition.backends import gloo as algorithms
         algorithms.GATHER_COPIES_MAX = args.gather_copies_max
     rank = nf.rank()
     config = nf.ParallelConfig(*LAYOUTS[args.layout])
@@ -168,10 +167,10 @@ def main() -> None:
     parser.add_argument("--strategies", nargs="+", default=list(LAYOUTS), choices=sorted(LAYOUTS))
     parser.add_argument("--gather-copies-max", type=int,
                         help="nf.jit on gloo: gathers up to this many bytes (gathered) run as all-to-alls "
-                             "(ndfunc.partition.algorithms.GATHER_COPIES_MAX), bigger ones as gloo's own")
+                             "(ndfunc._src.partition.backends.gloo.GATHER_COPIES_MAX), bigger ones as gloo's own")
     parser.add_argument("--aten-matmul", action="store_true",
                         help="nf.jit runs every matmul as aten's, the kernel PyTorch's side runs, even where "
-                             "oneDNN's is faster (ndfunc.partition.kernels)")
+                             "oneDNN's is faster (ndfunc._src.partition.backends.cpu_kernels)")
     parser.add_argument("--layout", choices=sorted(LAYOUTS), help="(internal) run one, under torchrun")
     parser.add_argument("--impl", choices=["torch", "jit"], help="(internal) run one, under torchrun")
     args = parser.parse_args()
@@ -220,7 +219,7 @@ def _run(args, layout: str, impl: str) -> list[dict]:
 
 
 def _aten_matmul_env(args) -> dict:
-    """What the ranks' environment adds for --aten-matmul (ndfunc.partition.kernels reads it)."""
+    """What the ranks' environment adds for --aten-matmul (ndfunc._src.partition.backends.cpu_kernels reads it)."""
     return {"NDFUNC_ATEN_MATMUL": "1"} if args.aten_matmul else {}
 
 

@@ -1,4 +1,4 @@
-"""gloo's own collectives against the all-to-all forms ndfunc runs on gloo (ndfunc.partition.algorithms).
+"""gloo's own collectives against the all-to-all forms ndfunc runs on gloo (ndfunc._src.partition.backends.gloo).
 
     python benchmarks/gloo_collectives.py [--ranks 4] [--repeats 20]
 

@@ -13,7 +13,7 @@ embeddings and norms replicated) and partitions the whole step itself. Both see 
 their losses are printed side by side. Reported on rank 0: median seconds per step and the ratio
 nf.jit / PyTorch (below 1: nf.jit is faster).
 On an AMD CPU nf.jit runs its fp32 matmuls as oneDNN's where PyTorch's `mm` runs MKL's AVX2 path
-(ndfunc.partition.kernels); run with NDFUNC_ATEN_MATMUL=1 to give both sides the same kernel.
+(ndfunc._src.partition.backends.cpu_kernels); run with NDFUNC_ATEN_MATMUL=1 to give both sides the same kernel.
 """
 
 from __future__ import annotations

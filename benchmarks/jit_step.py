@@ -15,7 +15,7 @@ allocator's state after one model's step (which freed buffers the next step find
 must fault in afresh) also weighs on the other's.
 Reported: median seconds per step and the ratio jit / eager (below 1: jit is faster).
 On an AMD CPU nf.jit runs its fp32 matmuls as oneDNN's where PyTorch's `mm` runs MKL's AVX2 path
-(ndfunc.partition.kernels); run with NDFUNC_ATEN_MATMUL=1 to give both sides the same kernel.
+(ndfunc._src.partition.backends.cpu_kernels); run with NDFUNC_ATEN_MATMUL=1 to give both sides the same kernel.
 """
 
 from __future__ import annotations

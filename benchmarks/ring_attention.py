@@ -22,8 +22,8 @@ import torch
 import torch.nn.functional as F
 
 import ndfunc as nf
+from ndfunc._src.transforms.ring import zigzag_order
 from ndfunc.sharding import P
-from ndfunc.transforms.ring import zigzag_order
 
 SEQ = P(None, None, "cp")
 

@@ -187,7 +187,7 @@ def load_llama(path: str | os.PathLike, shardings=None) -> tuple[LlamaConfig, di
 
     if shardings is None:
         return cfg, tree_map_with_path(lambda p, shape: load(p, tuple(shape), None), shapes)
-    from ndfunc.sharding.named_sharding import resolve_sharding
+    from ndfunc._src.sharding.named_sharding import resolve_sharding
 
     specs = tree_broadcast_prefix(shardings, shapes, prefix_name="shardings", full_name="parameters")
     params = tree_map_with_path(lambda p, shape, s: load(p, tuple(shape), resolve_sharding(s, p)), shapes, specs)

@@ -22,8 +22,13 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from ndfunc._torch_compat import flattened, functional_collectives, local_tensor_mode, unset_fake_temporarily
-from ndfunc.sharding.mesh import Mesh
+from ndfunc._src.sharding.mesh import Mesh
+from ndfunc._src.torch_compat import (
+    flattened,
+    functional_collectives,
+    local_tensor_mode,
+    unset_fake_temporarily,
+)
 
 _funcol = functional_collectives()
 
@@ -70,7 +75,7 @@ def _group(axis_name: AxisName, op: str):
         size *= mesh.axis_size(a)
     if len(names) == 1:
         return (mesh.device_mesh, order[0]), size
-    from ndfunc.trace import is_tracing
+    from ndfunc._src.trace import is_tracing
 
     if is_tracing():  # making the flattened group computes on real tensors, not traced ones
         from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
@@ -231,11 +236,10 @@ def axis_index(axis_name: AxisName) -> torch.Tensor:
             index = index * mesh.axis_size(a) + coordinate[mesh.axis_names.index(a)]
         return index
 
-    from ndfunc.trace import is_tracing
+    from ndfunc._src.trace import is_tracing
 
     if is_tracing():  # in nf.jit's program: read from the rank's coordinates when it runs
-        from ndfunc import manual
-
+        from ndfunc._src import manual
         return manual.axis_index(names, mesh.device_mesh.device_type)
     mode = local_tensor_mode()
     if mode is not None:

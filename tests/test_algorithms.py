@@ -1,5 +1,5 @@
 """On gloo the program runs its reductions and gathers (up to a bound) as all-to-alls
-(ndfunc.partition.algorithms): the same results as the collectives the partitioner wrote, on
+(ndfunc._src.partition.backends.gloo): the same results as the collectives the partitioner wrote, on
 simulated ranks told that their groups are gloo's, and against the single-device step."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ import torch
 from test_fsdp import llama_case
 
 import ndfunc as nf
-import ndfunc.partition.algorithms
-from ndfunc.partition import program
-from ndfunc.runtime import cpu_backend
+import ndfunc._src.partition.backends.gloo
+from ndfunc._src.partition import program
+from ndfunc._src.runtime import cpu_backend
 from ndfunc.sharding import NamedSharding, P
 
 c10d = torch.ops._c10d_functional
@@ -40,6 +40,7 @@ def kinds(gm) -> dict:
     return {k: sum(n.target is op for n in gm.graph.nodes) for k, op in ops.items()}
 
 
+@pytest.mark.slow
 def test_on_gloo_reductions_and_gathers_run_as_all_to_alls_with_the_same_results(monkeypatch):
     from models import train
 
@@ -48,7 +49,7 @@ def test_on_gloo_reductions_and_gathers_run_as_all_to_alls_with_the_same_results
     with nf.simulate(4):
         f, args = fsdp_tp_step(cfg, params, opt)
         as_written = nf.device_get(f(*args, batch))
-        monkeypatch.setattr(ndfunc.partition.algorithms, "backend_of", lambda group: "gloo")
+        monkeypatch.setattr(ndfunc._src.partition.backends.gloo, "backend_of", lambda group: "gloo")
         f, args = fsdp_tp_step(cfg, params, opt)
         lowered = f.lower(*args, batch)
         got = nf.device_get(f(*args, batch))
@@ -65,7 +66,7 @@ def test_on_gloo_reductions_and_gathers_run_as_all_to_alls_with_the_same_results
 @pytest.mark.parametrize("backend", ["nccl", "fake"])
 def test_other_backends_run_the_program_as_written(monkeypatch, backend):
     cfg, params, batch, opt, _ = llama_case((4, 32), vocab_size=512, dim=64, n_layers=1, ffn_dim=128)
-    monkeypatch.setattr(ndfunc.partition.algorithms, "backend_of", lambda group: backend)
+    monkeypatch.setattr(ndfunc._src.partition.backends.gloo, "backend_of", lambda group: backend)
     with nf.simulate(4):
         f, args = fsdp_tp_step(cfg, params, opt)
         lowered = f.lower(*args, batch)
@@ -78,6 +79,7 @@ def test_a_group_made_for_several_devices_runs_cpu_tensors_on_its_cpu_backend(na
     assert cpu_backend(name) == cpu
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["fsdp", "4d"])
 def test_each_collective_records_the_shape_it_sends(name):
     # the all-to-all forms take their blocks from each collective's Comm: it must be the input's
@@ -96,10 +98,9 @@ def test_each_collective_records_the_shape_it_sends(name):
 @pytest.mark.parametrize(("rows", "rewritten"), [(64, True), (65, False)])
 def test_a_gather_runs_as_an_all_to_all_up_to_the_bound_and_as_gloos_own_above(monkeypatch, rows, rewritten):
     # 64 rows of 4 floats per rank: 4 KiB gathered, the bound; a row more is above it
-    from ndfunc.partition import algorithms
-
+    from ndfunc._src.partition.backends import gloo as algorithms
     monkeypatch.setattr(algorithms, "GATHER_COPIES_MAX", 4096)
-    monkeypatch.setattr(ndfunc.partition.algorithms, "backend_of", lambda group: "gloo")
+    monkeypatch.setattr(ndfunc._src.partition.backends.gloo, "backend_of", lambda group: "gloo")
     x = torch.randn(4 * rows, 4)
     with nf.simulate(4):
         f = nf.jit(lambda x: x * 2, mesh=nf.make_mesh(dp=4), in_shardings=P("dp"), out_shardings=P())
@@ -107,3 +108,17 @@ def test_a_gather_runs_as_an_all_to_all_up_to_the_bound_and_as_gloos_own_above(m
         got = nf.device_get(f(x))
     assert (runs["all_to_all"], runs["all_gather"]) == ((1, 0) if rewritten else (0, 1))
     torch.testing.assert_close(got, x * 2, rtol=0, atol=0)
+
+
+def test_compiled_shows_the_program_that_runs_and_lowered_the_one_partitioned(monkeypatch):
+    # on gloo the partitioner's reduction runs as an all-to-all and a sum: Compiled.as_text and
+    # cost_analysis say so; Lowered's keep the all-reduce the partitioner chose
+    monkeypatch.setattr(ndfunc._src.partition.backends.gloo, "backend_of", lambda group: "gloo")
+    with nf.simulate(4):
+        f = nf.jit(lambda x: x.sum(0), mesh=nf.make_mesh(dp=4), in_shardings=P("dp"), out_shardings=P())
+        lowered = f.lower(torch.ones(8, 4))
+        compiled = lowered.compile()
+    assert "all_reduce(" in lowered.as_text() and "all_to_all_single(" not in lowered.as_text()
+    assert "all_to_all_single(" in compiled.as_text() and "all_reduce(" not in compiled.as_text()
+    assert lowered.cost_analysis()["collectives"] == {"all_reduce": 1}
+    assert compiled.cost_analysis()["collectives"] == {"all_to_all": 1}

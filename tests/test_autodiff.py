@@ -1,11 +1,11 @@
-"""ndfunc.autodiff against torch.autograd on the same functions, and JAX's return conventions."""
+"""ndfunc._src.autodiff against torch.autograd on the same functions, and JAX's return conventions."""
 
 import optree
 import pytest
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from ndfunc.autodiff import grad, value_and_grad, vmap
+from ndfunc._src.autodiff import grad, value_and_grad, vmap
 
 # grad and autograd run the same backward kernels in the same order: exact in float64.
 EXACT = {"rtol": 0, "atol": 0}
@@ -193,7 +193,7 @@ def test_vmap_errors():
 
 
 def test_argnums_naming_one_argument_twice_through_a_negative_index():
-    from ndfunc.autodiff import grad
+    from ndfunc._src.autodiff import grad
 
     with pytest.raises(ValueError, match=r"argnums \(0, -2\) names an argument twice"):
         grad(lambda a, b: (a * b).sum(), argnums=(0, -2))(torch.ones(2), torch.ones(2))

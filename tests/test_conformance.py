@@ -55,6 +55,7 @@ def _by_mesh(cases):
     return [(json.loads(mesh), group) for mesh, group in groups.items()]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh_shape, cases", _by_mesh(VALID), ids=lambda v: str(v) if isinstance(v, dict) else "")
 def test_device_put_moves_jax_blocks_in_simulation(mesh_shape, cases):
     with nf.simulate(AbstractMesh(mesh_shape).size):

@@ -6,6 +6,7 @@ import pytest
 from models import demo
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("argv", [[], ["--ranks", "16", "--dp-replicate", "2", "--dp-shard", "2"], ["--ranks", "4", "--cp", "1"]])
 def test_demo_runs_and_matches_single_device(argv, capsys):
     demo.main(argv)

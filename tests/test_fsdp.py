@@ -9,8 +9,8 @@ import torch
 from test_jit_partition import CountRun
 
 import ndfunc as nf
-from ndfunc.partition.analysis import peak_memory
-from ndfunc.partition.program import comm
+from ndfunc._src.partition.passes.analysis import peak_memory
+from ndfunc._src.partition.program import comm
 from ndfunc.sharding import NamedSharding, P
 
 N_LAYERS, D, B = 4, 32, 16
@@ -232,6 +232,7 @@ def llama_fsdp_step(cfg, params, opt, n, transforms):
     return f, (named(params, pspec), named(state, sspec))
 
 
+@pytest.mark.slow
 def test_llama_under_fsdp_rules_moves_at_most_what_fsdp2_moves_and_reduces_no_activation():
     # A vocabulary big next to the batch: the head's logits (B*L x V) outweigh its weight.
     # FSDP2 gathers each parameter and reduce-scatters each gradient: 2 x params x (N-1)/N, and
@@ -257,6 +258,7 @@ def test_llama_under_fsdp_rules_moves_at_most_what_fsdp2_moves_and_reduces_no_ac
         torch.testing.assert_close(a, b, rtol=1e-4, atol=2e-5)
 
 
+@pytest.mark.slow
 def test_peak_memory_is_the_shards_plus_the_gathered_layers_plus_activations():
     # The analytic FSDP peak per rank: (params + grads + Adam's two moments) / N, the gathered
     # weights of prefetch + 1 layers, and a rank's share of the activations (those of the
@@ -278,6 +280,7 @@ def test_peak_memory_is_the_shards_plus_the_gathered_layers_plus_activations():
         assert got == pytest.approx(formula, rel=0.10), (prefetch, got, formula)
 
 
+@pytest.mark.slow
 def test_gradient_reduce_scatters_stay_in_flight_as_long_as_the_peak_allows():
     # Each bucketed reduce-scatter is waited for where its results are read (by the optimizer),
     # else before the next is issued, else at once: whichever is latest without raising the peak
@@ -308,6 +311,7 @@ def test_gradient_reduce_scatters_stay_in_flight_as_long_as_the_peak_allows():
         torch.testing.assert_close(a, b, rtol=1e-4, atol=2e-5)
 
 
+@pytest.mark.slow
 def test_reduce_scatters_are_waited_for_at_once_where_in_flight_would_raise_the_peak():
     # Here the layers outweigh the logits: the peak is in backward, where a reduce-scatter in
     # flight would hold a layer's gradients over the next layer's; the peak formula's case.
@@ -328,6 +332,7 @@ def test_reduce_scatters_are_waited_for_at_once_where_in_flight_would_raise_the_
     assert peak_memory(gm) == peak
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("prefetch", [0, 1, 2])
 def test_prefetch_issues_a_whole_layer_that_many_layers_ahead(prefetch):
     # Three llama blocks: each block's nine parameters come in one gather, and with prefetch k
@@ -354,6 +359,7 @@ def test_prefetch_issues_a_whole_layer_that_many_layers_ahead(prefetch):
     assert len(gathers) == 3 + 1 + 3 - min(prefetch, 1)
 
 
+@pytest.mark.slow
 def test_gradient_reductions_are_waited_for_in_turn_so_gradients_are_not_held_to_the_end():
     # The partitioner issues each gradient's reduce-scatter where the gradient is made; waited for
     # where the optimizer reads it, at the end, every gradient would be held, full size, through

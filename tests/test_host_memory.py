@@ -1,4 +1,4 @@
-"""ndfunc.host_memory: a step's freed host memory stays mapped for the next step. The reference is
+"""ndfunc._src.host_memory: a step's freed host memory stays mapped for the next step. The reference is
 the same training loop in a process whose malloc is left as it is, counted in page faults."""
 
 import os
@@ -46,6 +46,7 @@ def faults_per_step(keep: bool) -> int:
     return int(out.stdout.split()[-1])
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="malloc's thresholds are glibc's (mallopt); this C library has none")
 def test_a_gloo_world_reuses_the_pages_the_last_step_freed():
     left = faults_per_step(keep=False)  # glibc as it is: freed blocks go back, and fault in again
@@ -56,6 +57,6 @@ def test_a_gloo_world_reuses_the_pages_the_last_step_freed():
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="malloc's thresholds are glibc's (mallopt); this C library has none")
 def test_glibc_takes_both_thresholds():
     # in a process of its own: the setting is process-wide
-    code = "from ndfunc.host_memory import keep_freed_memory; print(keep_freed_memory())"
+    code = "from ndfunc._src.host_memory import keep_freed_memory; print(keep_freed_memory())"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
     assert out.stdout.split() == ["True"]

@@ -298,6 +298,7 @@ def jit_llama(strategy: str, mesh, case, **kw):
     return jitted, p, s, batch, expected, step
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["dp", "fsdp", "tp", "dp_tp"])
 def test_llama_train_step_equals_the_unsharded_step(strategy):
     case = llama_case()
@@ -315,6 +316,7 @@ def test_llama_train_step_equals_the_unsharded_step(strategy):
         assert_same(again, expected_again, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy,axes", [("dp", dict(dp=8)), ("fsdp", dict(dp=8)), ("dp_tp", dict(dp=4, tp=2))])
 def test_llama_train_step_on_eight_ranks(strategy, axes):
     case = llama_case()

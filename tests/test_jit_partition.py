@@ -265,7 +265,7 @@ def test_a_head_split_on_its_contraction_dim_is_gathered_not_its_logits_reduced(
 def test_identical_layers_are_decided_once():
     # the solver remembers each node's answer by its local situation: a stack twice as deep adds
     # a layer's worth of nodes many times over, but almost no new situations to decide
-    from ndfunc.partition.solve import Problem
+    from ndfunc._src.partition.planning.solve import Problem
 
     def deep_loss(layers, x, y):
         for p in layers:

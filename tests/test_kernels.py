@@ -1,4 +1,4 @@
-"""The local program's fp32 matmuls on CPU as oneDNN's (ndfunc.partition.kernels): which run as
+"""The local program's fp32 matmuls on CPU as oneDNN's (ndfunc._src.partition.backends.cpu_kernels): which run as
 oneDNN's, and that those agree with a float64 product within fp32's rounding bound, as aten's do."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import ndfunc as nf
-from ndfunc.partition import kernels
+from ndfunc._src.partition.backends import cpu_kernels as kernels
 from ndfunc.sharding import P
 
 pytestmark = pytest.mark.skipif(
@@ -151,11 +151,12 @@ def test_simulated_ranks_run_atens_matmul(onednn):
 
 
 def on_import(value: str) -> subprocess.CompletedProcess:
-    code = "from ndfunc.partition import kernels; print(kernels.ONEDNN_MATMUL)"
+    code = "from ndfunc._src.partition.backends import cpu_kernels; print(cpu_kernels.ONEDNN_MATMUL)"
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           env=dict(os.environ, NDFUNC_ATEN_MATMUL=value))
 
 
+@pytest.mark.slow
 def test_ndfunc_aten_matmul_1_keeps_atens_matmul_and_another_value_is_refused():
     assert on_import("1").stdout.strip() == "False"
     assert on_import("0").returncode == 0

@@ -15,10 +15,11 @@ LAYERS = [
     ["tree", "_src.sharding", "optim", "random", "_src.buffers"],
     ["_src.host_memory", "_src.runtime", "_src.transfer", "_src.config", "_src.visualize", "sharding"],
     ["_src.autodiff", "_src.constraints", "_src.manual", "_src.trace", "lax", "_src.shard_map"],
-    ["_src.partition.planning"],
-    ["_src.partition.program", "_src.partition.lower", "_src.partition.passes", "_src.partition.backends"],
+    ["_src.partition.planning", "_src.partition.program"],  # the record the planner's node marks live in
+    ["_src.partition.lower", "_src.partition.passes", "_src.partition.backends"],
     ["_src.transforms", "transforms"],
     ["_src.donation", "_src.arguments", "_src.pipeline", "_src.stages", "_src.jit"],
+    ["_src.transforms.accumulate"],  # a function transform that builds jitted programs
     [""],  # ndfunc itself
 ]
 

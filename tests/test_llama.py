@@ -38,6 +38,7 @@ SPECS = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("ranks", [1, 2, 4, 8])
 def test_sharded_init_is_bit_identical_on_any_mesh(ranks):
     key = random.key(7)
@@ -98,6 +99,7 @@ def test_init_follows_the_key_device():
     assert {x.device.type for _, x in nf.tree.tree_flatten_with_path(params)[0]} == {"meta"}
 
 
+@pytest.mark.slow
 def test_training_lowers_the_loss_on_the_corpus():
     sequences = data.Sequences(data.stdlib_corpus(1 << 20), seq_len=64, seed=0)
     params = llama.init(CFG, random.key(0))

@@ -11,6 +11,8 @@ import ndfunc as nf
 from models import llama, train
 from ndfunc.sharding import NamedSharding, P
 
+pytestmark = pytest.mark.slow  # three llama steps per strategy: minutes in all
+
 MATRIX = {  # name: (dp_replicate, dp_shard, cp, tp)
     "dp": (4, 1, 1, 1),
     "fsdp": (1, 4, 1, 1),
@@ -100,8 +102,7 @@ def lowered_step(name: str):
 def test_a_plan_does_not_depend_on_what_was_partitioned_before(monkeypatch):
     # tp=4 and dp_shard=4 both partition over one axis of 4, so they share strategies; a
     # constraint's spec (the batch over ('dp_replicate', 'dp_shard')) is another layout on each
-    from ndfunc.partition import ops
-
+    from ndfunc._src.partition.planning import ops
     monkeypatch.setattr(ops, "_CACHE", {})
     alone = lowered_step("tp").cost_analysis()["collectives"]
     monkeypatch.setattr(ops, "_CACHE", {})

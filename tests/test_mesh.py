@@ -70,7 +70,7 @@ def test_make_mesh_without_ranks():
 
 def test_bare_specs_under_a_mesh():
     mesh = AbstractMesh({"tp": 2})
-    from ndfunc.sharding.named_sharding import resolve_sharding
+    from ndfunc._src.sharding.named_sharding import resolve_sharding
 
     with pytest.raises(ShardingError, match=r"a bare P\('tp'\) needs a mesh: wrap the call in `with mesh:`"):
         resolve_sharding(P("tp"))

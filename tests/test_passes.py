@@ -5,10 +5,18 @@ from __future__ import annotations
 
 import torch
 
-from ndfunc.partition.buffers import lifetimes
-from ndfunc.partition.program import note_local
-from ndfunc.partition.inplace import fold_donated_copies, fold_scales, reuse_buffers
-from ndfunc.partition.schedule import hoist_freeing_ops, issue_reductions_early, wait_in_turn
+from ndfunc._src.buffers import lifetimes
+from ndfunc._src.partition.passes.inplace import (
+    fold_donated_copies,
+    fold_scales,
+    reuse_buffers,
+)
+from ndfunc._src.partition.passes.schedule import (
+    hoist_freeing_ops,
+    issue_reductions_early,
+    wait_in_turn,
+)
+from ndfunc._src.partition.program import note_local
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional

@@ -23,6 +23,7 @@ def rel_error(got, want) -> float:
     return float((got.float() - want).norm() / want.norm())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["fsdp", "fsdp_tp"])
 def test_mixed_precision_gradients_equal_the_bf16_gradients_by_hand(name):
     cfg, _, _, params, batches = setup()
@@ -43,6 +44,7 @@ def test_mixed_precision_gradients_equal_the_bf16_gradients_by_hand(name):
         assert rel_error(g, want) < 3e-2
 
 
+@pytest.mark.slow
 def test_mixed_precision_steps_keep_fp32_parameters_and_state_and_train():
     cfg, opt, _, params, batches = setup()
     def by_hand(params, state, batch):

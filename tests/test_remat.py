@@ -56,6 +56,7 @@ def test_remat_keeps_the_gradients_and_trades_memory_for_recomputation():
     assert full["peak_memory_bytes"] < dots["peak_memory_bytes"] < plain["peak_memory_bytes"]
 
 
+@pytest.mark.slow
 def test_remat_in_the_llama_step_equals_the_plain_step_and_holds_far_fewer_activations():
     base = dataclasses.replace(llama.LlamaConfig.tiny(), n_layers=4)
     g = torch.Generator().manual_seed(0)

@@ -13,8 +13,8 @@ import torch.nn.functional as F
 from torch.distributed._local_tensor import LocalTensor
 
 import ndfunc as nf
+from ndfunc._src.transforms import ring
 from ndfunc.sharding import P
-from ndfunc.transforms import ring
 
 N = 4  # ranks on the ring
 B, H, L, K = 2, 4, 32, 8

@@ -3,6 +3,7 @@ import torch
 from helpers import flax_logical_rules
 
 import ndfunc as nf
+from ndfunc._src.sharding.rules import current_rules
 from ndfunc.sharding import P, ShardingError, logical_to_mesh, match_rules
 
 PARAMS = {
@@ -139,7 +140,7 @@ def test_axis_rules_lay_out_a_logically_named_activation_inside_jit():
         out = nf.jit(f, mesh=nf.make_mesh(dp=4))(x)  # x replicated, the result's layout left free
         assert nf.sharding_of(out).spec == P("dp")  # where the constraint put it
         torch.testing.assert_close(nf.device_get(out), x * 2 + 1)
-    assert nf.sharding.rules.current_rules() is None  # the rules were for f's body only
+    assert current_rules() is None  # the rules were for f's body only
 
 
 def test_a_logical_constraint_needs_one_name_per_dim():

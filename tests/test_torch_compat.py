@@ -1,4 +1,4 @@
-"""Every private torch API ndfunc uses (`ndfunc._torch_compat`), exercised against what it stands
+"""Every private torch API ndfunc uses (`ndfunc._src.torch_compat`), exercised against what it stands
 for: after a torch upgrade this file says which entry point moved."""
 
 import pytest
@@ -7,7 +7,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 import ndfunc as nf
-from ndfunc import _torch_compat as compat
+from ndfunc._src import torch_compat as compat
 
 
 def test_every_entry_point_is_tested_here():

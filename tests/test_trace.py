@@ -6,9 +6,9 @@ import torch
 import ndfunc as nf
 from models import llama
 from ndfunc import random
-from ndfunc.constraints import sharding_constraint_op
+from ndfunc._src.constraints import sharding_constraint_op
+from ndfunc._src.trace import trace
 from ndfunc.sharding import NamedSharding, P, RankError, logical_to_mesh
-from ndfunc.trace import trace
 
 CFG = llama.LlamaConfig.tiny()
 OPT = nf.optim.adamw(1e-3, weight_decay=0.1)

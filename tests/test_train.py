@@ -18,6 +18,7 @@ SHORT = ["--seq-len", "32", "--warmup", "5"]
 QUICK = [*SHORT, "--micro-batch", "4"]
 
 
+@pytest.mark.slow
 def test_train_on_the_4d_layout_in_simulation_lowers_the_loss(capsys):
     losses = train.main(["--steps", "20", "--log-every", "10", *QUICK])  # default: dp_shard 2 x cp 2 x tp 2
     assert len(losses) == 20 and sum(losses[-5:]) / 5 < losses[0] - 1.0
@@ -28,6 +29,7 @@ def test_train_on_the_4d_layout_in_simulation_lowers_the_loss(capsys):
                      r"per rank per step: [\d.]+ MB sent in \d+ collectives", out), out
 
 
+@pytest.mark.slow
 def test_the_4d_run_and_the_one_device_run_agree_with_and_without_the_transform_flags():
     one = train.main(["--steps", "3", "--dp-shard", "1", "--cp", "1", "--tp", "1", "--micro-batch", "8", *SHORT])
     four_d = train.main(["--steps", "3", *QUICK])  # 4 per dp rank x 2 dp ranks: the same 8 sequences
@@ -62,6 +64,7 @@ def test_accumulated_micro_batches_equal_one_big_batch():
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_accumulating_fsdp_gradients_reduces_them_per_micro_batch_or_once_at_the_end():
     cfg, params, big, value_and_grad, expected = accumulation_case(16)
     config = nf.ParallelConfig(dp_shard_size=4)
@@ -96,6 +99,7 @@ def test_accumulate_says_when_the_batch_does_not_split():
         nf.accumulate(lambda p, b: (b.sum(), p), 4)(torch.ones(2), torch.ones(6, 2))
 
 
+@pytest.mark.slow
 def test_accumulation_in_the_main_job_matches_the_same_effective_batch_without_it():
     flags = ["--steps", "2", "--dp-shard", "2", "--cp", "1", "--tp", "1", *SHORT]
     accumulated = train.main([*flags, "--micro-batch", "2", "--grad-accum", "2"])
@@ -115,6 +119,7 @@ def test_train_under_torchrun_matches_the_simulated_run():
     assert real == pytest.approx(simulated[-1:], rel=1e-4), proc.stdout
 
 
+@pytest.mark.slow
 def test_train_from_a_hugging_face_checkpoint(tmp_path):
     config = transformers.LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                       num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
@@ -124,6 +129,7 @@ def test_train_from_a_hugging_face_checkpoint(tmp_path):
     assert sum(losses[-5:]) / 5 < losses[0]
 
 
+@pytest.mark.slow
 def test_mixed_precision_with_accumulation_trains_as_fp32_does_within_bf16_rounding():
     flags = ["--steps", "2", "--dp-shard", "2", "--cp", "1", "--tp", "1", "--grad-accum", "2", *QUICK]
     fp32 = train.main(flags)

@@ -62,6 +62,7 @@ def without():
     return run([], None)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(TRANSFORMS))
 def test_a_transform_composes_with_jit_keeps_results_and_placements(name, without):
     transforms, remat, tol = TRANSFORMS[name]

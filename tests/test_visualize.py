@@ -3,8 +3,8 @@ import io
 import torch
 
 import ndfunc as nf
+from ndfunc._src.visualize import block_grid, format_ranks, summary, to_html
 from ndfunc.sharding import AbstractMesh, NamedSharding, P
-from ndfunc.sharding.visualize import block_grid, format_ranks, summary, to_html
 
 MESH = AbstractMesh({"dp_shard": 4, "tp": 2})
 

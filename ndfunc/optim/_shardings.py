@@ -6,8 +6,8 @@ from typing import Any
 
 import optree
 
-from ndfunc.sharding.named_sharding import NamedSharding
-from ndfunc.sharding.partition_spec import PartitionSpec
+from ndfunc._src.sharding.named_sharding import NamedSharding
+from ndfunc._src.sharding.partition_spec import PartitionSpec
 
 
 def state_shardings(state: Any, param_shardings: Any, other: Any = None) -> Any:

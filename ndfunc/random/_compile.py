@@ -10,10 +10,9 @@ from collections.abc import Callable
 
 import torch
 
-from ndfunc._torch_compat import current_dispatch_mode
-
 # The package, for `COMPILE_CHUNK`: read at each call, so setting `ndfunc.random.COMPILE_CHUNK` works.
 from ndfunc import random as nfr
+from ndfunc._src.torch_compat import current_dispatch_mode
 
 _COMPILE = {"enabled": False}
 _COMPILED: dict = {}  # (kernel, static args) -> compiled kernel, or None: it failed or differed

@@ -1,0 +1,168 @@
+"""`nf.jit`: trace a step once per signature, partition it, lower it, run one local program per rank.
+
+    step = nf.jit(fn, mesh=mesh, in_shardings=..., out_shardings=..., donate_argnums=(0, 1))
+    step(*args)                      # traces, partitions, lowers on the first call of a signature
+    step.lower(*args).as_text()      # the local program, collectives with kind, axes and bytes
+    step.lower(*args).cost_analysis()
+
+A signature is the argument tree, each leaf's shape, dtype and sharding, and the static arguments;
+a new one traces again, a seen one reuses its program. At run time a compiled step takes each
+DTensor's local block once, runs the program (aten ops and functional collectives on plain or, in
+simulation, per-rank tensors - no DTensor dispatch), and wraps the results as DTensors.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import optree
+import torch
+from torch.distributed.tensor import DTensor, Replicate
+
+from ndfunc._src import pipeline
+from ndfunc._src.arguments import Arguments, Bounded, arg_index, output_placements
+from ndfunc._src.partition.program import Program
+from ndfunc._src.sharding.mesh import AbstractMesh, Mesh, get_mesh
+from ndfunc._src.stages import Lowered
+from ndfunc._src.trace import trace
+from ndfunc._src.transforms.base import check_transforms
+from ndfunc._src.transforms.remat import remat_regions
+
+
+def jit(fn: Callable | None = None, *, mesh: Mesh | None = None, in_shardings: Any = None,
+        out_shardings: Any = None, static_argnums: int | Sequence[int] = (),
+        donate_argnums: int | Sequence[int] = (), transforms: Sequence[Any] = ()):
+    """Compile `fn` (a pure function of tensor pytrees) into one local program per rank.
+
+    Args:
+        mesh: the Mesh to run on; else the one of a NamedSharding or DTensor argument, or
+            `with mesh:` / `nf.set_mesh`.
+        in_shardings: a prefix tree of the positional arguments' shardings (`NamedSharding` or `P`).
+            A `None` leaf keeps the argument as it is (a plain tensor counts as replicated); a
+            DTensor laid out otherwise is resharded (a copy), as `nf.device_put` would.
+        out_shardings: a prefix tree of the results' shardings; `None` leaves the choice to the
+            partitioner. Results are DTensors.
+        static_argnums: arguments baked into the program (configs); they must be hashable.
+        donate_argnums: arguments whose DTensor buffers the results may reuse. A donated argument
+            is unusable afterwards (touching it raises).
+        transforms: passes over the program at the pipeline's hooks (`ndfunc._src.transforms.base`):
+            `nf.fsdp(axis)`, `nf.ring_attention(axis)`, `nf.mixed_precision(...)`. Each is checked
+            against the mesh: naming an axis it does not have is an error.
+
+    Example:
+        >>> with nf.simulate(4):
+        ...     mesh = nf.make_mesh(dp=4)
+        ...     step = nf.jit(lambda w, x: (x @ w).sum(), mesh=mesh, in_shardings=(P(), P('dp')))
+        ...     out = step(torch.ones(3, 2), torch.ones(8, 3))
+        ...     float(nf.device_get(out))
+        48.0
+    """
+    if fn is None:
+        return functools.partial(jit, mesh=mesh, in_shardings=in_shardings, out_shardings=out_shardings,
+                                 static_argnums=static_argnums, donate_argnums=donate_argnums,
+                                 transforms=transforms)
+    transforms = check_transforms(transforms, getattr(fn, "__name__", "fn"))
+    if isinstance(mesh, (Mesh, AbstractMesh)):
+        for t in transforms:
+            t.validate(mesh)
+    return Jitted(fn, mesh, in_shardings, out_shardings, _ints(static_argnums), _ints(donate_argnums), transforms)
+
+
+def _ints(x) -> tuple[int, ...]:
+    return (x,) if isinstance(x, int) else tuple(x)
+
+
+class Jitted:
+    """A function compiled per signature. Call it, or `.lower(*args)` to inspect."""
+
+    def __init__(self, fn, mesh, in_shardings, out_shardings, static_argnums, donate_argnums, transforms):
+        functools.update_wrapper(self, fn)
+        self.fn, self.mesh = fn, mesh
+        self.in_shardings, self.out_shardings = in_shardings, out_shardings
+        self.static_argnums, self.donate_argnums, self.transforms = static_argnums, donate_argnums, transforms
+        self.arguments = Arguments(self.__name__, mesh, in_shardings, out_shardings, static_argnums)
+        self._cache: dict = {}  # signature -> Lowered
+        # arguments as they came (see Arguments.quick) -> (mesh, key, what the key's ids name):
+        # nothing to lay out
+        self._seen: Bounded = Bounded()
+        self.trace_count = 0  # how many signatures were traced
+
+    def __call__(self, *args, **kwargs):
+        compiled, prepared = self._compiled(args, kwargs)
+        return compiled._run(prepared, args)
+
+    def lower(self, *args, **kwargs) -> Lowered:
+        """The traced, partitioned and lowered program for these arguments (cached: a later call
+        with the same signature runs it)."""
+        mesh, prepared, key = self.arguments.prepare(args, kwargs)
+        if key not in self._cache:
+            self._cache[key] = self._lowered(mesh, prepared, key)
+        return self._cache[key]
+
+    def _compiled(self, args, kwargs):
+        quick, leaves = self.arguments.quick(args, kwargs)
+        seen = self._seen.get(quick) if quick is not None else None
+        if seen is not None:  # a step like the last: its leaves are laid out already
+            mesh, key, _ = seen
+            prepared = leaves
+        else:
+            mesh, prepared, key = self.arguments.prepare(args, kwargs)
+            if quick is not None and all(p is x for p, x in zip(prepared, leaves)):
+                # the meshes whose ids the key holds stay alive with it, so no other takes their id
+                meshes = (get_mesh(), *(x.device_mesh for x in leaves if isinstance(x, DTensor)))
+                self._seen[quick] = (mesh, key, meshes)
+        if key not in self._cache:
+            self._cache[key] = self._lowered(mesh, prepared, key)
+        return self._cache[key].compiled, prepared
+
+    def _lowered(self, mesh, prepared, key) -> Lowered:
+        if mesh is None:
+            mesh = _world_of_one()
+        for t in self.transforms:
+            t.validate(mesh)
+        self.trace_count += 1
+        treespec, statics, _ = key
+        dyn_args, kwargs = optree.tree_unflatten(treespec, list(prepared))
+        static = dict(statics)
+        call_args = [static[i] if i in static else dyn_args[i] for i in range(len(dyn_args))]
+        with contextlib.ExitStack() as stack:  # transforms that change what is traced (mixed precision)
+            for t in self.transforms:
+                stack.enter_context(t.tracing())
+            traced = trace(self.fn, call_args, kwargs, static_argnums=tuple(static))
+        program = _program(self.__name__, traced, mesh, prepared, self.out_shardings,
+                           donated=[i for i in range(len(prepared)) if arg_index(treespec, i) in self.donate_argnums],
+                           transforms=(remat_regions(), *self.transforms), retrace=self._retrace(key))
+        return Lowered(self.__name__, pipeline.run(program, pipeline.PASSES[:pipeline.LOWERED]), self.arguments, key)
+
+    def _retrace(self, key) -> Callable[[], Any]:
+        """The function called again on fake tensors of this signature (inside a FakeTensorMode)."""
+        treespec, statics, leaves = key
+
+        def retrace():
+            fakes = [torch.empty(s, dtype=d) for s, d, _, _ in leaves]
+            dyn_args, kwargs = optree.tree_unflatten(treespec, fakes)
+            static = dict(statics)
+            self.fn(*[static[i] if i in static else a for i, a in enumerate(dyn_args)], **kwargs)
+
+        return retrace
+
+
+def _program(name: str, traced, mesh, prepared: list, out_shardings, **fields) -> Program:
+    """The program record of a traced step: its mesh's partitioned axes and its boundary layouts."""
+    axes = tuple(i for i, n in enumerate(mesh.axis_sizes) if n > 1)
+    program = Program(name=name, traced=traced, mesh=mesh, axes=axes, sizes=tuple(mesh.axis_sizes[i] for i in axes),
+                      in_layouts=[], out_layouts=[], **fields)
+    for x in prepared:
+        placements = tuple(x.placements) if isinstance(x, DTensor) else (Replicate(),) * len(mesh.axis_names)
+        program.in_layouts.append(program.layout_of(placements))
+    program.out_placements = output_placements(name, traced, mesh, out_shardings)
+    program.out_layouts = [None if p is None else program.layout_of(p) for p in program.out_placements]
+    return program
+
+
+def _world_of_one() -> AbstractMesh:
+    """No mesh anywhere: every rank runs the whole program (results are plain tensors)."""
+    return AbstractMesh((("world", 1),))

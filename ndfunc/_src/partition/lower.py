@@ -1,0 +1,228 @@
+"""Lowering: a partitioned global program becomes one local program, the same on every rank.
+
+Every node becomes its aten op on local blocks (shape arguments rewritten by DTensor's propagator,
+as its dispatcher would); every layout change a consumer needs becomes the steps of
+`redistribute.plan`, emitted as `_c10d_functional` collectives (each followed by its
+`wait_tensor`) or a local slice. A slice picks this rank's block with `index_select` on an extra
+input, `coords` (the rank's position on each partitioned axis), so the program holds no rank
+number and one program serves every simulated rank. Each collective node carries its `Comm`
+(`ndfunc._src.partition.program.comm`): kind, mesh axes, shapes sent and received, bytes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+from collections.abc import Sequence
+
+import torch
+
+from ndfunc._src.buffers import buffer_of
+from ndfunc._src.partition import program as prog
+from ndfunc._src.partition.planning import redistribute
+from ndfunc._src.partition.planning.layout import Layout, local_shape
+from ndfunc._src.partition.planning.ops import rule_of
+from ndfunc._src.partition.planning.solve import Plan
+from ndfunc._src.partition.planning.strategies import (
+    local_args,
+    tensor_inputs,
+    value_of,
+)
+from ndfunc._src.partition.program import Comm, LoweringContext
+from ndfunc._src.torch_compat import LazyGraphModule, pytree
+
+aten = torch.ops.aten
+c10d = torch.ops._c10d_functional
+_RESHAPES = {aten.view.default: aten.reshape.default, aten._unsafe_view.default: aten.reshape.default}
+_MANUAL_COMMS = (c10d.all_reduce.default, c10d.all_gather_into_tensor.default, c10d.reduce_scatter_tensor.default,
+                 c10d.all_to_all_single.default)
+
+
+class _Emitter:
+    def __init__(self, plan: Plan, axis_names: Sequence[str], group_names: Sequence[str], mesh_sizes: dict[str, int]):
+        self.plan = plan
+        self.mesh_sizes = mesh_sizes  # every mesh axis, size-1 ones too
+        self.sizes = plan.sizes
+        self.axis_names = tuple(axis_names)
+        self.group_names = tuple(group_names)
+        self.graph = torch.fx.Graph()
+        self.env: dict = {}  # (value, layout) -> local node
+        self.produced: dict = {}  # value -> local node in its produced layout
+        self.coords = None
+
+    def call(self, op, *args, **kwargs) -> torch.fx.Node:
+        return self.graph.call_function(op, args, kwargs)
+
+    def local(self, v, layout: Layout, val: torch.Tensor) -> torch.fx.Node:
+        key = (v, layout)
+        if key not in self.env:
+            have = self.plan.out_layout(v)
+            node = self.produced[v]
+            steps = redistribute.plan(have, layout, tuple(val.shape), self.sizes)
+            if steps is None:  # the solver never picks an impossible change
+                raise AssertionError(f"no way from {have} to {layout} for {v[0].name}")
+            for step in steps:
+                node = prog.note_local(self.emit(step, node, val), step.out_shape, val.dtype)
+            self.env[key] = node
+        return self.env[key]
+
+    def axis_index(self, names: Sequence[str]) -> torch.fx.Node:
+        """This rank's position along `names` (major to minor), from `coords`."""
+        mesh_sizes = self.mesh_sizes
+        index = self.call(aten.scalar_tensor.default, 0, dtype=torch.int64)
+        for name in names:
+            if mesh_sizes[name] > 1:
+                coord = self.call(aten.select.int, self.coords, 0, self.axis_names.index(name))
+                index = self.call(aten.add.Tensor, self.call(aten.mul.Tensor, index, mesh_sizes[name]), coord)
+        return index
+
+    def comm(self, step: redistribute.Step, val: torch.Tensor, sent: tuple[int, ...],
+             axis: str | None = None, group: str | None = None) -> Comm:
+        """The record of `step` run on a value like `val`, handed a tensor of shape `sent`."""
+        itemsize = val.element_size()
+        return Comm(step.kind, (axis or self.axis_names[step.axis],), tuple(sent),
+                    prog.received_shape(step.kind, sent, step.size), val.dtype, val.device,
+                    group or self.group_names[step.axis], step.value_bytes(itemsize), step.moved_bytes(itemsize))
+
+    def manual_comm(self, node: torch.fx.Node) -> Comm:
+        """What a collective the user wrote (nf.lax, in a shard_map) moves."""
+        kind = {c10d.all_reduce.default: "all_reduce", c10d.all_gather_into_tensor.default: "all_gather",
+                c10d.reduce_scatter_tensor.default: "reduce_scatter",
+                c10d.all_to_all_single.default: "all_to_all"}[node.target]
+        group = node.args[-1]
+        known = group in self.group_names  # else a flattened group over several axes
+        axis = self.group_names.index(group) if known else 0
+        val, out = node.args[0].meta["val"], node.meta["val"]
+        step = redistribute.Step(kind, axis, None, None, tuple(val.shape), tuple(out.shape),
+                                 self.sizes[axis] if known else 2)
+        c = self.comm(step, val, tuple(val.shape), self.axis_names[axis] if known else "axes of the region", group)
+        return dataclasses.replace(c, received=tuple(out.shape))
+
+    def emit(self, step: redistribute.Step, x: torch.fx.Node, val: torch.Tensor) -> torch.fx.Node:
+        group, n, d = self.group_names[step.axis], step.size, step.dim
+        if step.kind == "slice":
+            index = self.call(aten.view.default, self.call(aten.select.int, self.coords, 0, step.axis), [1])
+            split = list(step.in_shape[:d]) + [n, step.out_shape[d]] + list(step.in_shape[d + 1:])
+            block = self.call(aten.index_select.default, self.call(aten.reshape.default, x, split), d, index)
+            return self.call(aten.reshape.default, block, list(step.out_shape))
+        if step.kind == "all_to_all":
+            return self.all_to_all(step, x, val)
+        sent = tuple(step.in_shape)
+        if not val.is_contiguous() or (step.kind == "reduce_scatter" and d != 0):
+            if step.kind == "reduce_scatter" and d != 0:  # blocks along d, stacked on dim 0
+                x = self.call(aten.cat.default, [self.call(operator.getitem, self.call(
+                    aten.split.Tensor, x, step.in_shape[d] // n, d), i) for i in range(n)], 0)
+                sent = (sent[0] * n, *sent[1:d], sent[d] // n, *sent[d + 1:])
+            else:
+                x = self.call(aten.clone.default, x, memory_format=torch.contiguous_format)
+        if step.kind == "all_reduce":
+            comm = self.call(c10d.all_reduce.default, x, "sum", group)
+        elif step.kind == "all_gather":
+            comm = self.call(c10d.all_gather_into_tensor.default, x, n, group)
+        else:
+            comm = self.call(c10d.reduce_scatter_tensor.default, x, "sum", n, group)
+        prog.set_comm(comm, self.comm(step, val, sent))
+        out = self.call(c10d.wait_tensor.default, comm)
+        if step.reduce_op == "avg":
+            out = self.call(aten.div.Tensor, out, n)
+        if step.kind == "all_gather" and d != 0:  # rank blocks arrive stacked on dim 0
+            parts = self.call(aten.split.Tensor, out, step.in_shape[0], 0)
+            out = self.call(aten.cat.default, [self.call(operator.getitem, parts, i) for i in range(n)], d)
+        return out
+
+    def all_to_all(self, step: redistribute.Step, x: torch.fx.Node, val: torch.Tensor) -> torch.fx.Node:
+        """Shard(joined) -> Shard(dim): block i of `dim` to rank i, stacked on a new dim 0; what
+        arrives from rank i is its block of `joined`, put back in rank order."""
+        n, d, a, shape = step.size, step.dim, step.joined, list(step.in_shape)
+        split = shape[:d] + [n, shape[d] // n] + shape[d + 1:]
+        blocks = self.call(aten.reshape.default, x, split)
+        rest = list(range(len(shape) + 1))
+        if d != 0:
+            blocks = self.call(aten.permute.default, blocks, [d] + rest[:d] + rest[d + 1:])
+            blocks = self.call(aten.clone.default, blocks, memory_format=torch.contiguous_format)
+        else:  # the local block may be a view even where the whole value is not: a copy only if so
+            blocks = self.call(aten.contiguous.default, blocks)
+        comm = self.call(c10d.all_to_all_single.default, blocks, [1] * n, [1] * n, self.group_names[step.axis])
+        prog.set_comm(comm, self.comm(step, val, tuple(split[d:d + 1] + split[:d] + split[d + 1:])))
+        arrived = self.call(c10d.wait_tensor.default, comm)
+        if a != 0:  # the rank blocks next to `joined`'s
+            arrived = self.call(aten.permute.default, arrived, rest[1:a + 1] + [0] + rest[a + 1:])
+        return self.call(aten.reshape.default, arrived, list(step.out_shape))
+
+
+def lower(graph: torch.fx.Graph, plan: Plan, axis_names: Sequence[str], group_names: Sequence[str],
+          mesh_sizes: dict[str, int] | None = None) -> torch.fx.GraphModule:
+    """The local program of `graph` under `plan`: inputs are the local blocks of the original
+    inputs, then `coords`; outputs are local blocks in `plan.outputs`' layouts. `mesh_sizes`
+    (every mesh axis, size-1 ones too) places `nf.lax.axis_index` over several axes."""
+    mesh_sizes = dict(mesh_sizes or dict(zip(axis_names, plan.sizes)))
+    e = _Emitter(plan, axis_names, group_names, mesh_sizes)
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    for node in placeholders:
+        e.produced[(node, 0)] = ph = e.graph.placeholder(node.name)
+        val = node.meta.get("val")
+        if isinstance(val, torch.Tensor) and node in plan.strategy:
+            prog.note_local(ph, local_shape(tuple(val.shape), plan.strategy[node].outs[0], plan.sizes), val.dtype)
+    e.coords = e.graph.placeholder("coords")
+    constants = torch.nn.Module()  # the tensors the step closed over, whole on every rank
+    for node in graph.find_nodes(op="get_attr"):
+        if node in plan.strategy:
+            setattr(constants, node.target, getattr(graph.owning_module, node.target))
+            e.produced[(node, 0)] = got = e.graph.get_attr(node.target)
+            prog.note_local(got, node.meta["val"].shape, node.meta["val"].dtype)
+    for node in graph.nodes:
+        if node.op != "call_function" or node not in plan.strategy:
+            continue
+        s = plan.strategy[node]
+        args = tensor_inputs(node)
+        locals_ = [e.local(value_of(a), lay, a.meta["val"]) for a, lay in zip(args, s.ins)]
+        rule = rule_of(node.target)
+        if rule is not None and rule.lower is not None:  # not the op on blocks (ndfunc._src.partition.planning.ops)
+            e.produced[(node, 0)] = rule.lower(e, node, locals_)
+            continue
+        if prog.is_manual(node):  # already per rank, as the user wrote it
+            op, a, kw = node.target, node.args, node.kwargs
+        else:
+            op, a, kw = local_args(node, s.ins, plan.sizes)
+            # a block of a viewable value need not be viewable (its strides differ): reshape,
+            # which views when it can and copies when it must
+            op = _RESHAPES.get(op, op)
+        own_comm = None
+        if (own := prog.local_op(node)) is not None:  # a transform's own local op (nf.ring_attention)
+            op, a, kw, own_comm = own(LoweringContext(e.coords, e.axis_names, e.sizes), node, s, op, a, kw)
+        mapping = iter(locals_)
+        a, kw = pytree.tree_map_only(
+            torch.fx.Node, lambda x: next(mapping) if isinstance(x.meta.get("val"), torch.Tensor) else x, (a, kw))
+        out = e.graph.call_function(op, tuple(a), dict(kw))
+        if own_comm is not None:
+            prog.set_comm(out, own_comm)
+        if op in _MANUAL_COMMS:
+            prog.set_comm(out, e.manual_comm(node))
+        if isinstance(node.meta.get("val"), (tuple, list)):
+            for j, lay in enumerate(s.outs):
+                if lay is not None:
+                    e.produced[(node, j)] = e.call(operator.getitem, out, j)
+        else:
+            e.produced[(node, 0)] = out
+            val = node.meta.get("val")
+            if isinstance(val, torch.Tensor):  # shape and dtype here, for passes before metadata
+                shape = tuple(val.shape) if prog.is_manual(node) else local_shape(tuple(val.shape), s.outs[0], plan.sizes)
+                prog.note_local(out, shape, val.dtype)
+    results = [e.local(v, lay, _val(v)) for v, lay in plan.outputs]
+    # a constant the step returns (or a block of one) leaves as a copy: the caller may write into
+    # a result, or donate it, and the constant serves every later call
+    for i, r in enumerate(results):
+        if buffer_of(r).op == "get_attr":
+            results[i] = e.call(aten.clone.default, r)
+            if (note := prog.local_note(r)) is not None:
+                prog.note_local(results[i], *note)
+    e.graph.output(results)
+    e.graph.eliminate_dead_code()
+    # passes rewrite it and recompile; its code is made only if read or called (the step runs
+    # ops bound by `torch_compat.bind_ops`), not once per pass
+    return LazyGraphModule(constants, e.graph)
+
+
+def _val(v) -> torch.Tensor:
+    val = v[0].meta["val"]
+    return val[v[1]] if isinstance(val, (tuple, list)) else val

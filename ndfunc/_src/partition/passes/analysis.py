@@ -1,0 +1,122 @@
+"""Reading a lowered program: its text, and what it costs per rank."""
+
+from __future__ import annotations
+
+import operator
+import types
+
+import torch
+
+from ndfunc._src.buffers import lifetimes
+from ndfunc._src.partition.planning.layout import describe
+from ndfunc._src.partition.program import collectives, comm
+
+
+def _fmt(val) -> str:
+    if isinstance(val, torch.Tensor):
+        return f"{str(val.dtype).removeprefix('torch.')}{list(val.shape)}"
+    if isinstance(val, (tuple, list)):
+        return "(" + ", ".join(_fmt(v) for v in val) + ")"
+    return repr(val)
+
+
+def _op_name(target) -> str:
+    if target is operator.getitem:
+        return "getitem"
+    if isinstance(target, types.FunctionType):
+        return f"{target.__module__}.{target.__qualname__}"  # a Python function (ring, CPU kernels)
+    name = str(target)
+    return name.removeprefix("aten.").removesuffix(".default")
+
+
+def _arg(a) -> str:
+    if isinstance(a, torch.fx.Node):
+        return a.name
+    if isinstance(a, (list, tuple)):
+        return "[" + ", ".join(_arg(x) for x in a) + "]"
+    return repr(a)
+
+
+def as_text(program, gm: torch.fx.GraphModule | None = None) -> str:
+    """The local program (`program.local`, or `gm`, a rewrite of it with its metadata filled)."""
+    program.ensure_meta()
+    gm = program.local if gm is None else gm
+    names = program.axis_names
+    header = (f"# {program.name}: the program each rank runs; mesh "
+              f"{dict(zip(program.mesh.axis_names, program.mesh.axis_sizes))}, partitioned over {names or '()'}")
+    lines = [header]
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    paths = list(program.traced.input_paths) + ["coords"]
+    layouts = list(program.in_layouts) + [None]
+    lines.append(f"def {program.name}(")
+    for node, path, lay in zip(placeholders, paths, layouts):
+        where = "" if lay is None else " " + describe(lay, names)
+        lines.append(f"    {node.name}: {_fmt(node.meta.get('val'))}{where},  # {path}")
+    lines.append("):")
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        args = ", ".join([_arg(a) for a in node.args] + [f"{k}={_arg(v)}" for k, v in node.kwargs.items()])
+        line = f"    {node.name}: {_fmt(node.meta.get('val'))} = {_op_name(node.target)}({args})"
+        if (c := comm(node)) is not None:
+            line += f"  # {c.describe()}"
+        lines.append(line)
+    out = gm.graph.find_nodes(op="output")[0]
+    results = ", ".join(f"{a.name} {describe(lay, names)}" for a, (_, lay) in zip(out.args[0], program.plan.outputs))
+    lines.append(f"    return ({results})")
+    return "\n".join(lines)
+
+
+def cost_analysis(program, gm: torch.fx.GraphModule | None = None) -> dict:
+    """What one run of the local program (or `gm`, as `as_text`) costs each rank."""
+    from ndfunc._src.partition.planning.flops import graph_flops
+
+    program.ensure_meta()
+    gm = program.local if gm is None else gm
+    by_kind: dict[str, float] = {}
+    counts: dict[str, int] = {}
+    for _, c in collectives(gm):
+        by_kind[c.kind] = by_kind.get(c.kind, 0.0) + c.moved
+        counts[c.kind] = counts.get(c.kind, 0) + 1
+    return {
+        "flops": float(graph_flops(gm.graph)),
+        "comm_bytes": {"total": float(sum(by_kind.values())), **by_kind},
+        "collectives": counts,
+        "peak_memory_bytes": peak_memory(gm),
+    }
+
+
+def _bytes(val) -> int:
+    if isinstance(val, torch.Tensor):
+        return val.numel() * val.element_size()
+    if isinstance(val, (tuple, list)):
+        return sum(_bytes(v) for v in val)
+    return 0
+
+
+
+
+def peak_memory(gm: torch.fx.GraphModule) -> int:
+    """Peak bytes alive at once in one run of `gm` (fx frees a value after its last use): inputs
+    for the whole run, views and in-place results sharing their base's buffer."""
+    return max(live_bytes(list(gm.graph.nodes))[0].values(), default=0)
+
+
+def live_bytes(nodes: list[torch.fx.Node]) -> tuple[dict, dict]:
+    """`(live, sizes)`: the bytes alive while each node runs (what it makes included, what it
+    reads last not yet freed), and the size of each buffer by its last reader (`lifetimes`)."""
+    root, last = lifetimes(nodes)
+    change = [0] * (len(nodes) + 2)  # bytes made at i, freed after i
+    sizes: dict = {}
+    for i, n in enumerate(nodes):
+        if root.get(n) is n:
+            size = _bytes(n.meta.get("val"))
+            change[i] += size
+            change[last[n] + 1] -= size
+            if last[n] < len(nodes):
+                sizes.setdefault(nodes[last[n]], []).append(size)
+    live, total = {}, 0
+    for n, delta in zip(nodes, change):
+        total += delta
+        live[n] = total
+    return live, sizes

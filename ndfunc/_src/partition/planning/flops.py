@@ -1,0 +1,39 @@
+"""Floating-point work of one graph node, from its values' shapes.
+
+An op's registered formula (`ndfunc._src.partition.planning.ops`: the CPU flash-attention kernels), else
+PyTorch's (`torch.utils.flop_counter`: matmuls, convolutions, the CUDA attention kernels). Other
+ops count nothing: next to the matmuls they are noise.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.utils.flop_counter import flop_registry
+
+from ndfunc._src.partition.planning.ops import rule_of
+from ndfunc._src.torch_compat import pytree
+
+aten = torch.ops.aten
+
+
+def node_flops(node: torch.fx.Node) -> int:
+    if node.op != "call_function":
+        return 0
+    target = node.target
+    rule = rule_of(target)
+    if rule is not None and rule.flops is not None:
+        return rule.flops(node)
+    if getattr(target, "overloadpacket", None) not in flop_registry:
+        return 0
+    vals = pytree.tree_map_only(torch.fx.Node, lambda a: a.meta.get("val"), (node.args, node.kwargs))
+    formula = flop_registry.get(getattr(target, "overloadpacket", None))
+    if formula is None:
+        return 0
+    try:
+        return int(formula(*vals[0], out_val=node.meta.get("val"), **vals[1]))
+    except Exception:  # noqa: BLE001 - a formula that does not take these arguments counts nothing
+        return 0
+
+
+def graph_flops(graph: torch.fx.Graph) -> int:
+    return sum(node_flops(n) for n in graph.nodes)

@@ -1,0 +1,255 @@
+"""The op registry: everything ndfunc knows about an op beyond DTensor's own sharding rules.
+
+One `OpRule` per op, registered in this file and nowhere else:
+
+    strategies(node, sizes) -> [Strategy]   ndfunc's sharding rule (else DTensor's is read)
+    flops(node) -> int                       the work, where torch's flop counter has no formula
+    saved_by_remat                           `nf.remat(policy='save_dots')` keeps its result
+    lower(emitter, node, locals) -> Node     its local op, where that is not the op on blocks
+
+`candidates(node, sizes)` is what the partitioner asks: the registered rule, else DTensor's
+(`ndfunc._src.partition.planning.strategies`), else (every input replicated by the user) the op whole.
+
+Adding a rule for an op is one `register(op, ...)` call at the end of this file; see the README's
+"Adding an op rule".
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+from collections.abc import Callable
+
+import torch
+from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.nn import _reduction
+
+from ndfunc._src import manual
+from ndfunc._src.constraints import sharding_constraint_op
+from ndfunc._src.partition import program as prog
+from ndfunc._src.partition.planning.layout import MANUAL, fits, replicated
+from ndfunc._src.partition.planning.strategies import (
+    NoStrategy,
+    Strategy,
+    from_dtensor,
+    from_op_strategy,
+    signature,
+    tensor_inputs,
+    tensor_outputs,
+    value_of,
+)
+from ndfunc.random._op import random_block_op
+
+aten = torch.ops.aten
+
+
+@dataclasses.dataclass(frozen=True)
+class OpRule:
+    """What ndfunc knows of one op (see the module's text); every field may be left out."""
+
+    strategies: Callable | None = None
+    flops: Callable[[torch.fx.Node], int] | None = None
+    saved_by_remat: bool = False
+    lower: Callable | None = None
+
+
+_RULES: dict = {}
+
+
+def register(op, **fields) -> None:
+    """Register what ndfunc knows of `op` (an OpOverload): `OpRule`'s fields."""
+    if op in _RULES:
+        raise ValueError(f"{op} has an OpRule already; change that registration instead of adding one.")
+    _RULES[op] = OpRule(**fields)
+
+
+def rule_of(op) -> OpRule | None:
+    """The registered rule of `op`, or None."""
+    return _RULES.get(op)
+
+
+def saved_by_remat(op) -> bool:
+    rule = _RULES.get(op)
+    return rule is not None and rule.saved_by_remat
+
+
+# --- what the partitioner asks -------------------------------------------------------------------
+
+def candidates(node: torch.fx.Node, sizes: tuple[int, ...]) -> list[Strategy]:
+    """Every strategy for `node` on a mesh of `sizes` whose layouts fit the values' shapes."""
+    if prog.is_manual(node) or node.target is manual.exit_op:
+        return _manual_rule(node, sizes)
+    cache = _CACHE.setdefault(sizes, {})
+    # a sharding constraint's layout (its own, or an input's) is resolved on the mesh: the same
+    # spec is another layout on another mesh of these sizes (('dp_replicate', 'dp_shard') on dp=4
+    # or on tp=4)
+    layouts = (prog.constraint_layout(node), *(prog.constraint_layout(a) for a in tensor_inputs(node)))
+    sig = (signature(node), repr(prog.kept_split(node)), repr(layouts))
+    if sig not in cache:
+        cache[sig] = _candidates(node, sizes)
+    return cache[sig]
+
+
+_CACHE: dict[tuple[int, ...], dict] = {}
+
+
+def _candidates(node: torch.fx.Node, sizes: tuple[int, ...]) -> list[Strategy]:
+    op = node.target
+    ins = tensor_inputs(node)
+    outs = tensor_outputs(node)
+    k = len(sizes)
+    if k == 0:  # nothing to partition over: every op runs whole
+        return _replicated_rule(node, sizes)
+    rule = _RULES.get(op)
+    if rule is not None and rule.strategies is not None:
+        found = rule.strategies(node, sizes)
+    elif (found := from_dtensor(node, ins, outs, sizes)) is not None:
+        pass
+    elif all(_constrained_replicated(a) for a in ins):
+        found = _replicated_rule(node, sizes)  # no rule, but the user replicated every input
+    else:
+        raise NoStrategy(op)
+    shapes_in = [tuple(a.meta["val"].shape) for a in ins]
+    shapes_out = [None if o is None else tuple(o.shape) for o in outs]
+    kept, seen = [], set()
+    for s in found:
+        if len(s.ins) != len(ins) or len(s.outs) != len(outs) or s in seen:
+            continue
+        if all(fits(lay, shp, sizes) for lay, shp in zip(s.ins, shapes_in)) and all(
+                shp is None or (lay is not None and fits(lay, shp, sizes)) for lay, shp in zip(s.outs, shapes_out)):
+            kept.append(s)
+            seen.add(s)
+    if not kept:
+        raise NoStrategy(op)
+    return kept
+
+
+def _constrained_replicated(a: torch.fx.Node) -> bool:
+    layout = prog.constraint_layout(a)
+    return a.target is sharding_constraint_op and layout is not None and all(
+        isinstance(p, Replicate) for p in layout)
+
+
+def _attention_rule(node, sizes) -> list[Strategy]:
+    """Flash attention (CPU) forward and backward: q, k, v (B, H, L, K) split alike on batch or
+    heads (grouped key/value heads split by the same factor); the mask follows where it has the
+    dim, else stays whole; logsumexp (B, H, L) follows q.
+
+    With an explicit mask (not `is_causal`, whose mask assumes the block starts at position 0) the
+    sequence may be split too: each rank's queries against every key and value (gathered), the mask's
+    rows following the queries; in backward the key and value gradients are then partial sums
+    over that axis. On the axis `nf.ring_attention` marked, keys and values (and their gradients)
+    stay split instead: the lowering writes a ring there."""
+    backward = "backward" in str(node.target)
+    ins = tensor_inputs(node)
+    outs = tensor_outputs(node)
+    q = node.args[1] if backward else node.args[0]
+    kv = {node.args[2], node.args[3]} if backward else {node.args[1], node.args[2]}
+    causal = node.args[7] if backward else (node.args[4] if len(node.args) > 4 else node.kwargs.get("is_causal", False))
+    q_shape = tuple(q.meta["val"].shape)
+    seq = Shard(2)
+    ring = getattr(prog.kept_split(node), "live", None)  # nf.ring_attention's axis: keys stay split
+    per_axis = [Replicate(), Shard(0), Shard(1)] + ([] if causal else [seq])
+    # on the ring's axis the sequence is what is split (else the cheapest plan may well split the
+    # batch there instead, which is data parallelism, not context parallelism)
+    options = [[seq] if axis == ring else per_axis for axis in range(len(sizes))]
+    found = []
+    for combo in itertools.product(*options):
+        def follow(t: torch.Tensor | None, key_side: bool, grad: bool = False):
+            if t is None:
+                return None
+            lay = []
+            for axis, p in enumerate(combo):
+                if p == seq and key_side and axis == ring:
+                    lay.append(seq)  # keys, values and their gradients travel the ring
+                elif p == seq and key_side:
+                    lay.append(Partial("sum") if grad else Replicate())  # every key, each rank's queries
+                elif isinstance(p, Shard) and (t.ndim <= p.dim or t.shape[p.dim] != q_shape[p.dim]) and not (
+                        p.dim == 1 and t.ndim == 4 and t.shape[1] > 1):
+                    lay.append(Replicate())  # a broadcast mask dim: every block needs all of it
+                else:
+                    lay.append(p)
+            return tuple(lay)
+        out_lays = tuple(follow(o, backward and j in (1, 2), grad=True) for j, o in enumerate(outs))
+        found.append(Strategy(out_lays, tuple(follow(a.meta["val"], a in kv) for a in ins)))
+    return found
+
+
+def _manual_rule(node, sizes) -> list[Strategy]:
+    """Inside a shard_map region every value is a rank's own block; a value from outside it
+    (a captured constant) comes whole. The region's entry and exit have the specs' layouts."""
+    k = len(sizes)
+    outs = tensor_outputs(node)
+    if node.target is manual.enter_op:
+        return [Strategy((MANUAL,), (prog.constraint_layout(node),))]
+    if node.target is manual.exit_op:
+        return [Strategy((prog.constraint_layout(node),), (MANUAL,))]
+    ins = tuple(MANUAL if prog.is_manual(value_of(a)[0]) else replicated(k) for a in tensor_inputs(node))
+    return [Strategy(tuple(None if o is None else MANUAL for o in outs), ins)]
+
+
+def _constraint_rule(node, sizes) -> list[Strategy]:
+    lay = prog.constraint_layout(node)
+    return [Strategy((lay,), (lay,))]
+
+
+def _replicated_rule(node, sizes) -> list[Strategy]:
+    k = len(sizes)
+    return [Strategy(tuple(None if o is None else replicated(k) for o in tensor_outputs(node)),
+                     tuple(replicated(k) for _ in tensor_inputs(node)))]
+
+
+def _mean_loss_rule(node, sizes) -> list[Strategy]:
+    """DTensor's rule for an `nll_loss` forward, less its sharded mean: that averages each rank's
+    own mean, the batch's only when every rank ignores as many targets. (The tracer writes a
+    float32 or float64 mean as a sum over a count, which shards; this is the mean it leaves.)"""
+    found = from_op_strategy(node, tensor_inputs(node), tensor_outputs(node), sizes)
+    if node.args[3] != _reduction.get_enum("mean"):
+        return found
+    return [s for s in found if not any(isinstance(p, Partial) for p in s.outs[0])]
+
+
+# --- local ops that are not the op on blocks -----------------------------------------------------
+
+def _same_value(emitter, node, locals_):
+    """A constraint or region boundary: the layouts were the point; the value is its input's."""
+    return locals_[0]
+
+
+def _axis_index(emitter, node, locals_):
+    """`nf.lax.axis_index` inside nf.jit: this rank's position, read from `coords`."""
+    return emitter.axis_index(json.loads(node.args[0]))
+
+
+# --- work ----------------------------------------------------------------------------------------
+
+def _attention(q: torch.Tensor, k: torch.Tensor) -> int:
+    b, h, lq, d = q.shape
+    return 4 * b * h * lq * k.shape[-2] * d
+
+
+def _flash_flops(node) -> int:
+    """CPU flash attention: 4·B·H·Lq·Lk·K, as torch's formula for the CUDA kernels."""
+    return _attention(node.args[0].meta["val"], node.args[1].meta["val"])
+
+
+def _flash_backward_flops(node) -> int:
+    """Its backward: 2.5 times the forward, as for the CUDA kernels."""
+    return _attention(node.args[1].meta["val"], node.args[2].meta["val"]) * 5 // 2
+
+
+# --- the registrations ---------------------------------------------------------------------------
+
+register(aten._scaled_dot_product_flash_attention_for_cpu.default, strategies=_attention_rule, flops=_flash_flops)
+register(aten._scaled_dot_product_flash_attention_for_cpu_backward.default, strategies=_attention_rule,
+         flops=_flash_backward_flops)
+register(aten.nll_loss_forward.default, strategies=_mean_loss_rule)
+register(aten.nll_loss2d_forward.default, strategies=_mean_loss_rule)
+register(random_block_op, strategies=_replicated_rule)  # whole, from the key: every rank computes it
+register(sharding_constraint_op, strategies=_constraint_rule, lower=_same_value)
+register(manual.enter_op, lower=_same_value)  # strategies: the region's (`candidates`)
+register(manual.exit_op, lower=_same_value)
+register(manual.axis_index_op, lower=_axis_index)
+for _dot in (aten.mm.default, aten.bmm.default, aten.addmm.default, aten.baddbmm.default):
+    register(_dot, saved_by_remat=True)

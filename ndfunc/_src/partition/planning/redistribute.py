@@ -1,0 +1,147 @@
+"""From one layout to another: the collectives, in order, with their sizes.
+
+`plan(src, dst, shape, sizes)` is the single source for both the cost model (bytes moved) and the
+lowering (which emits each step as a functional collective). Steps, per mesh axis:
+
+- `all_gather`   Shard(d) -> Replicate                   moves (n-1)/n of the output per rank
+- `all_reduce`   Partial -> Replicate                    moves 2(n-1)/n of the input (ring)
+- `reduce_scatter` Partial -> Shard(d)                   moves (n-1)/n of the input
+- `all_to_all`   Shard(d) -> Shard(e)                    moves (n-1)/n of the input
+- `slice`        Replicate -> Shard(d)                   local, free
+
+An axis that moves its split from one dim to another, where no other axis splits either dim,
+exchanges blocks in one all-to-all, as XLA's partitioner and DTensor do: a gather and a slice
+would move n times the bytes to keep a 1/n of them. The partitioner still prices such a move as
+the gather and the slice (`cost`): priced at its own bytes, a split would hop between dims
+wherever activations are smaller than weights, and a data-parallel step given FSDP's specs would
+turn tensor-parallel layer by layer (sharding propagation in XLA keeps the split where the inputs
+put it, too). So the choice of layouts is what it was without all-to-alls, and what runs moves
+less; `cost_analysis` reads what runs.
+
+Several axes sharding one dim nest in mesh order, so before an axis gathers, or newly splits a dim,
+every later axis splitting that dim is gathered first (and split again afterwards). A pending sum
+cannot be created from data (Replicate -> Partial) and is finished only by its own reduction:
+those transitions have no plan.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+
+from torch.distributed.tensor import Partial, Replicate, Shard
+
+from ndfunc._src.partition.planning.layout import MANUAL, Layout, local_shape
+
+COLLECTIVES = ("all_gather", "all_reduce", "reduce_scatter", "all_to_all")
+
+
+@dataclasses.dataclass(frozen=True)
+class Step:
+    kind: str  # 'all_gather' | 'all_reduce' | 'reduce_scatter' | 'all_to_all' | 'slice'
+    axis: int  # partitioned mesh axis
+    dim: int | None  # tensor dim gathered, scattered or sliced; of an all-to-all, the one split
+    reduce_op: str | None
+    in_shape: tuple[int, ...]
+    out_shape: tuple[int, ...]
+    size: int  # ranks along the axis
+    joined: int | None = None  # of an all-to-all, the dim whose blocks are joined
+
+    def moved_bytes(self, itemsize: int) -> float:
+        """Bytes each rank sends (ring algorithms)."""
+        n = self.size
+        if self.kind == "all_reduce":
+            return 2 * (n - 1) / n * math.prod(self.in_shape) * itemsize
+        if self.kind == "all_gather":
+            return (n - 1) / n * math.prod(self.out_shape) * itemsize
+        if self.kind in ("reduce_scatter", "all_to_all"):
+            return (n - 1) / n * math.prod(self.in_shape) * itemsize
+        return 0.0
+
+    def value_bytes(self, itemsize: int) -> int:
+        """The size of the value it is about: the gathered whole, the reduced or exchanged input."""
+        return math.prod(self.out_shape if self.kind == "all_gather" else self.in_shape) * itemsize
+
+
+def plan(src: Layout, dst: Layout, shape: Sequence[int], sizes: Sequence[int], swaps: bool = True) -> list[Step] | None:
+    """The steps turning a value of global `shape` from `src` into `dst`; None if impossible.
+    Without `swaps`, a split moves between dims by a gather and a slice (no all-to-all)."""
+    if src == dst:
+        return []
+    if MANUAL in (src, dst):
+        return None  # a region's values leave it only through its exit
+    k = len(src)
+    for s, d in zip(src, dst):
+        if isinstance(d, Partial) and s != d:
+            return None
+    cur = list(src)
+    swap = {m for m in range(k) if swaps and _swaps_alone(src, dst, m)}
+    gather = {m for m in range(k) if isinstance(cur[m], Shard) and dst[m] != cur[m] and m not in swap}
+    grown = True
+    while grown:
+        grown = False
+        for m in range(k):
+            dims = set()
+            if m in gather:
+                dims.add(cur[m].dim)
+            if isinstance(dst[m], Shard) and cur[m] != dst[m]:
+                dims.add(dst[m].dim)
+            for later in range(m + 1, k):
+                if later not in gather and isinstance(cur[later], Shard) and cur[later].dim in dims:
+                    gather.add(later)
+                    grown = True
+    steps = []
+    now = local_shape(shape, tuple(cur), sizes)
+    for m in sorted(gather, reverse=True):
+        d = cur[m].dim
+        out = now[:d] + (now[d] * sizes[m],) + now[d + 1:]
+        steps.append(Step("all_gather", m, d, None, now, out, sizes[m]))
+        cur[m], now = Replicate(), out
+    for m in range(k):
+        if cur[m] == dst[m]:
+            continue
+        if m in swap:
+            a, d = cur[m].dim, dst[m].dim
+            out = list(now)
+            out[a], out[d] = now[a] * sizes[m], now[d] // sizes[m]
+            steps.append(Step("all_to_all", m, d, None, now, tuple(out), sizes[m], joined=a))
+            now = tuple(out)
+        elif isinstance(cur[m], Partial):
+            op = cur[m].reduce_op
+            if isinstance(dst[m], Replicate):
+                steps.append(Step("all_reduce", m, None, op, now, now, sizes[m]))
+            else:
+                d = dst[m].dim
+                out = now[:d] + (now[d] // sizes[m],) + now[d + 1:]
+                steps.append(Step("reduce_scatter", m, d, op, now, out, sizes[m]))
+                now = out
+        else:  # Replicate -> Shard
+            d = dst[m].dim
+            out = now[:d] + (now[d] // sizes[m],) + now[d + 1:]
+            steps.append(Step("slice", m, d, None, now, out, sizes[m]))
+            now = out
+        cur[m] = dst[m]
+    return steps
+
+
+def _swaps_alone(src: Layout, dst: Layout, m: int) -> bool:
+    """Whether axis `m` moves its split between two dims that no other axis splits, before or after."""
+    if not (type(src[m]) is Shard and type(dst[m]) is Shard and src[m].dim != dst[m].dim):
+        return False
+    dims = {src[m].dim, dst[m].dim}
+    return not any(isinstance(p, Shard) and p.dim in dims
+                   for j in range(len(src)) if j != m for p in (src[j], dst[j]))
+
+
+ALPHA = 4096.0  # a collective's fixed cost, in bytes-worth: between plans moving about as much, fewer calls
+SLICE = 0.01  # a local slice copies its block: cheap, not free (values stay where they are made)
+
+
+def cost(src: Layout, dst: Layout, shape: Sequence[int], sizes: Sequence[int], itemsize: int) -> float:
+    """What the partitioner pays for a layout change (a move between dims: as a gather and a slice)."""
+    steps = plan(src, dst, shape, sizes, swaps=False)
+    if steps is None:
+        return float("inf")
+    return sum(s.moved_bytes(itemsize) + (ALPHA if s.kind in COLLECTIVES else
+                                          SLICE * math.prod(s.out_shape) * itemsize) for s in steps)

@@ -1,0 +1,507 @@
+"""Choose a strategy for every node of a traced step, for the whole graph at once.
+
+The cost of a choice is what its collectives move (alpha-beta: `redistribute.cost`), summed over
+every place a value must change layout for a consumer, plus each node's floating-point work on one
+rank (divided by the mesh axes its strategy splits, in bytes-worth: `FLOPS_PER_BYTE`). A value
+needed in one layout by several consumers moves once (a forward all-gather serves the backward
+too), so costs are not a sum over edges and a choice made op by op is not enough: the DP step would
+all-reduce a gradient for Adam's first moment and again for its second.
+
+The search, from two greedy starts in program order (one pricing a layout change at its cost, one
+also at the cost of undoing it), keeping the cheaper end: single-node moves against all neighbours until
+none lowers the total (a changed node puts its neighbours back on the worklist); then, where data
+still moves, moves of many nodes at once - give a moved value another layout for all its consumers,
+or change its producer - each followed by choosing again everything downstream that now prefers
+another strategy, kept if the total fell. Inputs and `with_sharding_constraint` nodes have one
+candidate; requested output layouts are extra consumers; an output left to the partitioner only
+has to end without a pending sum.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import math
+import operator
+from collections import deque
+
+import torch
+from torch.distributed.tensor import Partial, Replicate
+
+from ndfunc._src.partition.planning import redistribute
+from ndfunc._src.partition.planning.flops import node_flops
+from ndfunc._src.partition.planning.layout import MANUAL, Layout, replicated
+from ndfunc._src.partition.planning.ops import candidates
+from ndfunc._src.partition.planning.strategies import (
+    Strategy,
+    tensor_inputs,
+    tensor_outputs,
+    value_of,
+)
+
+Value = tuple  # (producing node, output index)
+FLOPS_PER_BYTE = 100.0  # floating-point work worth one byte sent (CPU-like; GPUs compute more per byte)
+EPS = 1e-6
+
+
+def finished(layout: Layout) -> Layout:
+    """`layout` with pending sums reduced (what a free output becomes)."""
+    return tuple(Replicate() if isinstance(p, Partial) else p for p in layout)
+
+
+@dataclasses.dataclass
+class Plan:
+    sizes: tuple[int, ...]
+    strategy: dict  # node -> Strategy
+    outputs: list  # per graph output leaf: (Value, final layout)
+    cost: float
+
+    def out_layout(self, v: Value) -> Layout:
+        return self.strategy[v[0]].outs[v[1]]
+
+
+_TRANSITIONS: dict = {}  # (shape, itemsize, src, dst, sizes) -> cost, shared by every problem
+
+
+class Problem:
+    """The graph as integers: nodes, values and layouts are indices, so the search hashes ints."""
+
+    def __init__(self, graph: torch.fx.Graph, sizes: tuple[int, ...], input_layouts: list[Layout],
+                 output_layouts: list[Layout | None]):
+        self.sizes = sizes
+        self.nodes: list[torch.fx.Node] = []
+        self.strategies: list[list[Strategy]] = []
+        self.c_ins: list[list[tuple]] = []  # node -> candidate -> layout id per input slot
+        self.c_outs: list[list[tuple]] = []  # node -> candidate -> layout id (or None) per output
+        self.c_work: list[list[float]] = []  # node -> candidate -> compute cost
+        self.min_work: list[float] = []
+        self.by_ins: list[dict] = []  # node -> input layouts -> candidates taking them so
+        self.inputs: list[list[int]] = []  # node -> value id per input slot
+        self.values: list[tuple[int, int]] = []  # value id -> (node id, output index)
+        self.value_ids: dict[tuple[int, int], int] = {}
+        self.value_meta: list[tuple] = []  # value id -> (shape, itemsize)
+        self.consumers: list[list[tuple[int, int]]] = []  # value id -> (node id, slot)
+        self.final: dict[int, list[int | None]] = {}  # value id -> requested layout ids (None: free)
+        self.layouts: list[Layout] = []
+        self.layout_ids: dict[Layout, int] = {}
+        self._costs: dict = {}
+        self._as_ids: dict = {}  # id(candidate list) -> (the list, c_ins, c_outs, by_ins, work by flops)
+        self._best: dict = {}  # a node's situation -> its best candidate (see `best`)
+        self.wary = False
+        node_ids: dict[torch.fx.Node, int] = {}
+        placeholders = iter(input_layouts)
+        for node in graph.nodes:
+            if node.op == "placeholder":
+                self._add_node(node, node_ids, [Strategy((next(placeholders),), ())], [], [node.meta["val"]], 0)
+            elif node.op == "get_attr" and isinstance(node.meta.get("val"), torch.Tensor):
+                # a tensor the step closed over: every rank holds it whole, as a factory's result
+                self._add_node(node, node_ids, [Strategy((replicated(len(sizes)),), ())], [], [node.meta["val"]], 0)
+            elif node.op == "call_function":
+                if node.target is operator.getitem and isinstance(node.args[0].meta.get("val"), (tuple, list)):
+                    continue
+                ins = [self._value(value_of(a), node_ids) for a in tensor_inputs(node)]
+                self._add_node(node, node_ids, candidates(node, sizes), ins, tensor_outputs(node), node_flops(node))
+            elif node.op == "output":
+                self.output_values = [self._value(value_of(a), node_ids) for a in node.args[0]]
+                self.requested = list(output_layouts)
+                for v, lay in zip(self.output_values, output_layouts):
+                    self.final.setdefault(v, []).append(None if lay is None else self._layout(lay))
+        self.finished = {}
+        self.repeated = [len(set(ins)) < len(ins) for ins in self.inputs]  # a value in two slots
+        self.out_ids = [[self.value_ids.get((n, j)) for j in range(len(self.c_outs[n][0]))]
+                        for n in range(len(self.nodes))]
+        # what consumers with a single candidate want never changes
+        self.fixed_wants = [{self.c_ins[m][0][slot] for m, slot in self.consumers[v] if len(self.c_ins[m]) == 1}
+                            for v in range(len(self.values))]
+
+    def _layout(self, lay: Layout) -> int:
+        i = self.layout_ids.get(lay)
+        if i is None:
+            i = self.layout_ids[lay] = len(self.layouts)
+            self.layouts.append(lay)
+        return i
+
+    def _value(self, v: Value, node_ids) -> int:
+        return self.value_ids[(node_ids[v[0]], v[1])]
+
+    def _add_node(self, node, node_ids, strategies, ins, outs, flops) -> None:
+        n = node_ids[node] = len(self.nodes)
+        self.nodes.append(node)
+        self.strategies.append(strategies)
+        # candidates come cached per op signature: identical layers share their lists, and so
+        # their layouts as ids
+        known = self._as_ids.get(id(strategies))
+        if known is None or known[0] is not strategies:
+            c_ins = [tuple(self._layout(lay) for lay in s.ins) for s in strategies]
+            c_outs = [tuple(None if lay is None else self._layout(lay) for lay in s.outs) for s in strategies]
+            by_ins: dict = {}
+            for i, layouts in enumerate(c_ins):
+                by_ins.setdefault(layouts, []).append(i)
+            known = self._as_ids[id(strategies)] = (strategies, c_ins, c_outs, by_ins, {})
+        _, c_ins, c_outs, by_ins, work = known
+        self.c_ins.append(c_ins)
+        self.c_outs.append(c_outs)
+        if flops not in work:
+            work[flops] = [self._work(s, flops) for s in strategies]
+        self.c_work.append(work[flops])
+        self.min_work.append(min(self.c_work[-1]))
+        self.by_ins.append(by_ins)
+        self.inputs.append(ins)
+        for slot, v in enumerate(ins):
+            self.consumers[v].append((n, slot))
+        for j, t in enumerate(outs):
+            if t is not None:
+                v = self.value_ids[(n, j)] = len(self.values)
+                self.values.append((n, j))
+                self.value_meta.append((tuple(t.shape), t.element_size()))
+                self.consumers.append([])
+
+    def _work(self, s: Strategy, flops: int) -> float:
+        """Work on one rank, in bytes-worth: divided over each mesh axis the strategy splits or
+        leaves partial, whole on axes where all its values are replicated."""
+        if not flops:
+            return 0.0
+        split = 1
+        for m, n in enumerate(self.sizes):
+            if any(lay is not None and (lay == MANUAL or not isinstance(lay[m], Replicate)) for lay in s.ins + s.outs):
+                split *= n
+        return flops / split / FLOPS_PER_BYTE
+
+    # --- costs ---------------------------------------------------------------------------------
+    def tcost(self, v: int, a: int, b: int) -> float:
+        if a == b:
+            return 0.0
+        key = (v, a, b)
+        c = self._costs.get(key)
+        if c is None:
+            shape, itemsize = self.value_meta[v]
+            full = (shape, itemsize, self.layouts[a], self.layouts[b], self.sizes)
+            c = _TRANSITIONS.get(full)
+            if c is None:
+                c = _TRANSITIONS[full] = redistribute.cost(self.layouts[a], self.layouts[b], shape, self.sizes, itemsize)
+            self._costs[key] = c
+        return c
+
+    def finish(self, lay: int) -> int:
+        f = self.finished.get(lay)
+        if f is None:
+            f = self.finished[lay] = self._layout(finished(self.layouts[lay]))
+        return f
+
+    def out_layout(self, v: int, choice: list) -> int | None:
+        n, j = self.values[v]
+        return self.c_outs[n][choice[n]][j]
+
+    def demands(self, v: int, choice: list, skip: int = -1, forward: bool = False) -> set:
+        """Layouts `v` must take for its decided consumers (except `skip`; `forward`: only those
+        that cannot change)."""
+        out = set()
+        for m, slot in self.consumers[v]:
+            if m != skip and choice[m] >= 0 and not (forward and len(self.c_ins[m]) > 1):
+                out.add(self.c_ins[m][choice[m]][slot])
+        return out
+
+    def output_cost(self, v: int, lay: int) -> float:
+        wants = self.final.get(v)
+        if not wants:
+            return 0.0
+        return sum(self.tcost(v, lay, self.finish(lay) if w is None else w) for w in set(wants))
+
+    def value_cost(self, v: int, choice: list) -> float:
+        lay = self.out_layout(v, choice)
+        if lay is None:
+            return 0.0
+        return sum(self.tcost(v, lay, w) for w in self.demands(v, choice)) + self.output_cost(v, lay)
+
+    def local_cost(self, n: int, i: int, choice: list, forward: bool = False) -> float:
+        """Cost terms that depend on node `n` taking candidate `i`, given every other node's
+        (`forward`: consumers that can change, and siblings, are being chosen again after it)."""
+        total = self.c_work[n][i]
+        ins = self.c_ins[n][i]
+        inputs = self.inputs[n]
+        repeated = self.repeated[n]
+        for slot, v in enumerate(inputs):
+            p, j = self.values[v]
+            cp = choice[p]
+            if cp < 0:
+                continue
+            want = ins[slot]
+            if repeated and any(inputs[s] == v and ins[s] == want for s in range(slot)):
+                continue  # the same value, wanted the same way by another slot: already paid
+            if not forward and want in self.demands(v, choice, skip=n):
+                continue
+            have = self.c_outs[p][cp][j]
+            if want != have:
+                total += self.tcost(v, have, want)
+                if self.wary:  # and what undoing it would cost
+                    total += self.tcost(v, want, self.finish(have))
+        for v, lay in zip(self.out_ids[n], self.c_outs[n][i]):
+            if lay is None or v is None:
+                continue
+            wants = self.fixed_wants[v] if forward else self.demands(v, choice)
+            for want in wants:
+                if want != lay:
+                    total += self.tcost(v, lay, want)
+            if v in self.final:
+                total += self.output_cost(v, lay)
+        return total
+
+    def best(self, n: int, choice: list, forward: bool = False) -> int:
+        """The candidate of node `n` with the least `local_cost`, keeping the current one on ties.
+
+        Remembered by what the answer depends on (the candidate list, the neighbours' layouts,
+        the moved values' shapes): the nodes of identical layers are answered once."""
+        if len(self.c_ins[n]) == 1:
+            return 0
+        key = self._situation(n, choice, forward)
+        i = self._best.get(key)
+        if i is None:
+            i = self._best[key] = self._best_uncached(n, choice, forward)
+        return i
+
+    def _situation(self, n: int, choice: list, forward: bool) -> tuple:
+        """Everything `local_cost(n, ., choice, forward)` reads, for every candidate."""
+        ins = []
+        for v in self.inputs[n]:
+            p, j = self.values[v]
+            have = self.c_outs[p][choice[p]][j] if choice[p] >= 0 else -1
+            others = None if forward else frozenset(self.demands(v, choice, skip=n))
+            ins.append((v, have, others, self.value_meta[v]))
+        if self.repeated[n]:  # which slots read the same value matters; which value, no more
+            first = {v: slot for slot, (v, *_) in reversed(list(enumerate(ins)))}
+            ins = [(first[v], *rest) for v, *rest in ins]
+        else:
+            ins = [tuple(rest) for _, *rest in ins]
+        outs = []
+        for v in self.out_ids[n]:
+            if v is None:
+                outs.append(None)
+                continue
+            wants = self.fixed_wants[v] if forward else self.demands(v, choice)
+            final = self.final.get(v)
+            outs.append((frozenset(wants), frozenset(final) if final else None, self.value_meta[v]))
+        return (id(self.c_work[n]), choice[n], forward, self.wary, tuple(ins), tuple(outs))
+
+    def _best_uncached(self, n: int, choice: list, forward: bool) -> int:
+        count = len(self.c_ins[n])
+        current = choice[n]
+        if current >= 0 and self.local_cost(n, current, choice, forward) <= self.min_work[n] + EPS:
+            return current  # nothing moves and the work is the least there is: no candidate does better
+        options = range(count)
+        if forward:  # downstream of a change: follow the inputs as they now are, if a candidate can
+            have = []
+            for v in self.inputs[n]:
+                p, j = self.values[v]
+                have.append(self.c_outs[p][choice[p]][j] if choice[p] >= 0 else None)
+            following = self.by_ins[n].get(tuple(have))
+            if following:
+                options = following if current < 0 or current in following else following + [current]
+        costs = {i: self.local_cost(n, i, choice, forward) for i in options}
+        best = min(options, key=costs.__getitem__)
+        if current >= 0 and costs[current] <= costs[best] + EPS:
+            return current  # keep on ties: the search only moves downhill
+        return best
+
+    def out_values(self, n: int) -> list[int]:
+        return [v for j in range(len(self.c_outs[n][0])) if (v := self.value_ids.get((n, j))) is not None]
+
+    def neighbours(self, n: int) -> set:
+        out = set()
+        for v in self.inputs[n]:
+            out.add(self.values[v][0])
+            out.update(m for m, _ in self.consumers[v])
+        for v in self.out_values(n):
+            out.update(m for m, _ in self.consumers[v])
+        out.discard(n)
+        return out
+
+    def total(self, choice: list) -> float:
+        return sum(self.c_work[n][choice[n]] for n in range(len(self.nodes))) + sum(
+            self.value_cost(v, choice) for v in range(len(self.values)))
+
+    # --- search --------------------------------------------------------------------------------
+    def solve(self) -> Plan:
+        """The cheaper of two searches, from two greedy starts: one pricing each layout change at
+        its cost, one also at the cost of undoing it (a value split to save a reduction will likely
+        be gathered again: the Megatron choice of keeping activations whole); then moves of many
+        nodes at once from the better."""
+        N = len(self.nodes)
+        choice = min((self._search(wary) for wary in (False, True)), key=self.total)
+        self._improve_together(choice)  # the costly part: on the better start only
+        strategy = {self.nodes[n]: self.strategies[n][choice[n]] for n in range(N)}
+        outputs = []
+        for v, want in zip(self.output_values, self.requested):
+            n, j = self.values[v]
+            value = (self.nodes[n], j)
+            outputs.append((value, finished(strategy[value[0]].outs[j]) if want is None else want))
+        return Plan(self.sizes, strategy, outputs, self.total(choice))
+
+    def _search(self, wary: bool, max_rounds: int = 50) -> list:
+        N = len(self.nodes)
+        choice = [-1] * N
+        self.wary = wary
+        for n in range(N):  # greedy, in program order
+            choice[n] = self.best(n, choice)
+        self.wary = False
+        work = deque(n for n in range(N) if len(self.c_ins[n]) > 1)
+        queued = set(work)
+        budget = max_rounds * N
+        while work and budget > 0:
+            budget -= 1
+            n = work.popleft()
+            queued.discard(n)
+            b = self.best(n, choice)
+            if b != choice[n]:
+                choice[n] = b
+                for m in self.neighbours(n):
+                    if m not in queued and len(self.c_ins[m]) > 1:
+                        work.append(m)
+                        queued.add(m)
+        return choice
+
+    def _improve_together(self, choice: list, rounds: int = 8) -> None:
+        """Where data still moves, try moves of many nodes at once. (Adam reads a gradient in four
+        places: reduce-scattering it instead of all-reducing it pays only if all four change
+        together, and what they feed.) After the first round, only around what the last changed."""
+        changed: set | None = None
+        for _ in range(rounds):
+            touched: set = set()
+            sources_tried: set = set()  # a pending sum feeds several reductions: its producer is tried once
+            for v in range(len(self.values)):
+                cost = self.value_cost(v, choice)
+                if cost <= 0 or (changed is not None and not self._near(v, changed)):
+                    continue
+                moves = [self._redirect(v, lay, choice) for lay in self._layouts_for(v, choice)]
+                moves += self._producer_moves(v, choice, below=cost)
+                for u in self._pending_sources(v, choice):
+                    moves.append(self._redirect(u, self.finish(self.out_layout(u, choice)), choice))
+                    # or make the sum pending no more: moving something smaller than v instead
+                    if u not in sources_tried and self._reads_less_than(u, v):
+                        sources_tried.add(u)
+                        moves += self._producer_moves(u, choice)
+                delta, changes = min(moves, key=lambda m: m[0], default=(0.0, None))
+                if changes is not None and delta < -EPS:
+                    for n, i in changes.items():
+                        choice[n] = i
+                    touched.update(changes)
+            if not touched:
+                return
+            changed = touched
+
+    def _bytes(self, v: int) -> int:
+        shape, itemsize = self.value_meta[v]
+        return math.prod(shape) * itemsize
+
+    def _reads_less_than(self, u: int, v: int) -> bool:
+        """Whether the op making `u` reads a value smaller than `v` (a head's weight, next to its
+        logits): only then can changing it spare `v`'s reduction for less."""
+        return any(self._bytes(w) < self._bytes(v) for w in self.inputs[self.values[u][0]])
+
+    def _pending_sources(self, v: int, choice: list, depth: int = 3) -> list[int]:
+        """Values upstream of `v` that carry the same pending sum (a few ops back): reducing
+        there once may spare several reductions after. (RMSNorm's backward splits a partial
+        gradient into two terms, each reduced; reducing the gradient before the split takes one.)"""
+        found, frontier = [], [v]
+        for _ in range(depth):
+            step = []
+            for w in frontier:
+                for u in self.inputs[self.values[w][0]]:
+                    lay = self.out_layout(u, choice)
+                    if lay is not None and lay != self.finish(lay) and u not in found:
+                        found.append(u)
+                        step.append(u)
+            frontier = step
+        return found
+
+    def _near(self, v: int, changed: set) -> bool:
+        n = self.values[v][0]
+        return n in changed or any(m in changed for m, _ in self.consumers[v]) or any(
+            self.values[u][0] in changed for u in self.inputs[n])
+
+    def _layouts_for(self, v: int, choice: list) -> list[int]:
+        """The layouts, other than those wanted now, that some consumer of `v` could take it in
+        and that are cheapest to reach (a few per mesh axis: dearer ones rarely pay)."""
+        lays = set()
+        for m, slot in self.consumers[v]:
+            if len(self.c_ins[m]) > 1:
+                lays.update(ins[slot] for ins in self.c_ins[m])
+        have = self.out_layout(v, choice)
+        ranked = sorted(lays - self.demands(v, choice), key=lambda lay: (self.tcost(v, have, lay), lay))
+        return ranked[:len(self.sizes) + 2]
+
+    def _redirect(self, v: int, lay: int, choice: list) -> tuple[float, dict | None]:
+        old: dict = {}
+        for m, slot in self.consumers[v]:
+            if len(self.c_ins[m]) == 1 or self.c_ins[m][choice[m]][slot] == lay:
+                continue
+            options = [i for i, ins in enumerate(self.c_ins[m]) if ins[slot] == lay]
+            if not options:
+                continue
+            old.setdefault(m, choice[m])
+            choice[m] = min(options, key=lambda i: self.local_cost(m, i, choice, forward=True))
+        if not old:
+            return 0.0, None
+        return self._settle(old, choice)
+
+    def _producer_moves(self, v: int, choice: list, below: float | None = None) -> list:
+        """Change the producer of `v` to make it in another layout (the best candidate per layout);
+        `below`: only layouts from which its consumers (and a requested result layout) are reached
+        for less than that."""
+        n, j = self.values[v]
+        if len(self.c_ins[n]) == 1:
+            return []
+        by_layout: dict[int, int] = {}
+        current = self.c_outs[n][choice[n]][j]
+        for i, outs in enumerate(self.c_outs[n]):
+            if outs[j] is None or outs[j] == current:
+                continue
+            if outs[j] not in by_layout or self.local_cost(n, i, choice, True) < self.local_cost(
+                    n, by_layout[outs[j]], choice, True):
+                by_layout[outs[j]] = i
+        demands = self.demands(v, choice)
+        ranked = sorted(((sum(self.tcost(v, lay, w) for w in demands) + self.output_cost(v, lay), lay, i)
+                         for lay, i in by_layout.items()))
+        moves = []
+        for reach, _, i in ranked[:len(self.sizes) + 2]:
+            if below is not None and reach >= below:
+                break
+            old = {n: choice[n]}
+            choice[n] = i
+            moves.append(self._settle(old, choice))
+        return moves
+
+    def _settle(self, old: dict, choice: list, limit: int = 64) -> tuple[float, dict]:
+        """Choose again what lies downstream of the nodes in `old` (already changed in `choice`),
+        measure the change in total cost, restore `choice`; return (delta, the new choices)."""
+        heap = [m for n in list(old) for v in self.out_values(n) for m, _ in self.consumers[v]]
+        heapq.heapify(heap)
+        seen = set(old)
+        while heap and len(old) < limit:
+            m = heapq.heappop(heap)
+            if m in seen or len(self.c_ins[m]) == 1:
+                continue
+            seen.add(m)
+            b = self.best(m, choice, forward=True)
+            if b != choice[m]:
+                old.setdefault(m, choice[m])
+                choice[m] = b
+                for v in self.out_values(m):
+                    for m2, _ in self.consumers[v]:
+                        heapq.heappush(heap, m2)
+        values = set()
+        for m in old:
+            values.update(self.inputs[m])
+            values.update(self.out_values(m))
+        after = sum(self.value_cost(v, choice) for v in values) + sum(self.c_work[m][choice[m]] for m in old)
+        new = {m: choice[m] for m in old}
+        for m, i in old.items():
+            choice[m] = i
+        before = sum(self.value_cost(v, choice) for v in values) + sum(self.c_work[m][choice[m]] for m in old)
+        return after - before, new
+
+
+def partition(graph: torch.fx.Graph, sizes: tuple[int, ...], input_layouts: list[Layout],
+              output_layouts: list[Layout | None]) -> Plan:
+    """Pick a strategy for every node; outputs end in `output_layouts` (None: the partitioner's
+    choice, without pending sums)."""
+    return Problem(graph, sizes, input_layouts, output_layouts).solve()

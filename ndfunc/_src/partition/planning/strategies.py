@@ -1,0 +1,236 @@
+"""Strategies from DTensor's own sharding rules, and the local form of an op's arguments.
+
+A `Strategy` says, for one way of running a node on the mesh, the layout of each tensor output and
+the layout each tensor input must arrive in. DTensor registers rules two ways and we read both:
+single-dim rules (placements valid along one mesh axis; we take their product over the axes) and
+full op strategies (called with every layout each input could have). What ndfunc adds to them
+(its own ops, attention, the rules it corrects) is in the op registry, `ndfunc._src.partition.planning.ops`,
+which asks here for the rest.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+import operator
+from collections.abc import Sequence
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Partial, Replicate, Shard
+
+from ndfunc._src.partition.planning.layout import Layout, all_layouts, replicated
+from ndfunc._src.torch_compat import (
+    DTensorSpec,
+    OpSchema,
+    OpSpec,
+    OpStrategy,
+    TensorMeta,
+    TupleStrategy,
+    pytree,
+    shape_only_device_mesh,
+)
+from ndfunc._src.torch_compat import sharding_propagator as propagator
+
+aten = torch.ops.aten
+
+
+@dataclasses.dataclass(frozen=True)
+class Strategy:
+    outs: tuple[Layout | None, ...]  # per tensor output (None: an output the op leaves empty)
+    ins: tuple[Layout, ...]  # per tensor input, in `tensor_inputs` order
+
+
+class NoStrategy(Exception):
+    """DTensor has no sharding rule for this op (and ndfunc adds none)."""
+
+
+@functools.cache
+def planning_mesh(sizes: tuple[int, ...]) -> DeviceMesh:
+    """A DeviceMesh of `sizes` with no process group: strategies need only its shape."""
+    return shape_only_device_mesh(sizes)
+
+
+def tensor_inputs(node: torch.fx.Node) -> list[torch.fx.Node]:
+    """The node's tensor-valued inputs, in the order DTensor's OpSchema lists them."""
+    leaves = pytree.tree_leaves((node.args, node.kwargs))
+    return [a for a in leaves if isinstance(a, torch.fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)]
+
+
+def value_of(arg: torch.fx.Node) -> tuple:
+    """The value an fx argument refers to, `(node, output index)`: a getitem of a multi-output
+    node is (node, i)."""
+    if arg.op == "call_function" and arg.target is operator.getitem and isinstance(
+            arg.args[0].meta.get("val"), (tuple, list)):
+        return (arg.args[0], arg.args[1])
+    return (arg, 0)
+
+
+def tensor_outputs(node: torch.fx.Node) -> list[torch.Tensor | None]:
+    val = node.meta.get("val")
+    if isinstance(val, torch.Tensor):
+        return [val]
+    if isinstance(val, (tuple, list)):
+        return [v if isinstance(v, torch.Tensor) else None for v in val]
+    return []
+
+
+def _meta(t: torch.Tensor) -> TensorMeta:
+    return TensorMeta(t.shape, t.stride(), t.dtype)
+
+
+def signature(node: torch.fx.Node) -> tuple:
+    """What a node's strategies depend on: its op, its tensors' shapes and dtypes, other args."""
+    leaves, spec = pytree.tree_flatten((node.args, node.kwargs))
+    key = []
+    for a in leaves:
+        if isinstance(a, torch.fx.Node):
+            v = a.meta.get("val")
+            key.append((tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else ("N", repr(v)))
+        else:
+            key.append(a if isinstance(a, (int, float, bool, str, type(None))) else repr(a))
+    return (node.target, str(spec), tuple(key))
+
+
+def from_dtensor(node: torch.fx.Node, ins: list, outs: list, sizes: tuple[int, ...]) -> list[Strategy] | None:
+    """DTensor's strategies for `node` (a factory with no tensor input: built replicated); None if
+    DTensor has no rule for its op."""
+    op = node.target
+    if not ins:
+        return [Strategy(tuple(None if o is None else replicated(len(sizes)) for o in outs), ())]
+    if op in propagator().op_single_dim_strategy_funcs:
+        return _from_single_dim(node, ins, outs, sizes)
+    if op in propagator().op_strategy_funcs:
+        return from_op_strategy(node, ins, outs, sizes)
+    return None
+
+
+def _placeholder_to_shard(p):
+    if p is None or isinstance(p, (Replicate, Partial, Shard)):
+        return p
+    return Shard(p.dim)  # DTensor's _ShardingPlaceholder
+
+
+def _from_single_dim(node, ins, outs, sizes) -> list[Strategy]:
+    info = propagator().op_single_dim_strategy_funcs[node.target]
+    args, kwargs = pytree.tree_map_only(torch.fx.Node, lambda a: _meta(a.meta["val"]) if isinstance(
+        a.meta.get("val"), torch.Tensor) else a.meta.get("val"), (node.args, node.kwargs))
+    try:
+        rules = info.func(node.target, tuple(args), kwargs)
+    except Exception as e:  # noqa: BLE001 - a rule that cannot handle these arguments has none
+        raise NoStrategy(node.target) from e
+    width = len(ins) + len(outs)
+    rules = [[_placeholder_to_shard(p) for p in r] for r in rules if len(r) == width]
+    all_replicate = [None if o is None else Replicate() for o in outs] + [Replicate()] * len(ins)
+    if all_replicate not in rules:
+        rules.insert(0, all_replicate)
+    found = []
+    for combo in itertools.product(rules, repeat=len(sizes)):
+        cols = list(zip(*combo))  # per tensor: its placement on each mesh axis
+        out_lays = tuple(None if o is None else tuple(cols[i]) for i, o in enumerate(outs))
+        in_lays = tuple(tuple(c) for c in cols[len(outs):])
+        found.append(Strategy(out_lays, in_lays))
+    return found
+
+
+def from_op_strategy(node, ins, outs, sizes) -> list[Strategy]:
+    """DTensor's full op strategies expect each input to arrive in one layout (they follow it).
+    Ask once per layout of each input, the others replicated, and pool the answers."""
+    found: list[Strategy] = []
+    errors = []
+    for i, a in enumerate(ins):
+        for lay in all_layouts(tuple(a.meta["val"].shape), sizes):
+            given = [replicated(len(sizes))] * len(ins)
+            given[i] = lay
+            try:
+                found += _ask(node, given, len(outs), sizes)
+            except Exception as e:  # noqa: BLE001 - a layout the rule rejects has no strategy
+                errors.append(e)
+    if not found:
+        raise NoStrategy(node.target) from (errors[0] if errors else None)
+    return found
+
+
+def _ask(node, given: list[Layout], n_outs: int, sizes) -> list[Strategy]:
+    mesh = planning_mesh(sizes)
+    layouts = iter(given)
+
+    def strategy_for(a: torch.fx.Node):
+        return OpStrategy([OpSpec(DTensorSpec(mesh, next(layouts), tensor_meta=_meta(a.meta["val"])))])
+
+    args, kwargs = pytree.tree_map_only(torch.fx.Node, lambda a: strategy_for(a) if isinstance(
+        a.meta.get("val"), torch.Tensor) else a.meta.get("val"), (node.args, node.kwargs))
+
+    def tuples(a):  # a list of tensors is one TupleStrategy, as DTensor's rules expect
+        if isinstance(a, (list, tuple)) and a and all(isinstance(x, OpStrategy) for x in a):
+            return TupleStrategy(tuple(a))
+        return a
+
+    schema = OpSchema(node.target, tuple(tuples(a) for a in args), {k: tuples(v) for k, v in kwargs.items()},
+                      schema_info=propagator().op_to_schema_info.get(node.target))
+    result = propagator().op_strategy_funcs[node.target](schema)
+    if not isinstance(result, OpStrategy):
+        raise NoStrategy(node.target)
+    found = []
+    n_ins = len(given)
+    for spec in result.strategies:
+        out_specs = spec.output_specs
+        out_specs = out_specs if isinstance(out_specs, (tuple, list)) else (out_specs,) * max(n_outs, 1)
+        out_lays = tuple(None if s is None else tuple(s.placements) for s in out_specs)[:n_outs]
+        in_specs = spec.input_specs if spec.input_specs is not None else (spec.output_spec,) * n_ins
+        found.append(Strategy(out_lays, tuple(tuple(s.placements) for s in in_specs)))
+    return found
+
+
+def needs_local_args(op) -> bool:
+    """Whether DTensor rewrites this op's non-tensor arguments (shapes) for local blocks."""
+    p = propagator()
+    return op in p.op_to_shape_and_stride_idx or op in p.op_to_scalar_shape_adjuster or op in p.squeeze_op_to_dims_variant
+
+
+def local_args(node: torch.fx.Node, in_layouts: Sequence[Layout], sizes: tuple[int, ...]):
+    """`(op, args, kwargs)` for the node's local op: shapes rewritten to local blocks by DTensor's
+    propagator, as its dispatcher would (squeeze may become squeeze.dims). Tensor inputs stay fx
+    Nodes."""
+    if not needs_local_args(node.target):
+        return node.target, node.args, node.kwargs
+    key = (signature(node), tuple(in_layouts), sizes)
+    if key not in _LOCAL_ARGS:
+        _LOCAL_ARGS[key] = _local_args(node, in_layouts, sizes)
+    op, args, kwargs = _LOCAL_ARGS[key]
+    nodes = tensor_inputs(node)
+    return op, *pytree.tree_map_only(_Slot, lambda s: nodes[s.index], (args, kwargs))
+
+
+class _Slot:
+    """Where the i-th tensor input goes in a cached argument template."""
+
+    def __init__(self, index: int):
+        self.index = index
+
+
+_LOCAL_ARGS: dict = {}
+
+
+def _local_args(node: torch.fx.Node, in_layouts: Sequence[Layout], sizes: tuple[int, ...]):
+    mesh = planning_mesh(sizes)
+    layouts = iter(in_layouts)
+    args, kwargs = pytree.tree_map_only(torch.fx.Node, lambda a: DTensorSpec(
+        mesh, next(layouts), tensor_meta=_meta(a.meta["val"])) if isinstance(a.meta.get("val"), torch.Tensor)
+        else a.meta.get("val"), (node.args, node.kwargs))
+    schema = OpSchema(node.target, tuple(args), kwargs,
+                      schema_info=propagator().op_to_schema_info.get(node.target))
+    sharding = propagator().propagate_op_sharding_non_cached(schema)
+    slots = iter(range(len(in_layouts)))
+    if not sharding.use_val_from_redistribute_schema or sharding.redistribute_schema is None:
+        new_op, args, kwargs = node.target, node.args, node.kwargs
+        is_tensor = lambda x: isinstance(x, torch.fx.Node) and isinstance(x.meta.get("val"), torch.Tensor)  # noqa: E731
+    else:
+        new = sharding.redistribute_schema
+        new_op, args, kwargs = new.op, tuple(new.args_schema), dict(new.kwargs_schema)
+        is_tensor = lambda x: isinstance(x, DTensorSpec)  # noqa: E731
+    args, kwargs = pytree.tree_map(lambda x: _Slot(next(slots)) if is_tensor(x) else x, (args, kwargs),
+                                   is_leaf=is_tensor)
+    return new_op, args, kwargs
+

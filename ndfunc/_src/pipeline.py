@@ -1,0 +1,252 @@
+"""From a traced step to the program each rank runs: every pass, in order, in `PASSES`.
+
+Each pass is a function `Program -> Program` (`ndfunc._src.partition.program`). The first `LOWERED`
+passes make what `Lowered` shows: the partitioned local program (`program.local`), its layouts
+chosen, collectives inserted, transforms applied, then scheduled and its memory reused. The rest
+make what runs on this backend and device (`program.runs`, a rewritten copy: what `Compiled`
+shows). Transforms (`ndfunc._src.transforms.base`) run at their hooks here, nowhere else; the memory
+passes come after every transform, so what a transform adds reuses buffers too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Callable
+
+import optree
+import torch
+
+from ndfunc._src import donation, manual
+from ndfunc._src.partition import lower as lowering
+from ndfunc._src.partition import program as prog
+from ndfunc._src.partition.backends import cpu_kernels as kernels
+from ndfunc._src.partition.backends import gloo as algorithms
+from ndfunc._src.partition.passes import bucket, inplace, schedule
+from ndfunc._src.partition.planning import solve
+from ndfunc._src.partition.planning.strategies import NoStrategy
+from ndfunc._src.partition.program import Program
+from ndfunc._src.sharding.mesh import Mesh
+from ndfunc._src.sharding.named_sharding import NamedSharding
+from ndfunc._src.torch_compat import (
+    FakeTensorMode,
+    TorchDispatchMode,
+    local_tensor_mode,
+)
+
+Pass = Callable[[Program], Program]
+
+
+# --- before lowering: the global program -----------------------------------------------------------
+
+def fix_layouts(p: Program) -> Program:
+    """The layouts that sharding constraints and shard_map boundaries fix, on this mesh; regions marked."""
+    for node, spec in p.traced.constraints():
+        sharding = NamedSharding(p.mesh, spec)
+        sharding.check(tuple(node.meta["val"].shape), f"with_sharding_constraint in {p.name}")
+        prog.set_constraint_layout(node, p.layout_of(sharding.placements))
+    graph = p.traced.graph
+    if _mark_regions(graph):
+        for node in graph.find_nodes(op="call_function", target=manual.enter_op) + \
+                graph.find_nodes(op="call_function", target=manual.exit_op):
+            prog.set_constraint_layout(node, p.layout_of(NamedSharding(p.mesh, manual.spec_of(node)).placements))
+    return p
+
+
+def transforms_traced(p: Program) -> Program:
+    """Each transform's `traced` hook, on the global program (nf.remat's regions first)."""
+    for t in p.transforms:
+        t.traced(p)
+    return p
+
+
+def partition(p: Program) -> Program:
+    """One strategy per node, chosen for the whole graph by the bytes it moves (`solve`)."""
+    try:
+        p.plan = solve.partition(p.traced.graph, p.sizes, p.in_layouts, p.out_layouts)
+    except NoStrategy as e:
+        raise _no_strategy_error(p, e.args[0]) from None
+    return p
+
+
+def transforms_partitioned(p: Program) -> Program:
+    """Each transform's `partitioned` hook: strategies chosen, nothing lowered yet."""
+    for t in p.transforms:
+        t.partitioned(p)
+    return p
+
+
+def lower(p: Program) -> Program:
+    """The local program: each op on local blocks, each layout change as its collectives."""
+    mesh = p.mesh
+    group_names = [mesh.device_mesh.get_group(i).group_name for i in p.axes] if p.axes else []
+    p.local = lowering.lower(p.traced.graph, p.plan, p.axis_names, group_names,
+                             dict(zip(mesh.axis_names, mesh.axis_sizes)))
+    return p
+
+
+# --- the local program -----------------------------------------------------------------------------
+
+def issue_reductions_early(p: Program) -> Program:
+    """Each gradient reduction issued right after what it reduces is made (`schedule`)."""
+    schedule.issue_reductions_early(p.local)
+    return p
+
+
+def bucket_all_reduces(p: Program) -> Program:
+    """Neighbouring all-reduces over one group become one, as DDP's buckets (`bucket`)."""
+    while bucket.bucket_all_reduces(p.local):  # a merge can free the next (tp after dp)
+        pass
+    return p
+
+
+def wait_in_turn(p: Program) -> Program:
+    """Each reduction waited for before the next one over its group is issued (`schedule`)."""
+    schedule.wait_in_turn(p.local)
+    return p
+
+
+def hoist_freeing_ops(p: Program) -> Program:
+    """Ops that free more memory than they take run as soon as their inputs are ready (`schedule`)."""
+    schedule.hoist_freeing_ops(p.local)
+    return p
+
+
+def transforms_lowered(p: Program) -> Program:
+    """Each transform's `lowered` hook, on the local program, its metadata filled first."""
+    for t in p.transforms:
+        p.ensure_meta()
+        t.lowered(p)
+        p._meta_ready = False  # the hook may have changed the program
+    return p
+
+
+def donate(p: Program) -> Program:
+    """Results written into the buffers of donated arguments, after their last reads (`donation`)."""
+    donation.apply_donation(p)
+    return p
+
+
+def fold_scales(p: Program) -> Program:
+    """A scale of a value made for it alone folds into the op that makes it (`inplace`)."""
+    inplace.fold_scales(p.local)
+    return p
+
+
+def fold_donated_copies(p: Program) -> Program:
+    """A result copied into a donated buffer is computed there instead, where it can be (`inplace`)."""
+    inplace.fold_donated_copies(p.local)
+    return p
+
+
+def reuse_buffers(p: Program) -> Program:
+    """Elementwise ops write into an input that dies there (`add` -> `add_`) (`inplace`)."""
+    inplace.reuse_buffers(p.local)
+    return p
+
+
+def keep_in_flight(p: Program) -> Program:
+    """Reductions a transform let stay in flight waited for as late as the peak allows (`schedule`)."""
+    if any(map(prog.stays_in_flight, p.local.graph.nodes)):
+        p.ensure_meta(changed=True)  # the sizes of what transforms made, for the memory account
+        schedule.keep_in_flight(p.local)
+    return p
+
+
+# --- what runs here --------------------------------------------------------------------------------
+
+def backend_collectives(p: Program) -> Program:
+    """`program.runs`: collectives as this backend runs them fastest (gloo: all-to-alls) (`algorithms`)."""
+    p.runs = algorithms.for_backend(p.local, algorithms.backend_of) if p.axes else p.local
+    return p
+
+
+def cpu_kernels(p: Program) -> Program:
+    """Big fp32 matmuls of a CPU program by the faster kernel where it differs (`kernels`)."""
+    p.runs = kernels.choose(p.runs, p.mesh.device_type if isinstance(p.mesh, Mesh) else None)
+    return p
+
+
+PASSES: tuple[Pass, ...] = (
+    fix_layouts,
+    transforms_traced,
+    partition,
+    transforms_partitioned,
+    lower,
+    issue_reductions_early,
+    bucket_all_reduces,
+    wait_in_turn,
+    hoist_freeing_ops,
+    transforms_lowered,
+    donate,
+    fold_scales,
+    fold_donated_copies,
+    reuse_buffers,
+    keep_in_flight,
+    # -- Lowered: the partitioned program above; Compiled: what runs, below --
+    backend_collectives,
+    cpu_kernels,
+)
+LOWERED = PASSES.index(backend_collectives)
+
+
+def run(p: Program, passes=PASSES) -> Program:
+    """`p` through `passes`, in order."""
+    for step in passes:
+        p = step(p)
+    return p
+
+
+# --- helpers ---------------------------------------------------------------------------------------
+
+def _mark_regions(graph: torch.fx.Graph) -> bool:
+    """Mark every node inside an `nf.shard_map` region as manual; whether there is any."""
+    any_region = False
+    for node in graph.nodes:
+        if node.op != "call_function" or node.target is manual.exit_op:
+            continue
+        if node.target in (manual.enter_op, manual.axis_index_op) or any(map(prog.is_manual, node.all_input_nodes)):
+            prog.mark_manual(node)
+            any_region = True
+    return any_region
+
+
+def _no_strategy_error(p: Program, op) -> Exception:
+    return NotImplementedError(
+        f"{p.name}: DTensor has no sharding rule for {op}{_user_line(p, op)}. Replicate its inputs with "
+        f"nf.with_sharding_constraint(x, P()) (it then runs whole on every rank), or compute it inside "
+        f"nf.shard_map, where you place the data yourself."
+    )
+
+
+def _user_line(p: Program, op) -> str:
+    """', made at file:line (code)' for the first call of `op` from the user's code: the function
+    run once more on fake tensors (`p.retrace`), watched op by op."""
+    import linecache
+    import traceback
+
+    if p.retrace is None:
+        return ""
+    library = (os.path.dirname(torch.__file__), os.path.dirname(__file__), os.path.dirname(optree.__file__))
+    found: list = []
+
+    class Watch(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is op and not found:
+                frames = [f for f in traceback.extract_stack() if not f.filename.startswith(library)
+                          and "site-packages" not in f.filename and not f.filename.startswith("<")]
+                found.extend(frames[-1:])
+            return func(*args, **(kwargs or {}))
+
+    simulated = local_tensor_mode()
+    try:
+        with simulated.disable() if simulated is not None else contextlib.nullcontext():
+            with FakeTensorMode(), Watch():
+                p.retrace()
+    except Exception:  # noqa: BLE001 - the line is a courtesy; the error is the op
+        pass
+    if not found:
+        return ""
+    f = found[0]
+    code = (f.line or linecache.getline(f.filename, f.lineno)).strip()
+    return f", made at {f.filename}:{f.lineno} ({code})"

@@ -1,0 +1,147 @@
+"""The stages of a jitted step, as JAX names them: `Lowered` (read it) and `Compiled` (run it).
+
+`nf.jit(f).lower(*args)` returns a `Lowered`: the program after the pipeline's partitioning,
+lowering, transform and memory passes (`ndfunc._src.pipeline`). `.compile()` runs the backend passes and
+returns a `Compiled`, which takes each DTensor's local block, runs the program, and wraps the
+results as DTensors. Neither knows the `Jitted` that made them: they hold the `Program` and the
+`Arguments` that lay a call's arguments out.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import optree
+import torch
+from torch.distributed.tensor import DTensor
+
+from ndfunc._src import pipeline
+from ndfunc._src.arguments import Arguments
+from ndfunc._src.donation import mark_donated
+from ndfunc._src.partition.passes.analysis import as_text, cost_analysis
+from ndfunc._src.partition.program import Program, propagate_meta
+from ndfunc._src.sharding.mesh import Mesh
+from ndfunc._src.torch_compat import (
+    DTensorSpec,
+    LocalTensor,
+    TensorMeta,
+    bind_ops,
+    dtensor_of_local,
+    local_of,
+    local_tensor_mode,
+)
+
+
+@dataclasses.dataclass
+class Lowered:
+    """A traced, partitioned and lowered step: inspect it, or `.compile()` it."""
+
+    name: str
+    program: Program
+    arguments: Arguments
+    key: Any
+
+    def as_text(self) -> str:
+        """The local program each rank runs, as partitioned; collectives show kind, mesh axes and bytes."""
+        return as_text(self.program)
+
+    def cost_analysis(self) -> dict:
+        """Per rank: `flops`, `comm_bytes` (moved, total and per kind), `collectives` (count per
+        kind), `peak_memory_bytes` (from liveness in the local program, inputs included)."""
+        return cost_analysis(self.program)
+
+    def compile(self) -> "Compiled":
+        return self.compiled
+
+    @functools.cached_property
+    def compiled(self) -> "Compiled":
+        return Compiled(pipeline.run(self.program, pipeline.PASSES[pipeline.LOWERED:]), self.arguments, self.key)
+
+
+class Compiled:
+    """A lowered step ready to run: `compiled(*args)` with the signature it was lowered for."""
+
+    def __init__(self, program: Program, arguments: Arguments, key):
+        self.program, self._arguments, self._key = program, arguments, key
+        self._coords = None
+        self._donated = frozenset(program.donated)
+        self._forward = bind_ops(program.runs)  # each op called at its C++ entry point
+        self._runs_meta = False
+        # how each result is wrapped, worked out once: placements over the whole mesh, shape, stride
+        self._specs = []
+        if isinstance(program.mesh, Mesh):
+            for (_, layout), spec, asked in zip(program.plan.outputs, program.traced.out_specs,
+                                                program.out_placements):
+                # as asked, size-1 axes included, so a result passes back in as it came out
+                placements = program.mesh_placements(layout, asked)
+                shape = torch.Size(spec.shape)
+                meta = TensorMeta(shape, torch.empty(shape, device="meta").stride(), spec.dtype)
+                self._specs.append(DTensorSpec(program.mesh.device_mesh, placements, tensor_meta=meta))
+
+    @property
+    def runs(self) -> torch.fx.GraphModule:
+        """The local program as it runs here (fx), after the backend passes."""
+        return self.program.runs
+
+    def as_text(self) -> str:
+        """The local program as it runs here: collectives as this backend runs them, CPU kernels chosen."""
+        return as_text(self.program, self._runs())
+
+    def cost_analysis(self) -> dict:
+        """As `Lowered.cost_analysis`, of the program as it runs here."""
+        return cost_analysis(self.program, self._runs())
+
+    def _runs(self) -> torch.fx.GraphModule:
+        if not self._runs_meta and self.program.runs is not self.program.local:
+            propagate_meta(self.program.runs, self.program.local_inputs())
+        self._runs_meta = True
+        return self.program.runs
+
+    def __call__(self, *args, **kwargs):
+        _, prepared, key = self._arguments.prepare(args, kwargs)
+        if key != self._key:
+            raise TypeError(
+                f"this Compiled {self.program.name} was lowered for other arguments (shapes, dtypes, "
+                f"shardings or static values differ); call the nf.jit function, which compiles per signature."
+            )
+        return self._run(prepared, args)
+
+    def _coords_tensor(self, device) -> torch.Tensor:
+        if self._coords is None:
+            mesh, axes = self.program.mesh, self.program.axes
+            mode = local_tensor_mode()
+            if mode is not None:
+                self._coords = mode.rank_map(lambda r: torch.tensor([mesh.coordinate(r)[i] for i in axes],
+                                                                    dtype=torch.int64, device=device))
+            else:
+                import torch.distributed as dist
+
+                rank = dist.get_rank() if dist.is_initialized() else 0
+                self._coords = torch.tensor([mesh.coordinate(rank)[i] for i in axes] if axes else [],
+                                            dtype=torch.int64, device=device)
+        return self._coords
+
+    def _run(self, prepared: list, original_args: tuple):
+        p = self.program
+        locals_ = [local_of(x) if isinstance(x, DTensor) else x for x in prepared]
+        mode = local_tensor_mode()
+        if mode is not None:  # in simulation every input is per rank, so no op mixes the two kinds
+            # (a donated one a copy per rank: one tensor for all would take every rank's write)
+            locals_ = [x if isinstance(x, LocalTensor) else
+                       mode.rank_map(lambda r, x=x, copy=i in self._donated: x.clone() if copy else x)
+                       for i, x in enumerate(locals_)]
+        device = locals_[0].device if locals_ else torch.device("cpu")
+        with torch.no_grad():
+            outs = list(self._forward(*locals_, self._coords_tensor(device)))
+            for j in p.donation:  # a new tensor on the donated memory: the old object is retired
+                outs[j] = outs[j].detach()
+        del locals_
+        mark_donated(p, prepared, optree.tree_leaves(original_args))
+        if self._specs:  # no mesh: plain tensors, as they came
+            # not from_local: no autograd Function per result (nothing here is differentiated),
+            # the layouts were settled when the program was built
+            outs = [dtensor_of_local(o, spec) for o, spec in zip(outs, self._specs)]
+        return p.traced.out_tree.unflatten(outs)
+

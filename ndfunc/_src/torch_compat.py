@@ -1,0 +1,168 @@
+"""Every private torch API ndfunc uses, in one place.
+
+ndfunc reads DTensor's sharding rules, runs simulated ranks on `LocalTensor`, builds a fake
+process group for them, and writes fx programs; none of that is public API in torch 2.13. Each
+use goes through a name here, and `tests/test_torch_compat.py` exercises every one of them, so a
+torch upgrade is checked in one file (then widen `torch<` in pyproject.toml).
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from collections.abc import Callable
+
+import torch
+from torch._subclasses.fake_tensor import (
+    FakeTensor,
+    FakeTensorMode,
+    unset_fake_temporarily,
+)
+from torch.distributed._local_tensor import (
+    LocalTensor,
+    LocalTensorMode,
+    local_tensor_mode,
+)
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+from torch.distributed.tensor._op_schema import (
+    OpSchema,
+    OpSpec,
+    OpStrategy,
+    TupleStrategy,
+)
+from torch.distributed.tensor.placement_types import _StridedShard as StridedShard
+from torch.fx._lazy_graph_module import _LazyGraphModule as LazyGraphModule
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import (
+    TorchDispatchMode,
+    _get_current_dispatch_mode,
+    _pop_mode_temporarily,
+)
+
+__all__ = [
+    "DTensorSpec", "FakeTensor", "FakeTensorMode", "LazyGraphModule", "LocalTensor", "LocalTensorMode", "OpSchema",
+    "OpSpec", "OpStrategy", "StridedShard", "TensorMeta", "TorchDispatchMode", "TupleStrategy", "bind_ops",
+    "current_dispatch_mode", "dtensor_of_local", "fake_store", "group_size", "group_backend", "local_blocks",
+    "local_of", "local_tensor_mode", "onednn_available", "onednn_linear", "pop_dispatch_mode", "pytree", "sharding_propagator",
+    "unset_fake_temporarily", "REDISTRIBUTE_LOGGER", "random_rng_tracker", "set_random_rng_tracker", "flattened",
+    "functional_collectives", "shape_only_device_mesh",
+]
+
+current_dispatch_mode = _get_current_dispatch_mode
+pop_dispatch_mode = _pop_mode_temporarily
+REDISTRIBUTE_LOGGER = "torch.distributed.tensor._redistribute"  # DTensor's redistribute warnings
+
+
+def sharding_propagator():
+    """DTensor's ShardingPropagator: `op_strategy_funcs`, `op_single_dim_strategy_funcs`,
+    `op_to_schema_info`, `propagate_op_sharding_non_cached` and the shape-argument tables."""
+    return DTensor._op_dispatcher.sharding_propagator
+
+
+def local_of(x: DTensor) -> torch.Tensor:
+    """A DTensor's local block, without `to_local`'s autograd function."""
+    return x._local_tensor
+
+
+def dtensor_of_local(local: torch.Tensor, spec: DTensorSpec) -> DTensor:
+    """A DTensor over `local` laid out by `spec`, without `from_local`'s autograd function or checks."""
+    return DTensor(local, spec, requires_grad=False)
+
+
+def local_blocks(x: LocalTensor) -> dict[int, torch.Tensor]:
+    """Each simulated rank's tensor, by rank."""
+    return x._local_tensors
+
+
+def fake_store():
+    """A store for `init_process_group("fake", ...)` (importing it registers the backend)."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    return FakeStore()
+
+
+def random_rng_tracker():
+    """DTensor's random-number tracker (LocalTensorMode replaces it while simulating)."""
+    from torch.distributed.tensor import _random
+
+    return _random._rng_tracker
+
+
+def set_random_rng_tracker(tracker) -> None:
+    from torch.distributed.tensor import _random
+
+    _random._rng_tracker = tracker
+
+
+def _process_group(group_name: str):
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return _resolve_process_group(group_name)
+
+
+def group_size(group_name: str) -> int:
+    """Ranks in the process group a functional collective names."""
+    return _process_group(group_name).size()
+
+
+def group_backend(group_name: str) -> str:
+    """The backend name of the process group a functional collective names ('gloo', 'cpu:gloo,cuda:nccl')."""
+    import torch.distributed as dist
+
+    return dist.get_backend(_process_group(group_name))
+
+
+def onednn_available() -> bool:
+    """Whether this torch has oneDNN's linear kernel (`onednn_linear`)."""
+    return hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+def onednn_linear(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """`a @ b` by oneDNN's matmul (fp32, CPU): a linear layer's kernel, x @ w.T with w = b.T as it
+    lies (no bias, no fused op)."""
+    return torch.ops.mkldnn._linear_pointwise.default(a, b.t(), None, "none", [], "")
+
+
+_CALL = re.compile(r"\btorch\.ops\.([A-Za-z_]\w*)\.([A-Za-z_]\w*)\.([A-Za-z_]\w*)\(")
+
+
+def bind_ops(gm: torch.fx.GraphModule) -> Callable:
+    """`gm`'s forward, its code as fx writes it with every `torch.ops.<ns>.<op>.<overload>(` call
+    bound once to the overload's C++ entry point (`OpOverload._op`): no attribute lookups and no
+    Python `__call__` per op."""
+    code = gm.graph.python_code(root_module="self")
+    bound: dict = {}
+
+    def bind(match: re.Match) -> str:
+        name = "_op_" + "_".join(match.groups())
+        if name not in bound:
+            ns, op, overload = match.groups()
+            bound[name] = getattr(getattr(getattr(torch.ops, ns), op), overload)._op
+        return name + "("
+
+    src = _CALL.sub(bind, code.src)
+    scope = dict(code.globals, **bound)
+    exec(compile(src, f"<ndfunc program {id(gm):x}>", "exec"), scope)
+    return functools.partial(scope["forward"], gm)
+
+
+def flattened(device_mesh_slice):
+    """One DeviceMesh over the axes of `device_mesh[names]` together (their process group)."""
+    return device_mesh_slice._flatten()
+
+
+def functional_collectives():
+    """`torch.distributed._functional_collectives`: the traceable collectives."""
+    import torch.distributed._functional_collectives as funcol
+
+    return funcol
+
+
+def shape_only_device_mesh(sizes: tuple[int, ...]):
+    """A DeviceMesh of `sizes` with no process group behind it (DTensor's rules read only its shape)."""
+    import math
+
+    from torch.distributed.device_mesh import DeviceMesh
+
+    return DeviceMesh("cpu", torch.arange(math.prod(sizes)).view(sizes), _init_backend=False, _rank=0)

@@ -1,0 +1,235 @@
+"""Capture a step as one functional aten graph over global shapes.
+
+`trace(fn, args)` runs `fn` under `make_fx` on fake tensors of each input's *global* shape (a
+DTensor contributes its full shape, never its data): forward, backward (through `torch.func`) and
+the optimizer update become one graph with no autograd left in it. Attention stays one node
+(`_scaled_dot_product_*`), and `nf.with_sharding_constraint` stays one `ndfunc.sharding_constraint`
+node, so later passes can find both. Nothing is allocated at global size: tracing a 100M-parameter
+step costs what its graph costs.
+
+One op is traced as two: a cross-entropy's (`nll_loss`) mean over the targets it does not ignore,
+on float32 or float64 scores, becomes their sum over their count (or total weight). DTensor's
+sharding rule for the mean averages each rank's own mean, which is the whole batch's only when
+every rank ignores as many targets; as a sum and a count, both are summed over the ranks before
+the division, so a sharded step's loss is the single device's. (Half-precision scores keep the op:
+their sum could overflow before the division. The partitioner then brings the scores together for
+it, since its sharded rule is that average; cast them to float32 first, as `models.llama` does.)
+
+A tensor the step closes over is a constant of the program, the same on every rank. One made
+under `nf.simulate` (a value per simulated rank) or one the step writes into is refused: pass it
+as an argument instead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import optree
+import torch
+import torch.fx.traceback as fx_traceback
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.nn import _reduction
+
+from ndfunc._src.constraints import decode_spec, sharding_constraint_op
+from ndfunc._src.sharding.partition_spec import PartitionSpec
+from ndfunc._src.torch_compat import (
+    FakeTensorMode,
+    LocalTensor,
+    current_dispatch_mode,
+    local_tensor_mode,
+    pop_dispatch_mode,
+)
+
+_tracing: contextvars.ContextVar[bool] = contextvars.ContextVar("ndfunc_tracing", default=False)
+
+
+def is_tracing() -> bool:
+    """Whether code runs inside `trace` (values are global-shaped fakes, not per-rank data)."""
+    return _tracing.get()
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorSpec:
+    """What a traced input or output is: global shape and dtype."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    def __repr__(self) -> str:
+        return f"{str(self.dtype).removeprefix('torch.')}{list(self.shape)}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Traced:
+    """A traced step: `graph_module(*input_leaves) -> output_leaves`, over global shapes.
+
+    `in_tree`/`out_tree` rebuild the argument and result pytrees; `in_specs`/`out_specs` give each
+    leaf's global shape and dtype; `input_paths` name each input leaf (`0.layers.1.attn.wq`: argument
+    0's leaf), for error messages.
+    """
+
+    graph_module: torch.fx.GraphModule
+    in_tree: optree.PyTreeSpec
+    out_tree: optree.PyTreeSpec
+    in_specs: tuple[TensorSpec, ...]
+    out_specs: tuple[TensorSpec, ...]
+    input_paths: tuple[str, ...]
+    static_argnums: frozenset[int] = frozenset()
+
+    @property
+    def graph(self) -> torch.fx.Graph:
+        return self.graph_module.graph
+
+    def constraints(self) -> list[tuple[torch.fx.Node, PartitionSpec]]:
+        """Every `with_sharding_constraint` in the program, with its spec."""
+        return [(n, decode_spec(n.args[1])) for n in self.graph.nodes
+                if n.op == "call_function" and n.target is sharding_constraint_op]
+
+    def __call__(self, *args, **kwargs):
+        """Run the program on whole (unsharded) inputs, as `fn(*args, **kwargs)` would."""
+        dynamic = tuple(None if i in self.static_argnums else a for i, a in enumerate(args))
+        leaves = self.in_tree.flatten_up_to((dynamic, kwargs))
+        return self.out_tree.unflatten(self.graph_module(*leaves))
+
+
+def trace(fn: Callable, args: Sequence[Any], kwargs: dict | None = None, *, static_argnums: Sequence[int] = (),
+          record_stack_traces: bool = False) -> Traced:
+    """Trace `fn(*args, **kwargs)` into a `Traced` program over the global shapes of its tensors.
+
+    Arguments at `static_argnums` are not traced (a config, a model description): they are baked
+    into the program. Every other leaf must be a tensor (a DTensor counts by its global shape).
+    `record_stack_traces` keeps each node's Python stack in `node.meta['stack_trace']` (slower).
+    """
+    kwargs = dict(kwargs or {})
+    static = {i % len(args) for i in static_argnums} if args else set()
+    dynamic = tuple(None if i in static else a for i, a in enumerate(args))
+    leaves_with_paths, in_tree = _flatten((dynamic, kwargs))
+    in_specs = tuple(TensorSpec(tuple(x.shape), x.dtype) for _, x in leaves_with_paths)
+    devices = [x.device for _, x in leaves_with_paths]
+    paths = tuple(p for p, _ in leaves_with_paths)
+
+    def flat_fn(*leaves):
+        dyn_args, dyn_kwargs = in_tree.unflatten(leaves)
+        call_args = [args[i] if i in static else dyn_args[i] for i in range(len(args))]
+        out = fn(*call_args, **dyn_kwargs)
+        out_leaves, out_tree = optree.tree_flatten(out)
+        for i, leaf in enumerate(out_leaves):
+            if not isinstance(leaf, torch.Tensor):
+                raise TypeError(
+                    f"{getattr(fn, '__name__', 'the function')} returned a {type(leaf).__name__} "
+                    f"({leaf!r}) at output leaf {i}; a traced step returns tensors only."
+                )
+        trees.append(out_tree)
+        return out_leaves
+
+    trees: list = []
+    with _without_simulated_ranks():
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            fakes = [torch.empty(s.shape, dtype=s.dtype, device=d) for s, d in zip(in_specs, devices)]
+        token = _tracing.set(True)
+        try:
+            with fx_traceback.preserve_node_meta():  # annotations (nf.remat's regions) reach the nodes
+                graph_module = make_fx(flat_fn, decomposition_table=_DECOMPOSITIONS, tracing_mode="fake",
+                                       record_stack_traces=record_stack_traces)(*fakes)
+        finally:
+            _tracing.reset(token)
+    _check_constants(graph_module, getattr(fn, "__name__", "the step"))
+    _scalars_as_factories(graph_module)
+    out_specs = tuple(TensorSpec(tuple(n.meta["val"].shape), n.meta["val"].dtype)
+                      for n in graph_module.graph.find_nodes(op="output")[0].args[0])
+    return Traced(graph_module, in_tree, trees[-1], in_specs, out_specs, paths, frozenset(static))
+
+
+def _mean_as_sum_over_count(op):
+    """`op` (an `nll_loss` forward) with reduction 'mean' as its 'sum' over its total weight (what
+    the mean divides by, and what its backward reads); other reductions as they are."""
+    def decomposed(x, target, weight, reduction, ignore_index):
+        if reduction != _reduction.get_enum("mean") or x.dtype not in (torch.float32, torch.float64):
+            return NotImplemented
+        summed, weight_total = op(x, target, weight, _reduction.get_enum("sum"), ignore_index)
+        return summed / weight_total, weight_total
+
+    return decomposed
+
+
+_DECOMPOSITIONS = {op: _mean_as_sum_over_count(op)
+                   for op in (torch.ops.aten.nll_loss_forward.default, torch.ops.aten.nll_loss2d_forward.default)}
+
+
+def _check_constants(gm: torch.fx.GraphModule, name: str) -> None:
+    """Refuse the tensors a step closes over that cannot be constants of the program."""
+    from ndfunc._src.buffers import buffer_of
+
+    for node in gm.graph.find_nodes(op="get_attr"):
+        value = getattr(gm, node.target, None)
+        if isinstance(value, LocalTensor):
+            raise TypeError(
+                f"{name} closes over a tensor made under nf.simulate: it holds a value per simulated rank, "
+                f"and a tensor a step closes over is a constant, the same on every rank. Pass it to the "
+                f"step as an argument (with the sharding its values have).")
+    for node in gm.graph.nodes:
+        schema = getattr(node.target, "_schema", None) if node.op == "call_function" else None
+        if schema is not None and schema.is_mutable and buffer_of(node).op == "get_attr":
+            raise TypeError(
+                f"{name} writes in place ({node.target}) into a tensor it closes over (shape "
+                f"{list(node.meta['val'].shape)}); tracing has applied that write to it once. A traced "
+                f"step is a function of its arguments: pass the tensor as an argument and return its new "
+                f"value (donate_argnums lets the result reuse its memory).")
+
+
+@contextlib.contextmanager
+def _without_simulated_ranks():
+    """Trace with `nf.simulate`'s mode off *and off the dispatch stack*: merely disabled, it
+    would still see (and pass on) every traced op, a fifth of the tracing time."""
+    mode = local_tensor_mode()
+    if mode is None:
+        yield
+        return
+    with mode.disable():
+        if current_dispatch_mode() is mode:
+            with pop_dispatch_mode():
+                yield
+        else:
+            yield
+
+
+def _scalars_as_factories(gm: torch.fx.GraphModule) -> None:
+    """A 0-d tensor the step made from a Python number (`torch.tensor(3)`) is captured as a
+    constant; make it a `scalar_tensor` op, which every rank runs like any other factory. Larger
+    constants stay attributes of the graph."""
+    for node in list(gm.graph.find_nodes(op="get_attr")):
+        value = getattr(gm, node.target, None)
+        if not isinstance(value, torch.Tensor) or value.ndim != 0:
+            continue
+        with gm.graph.inserting_before(node):
+            made = gm.graph.call_function(torch.ops.aten.scalar_tensor.default, (value.item(),),
+                                          {"dtype": value.dtype, "device": value.device})
+        made.meta.update(node.meta)
+        for user in list(node.users):
+            if user.target is torch.ops.aten.lift_fresh_copy.default:  # already a fresh tensor
+                user.replace_all_uses_with(made)
+                gm.graph.erase_node(user)
+        node.replace_all_uses_with(made)
+        gm.graph.erase_node(node)
+        delattr(gm, node.target)
+    gm.recompile()
+
+
+def _flatten(tree) -> tuple[list[tuple[str, torch.Tensor]], optree.PyTreeSpec]:
+    from ndfunc.tree import keystr
+
+    paths, leaves, treespec = optree.tree_flatten_with_path(tree)
+    out = []
+    for path, leaf in zip(paths, leaves):
+        name = keystr(path[1:])  # (0, i, ...) for argument i, (1, key, ...) for a keyword
+        if not isinstance(leaf, torch.Tensor):
+            raise TypeError(
+                f"argument leaf {name!r} is a {type(leaf).__name__} ({leaf!r}); traced arguments are "
+                f"tensors. Make it a tensor, or mark its argument static (static_argnums)."
+            )
+        out.append((name, leaf))
+    return out, treespec

@@ -1,0 +1,441 @@
+"""`nf.fsdp`: when FSDP's gathers happen, as a pass over the lowered program.
+
+The partitioner already turns a parameter stored sharded over an axis into an all-gather before
+its use and its gradient into a reduce-scatter. What it does not decide is *when*: its program
+gathers each parameter once and keeps the whole of it alive from the forward use to the backward
+one, so every layer's gathered weights are held at once. This pass makes that FSDP2's schedule:
+
+- reshard after forward: a gathered parameter whose uses fall in two groups, with other layers'
+  parameters gathered in between (a layer's forward, then, much later, its backward), is gathered
+  again just before the second group, so the first copy dies after forward (with prefetch, not
+  the last block: its backward gather would be issued where its forward ends);
+- prefetch: a layer's all-gathers are issued where the layer `prefetch` places earlier first reads
+  its gathered parameters (each wait stays at its own first use), so the transfers overlap that
+  layer's compute;
+- reduce_dtype: gradients are reduce-scattered in that dtype (cast before, cast back after);
+- buckets: the gathers of one layer's parameters (those whose paths agree up to the last list
+  index, `layers.3.`, as FSDP2 wraps each block) issued one after another become one all-gather
+  of their shards laid end to end; the gradient reduce-scatters of one layer's backward (between
+  where backward first reads two layers' gathered parameters) one reduce-scatter; up to
+  `bucket_bytes` each. A collective's fixed cost is paid once per layer, not once per parameter;
+- reductions in flight: each bucketed reduce-scatter may be waited for as late as the step's peak
+  memory allows (`ndfunc._src.partition.passes.schedule.keep_in_flight` places the waits, after the memory
+  passes, so the peak it keeps is the one that runs).
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import math
+import operator
+
+import torch
+
+from ndfunc._src.partition import program as prog
+from ndfunc._src.partition.passes.schedule import wait_in_turn
+from ndfunc._src.transforms.base import Transform
+from ndfunc._src.transforms.reduce import reduce_in
+
+aten = torch.ops.aten
+c10d = torch.ops._c10d_functional
+_LAYER_STARTS = "ndfunc_fsdp_layer_starts"  # this pass's own mark: where a kept layer's backward starts
+
+
+@dataclasses.dataclass(frozen=True)
+class fsdp(Transform):  # noqa: N801 - a transform is named like the function it stands for
+    """FSDP's gather schedule for parameters stored sharded over `axis` (a name or a tuple).
+
+    Use: `nf.jit(train_step, mesh=mesh, in_shardings=..., transforms=[nf.fsdp('dp_shard')])`.
+    """
+
+    axis: str | tuple[str, ...]
+    reshard_after_forward: bool = True
+    prefetch: int = 1
+    reduce_dtype: torch.dtype | None = None
+    bucket_bytes: int = 8 * 2**20  # gathers (and gradient reduce-scatters) issued together, up to this many bytes
+
+    @property
+    def axes(self) -> tuple[str, ...]:
+        return (self.axis,) if isinstance(self.axis, str) else tuple(self.axis)
+
+    def axes_used(self) -> tuple[str, ...]:
+        return self.axes
+
+    def _gathers(self, gm) -> list:
+        """The program's gathers of parameters over this transform's axes."""
+        return [g for g in _parameter_gathers(gm) if set(g.comm.axes) <= set(self.axes)]
+
+    def lowered(self, program) -> None:
+        gm = program.local
+        gathers = self._gathers(gm)
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        module = _modules(placeholders, program.traced.input_paths)
+        kept_gathered = []  # (where a layer's backward reads a parameter it did not gather again, layer)
+        if self.reshard_after_forward:
+            # decide per parameter first, then insert only the gathers that free something
+            index = {n: i for i, n in enumerate(gm.graph.nodes)}
+            firsts = _first_reads(gathers, index, module)
+            cuts = [(g, cut) for g in gathers if (cut := _second_use(g, index, firsts, g.layer(module))) is not None]
+            if self.prefetch > 0:
+                worth = _frees_something(gm, cuts, index, module, self._gathers(gm), self.prefetch)
+            else:
+                worth = [True] * len(cuts)
+            for (g, cut), regather in zip(cuts, worth):
+                if regather:
+                    _regather(gm, g, cut, index)
+                else:
+                    kept_gathered.append((cut, g.layer(module)))
+            _mark_layer_starts(kept_gathered, index)
+        if self.prefetch > 0:
+            _prefetch(gm, self._gathers(gm), self.prefetch, module, also=kept_gathered)
+        if self.reduce_dtype is not None:
+            reduce_in(gm, self.reduce_dtype, self.axes, kinds=(c10d.reduce_scatter_tensor.default,))
+        if self.bucket_bytes:
+            _bucket_gathers(gm, self._gathers(gm), self.bucket_bytes, module)
+            _bucket_reduce_scatters(gm, self.axes, self.bucket_bytes)
+            wait_in_turn(gm)  # the buckets are new reductions: every group's waits in turn again
+            for rs in _reduce_scatters_over(gm, self.axes):  # waited for at once, until the pipeline's
+                rs.append(next(iter(rs.users)))  # scheduler sees the memory passes' program
+                prog.let_stay_in_flight(rs)
+        gm.graph.lint()
+        gm.recompile()
+
+
+@dataclasses.dataclass
+class _Gather:
+    start: torch.fx.Node  # all_gather_into_tensor
+    chain: list  # start .. value: the nodes that make the gathered value
+    value: torch.fx.Node  # what the program reads
+
+    def layer(self, module: dict) -> str | None:
+        """The layer (`_modules`) of the parameter gathered."""
+        return module.get(_source(self.start.args[0]))
+
+    @property
+    def comm(self) -> prog.Comm:
+        """The first gather's; over several axes (`('dp_shard', 'cp')`), their axes together."""
+        starts = [n for n in self.chain if n.target is c10d.all_gather_into_tensor.default]
+        return dataclasses.replace(prog.comm(self.start), axes=tuple(a for s in starts for a in prog.comm(s).axes))
+
+
+def _parameter_gathers(gm: torch.fx.GraphModule) -> list[_Gather]:
+    """All-gathers of program inputs (through views), with the nodes that finish them (a gather
+    over several axes is one per axis, each reading the last: one chain)."""
+    found = []
+    for start in gm.graph.find_nodes(op="call_function", target=c10d.all_gather_into_tensor.default):
+        if _source(start.args[0]).op != "placeholder" or prog.comm(start) is None:
+            continue
+        chain = [start]
+        value = _finish(start, chain)
+        while (user := _only_user(value)) is not None and (
+                user.target is c10d.all_gather_into_tensor.default and prog.comm(user) is not None):
+            chain.append(user)  # the gather over the next axis
+            value = _finish(user, chain)
+        found.append(_Gather(start, chain, value))
+    return found
+
+
+def _only_user(node: torch.fx.Node) -> torch.fx.Node | None:
+    return next(iter(node.users)) if len(node.users) == 1 else None
+
+
+def _finish(gather: torch.fx.Node, chain: list) -> torch.fx.Node:
+    """Follow `gather` to the whole value: its wait, then (a gather off dim 0) the split, its
+    getitems and their cat; append them to `chain` and return the last."""
+    value = gather
+    while (user := _only_user(value)) is not None and user.target in (c10d.wait_tensor.default, aten.split.Tensor):
+        chain.append(user)
+        value = user
+    if value.target is aten.split.Tensor:
+        items = list(value.users)
+        cats = {u for i in items for u in i.users}
+        if len(cats) == 1:
+            chain += items + [cats.pop()]
+            value = chain[-1]
+    return value
+
+
+def _first_reads(gathers: list[_Gather], index: dict, module: dict) -> list[tuple]:
+    """(where the program first reads it, its layer) of each gathered parameter, in program order."""
+    return sorted((index[min(g.value.users, key=index.__getitem__)], g.layer(module)) for g in gathers if g.value.users)
+
+
+def _second_use(g: _Gather, index: dict, firsts: list[tuple], layer: str | None) -> torch.fx.Node | None:
+    """The first use of `g`'s gathered value that follows another layer's first use (its
+    backward, after the later layers' forward), where a gather again would serve the rest; None:
+    one group of uses. `index`: the program order; `firsts`: (first use, layer) of each parameter
+    gather; `layer`: g's."""
+    uses = sorted(g.value.users, key=index.__getitem__)
+    if len(uses) < 2:
+        return None
+    # split where other layers' parameters are first used in between: forward, then backward
+    cut, first = None, operator.itemgetter(0)
+    for a, b in zip(uses, uses[1:]):
+        lo, hi = (bisect.bisect_right(firsts, index[a], key=first), bisect.bisect_left(firsts, index[b], key=first))
+        if any(other != layer for _, other in firsts[lo:hi]):
+            cut = b
+            break
+    return cut
+
+
+def _regather(gm, g: _Gather, cut: torch.fx.Node, index: dict) -> None:
+    """Gather `g` again just before `cut`: its uses from there on read the new copy (copies of
+    `g.chain`). `index`: the program order before any copy."""
+    later = [u for u in g.value.users if index[u] >= index[cut]]
+    env: dict = {}
+    with gm.graph.inserting_before(cut):
+        for n in g.chain:
+            env[n] = gm.graph.node_copy(n, lambda a: env.get(a, a))
+    for u in later:
+        u.replace_input_with(g.value, env[g.value])
+
+
+def _frees_something(gm, cuts: list, index: dict, module: dict, gathers: list, k: int) -> list[bool]:
+    """Per (gather, second use) of `cuts`: whether gathering it again there, prefetched `k` layers
+    ahead, frees anything - whether some other layer's parameters are first read between its last
+    forward use and where that gather would be issued. The last block's would not be: with
+    prefetch its backward gather is issued at the head, where its forward ends (torchtitan leaves
+    it gathered); without prefetch every one frees. Decided on the program as it is, before
+    anything is inserted: the layers as `_prefetch` would see them with every gather again."""
+    layer = {id(g): g.layer(module) for g in gathers}
+    # first reads in program order: each gather's, and each second use's (a gather again)
+    entries = [(min(g.value.users, key=index.__getitem__), layer[id(g)]) for g in gathers if g.value.users]
+    entries += [(cut, g.layer(module)) for g, cut in cuts]
+    anchors = {}  # second use -> the first read where its layer's gathers would be issued
+    for i, run in enumerate(runs := _runs(entries, index)):
+        for read, _ in run:
+            anchors[read] = runs[max(i - k, 0)][0][0]
+    firsts = _all_first_reads(gm, index, module) + [(index[cut], g.layer(module)) for g, cut in cuts]
+    worth = []
+    for g, cut in cuts:
+        issued = anchors[cut] if index[anchors[cut]] < index[cut] else cut
+        freed = max(index[u] for u in g.value.users if index[u] < index[cut])
+        worth.append(any(other != g.layer(module) and freed < i < index[issued] for i, other in firsts))
+    return worth
+
+
+def _all_first_reads(gm, index: dict, module: dict) -> list[tuple]:
+    """(first read, layer) of every gathered parameter, over any axes."""
+    return _first_reads(_parameter_gathers(gm), index, module)
+
+
+def _runs(entries: list[tuple], index: dict) -> list[list[tuple]]:
+    """(first read, layer) entries in program order, in runs of one layer: a block's forward, and
+    later (gathered again) its backward."""
+    runs: list[list[tuple]] = []
+    for read, layer in sorted(entries, key=lambda e: index[e[0]]):
+        if runs and layer == runs[-1][0][1]:
+            runs[-1].append((read, layer))
+        else:
+            runs.append([(read, layer)])
+    return runs
+
+
+def _mark_layer_starts(kept: list[tuple], index: dict) -> None:
+    """Where the backward of each layer kept gathered starts (its first read there), as a
+    gather's wait would say: reduce-scatter buckets end there."""
+    first: dict = {}
+    for read, layer in kept:
+        if layer not in first or index[read] < index[first[layer]]:
+            first[layer] = read
+    for read in first.values():
+        read.meta[_LAYER_STARTS] = True
+
+
+def _prefetch(gm, gathers: list[_Gather], k: int, module: dict, also: list[tuple] = ()) -> None:
+    """Issue each layer's gathers together, where the layer `k` places earlier first reads its
+    gathered parameters. A layer here is a run of gathers of one module's parameters, in the order the
+    program first reads them: a block's forward, and later (resharded) its backward. `also`: (first
+    read, layer) of backward runs that read a parameter kept gathered, which count as runs too."""
+    index = {n: i for i, n in enumerate(gm.graph.nodes)}
+    first = [(min(g.value.users, key=index.__getitem__), g.layer(module), g) for g in gathers if g.value.users]
+    first += [(read, layer, None) for read, layer in also]
+    layers: list[list[tuple]] = []  # (first read, gather or None) of each layer
+    for read, name, g in sorted(first, key=lambda f: index[f[0]]):
+        if layers and name == layers[-1][0][2]:
+            layers[-1].append((read, g, name))
+        else:
+            layers.append([(read, g, name)])
+    for i, layer in enumerate(layers):
+        # the first k layers: all issued, in order, where the first is first read
+        anchor = layers[max(i - k, 0)][0][0]
+        for _, g, _ in layer:
+            if g is not None and index[anchor] < index[g.start]:
+                for v in _views_of_source(g.start.args[0]):  # the parameter as sent, if made later
+                    if index[v] > index[anchor]:
+                        _move_before(v, anchor, index)
+                _move_before(g.start, anchor, index)  # issued there; its wait stays where it was
+
+
+def _move_before(node: torch.fx.Node, anchor: torch.fx.Node, index: dict) -> None:
+    """Move `node` to just before `anchor`, keeping `index` (program order) true for later moves."""
+    index[node] = (index[anchor.prev] + index[anchor]) / 2
+    anchor.prepend(node)
+
+
+def _modules(placeholders: list, paths: list[str]) -> dict:
+    """The layer each parameter belongs to, as FSDP2 wraps them: its path up to the last list
+    index (`0.layers.3`); beside a list of blocks, the root of its argument (`0`: the embedding,
+    the final norm and the head); in an argument with no list of blocks (`{'w0': .., 'w1': ..}`),
+    the parameter on its own."""
+    cuts = [max((i for i, p in enumerate(path.split(".")[1:], 1) if p.isdigit()), default=0) for path in paths]
+    blocks = {path.split(".")[0] for path, cut in zip(paths, cuts) if cut}
+    return {ph: ".".join(path.split(".")[:cut + 1]) if cut or path.split(".")[0] in blocks else path
+            for ph, path, cut in zip(placeholders, paths, cuts)}
+
+
+_VIEWS = (aten.clone.default, aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.permute.default,
+          aten.transpose.int, aten.t.default, aten.unsqueeze.default, aten.squeeze.dims, aten.squeeze.dim)
+
+
+def _views_of_source(node: torch.fx.Node) -> list[torch.fx.Node]:
+    """The views and copies from `_source(node)` to `node`, in program order."""
+    chain = []
+    while node.op == "call_function" and node.target in _VIEWS:
+        chain.append(node)
+        node = node.args[0]
+    return chain[::-1]
+
+
+def _source(node: torch.fx.Node) -> torch.fx.Node:
+    """What `node` is a view or copy of (a parameter, read through an einsum's permutes)."""
+    views = _views_of_source(node)
+    return views[0].args[0] if views else node
+
+
+def _bucket_gathers(gm, gathers: list[_Gather], cap: int, module: dict) -> None:
+    """Gathers of one layer's parameters issued one after another (same group and dtype) become
+    one: issued where the first was, its pieces cut out where the first was waited for."""
+    index = {n: i for i, n in enumerate(gm.graph.nodes)}
+    gathers = sorted((g for g in gathers if g.value.users), key=lambda g: index[g.start])
+    groups, current = [], []
+    for g in gathers:
+        key = (g.start.args[1], g.start.args[2], prog.comm(g.start).dtype, g.layer(module))
+        fits = current and key == current[0][0] and sum(c[1].comm.bytes for c in current) + g.comm.bytes <= cap
+        if fits and all(index[a] < index[current[0][1].start] or _source(a).op == "placeholder"
+                        for a in g.start.all_input_nodes):
+            current.append((key, g))
+            continue
+        if len(current) > 1:
+            groups.append([c[1] for c in current])
+        current = [(key, g)]
+    if len(current) > 1:
+        groups.append([c[1] for c in current])
+    graph = gm.graph
+    for group in groups:
+        first = group[0]
+        n, name = first.start.args[1], first.start.args[2]
+        waits = [g.chain[1] for g in group]
+        wait_at = min(waits, key=index.__getitem__)
+        shapes = [tuple(g.start.args[0].meta["val"].shape) for g in group]  # each rank's shard, as sent
+        sizes = [math.prod(sh) for sh in shapes]
+        for g in group[1:]:  # what a later member sends (views of its parameter) is made before the first
+            for v in _views_of_source(g.start.args[0]):
+                if index[v] > index[first.start]:
+                    first.start.prepend(v)
+        with graph.inserting_before(first.start):
+            flat = graph.call_function(aten.cat.default, ([graph.call_function(
+                aten.reshape.default, (g.start.args[0], [-1])) for g in group],))
+            merged = graph.call_function(c10d.all_gather_into_tensor.default, (flat, n, name))
+        # a layer's parameters: _bucket_reduce_scatters' boundary
+        prog.set_comm(merged, prog.merged([prog.comm(g.start) for g in group], (sum(sizes),), (n * sum(sizes),),
+                                          parameters=True))
+        with graph.inserting_before(wait_at):
+            waited = graph.call_function(c10d.wait_tensor.default, (merged,))
+            blocks = graph.call_function(aten.reshape.default, (waited, [n, sum(sizes)]))
+            offset = 0
+            for g, shape, size in zip(group, shapes, sizes):
+                piece = graph.call_function(aten.slice.Tensor, (blocks, 1, offset, offset + size))
+                if not _unstack(graph, g.chain[1], piece, n, shape):
+                    whole = graph.call_function(aten.reshape.default, (piece, [n * shape[0], *shape[1:]]))
+                    g.chain[1].replace_all_uses_with(whole)
+                offset += size
+        for g in group:
+            graph.erase_node(g.chain[1])
+            graph.erase_node(g.start)
+
+
+def _unstack(graph, wait, piece, n: int, shape: tuple) -> bool:
+    """A parameter gathered along a dim other than 0 is cut back into its ranks' blocks (`split`
+    along dim 0, then `cat` along its dim): take the blocks as views of the bucket instead, so the
+    `cat` is its only copy (stacking them on dim 0 first would be a second). Whether it did."""
+    (split,) = wait.users if len(wait.users) == 1 else (None,)
+    if split is None or split.target is not aten.split.Tensor or tuple(split.args[1:]) not in ((shape[0],), (shape[0], 0)):
+        return False
+    blocks = graph.call_function(aten.unbind.int, (graph.call_function(aten.reshape.default, (piece, [n, *shape])), 0))
+    split.replace_all_uses_with(blocks)
+    graph.erase_node(split)
+    return True
+
+
+def _bucket_reduce_scatters(gm, axes: tuple[str, ...], cap: int) -> None:
+    """Reduce-scatters over `axes` (same group and dtype) that can all run after the last of
+    their inputs is made and before the first of their results is read become one, issued right
+    after that last input: each input cut into its ranks' rows, laid end to end rank by rank.
+    Over several axes, one group at a time, in the order the program reduces over them: a
+    reduction over the second reads the first's results, which bucketing moves."""
+    found = _reduce_scatters_over(gm, axes)
+    for name in dict.fromkeys(rs.args[3] for rs in found):
+        _bucket_reduce_scatters_over(gm, [rs for rs in found if rs.args[3] == name], cap)
+
+
+def _reduce_scatters_over(gm, axes: tuple[str, ...]) -> list:
+    """The program's reduce-scatters over (some of) `axes`, each with its one wait."""
+    return [rs for rs in gm.graph.find_nodes(op="call_function", target=c10d.reduce_scatter_tensor.default)
+            if (c := prog.comm(rs)) is not None and set(c.axes) <= set(axes) and len(rs.users) == 1]
+
+
+def _bucket_reduce_scatters_over(gm, found: list, cap: int) -> None:
+    graph = gm.graph
+    nodes = list(graph.nodes)
+    index = {n: i for i, n in enumerate(nodes)}
+    # a layer's backward starts where gathered parameters are waited for (issued earlier, with
+    # prefetch), or a layer kept gathered is first read again: buckets do not cross one
+    gathers = sorted([index[w] for n in graph.find_nodes(op="call_function", target=c10d.all_gather_into_tensor.default)
+                      if _source(n.args[0]).op == "placeholder" or getattr(prog.comm(n), "parameters", False)
+                      for w in n.users] + [i for i, n in enumerate(nodes) if n.meta.get(_LAYER_STARTS)])
+    groups, current = [], []
+    for rs in sorted(found, key=index.__getitem__):
+        (wait,) = rs.users
+        if not wait.users:
+            continue
+        ready, read = index[rs.args[0]], min(index[u] for u in wait.users)
+        key = (rs.args[1], rs.args[2], rs.args[3], prog.comm(rs).dtype, bisect.bisect(gathers, ready))
+        if current and key == current[0][0] and max(max(c[2] for c in current), ready) < min(
+                min(c[3] for c in current), read) and sum(prog.comm(c[1]).bytes for c in current) \
+                + prog.comm(rs).bytes <= cap:
+            current.append((key, rs, ready, read))
+            continue
+        if len(current) > 1:
+            groups.append(current)
+        current = [(key, rs, ready, read)]
+    if len(current) > 1:
+        groups.append(current)
+    for group in groups:
+        at = max(c[2] for c in group) + 1  # in order, right after the last input is made
+        members = [c[1] for c in group]
+        op, n, name = members[0].args[1], members[0].args[2], members[0].args[3]
+        shapes = [prog.shape_dtype(m.args[0])[0] for m in members]  # as sent: rank blocks along dim 0
+        sizes = [math.prod(sh) // n for sh in shapes]  # each rank's share of each
+        with graph.inserting_before(nodes[at]):
+            rows = [graph.call_function(aten.reshape.default, (m.args[0], [n, size])) for m, size in zip(members, sizes)]
+            joined = graph.call_function(aten.reshape.default, (graph.call_function(aten.cat.default, (rows, 1)), [-1]))
+            merged = graph.call_function(c10d.reduce_scatter_tensor.default, (joined, op, n, name))
+        # waited for where its results are first read (then at once, and the pipeline's
+        # `keep_in_flight` places the wait)
+        with graph.inserting_before(nodes[min(c[3] for c in group)]):
+            waited = graph.call_function(c10d.wait_tensor.default, (merged,))
+            pieces = graph.call_function(aten.split_with_sizes.default, (waited, sizes))
+            outs = []
+            for i, shape in enumerate(shapes):
+                piece = graph.call_function(operator.getitem, (pieces, i))
+                outs.append(graph.call_function(aten.reshape.default, (piece, [shape[0] // n, *shape[1:]])))
+                # a reduction over the next axis may read it, in a later bucket
+                prog.note_local(outs[-1], (shape[0] // n, *shape[1:]), prog.comm(members[0]).dtype)
+        prog.set_comm(merged, prog.merged([prog.comm(m) for m in members], (n * sum(sizes),), (sum(sizes),)))
+        for m, out in zip(members, outs):
+            (wait,) = m.users
+            wait.replace_all_uses_with(out)
+            graph.erase_node(wait)
+            graph.erase_node(m)

@@ -1,0 +1,43 @@
+"""`nf.mixed_precision`: fp32 master parameters and optimizer state, low-precision compute.
+
+While the step is traced, every function differentiated by `nf.grad` / `nf.value_and_grad` sees
+its float arguments cast to `param_dtype`: forward and backward run in it, and the gradients come
+back through the casts in the parameters' own dtype, for an optimizer that keeps everything in
+fp32. Casts are ops like any other: the partitioner places them, so a parameter stored sharded is
+cast before it is gathered (the gather moves half the bytes) when that is cheaper. After lowering,
+every reduction of `param_dtype` values sums in `reduce_dtype` instead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+
+import torch
+
+from ndfunc._src.autodiff import COMPUTE_DTYPE
+from ndfunc._src.transforms.base import Transform
+from ndfunc._src.transforms.reduce import reduce_in
+
+
+@dataclasses.dataclass(frozen=True)
+class mixed_precision(Transform):  # noqa: N801 - a transform is named like the function it stands for
+    """Compute in `param_dtype`, reduce gradients in `reduce_dtype`, keep the rest as it is.
+
+    Use: `nf.jit(step, ..., transforms=[nf.mixed_precision(torch.bfloat16, torch.float32)])`.
+    """
+
+    param_dtype: torch.dtype = torch.bfloat16
+    reduce_dtype: torch.dtype | None = torch.float32
+
+    @contextlib.contextmanager
+    def tracing(self):
+        token = COMPUTE_DTYPE.set(self.param_dtype)
+        try:
+            yield
+        finally:
+            COMPUTE_DTYPE.reset(token)
+
+    def lowered(self, program) -> None:
+        if self.reduce_dtype is not None:
+            reduce_in(program.local, self.reduce_dtype, only_from=self.param_dtype)

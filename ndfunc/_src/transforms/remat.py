@@ -1,0 +1,109 @@
+"""`nf.remat`: recompute a region in backward instead of keeping its activations.
+
+`nf.remat(layer)(params, x)` computes what `layer(params, x)` does and marks the ops it makes.
+When `nf.jit` traces the step, `rematerialize` rewrites the program: every value made inside a
+marked region that backward reads is computed again, from the region's inputs, just before
+backward first needs it, and backward reads the copy. The forward values then die inside forward,
+and a remat'd decoder layer's activations live only from its recomputation to its gradient, one
+layer at a time. (Run eagerly, outside nf.jit, `nf.remat` changes nothing.)
+
+Policies (JAX's names): `'full'` keeps nothing made inside the region; `'save_dots'` keeps the
+results of its matrix products (the expensive part) and recomputes the rest (norms, activations,
+rotary embeddings) from them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.fx.traceback as fx_traceback
+
+from ndfunc._src.autodiff import (
+    FORWARD,  # nf.value_and_grad marks the ops of what it differentiates
+)
+from ndfunc._src.partition.planning.ops import saved_by_remat
+from ndfunc._src.transforms.base import Transform
+
+aten = torch.ops.aten
+POLICIES = ("full", "save_dots")
+REGION = "ndfunc_remat"
+_regions = itertools.count()  # a fresh id per call of a remat'd function
+
+
+def remat(fn: Callable[..., Any], policy: str = "full") -> Callable[..., Any]:
+    """`fn`, its activations recomputed in backward under nf.jit (see the module's text)."""
+    if policy not in POLICIES:
+        raise ValueError(f"nf.remat: policy is one of {POLICIES}, got {policy!r}.")
+
+    @functools.wraps(fn)
+    def wrapped(*args, **kwargs):
+        with fx_traceback.annotate({REGION: (next(_regions), policy)}):
+            return fn(*args, **kwargs)
+
+    return wrapped
+
+
+def rematerialize(graph: torch.fx.Graph) -> int:
+    """Recompute, before backward, what backward reads of each marked region; how many ops were
+    copied."""
+    regions: dict = {}
+    for node in graph.nodes:
+        mark = (node.meta.get("custom") or {}).get(REGION)
+        if mark is not None and node.op == "call_function":
+            regions.setdefault(mark, []).append(node)
+    copied = 0
+    for (_, policy), inside in regions.items():
+        copied += _recompute(graph, inside, policy)
+    if copied:
+        graph.lint()
+    return copied
+
+
+def _forward(node: torch.fx.Node) -> bool:
+    return bool((node.meta.get("custom") or {}).get(FORWARD))
+
+
+def _recompute(graph: torch.fx.Graph, inside: list, policy: str) -> int:
+    members = set(inside)
+    kept = {n for n in inside if policy == "save_dots" and saved_by_remat(n.target)}
+    # what backward reads of the region: values with a reader outside forward
+    read = [n for n in inside if n not in kept and any(not _forward(u) for u in n.users)]
+    if not read:
+        return 0
+    # the region's ops these values need, back to its inputs (or kept products)
+    need, todo = set(), list(read)
+    while todo:
+        n = todo.pop()
+        if n in need:
+            continue
+        need.add(n)
+        todo.extend(a for a in n.all_input_nodes if a in members and a not in kept)
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    readers = [u for n in read for u in n.users if not _forward(u)]
+    first = min(readers, key=order.__getitem__)
+    env: dict = {}
+    with graph.inserting_before(first):
+        for n in sorted(need, key=order.__getitem__):
+            copy = graph.node_copy(n, lambda a: env.get(a, a))
+            copy.meta["custom"] = {k: v for k, v in (n.meta.get("custom") or {}).items() if k not in (FORWARD, REGION)}
+            env[n] = copy
+    copies = set(env.values())
+    for n in read:
+        for u in list(n.users):
+            if not _forward(u) and u not in copies:
+                u.replace_input_with(n, env[n])
+    return len(need)
+
+
+@dataclasses.dataclass(frozen=True)
+class remat_regions(Transform):  # noqa: N801 - a transform is named like the function it stands for
+    """The pass behind `nf.remat`, always first among a step's transforms: the regions `nf.remat`
+    marked while the step was traced are recomputed for backward (`rematerialize`)."""
+
+    def traced(self, program) -> None:
+        rematerialize(program.traced.graph)

@@ -1,0 +1,237 @@
+"""`nf.ring_attention`: sequence-sharded attention as a ring of key/value blocks.
+
+Without it, attention whose sequence is split over an axis gathers every key and value on every
+rank (memory and traffic of the whole sequence per rank). With it, each rank keeps its blocks of
+Q, K and V; the K, V blocks travel the ring for `axis_size` steps, and each step's partial result
+merges into the running one by an online softmax on the log-sum-exp, in fp32 (fp64 for fp64). Backward is a ring
+too: each rank computes its blocks' gradients from the saved output and log-sum-exp, and the
+key/value gradients travel with their blocks until they are home. The causal mask comes from
+positions (the mask the model builds from them), so any layout of the sequence is right;
+`nf.zigzag` lays a batch out so that rank r holds chunks r and 2n-1-r, which balances the work when
+fully masked blocks are skipped (`load_balance='zigzag'`, on real ranks).
+
+The pass marks each masked attention (forward and backward) in the traced program; the partitioner
+may then keep its keys and values split over the axis, and the lowering writes the ring there.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+import torch.distributed as dist
+
+from ndfunc._src.partition import program as prog
+from ndfunc._src.partition.planning.layout import local_shape
+from ndfunc._src.torch_compat import FakeTensor, LocalTensor, local_blocks
+from ndfunc._src.transforms.base import Transform
+
+aten = torch.ops.aten
+FLASH = aten._scaled_dot_product_flash_attention_for_cpu.default
+FLASH_BACKWARD = aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+
+
+@dataclasses.dataclass(frozen=True)
+class ring_attention(Transform):  # noqa: N801 - a transform is named like the function it stands for
+    """Attention with its sequence split over `axis` runs as a ring over that axis.
+
+    `load_balance='zigzag'`: the batch is laid out by `nf.zigzag` and a rank skips the key/value
+    blocks its queries cannot see (on real ranks; simulated ranks compute every block). `None`:
+    every block is computed, whatever the layout.
+
+    Use: `nf.jit(step, mesh=mesh, ..., transforms=[nf.ring_attention('cp')])`, with a batch that
+    carries `positions` (the causal mask is built from them).
+    """
+
+    axis: str = "cp"
+    load_balance: str | None = "zigzag"
+
+    def __post_init__(self):
+        if self.load_balance not in ("zigzag", None):
+            raise ValueError(f"ring_attention: load_balance is 'zigzag' or None, got {self.load_balance!r}.")
+
+    def axes_used(self) -> tuple[str, ...]:
+        return (self.axis,)
+
+    def traced(self, program) -> None:
+        live = program.axis_position(self.axis)
+        if live is None:
+            return  # a size-1 axis: nothing is split, nothing to do
+        dim = program.mesh.axis_names.index(self.axis)
+        grid = program.mesh.device_mesh.mesh  # global ranks by coordinate
+        # each rank's next along the axis, its other coordinates the same
+        peers = tuple(zip(grid.flatten().tolist(), grid.roll(-1, dim).flatten().tolist()))
+        ring = _Ring(live=live, axis=self.axis, size=grid.shape[dim], peers=peers, skip=self.load_balance == "zigzag")
+        for node in program.traced.graph.nodes:
+            if node.target in (FLASH, FLASH_BACKWARD) and node.kwargs.get("attn_mask") is not None:
+                prog.keep_split(node, ring)
+                prog.set_local_op(node, _lower)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Ring:
+    """The mark on an attention node: its keys stay split on partitioned axis `live` (`axis`)."""
+
+    live: int
+    axis: str
+    size: int
+    peers: tuple  # (global rank, its next along the axis)
+    skip: bool  # skip the blocks no query sees
+
+
+def _lower(ctx: prog.LoweringContext, node, strategy, op, args, kwargs):
+    """The local op for a ring-marked attention: the ring where its keys are split over the ring
+    axis (and what it sends, for `as_text` and `cost_analysis`), else the op itself."""
+    ring = prog.kept_split(node)
+    backward = node.target is FLASH_BACKWARD
+    k_slot = 2 if backward else 1
+    if strategy.ins[k_slot][ring.live] != SEQ:
+        return op, args, kwargs, None
+    q, k, v = args[1:4] if backward else args[:3]
+    common = dict(mask=kwargs["attn_mask"], scale=kwargs.get("scale"), coords=ctx.coords,
+                  axis=ctx.axis_names.index(ring.axis), size=ring.size, peers=ring.peers, skip=ring.skip)
+    kv = k.meta["val"]
+    shape = local_shape(tuple(kv.shape), strategy.ins[k_slot], ctx.sizes)
+    block = math.prod(shape) * kv.element_size()
+    n = ring.size
+    # forward: K and V go round n-1 times; backward: K and V n-1 times, dK and dV n times (summed
+    # in fp32, or fp64)
+    moved = 2 * (n - 1) * block + (2 * n * block * _accumulator(kv.dtype).itemsize // kv.element_size() if backward else 0)
+    sent = (2, *shape)  # a key block and a value block
+    comm = prog.Comm("ppermute", (ring.axis,), sent, sent, kv.dtype, kv.device, None, 2 * block, moved)
+    if backward:
+        return ring_backward, (args[0], q, k, v, args[4], args[5]), common, comm
+    return ring_forward, (q, k, v), common, comm
+
+
+SEQ = torch.distributed.tensor.Shard(2)
+
+
+# --- the ring, on each rank's blocks (plain tensors on real ranks, LocalTensors in simulation) ---
+
+def _shift(x: torch.Tensor, peers: tuple) -> torch.Tensor:
+    """Each rank's block to the next rank along the ring (`peers`: (global rank, next) pairs)."""
+    if isinstance(x, FakeTensor):
+        return x.clone()
+    if isinstance(x, LocalTensor):  # one process holds every rank: hand the blocks on
+        to = dict(peers)
+        return LocalTensor({to[r]: t for r, t in local_blocks(x).items()})
+    to = dict(peers)
+    me = dist.get_rank()
+    source = next(r for r, nxt in to.items() if nxt == me)
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    for work in dist.batch_isend_irecv([dist.P2POp(dist.isend, x.contiguous(), to[me]),
+                                        dist.P2POp(dist.irecv, out, source)]):
+        work.wait()
+    return out
+
+
+def _block(mask: torch.Tensor, coords, axis: int, size: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The mask's columns for the key block a rank holds at `step` (its own at 0, then the
+    previous rank's, ...): `(rows x block columns, source index)`."""
+    source = torch.remainder(coords[axis] - step, size).reshape(1)
+    b, h, rows, cols = mask.shape
+    return mask.reshape(b, h, rows, size, cols // size).index_select(3, source).squeeze(3), source
+
+
+def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The mask as the flash kernel takes it: 0 where a query may attend, -inf where not."""
+    if mask.dtype == torch.bool:
+        return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, -math.inf)
+    return mask.to(dtype)
+
+
+def _expand_heads(x: torch.Tensor, heads: int) -> torch.Tensor:
+    """Grouped key/value heads (GQA) repeated to the query heads they serve."""
+    return x if x.shape[1] == heads else x.repeat_interleave(heads // x.shape[1], dim=1)
+
+
+def _visible(m) -> bool:
+    """Whether any query sees any key of this block (always True where it cannot be known here)."""
+    if isinstance(m, (LocalTensor, FakeTensor)):
+        return True
+    return bool((m if m.dtype == torch.bool else m > -math.inf).any())
+
+
+def _accumulator(dtype: torch.dtype) -> torch.dtype:
+    """What the ring sums its blocks in: fp32 for half precision and fp32, fp64 for fp64 (the
+    flash kernel's own log-sum-exp dtype, which backward is handed)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def ring_forward(q, k, v, *, mask, scale, coords, axis, size, peers, skip):
+    """(out, logsumexp) of this rank's queries against every rank's keys, the keys and values
+    travelling the ring. Each block by the flash kernel (no score matrix held); the blocks merge
+    by their log-sum-exps, in fp32 (fp64 for fp64)."""
+    heads, acc = q.shape[1], _accumulator(q.dtype)
+    out = torch.zeros(q.shape, dtype=acc, device=q.device)
+    lse = torch.full(q.shape[:-1], -math.inf, dtype=acc, device=q.device)
+    for step in range(size):
+        m, _ = _block(mask, coords, axis, size, step)
+        if not skip or _visible(m):
+            m = _additive(m, q.dtype)
+            block_out, block_lse = FLASH(q, _expand_heads(k, heads), _expand_heads(v, heads), 0.0, False,
+                                         attn_mask=m, scale=scale)
+            # a row that sees no key of this block: the kernel says lse 0, out 0; it is -inf
+            seen = (m > -math.inf).any(-1).expand(block_lse.shape)
+            block_lse = block_lse.to(acc).masked_fill(~seen, -math.inf)
+            new = torch.logaddexp(lse, block_lse)
+            keep = torch.exp(lse - new).nan_to_num(0.0).unsqueeze(-1)
+            take = torch.exp(block_lse - new).nan_to_num(0.0).unsqueeze(-1)
+            out = out * keep + block_out.to(acc) * take
+            lse = new
+        if step < size - 1:
+            k, v = _shift(k, peers), _shift(v, peers)
+    return out.to(q.dtype), lse
+
+
+def ring_backward(grad_out, q, k, v, out, lse, *, mask, scale, coords, axis, size, peers, skip):
+    """(dq, dk, dv): each block's gradients by the flash kernel's backward, given the whole
+    output and log-sum-exp (so each block's softmax is the global one); dk and dv travel with
+    their keys and values, in fp32 (fp64 for fp64), and are home after `size` steps."""
+    heads, groups, acc = q.shape[1], k.shape[1], _accumulator(q.dtype)
+    dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+    dk = torch.zeros(k.shape, dtype=acc, device=k.device)
+    dv = torch.zeros(v.shape, dtype=acc, device=v.device)
+    for step in range(size):
+        m, _ = _block(mask, coords, axis, size, step)
+        if not skip or _visible(m):
+            dq_block, dk_block, dv_block = FLASH_BACKWARD(
+                grad_out, q, _expand_heads(k, heads), _expand_heads(v, heads), out, lse, 0.0, False,
+                attn_mask=_additive(m, q.dtype), scale=scale)
+            if groups != heads:  # the query heads a key/value head served, summed back into it
+                dk_block = dk_block.unflatten(1, (groups, heads // groups)).sum(2)
+                dv_block = dv_block.unflatten(1, (groups, heads // groups)).sum(2)
+            dq, dk, dv = dq + dq_block.to(acc), dk + dk_block.to(acc), dv + dv_block.to(acc)
+        if step < size - 1:
+            k, v = _shift(k, peers), _shift(v, peers)
+        dk, dv = _shift(dk, peers), _shift(dv, peers)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+# --- the zigzag layout -----------------------------------------------------------------------
+
+def zigzag_order(length: int, size: int) -> torch.Tensor:
+    """Token order that puts chunks r and 2n-1-r of a sequence cut in 2n chunks on rank r, when
+    the sequence is then split into n contiguous blocks."""
+    if length % (2 * size):
+        raise ValueError(f"zigzag: a sequence of {length} tokens does not cut into 2 x {size} equal chunks; "
+                         f"use a length divisible by {2 * size}.")
+    chunks = torch.arange(length).reshape(2 * size, length // (2 * size))
+    return torch.cat([torch.cat([chunks[r], chunks[2 * size - 1 - r]]) for r in range(size)])
+
+
+def zigzag(batch: dict, size: int) -> dict:
+    """`batch` (tokens, targets, ... of shape (B, L)) with its sequences in zigzag order for `size`
+    ranks, and `positions` (each token's place in its original sequence) added if absent."""
+    tokens = next(iter(batch.values()))
+    order = zigzag_order(tokens.shape[1], size)
+    out = {k: v.index_select(1, order) for k, v in batch.items()}
+    out.setdefault("positions", order.expand(tokens.shape).contiguous())
+    return out
+
+
+def unzigzag(x: torch.Tensor, size: int) -> torch.Tensor:
+    """Back to the original token order along dim 1 (per-token losses, logits)."""
+    return x.index_select(1, torch.argsort(zigzag_order(x.shape[1], size)))
