@@ -33,6 +33,7 @@ from ndfunc._src.torch_compat import (
     TorchDispatchMode,
     local_tensor_mode,
 )
+from ndfunc._src.transforms.base import Transform
 
 Pass = Callable[[Program], Program]
 
@@ -115,6 +116,8 @@ def hoist_freeing_ops(p: Program) -> Program:
 def transforms_lowered(p: Program) -> Program:
     """Each transform's `lowered` hook, on the local program, its metadata filled first."""
     for t in p.transforms:
+        if type(t).lowered is Transform.lowered:
+            continue  # no hook: no metadata to fill for it
         p.ensure_meta()
         t.lowered(p)
         p._meta_ready = False  # the hook may have changed the program
