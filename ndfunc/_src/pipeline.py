@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Callable
+from typing import Any
 
 import optree
 import torch
@@ -36,6 +37,16 @@ from ndfunc._src.torch_compat import (
 from ndfunc._src.transforms.base import Transform
 
 Pass = Callable[[Program], Program]
+
+
+def _on_local(rewrite: Callable[[torch.fx.GraphModule], Any], doc: str) -> Pass:
+    """A pass that rewrites the local program in place with `rewrite`; `doc` says what it does."""
+    def run(p: Program) -> Program:
+        rewrite(p.local)
+        return p
+
+    run.__name__, run.__qualname__, run.__doc__ = rewrite.__name__, rewrite.__name__, doc
+    return run
 
 
 # --- before lowering: the global program -----------------------------------------------------------
@@ -88,10 +99,8 @@ def lower(p: Program) -> Program:
 
 # --- the local program -----------------------------------------------------------------------------
 
-def issue_reductions_early(p: Program) -> Program:
-    """Each gradient reduction issued right after what it reduces is made (`schedule`)."""
-    schedule.issue_reductions_early(p.local)
-    return p
+issue_reductions_early = _on_local(
+    schedule.issue_reductions_early, "Each gradient reduction issued right after what it reduces is made (`schedule`).")
 
 
 def bucket_all_reduces(p: Program) -> Program:
@@ -101,16 +110,11 @@ def bucket_all_reduces(p: Program) -> Program:
     return p
 
 
-def wait_in_turn(p: Program) -> Program:
-    """Each reduction waited for before the next one over its group is issued (`schedule`)."""
-    schedule.wait_in_turn(p.local)
-    return p
+wait_in_turn = _on_local(
+    schedule.wait_in_turn, "Each reduction waited for before the next one over its group is issued (`schedule`).")
 
-
-def hoist_freeing_ops(p: Program) -> Program:
-    """Ops that free more memory than they take run as soon as their inputs are ready (`schedule`)."""
-    schedule.hoist_freeing_ops(p.local)
-    return p
+hoist_freeing_ops = _on_local(
+    schedule.hoist_freeing_ops, "Ops that free more memory than they take run as early as they can (`schedule`).")
 
 
 def transforms_lowered(p: Program) -> Program:
@@ -130,22 +134,15 @@ def donate(p: Program) -> Program:
     return p
 
 
-def fold_scales(p: Program) -> Program:
-    """A scale of a value made for it alone folds into the op that makes it (`inplace`)."""
-    inplace.fold_scales(p.local)
-    return p
+fold_scales = _on_local(
+    inplace.fold_scales, "A scale of a value made for it alone folds into the op that makes it (`inplace`).")
+
+fold_donated_copies = _on_local(
+    inplace.fold_donated_copies, "A result copied into a donated buffer is computed there instead (`inplace`).")
 
 
-def fold_donated_copies(p: Program) -> Program:
-    """A result copied into a donated buffer is computed there instead, where it can be (`inplace`)."""
-    inplace.fold_donated_copies(p.local)
-    return p
-
-
-def reuse_buffers(p: Program) -> Program:
-    """Elementwise ops write into an input that dies there (`add` -> `add_`) (`inplace`)."""
-    inplace.reuse_buffers(p.local)
-    return p
+reuse_buffers = _on_local(
+    inplace.reuse_buffers, "Elementwise ops write into an input that dies there (`add` -> `add_`) (`inplace`).")
 
 
 def keep_in_flight(p: Program) -> Program:
