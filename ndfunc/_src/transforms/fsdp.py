@@ -27,12 +27,12 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
-import math
 import operator
 
 import torch
 
 from ndfunc._src.partition import program as prog
+from ndfunc._src.partition.passes import bucket
 from ndfunc._src.partition.passes.schedule import wait_in_turn
 from ndfunc._src.transforms.base import Transform
 from ndfunc._src.transforms.reduce import reduce_in
@@ -306,75 +306,29 @@ def _source(node: torch.fx.Node) -> torch.fx.Node:
 
 def _bucket_gathers(gm, gathers: list[_Gather], cap: int, module: dict) -> None:
     """Gathers of one layer's parameters issued one after another (same group and dtype) become
-    one: issued where the first was, its pieces cut out where the first was waited for."""
-    index = {n: i for i, n in enumerate(gm.graph.nodes)}
-    gathers = sorted((g for g in gathers if g.value.users), key=lambda g: index[g.start])
-    groups, current = [], []
+    one: issued where the first was (prefetch placed it), its pieces cut out where the first was
+    waited for."""
+    nodes = list(gm.graph.nodes)
+    index = {n: i for i, n in enumerate(nodes)}
+    members = []
     for g in gathers:
-        key = (g.start.args[1], g.start.args[2], prog.comm(g.start).dtype, g.layer(module))
-        fits = current and key == current[0][0] and sum(c[1].comm.bytes for c in current) + g.comm.bytes <= cap
-        if fits and all(index[a] < index[current[0][1].start] or _source(a).op == "placeholder"
-                        for a in g.start.all_input_nodes):
-            current.append((key, g))
+        if not g.value.users:
             continue
-        if len(current) > 1:
-            groups.append([c[1] for c in current])
-        current = [(key, g)]
-    if len(current) > 1:
-        groups.append([c[1] for c in current])
-    graph = gm.graph
-    for group in groups:
-        first = group[0]
-        n, name = first.start.args[1], first.start.args[2]
-        waits = [g.chain[1] for g in group]
-        wait_at = min(waits, key=index.__getitem__)
-        shapes = [tuple(g.start.args[0].meta["val"].shape) for g in group]  # each rank's shard, as sent
-        sizes = [math.prod(sh) for sh in shapes]
-        for g in group[1:]:  # what a later member sends (views of its parameter) is made before the first
-            for v in _views_of_source(g.start.args[0]):
-                if index[v] > index[first.start]:
-                    first.start.prepend(v)
-        with graph.inserting_before(first.start):
-            flat = graph.call_function(aten.cat.default, ([graph.call_function(
-                aten.reshape.default, (g.start.args[0], [-1])) for g in group],))
-            merged = graph.call_function(c10d.all_gather_into_tensor.default, (flat, n, name))
+        made = [index[a] for a in g.start.all_input_nodes if _source(a).op != "placeholder"]
+        members.append(bucket.Member(
+            g.start, g.chain[1], (g.start.args[1], g.start.args[2], prog.comm(g.start).dtype, g.layer(module)),
+            max(made, default=-1), index[g.chain[1]], g.comm.bytes, tuple(_views_of_source(g.start.args[0]))))
+    for b in bucket.plan(members, cap, index, at_first=True):
         # a layer's parameters: _bucket_reduce_scatters' boundary
-        prog.set_comm(merged, prog.merged([prog.comm(g.start) for g in group], (sum(sizes),), (n * sum(sizes),),
-                                          parameters=True))
-        with graph.inserting_before(wait_at):
-            waited = graph.call_function(c10d.wait_tensor.default, (merged,))
-            blocks = graph.call_function(aten.reshape.default, (waited, [n, sum(sizes)]))
-            offset = 0
-            for g, shape, size in zip(group, shapes, sizes):
-                piece = graph.call_function(aten.slice.Tensor, (blocks, 1, offset, offset + size))
-                if not _unstack(graph, g.chain[1], piece, n, shape):
-                    whole = graph.call_function(aten.reshape.default, (piece, [n * shape[0], *shape[1:]]))
-                    g.chain[1].replace_all_uses_with(whole)
-                offset += size
-        for g in group:
-            graph.erase_node(g.chain[1])
-            graph.erase_node(g.start)
-
-
-def _unstack(graph, wait, piece, n: int, shape: tuple) -> bool:
-    """A parameter gathered along a dim other than 0 is cut back into its ranks' blocks (`split`
-    along dim 0, then `cat` along its dim): take the blocks as views of the bucket instead, so the
-    `cat` is its only copy (stacking them on dim 0 first would be a second). Whether it did."""
-    (split,) = wait.users if len(wait.users) == 1 else (None,)
-    if split is None or split.target is not aten.split.Tensor or tuple(split.args[1:]) not in ((shape[0],), (shape[0], 0)):
-        return False
-    blocks = graph.call_function(aten.unbind.int, (graph.call_function(aten.reshape.default, (piece, [n, *shape])), 0))
-    split.replace_all_uses_with(blocks)
-    graph.erase_node(split)
-    return True
+        bucket.merge(gm, b, bucket.ALL_GATHER, nodes, index, at_first=True, parameters=True)
 
 
 def _bucket_reduce_scatters(gm, axes: tuple[str, ...], cap: int) -> None:
-    """Reduce-scatters over `axes` (same group and dtype) that can all run after the last of
-    their inputs is made and before the first of their results is read become one, issued right
-    after that last input: each input cut into its ranks' rows, laid end to end rank by rank.
-    Over several axes, one group at a time, in the order the program reduces over them: a
-    reduction over the second reads the first's results, which bucketing moves."""
+    """Reduce-scatters over `axes` (same group and dtype) of one layer's backward become one,
+    issued right after the last input is made, waited for where its results are first read (then
+    at once, and the pipeline's `keep_in_flight` places the wait). Over several axes, one group at
+    a time, in the order the program reduces over them: a reduction over the second reads the
+    first's results, which bucketing moves."""
     found = _reduce_scatters_over(gm, axes)
     for name in dict.fromkeys(rs.args[3] for rs in found):
         _bucket_reduce_scatters_over(gm, [rs for rs in found if rs.args[3] == name], cap)
@@ -387,55 +341,21 @@ def _reduce_scatters_over(gm, axes: tuple[str, ...]) -> list:
 
 
 def _bucket_reduce_scatters_over(gm, found: list, cap: int) -> None:
-    graph = gm.graph
-    nodes = list(graph.nodes)
+    nodes = list(gm.graph.nodes)
     index = {n: i for i, n in enumerate(nodes)}
     # a layer's backward starts where gathered parameters are waited for (issued earlier, with
     # prefetch), or a layer kept gathered is first read again: buckets do not cross one
-    gathers = sorted([index[w] for n in graph.find_nodes(op="call_function", target=c10d.all_gather_into_tensor.default)
-                      if _source(n.args[0]).op == "placeholder" or getattr(prog.comm(n), "parameters", False)
-                      for w in n.users] + [i for i, n in enumerate(nodes) if n.meta.get(_LAYER_STARTS)])
-    groups, current = [], []
-    for rs in sorted(found, key=index.__getitem__):
+    gathers = gm.graph.find_nodes(op="call_function", target=c10d.all_gather_into_tensor.default)
+    starts = sorted([index[w] for n in gathers
+                     if _source(n.args[0]).op == "placeholder" or getattr(prog.comm(n), "parameters", False)
+                     for w in n.users] + [i for i, n in enumerate(nodes) if n.meta.get(_LAYER_STARTS)])
+    members = []
+    for rs in found:
         (wait,) = rs.users
         if not wait.users:
             continue
-        ready, read = index[rs.args[0]], min(index[u] for u in wait.users)
-        key = (rs.args[1], rs.args[2], rs.args[3], prog.comm(rs).dtype, bisect.bisect(gathers, ready))
-        if current and key == current[0][0] and max(max(c[2] for c in current), ready) < min(
-                min(c[3] for c in current), read) and sum(prog.comm(c[1]).bytes for c in current) \
-                + prog.comm(rs).bytes <= cap:
-            current.append((key, rs, ready, read))
-            continue
-        if len(current) > 1:
-            groups.append(current)
-        current = [(key, rs, ready, read)]
-    if len(current) > 1:
-        groups.append(current)
-    for group in groups:
-        at = max(c[2] for c in group) + 1  # in order, right after the last input is made
-        members = [c[1] for c in group]
-        op, n, name = members[0].args[1], members[0].args[2], members[0].args[3]
-        shapes = [prog.shape_dtype(m.args[0])[0] for m in members]  # as sent: rank blocks along dim 0
-        sizes = [math.prod(sh) // n for sh in shapes]  # each rank's share of each
-        with graph.inserting_before(nodes[at]):
-            rows = [graph.call_function(aten.reshape.default, (m.args[0], [n, size])) for m, size in zip(members, sizes)]
-            joined = graph.call_function(aten.reshape.default, (graph.call_function(aten.cat.default, (rows, 1)), [-1]))
-            merged = graph.call_function(c10d.reduce_scatter_tensor.default, (joined, op, n, name))
-        # waited for where its results are first read (then at once, and the pipeline's
-        # `keep_in_flight` places the wait)
-        with graph.inserting_before(nodes[min(c[3] for c in group)]):
-            waited = graph.call_function(c10d.wait_tensor.default, (merged,))
-            pieces = graph.call_function(aten.split_with_sizes.default, (waited, sizes))
-            outs = []
-            for i, shape in enumerate(shapes):
-                piece = graph.call_function(operator.getitem, (pieces, i))
-                outs.append(graph.call_function(aten.reshape.default, (piece, [shape[0] // n, *shape[1:]])))
-                # a reduction over the next axis may read it, in a later bucket
-                prog.note_local(outs[-1], (shape[0] // n, *shape[1:]), prog.comm(members[0]).dtype)
-        prog.set_comm(merged, prog.merged([prog.comm(m) for m in members], (n * sum(sizes),), (sum(sizes),)))
-        for m, out in zip(members, outs):
-            (wait,) = m.users
-            wait.replace_all_uses_with(out)
-            graph.erase_node(wait)
-            graph.erase_node(m)
+        ready = index[rs.args[0]]
+        members.append(bucket.Member(rs, wait, (*rs.args[1:], prog.comm(rs).dtype, bisect.bisect(starts, ready)),
+                                     ready, min(index[u] for u in wait.users), prog.comm(rs).bytes))
+    for b in bucket.plan(members, cap, index):
+        bucket.merge(gm, b, bucket.REDUCE_SCATTER, nodes, index)
