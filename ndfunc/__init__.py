@@ -26,6 +26,7 @@ from ndfunc._src.shard_map import shard_map as shard_map
 from ndfunc._src.sharding.mesh import get_mesh as get_mesh
 from ndfunc._src.sharding.mesh import make_mesh as make_mesh
 from ndfunc._src.sharding.mesh import set_mesh as set_mesh
+from ndfunc._src.trace import DataDependentError as DataDependentError
 from ndfunc._src.transfer import device_get as device_get
 from ndfunc._src.transfer import device_put as device_put
 from ndfunc._src.transfer import make_array_from_callback as make_array_from_callback
@@ -42,8 +43,9 @@ from ndfunc.transforms import zigzag as zigzag
 __version__ = "0.1.0"
 
 __all__ = [
-    "ParallelConfig", "accumulate", "device_get", "device_put", "fsdp", "get_mesh", "grad", "init", "is_simulated", "jit", "lax", "mixed_precision", "optim",
-    "random", "remat", "ring_attention", "unzigzag", "value_and_grad", "vmap", "zigzag",
+    "DataDependentError", "ParallelConfig", "accumulate", "device_get", "device_put", "fsdp", "get_mesh", "grad",
+    "init", "is_simulated", "jit", "lax", "mixed_precision", "optim", "random", "remat", "ring_attention",
+    "unzigzag", "value_and_grad", "vmap", "zigzag",
     "make_array_from_callback", "make_mesh", "rank", "set_mesh", "shard_map", "sharding", "sharding_of", "shutdown",
     "simulate", "tree", "visualize_sharding", "with_logical_constraint", "with_sharding_constraint", "world_size",
 ]

@@ -114,27 +114,6 @@ def test_a_spec_that_does_not_fit_names_the_argument():
             f({"w": torch.ones(6)})
 
 
-def test_an_op_without_a_sharding_rule_names_the_op_and_the_line():
-    def bucket(x, edges):  # DTensor has no rule for searchsorted
-        return torch.searchsorted(edges, x)
-
-    with nf.simulate(2):
-        mesh = nf.make_mesh(dp=2)
-        x, edges = torch.rand(8), torch.linspace(0, 1, 5)
-        with pytest.raises(NotImplementedError, match=r"bucket: DTensor has no sharding rule for "
-                           r"aten.searchsorted.Tensor, made at .*test_jit.py:\d+ \(return torch.searchsorted"
-                           r"\(edges, x\)\)\. Replicate its inputs with nf.with_sharding_constraint"):
-            nf.jit(bucket, mesh=mesh, in_shardings=(P("dp"), P()))(x, edges)
-
-        def replicated(x, edges):  # the suggested fix works
-            return torch.searchsorted(nf.with_sharding_constraint(edges, P()), nf.with_sharding_constraint(x, P()))
-
-        got = nf.jit(replicated, mesh=mesh, in_shardings=(P("dp"), P()))(x, edges)
-        assert torch.equal(nf.device_get(got), torch.searchsorted(edges, x))
-
-
-# --- constraints, transforms, shard_map ---------------------------------------------------------
-
 def test_a_sharding_constraint_fixes_a_layout_inside():
     def f(x):
         y = nf.with_sharding_constraint(x * 2, P(None, "tp"))

@@ -112,3 +112,23 @@ def test_redistribute_logger_is_dtensors():
     import torch.distributed.tensor._redistribute  # noqa: F401 - the module whose logger it names
 
     assert compat.REDISTRIBUTE_LOGGER in logging.Logger.manager.loggerDict
+
+
+def test_traced_as_compiling_sets_what_torch_compiler_is_compiling_reads():
+    assert not torch.compiler.is_compiling()
+    with compat.traced_as_compiling():
+        assert torch.compiler.is_compiling()
+    assert not torch.compiler.is_compiling()
+
+
+def test_core_aten_decompositions_datadependentoutputexception_dynamicoutputshapeexception():
+    table = compat.core_aten_decompositions()
+    x = torch.randn(4, 3)
+    y = torch.randn(4, 3)
+    torch.testing.assert_close(table[torch.ops.aten.mse_loss.default](x, y, 1), torch.nn.functional.mse_loss(x, y))
+    with compat.FakeTensorMode():
+        fake = torch.empty(4)
+        with pytest.raises(compat.DataDependentOutputException):
+            fake.sum().item()
+        with pytest.raises(compat.DynamicOutputShapeException):
+            torch.nonzero(fake)

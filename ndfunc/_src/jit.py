@@ -24,6 +24,7 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from ndfunc._src import pipeline
 from ndfunc._src.arguments import Arguments, Bounded, arg_index, output_placements
+from ndfunc._src.partition.planning.ops import decompositions
 from ndfunc._src.partition.program import Program
 from ndfunc._src.sharding.mesh import AbstractMesh, Mesh, get_mesh
 from ndfunc._src.stages import Lowered
@@ -131,7 +132,7 @@ class Jitted:
         with contextlib.ExitStack() as stack:  # transforms that change what is traced (mixed precision)
             for t in self.transforms:
                 stack.enter_context(t.tracing())
-            traced = trace(self.fn, call_args, kwargs, static_argnums=tuple(static))
+            traced = trace(self.fn, call_args, kwargs, static_argnums=tuple(static), decompositions=decompositions())
         program = _program(self.__name__, traced, mesh, prepared, self.out_shardings,
                            donated=[i for i in range(len(prepared)) if arg_index(treespec, i) in self.donate_argnums],
                            transforms=(remat_regions(), *self.transforms), retrace=self._retrace(key))

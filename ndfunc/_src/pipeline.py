@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import contextlib
 import os
+import warnings
 from collections.abc import Callable
 from typing import Any
 
-import optree
 import torch
 
 from ndfunc._src import donation, manual
@@ -24,16 +24,13 @@ from ndfunc._src.partition import program as prog
 from ndfunc._src.partition.backends import cpu_kernels as kernels
 from ndfunc._src.partition.backends import gloo as algorithms
 from ndfunc._src.partition.passes import bucket, inplace, schedule
-from ndfunc._src.partition.planning import solve
-from ndfunc._src.partition.planning.strategies import NoStrategy
+from ndfunc._src.partition.planning import ops, solve
 from ndfunc._src.partition.program import Program
+from ndfunc._src.sharding.errors import ShardingWarning
 from ndfunc._src.sharding.mesh import Mesh
 from ndfunc._src.sharding.named_sharding import NamedSharding
-from ndfunc._src.torch_compat import (
-    FakeTensorMode,
-    TorchDispatchMode,
-    local_tensor_mode,
-)
+from ndfunc._src.torch_compat import FakeTensorMode, local_tensor_mode
+from ndfunc._src.trace import first_calls
 from ndfunc._src.transforms.base import Transform
 
 Pass = Callable[[Program], Program]
@@ -73,11 +70,12 @@ def transforms_traced(p: Program) -> Program:
 
 
 def partition(p: Program) -> Program:
-    """One strategy per node, chosen for the whole graph by the bytes it moves (`solve`)."""
-    try:
-        p.plan = solve.partition(p.traced.graph, p.sizes, p.in_layouts, p.out_layouts)
-    except NoStrategy as e:
-        raise _no_strategy_error(p, e.args[0]) from None
+    """One strategy per node, chosen for the whole graph by the bytes it moves (`solve`); an op with
+    no sharding rule runs whole, and the program warns once, naming it (`ShardingWarning`)."""
+    p.plan = solve.partition(p.traced.graph, p.sizes, p.in_layouts, p.out_layouts)
+    whole = list(dict.fromkeys(n.target for n in p.traced.graph.nodes if ops.runs_whole(n, p.sizes)))
+    if whole:
+        warnings.warn(_runs_whole_message(p, whole), ShardingWarning, stacklevel=_user_stacklevel())
     return p
 
 
@@ -211,42 +209,34 @@ def _mark_regions(graph: torch.fx.Graph) -> bool:
     return any_region
 
 
-def _no_strategy_error(p: Program, op) -> Exception:
-    return NotImplementedError(
-        f"{p.name}: DTensor has no sharding rule for {op}{_user_line(p, op)}. Replicate its inputs with "
-        f"nf.with_sharding_constraint(x, P()) (it then runs whole on every rank), or compute it inside "
-        f"nf.shard_map, where you place the data yourself."
+def _user_stacklevel() -> int:
+    """The `stacklevel` of the innermost caller outside ndfunc (where a warning points)."""
+    import sys
+
+    here, frame, level = os.path.dirname(os.path.dirname(__file__)), sys._getframe(1), 1
+    while frame is not None and frame.f_code.co_filename.startswith(here):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+def _runs_whole_message(p: Program, whole: list) -> str:
+    lines = _user_lines(p, whole)
+    each = "; ".join(f"{op}{lines.get(op, '')}" for op in whole)
+    return (
+        f"{p.name}: no sharding rule for {each}. Each runs whole on every rank: its inputs gathered where "
+        f"they are sharded, its results replicated (the plan prices the gathers). To keep the work "
+        f"sharded, write it with ops that have rules, run it per block inside nf.shard_map, or add a rule "
+        f"(the op registry: docs/architecture.md)."
     )
 
 
-def _user_line(p: Program, op) -> str:
-    """', made at file:line (code)' for the first call of `op` from the user's code: the function
-    run once more on fake tensors (`p.retrace`), watched op by op."""
-    import linecache
-    import traceback
-
+def _user_lines(p: Program, ops_: list) -> dict:
+    """', made at file:line (code)' for the first call of each of `ops_` from the user's code (the
+    innermost frame outside torch, ndfunc and optree; in a library, with the user's line that called
+    it): the function run once more on fake tensors (`p.retrace`), watched op by op."""
     if p.retrace is None:
-        return ""
-    library = (os.path.dirname(torch.__file__), os.path.dirname(__file__), os.path.dirname(optree.__file__))
-    found: list = []
-
-    class Watch(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func is op and not found:
-                frames = [f for f in traceback.extract_stack() if not f.filename.startswith(library)
-                          and "site-packages" not in f.filename and not f.filename.startswith("<")]
-                found.extend(frames[-1:])
-            return func(*args, **(kwargs or {}))
-
+        return {}
     simulated = local_tensor_mode()
-    try:
-        with simulated.disable() if simulated is not None else contextlib.nullcontext():
-            with FakeTensorMode(), Watch():
-                p.retrace()
-    except Exception:  # noqa: BLE001 - the line is a courtesy; the error is the op
-        pass
-    if not found:
-        return ""
-    f = found[0]
-    code = (f.line or linecache.getline(f.filename, f.lineno)).strip()
-    return f", made at {f.filename}:{f.lineno} ({code})"
+    with simulated.disable() if simulated is not None else contextlib.nullcontext():
+        with FakeTensorMode():
+            return {op: f", made {where}" for op, where in first_calls(p.retrace, ops_).items()}

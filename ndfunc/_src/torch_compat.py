@@ -8,12 +8,16 @@ torch upgrade is checked in one file (then widen `torch<` in pyproject.toml).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import re
 from collections.abc import Callable
 
 import torch
+from torch._decomp import core_aten_decompositions
 from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
     FakeTensor,
     FakeTensorMode,
     unset_fake_temporarily,
@@ -46,7 +50,8 @@ __all__ = [
     "current_dispatch_mode", "dtensor_of_local", "fake_store", "group_size", "group_backend", "local_blocks",
     "local_of", "local_tensor_mode", "onednn_available", "onednn_linear", "pop_dispatch_mode", "pytree", "sharding_propagator",
     "unset_fake_temporarily", "REDISTRIBUTE_LOGGER", "random_rng_tracker", "set_random_rng_tracker", "flattened",
-    "functional_collectives", "shape_only_device_mesh",
+    "functional_collectives", "shape_only_device_mesh", "traced_as_compiling", "DataDependentOutputException",
+    "DynamicOutputShapeException", "core_aten_decompositions",
 ]
 
 current_dispatch_mode = _get_current_dispatch_mode
@@ -166,3 +171,17 @@ def shape_only_device_mesh(sizes: tuple[int, ...]):
     from torch.distributed.device_mesh import DeviceMesh
 
     return DeviceMesh("cpu", torch.arange(math.prod(sizes)).view(sizes), _init_backend=False, _rank=0)
+
+
+@contextlib.contextmanager
+def traced_as_compiling():
+    """`torch.compiler.is_compiling()` is True inside, as during torch.export's make_fx tracing:
+    libraries skip the checks that read a tensor's value (transformers' attention-mask checks)."""
+    import torch.compiler as compiler
+
+    old = compiler._is_compiling_flag
+    compiler._is_compiling_flag = True
+    try:
+        yield
+    finally:
+        compiler._is_compiling_flag = old

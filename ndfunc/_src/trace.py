@@ -25,6 +25,9 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import linecache
+import os
+import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -37,11 +40,15 @@ from torch.nn import _reduction
 from ndfunc._src.constraints import decode_spec, sharding_constraint_op
 from ndfunc._src.sharding.partition_spec import PartitionSpec
 from ndfunc._src.torch_compat import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
     FakeTensorMode,
     LocalTensor,
+    TorchDispatchMode,
     current_dispatch_mode,
     local_tensor_mode,
     pop_dispatch_mode,
+    traced_as_compiling,
 )
 
 _tracing: contextvars.ContextVar[bool] = contextvars.ContextVar("ndfunc_tracing", default=False)
@@ -97,12 +104,19 @@ class Traced:
 
 
 def trace(fn: Callable, args: Sequence[Any], kwargs: dict | None = None, *, static_argnums: Sequence[int] = (),
-          record_stack_traces: bool = False) -> Traced:
+          record_stack_traces: bool = False, decompositions: dict | None = None) -> Traced:
     """Trace `fn(*args, **kwargs)` into a `Traced` program over the global shapes of its tensors.
 
     Arguments at `static_argnums` are not traced (a config, a model description): they are baked
     into the program. Every other leaf must be a tensor (a DTensor counts by its global shape).
     `record_stack_traces` keeps each node's Python stack in `node.meta['stack_trace']` (slower).
+    `decompositions`: ops traced as what they decompose into (`{op: fn}`, as `make_fx` takes them);
+    the partitioner passes those of the ops it has no sharding rule for.
+
+    Code that reads a tensor's value (`if x.sum() > 0`, `.item()`) or makes a shape from one
+    (`x[x > 0]`, `torch.unique`) raises `DataDependentError` naming its line; an op that draws from
+    torch's global random generator raises one too. Inside, `torch.compiler.is_compiling()` is True,
+    as under torch.export, so libraries skip their value checks.
     """
     kwargs = dict(kwargs or {})
     static = {i % len(args) for i in static_argnums} if args else set()
@@ -128,17 +142,27 @@ def trace(fn: Callable, args: Sequence[Any], kwargs: dict | None = None, *, stat
 
     trees: list = []
     with _without_simulated_ranks():
-        with FakeTensorMode(allow_non_fake_inputs=True):
+        with (fake_mode := FakeTensorMode(allow_non_fake_inputs=True)):
             fakes = [torch.empty(s.shape, dtype=s.dtype, device=d) for s, d in zip(in_specs, devices)]
         token = _tracing.set(True)
         try:
-            with fx_traceback.preserve_node_meta():  # annotations (nf.remat's regions) reach the nodes
-                graph_module = make_fx(flat_fn, decomposition_table=_DECOMPOSITIONS, tracing_mode="fake",
-                                       record_stack_traces=record_stack_traces)(*fakes)
+            # annotations (nf.remat's regions) reach the nodes
+            with fx_traceback.preserve_node_meta(), traced_as_compiling(), _Traceable():
+                graph_module = make_fx(flat_fn, decomposition_table={**(decompositions or {}), **_DECOMPOSITIONS},
+                                       tracing_mode="fake", record_stack_traces=record_stack_traces)(*fakes)
+        except (DataDependentOutputException, DynamicOutputShapeException) as e:
+            raise DataDependentError(_data_dependent_message(getattr(fn, "__name__", "the step"), e)) from None
         finally:
             _tracing.reset(token)
-    _check_constants(graph_module, getattr(fn, "__name__", "the step"))
+    name = getattr(fn, "__name__", "the step")
+    if (seeded := _seeded(graph_module)) is not None:
+        with _without_simulated_ranks(), fake_mode, _Traceable():  # once more, for the line
+            where = first_calls(lambda: flat_fn(*fakes), [seeded.target]).get(seeded.target, "in the step")
+        raise DataDependentError(_seeded_message(name, seeded, where))
+    _check_constants(graph_module, name)
     _scalars_as_factories(graph_module)
+    for node in graph_module.graph.find_nodes(op="call_function", target=torch.ops.aten.lift_fresh_copy.default):
+        node.target = torch.ops.aten.clone.default  # a `torch.tensor([...])` literal: the constant, copied
     out_specs = tuple(TensorSpec(tuple(n.meta["val"].shape), n.meta["val"].dtype)
                       for n in graph_module.graph.find_nodes(op="output")[0].args[0])
     return Traced(graph_module, in_tree, trees[-1], in_specs, out_specs, paths, frozenset(static))
@@ -158,6 +182,114 @@ def _mean_as_sum_over_count(op):
 
 _DECOMPOSITIONS = {op: _mean_as_sum_over_count(op)
                    for op in (torch.ops.aten.nll_loss_forward.default, torch.ops.aten.nll_loss2d_forward.default)}
+
+
+def _one_hot(labels: torch.Tensor, num_classes: int = -1) -> torch.Tensor:
+    """`F.one_hot` as a comparison with `arange(num_classes)` (ATen's reads the labels' values to
+    check their range). Without `num_classes` the shape comes from the values: ATen's, which says so."""
+    if num_classes < 0:
+        return torch.nn.functional.one_hot(labels, num_classes)
+    return (labels.unsqueeze(-1) == torch.arange(num_classes, device=labels.device)).to(torch.int64)
+
+
+class _Traceable(torch.overrides.TorchFunctionMode):
+    """Functions whose ATen kernels read values to check their arguments, traced as the same math
+    without the check (`_TRACEABLE`). A function mode: ATen's composite kernels would run before any
+    decomposition table is consulted inside `torch.func` transforms."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _TRACEABLE:  # (this mode is off while it runs)
+            return _TRACEABLE[func](*args, **kwargs)
+        return func(*args, **kwargs)
+
+
+_TRACEABLE = {torch.nn.functional.one_hot: _one_hot}
+
+
+class DataDependentError(TypeError):
+    """A traced step needs a tensor's value (a branch, `.item()`, a shape made from values, a random
+    draw from torch's generator), which tracing does not have: one program serves every value."""
+
+
+_LIBRARY = (os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(__file__)), os.path.dirname(optree.__file__))
+
+
+def where_called(frames: list) -> str:
+    """'at file:line (code)' for the innermost frame of code outside torch and ndfunc; when that is a
+    library's (site-packages), ', called from' the innermost of the user's own."""
+    def at(f) -> str:
+        code = (f.line or linecache.getline(f.filename, f.lineno)).strip()
+        return f"{f.filename}:{f.lineno} ({code})"
+
+    outside = [f for f in frames if not f.filename.startswith(_LIBRARY) and not f.filename.startswith("<")]
+    if not outside:
+        return "in the step"
+    own = [f for f in outside if "site-packages" not in f.filename and "dist-packages" not in f.filename]
+    text = f"at {at(outside[-1])}"
+    if own and own[-1] is not outside[-1]:
+        text += f", called from {at(own[-1])}"
+    return text
+
+
+def first_calls(run: Callable[[], Any], ops: Sequence) -> dict:
+    """`where_called` text of the first call of each of `ops` while `run()` runs (on fake tensors:
+    inside a FakeTensorMode); a failure of `run` only ends the search."""
+    wanted, found = set(ops), {}
+
+    class Watch(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func in wanted and func not in found:
+                found[func] = where_called(traceback.extract_stack())
+            return func(*args, **(kwargs or {}))
+
+    try:
+        with Watch():
+            run()
+    except Exception:  # noqa: BLE001 - the lines are a courtesy to an error or warning already decided
+        pass
+    return found
+
+
+def _data_dependent_message(name: str, e: Exception) -> str:
+    where = where_called(traceback.extract_tb(e.__traceback__))
+    op = getattr(e, "func", None)
+    if isinstance(e, DataDependentOutputException):
+        what = (f"reads a tensor's value ({op}: `.item()`, `float(x)`, `int(x)`, `bool(x)` or `if x:` on a "
+                f"tensor)")
+        instead = ("torch.where(cond, a, b) for a choice made per element; a static argument "
+                   "(static_argnums) for a setting the program may depend on; or compute the value outside the "
+                   "step and pass it in")
+    else:
+        what = f"makes a shape from a tensor's values ({op}: `x[mask]`, `nonzero`, `unique`, `masked_select`)"
+        instead = ("torch.where(mask, x, 0) keeps the shape (then reduce: `(x * mask).sum()`); or compute it "
+                   "outside the step and pass it in")
+    return (f"{name} {what} {where}. A traced step sees shapes and dtypes, not values: nf.jit makes one program "
+            f"for every value of its inputs, so Python cannot branch on a value or make a shape from one. "
+            f"Instead: {instead}.")
+
+
+def _seeded(gm: torch.fx.GraphModule) -> torch.fx.Node | None:
+    """The first op of `gm` that draws from torch's global random generator (attention and dropout
+    with a probability of 0, or out of training, draw nothing)."""
+    for n in gm.graph.nodes:
+        if n.op != "call_function" or not isinstance(n.target, torch._ops.OpOverload) or (
+                torch.Tag.nondeterministic_seeded not in n.target.tags):
+            continue
+        given = {a.name: n.args[i] if i < len(n.args) else n.kwargs.get(a.name, a.default_value)
+                 for i, a in enumerate(n.target._schema.arguments)}
+        if given.get("dropout_p", given.get("p")) == 0 or given.get("train") is False:
+            continue
+        return n
+    return None
+
+
+def _seeded_message(name: str, node: torch.fx.Node, where: str) -> str:
+    return (f"{name} draws random numbers from torch's global generator ({node.target}) {where}. A "
+            f"traced step holds no generator state, and each rank would draw its own numbers for a value meant "
+            f"to be one. Draw them from a key passed to the step (nf.random: `nf.random.bernoulli(key, shape, "
+            f"p=p)`, `nf.random.normal(key, shape)`), or turn it off (dropout: `model.eval()` or a dropout "
+            f"probability of 0 in the model's config).")
 
 
 def _check_constants(gm: torch.fx.GraphModule, name: str) -> None:

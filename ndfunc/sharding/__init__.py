@@ -4,6 +4,7 @@ from ndfunc._src.sharding.errors import DuplicateAxisError as DuplicateAxisError
 from ndfunc._src.sharding.errors import IndivisibleError as IndivisibleError
 from ndfunc._src.sharding.errors import RankError as RankError
 from ndfunc._src.sharding.errors import ShardingError as ShardingError
+from ndfunc._src.sharding.errors import ShardingWarning as ShardingWarning
 from ndfunc._src.sharding.errors import UnknownAxisError as UnknownAxisError
 from ndfunc._src.sharding.mesh import AbstractMesh as AbstractMesh
 from ndfunc._src.sharding.mesh import Mesh as Mesh
@@ -23,7 +24,7 @@ from ndfunc._src.visualize import visualize_sharding as visualize_sharding
 
 __all__ = [
     "AbstractMesh", "DuplicateAxisError", "IndivisibleError", "Mesh", "NamedSharding", "P",
-    "PartitionSpec", "RankError", "ShardingError", "UnknownAxisError", "axis_rules", "get_mesh",
+    "PartitionSpec", "RankError", "ShardingError", "ShardingWarning", "UnknownAxisError", "axis_rules", "get_mesh",
     "logical_spec", "logical_to_mesh", "make_mesh", "match_rules", "placements_to_spec", "set_mesh",
     "spec_to_placements", "visualize_sharding",
 ]

@@ -30,3 +30,8 @@ class IndivisibleError(ShardingError):
 def where(path: str | None) -> str:
     """The prefix that names a value in an error message: `'layers.0.wq': ` or nothing."""
     return f"{path!r}: " if path else ""
+
+
+class ShardingWarning(UserWarning):
+    """A program runs part of its work less sharded than its layouts allow (an op with no sharding
+    rule runs whole on every rank): correct, but slower or bigger than it need be."""

@@ -48,20 +48,28 @@ def reuse_buffers(gm: torch.fx.GraphModule) -> int:
         if n.op == "placeholder" or any(a in from_inputs for a in n.all_input_nodes):
             from_inputs.add(n)
     root, last = lifetimes(nodes)
+    into: dict = {}  # an op turned in place -> the buffer its result is now (its views' too)
+
+    def buffer(a):
+        r = root.get(a)
+        while r in into:
+            r = into[r]
+        return r
+
     def writable(a, n) -> bool:
         """Whether `n` may write its result into `a`'s memory: a fresh buffer (an op's own output,
         not a view) that dies at `n` and that no other input of `n` reads (a view of it would
         overlap the writes)."""
         if not isinstance(a, torch.fx.Node):
             return False
-        r = root.get(a)
+        r = buffer(a)
         whole = a  # the buffer itself, not a view of it
         while whole is not r and whole.target in _WHOLE:
             whole = aliased(whole)
         out, val = shape_dtype(n), shape_dtype(a)
         return (whole is r and r.op == "call_function" and a in from_inputs and last[r] == index[n]
                 and out is not None and out == val and sum(b is a for b in n.args) == 1
-                and all(root.get(b) is not r for b in n.all_input_nodes if b is not a))
+                and all(buffer(b) is not r for b in n.all_input_nodes if b is not a))
 
     turned = 0
     for n in nodes:
@@ -78,9 +86,9 @@ def reuse_buffers(gm: torch.fx.GraphModule) -> int:
             n.target, n.kwargs = INTO_SECOND[n.target], {**n.kwargs, "out": n.args[1]}
         else:
             continue
-        r = root[aliased(n)]
-        root[n] = r  # the result is that buffer now, read until n's own last reader
-        last[r] = max(last[r], last.pop(n, index[n]))
+        r = buffer(aliased(n))
+        into[n] = r  # the result (and any view of it) is that buffer now, read until n's own last reader
+        last[r] = max(last[r], last.get(n, index[n]))
         turned += 1
     if turned:
         gm.recompile()

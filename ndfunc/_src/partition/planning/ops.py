@@ -8,7 +8,11 @@ One `OpRule` per op, registered in this file and nowhere else:
     lower(emitter, node, locals) -> Node     its local op, where that is not the op on blocks
 
 `candidates(node, sizes)` is what the partitioner asks: the registered rule, else DTensor's
-(`ndfunc._src.partition.planning.strategies`), else (every input replicated by the user) the op whole.
+(`ndfunc._src.partition.planning.strategies`), else the op whole: its inputs replicated (gathered
+where they are sharded, which the solver prices like any other move), its outputs replicated. No
+op is refused. Before that, tracing decomposes every op with no rule that PyTorch's core ATen
+decompositions cover (`decompositions()`: `mse_loss` into `sub`, `pow`, `mean`), so what runs
+whole is only what has neither; `runs_whole` tells the pipeline which nodes those are, and it warns.
 
 Adding a rule for an op is one `register(op, ...)` call at the end of this file; see the README's
 "Adding an op rule".
@@ -17,6 +21,7 @@ Adding a rule for an op is one `register(op, ...)` call at the end of this file;
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import json
 from collections.abc import Callable
@@ -39,6 +44,8 @@ from ndfunc._src.partition.planning.strategies import (
     tensor_outputs,
     value_of,
 )
+from ndfunc._src.torch_compat import core_aten_decompositions
+from ndfunc._src.torch_compat import sharding_propagator as propagator
 from ndfunc.random._op import random_block_op
 
 aten = torch.ops.aten
@@ -74,6 +81,34 @@ def saved_by_remat(op) -> bool:
     return rule is not None and rule.saved_by_remat
 
 
+def has_rule(op) -> bool:
+    """Whether ndfunc (this registry) or DTensor has a sharding rule for `op`."""
+    table = propagator()
+    return op in _RULES or op in table.op_single_dim_strategy_funcs or op in table.op_strategy_funcs
+
+
+@functools.cache
+def decompositions() -> dict:
+    """PyTorch's core ATen decompositions of the ops on tensors that have no sharding rule: traced as
+    the ops they decompose into, which mostly have one. (Factories, with no tensor argument, need no
+    rule: every rank makes them whole.)"""
+    return {op: fn for op, fn in core_aten_decompositions().items()
+            if isinstance(op, torch._ops.OpOverload) and _takes_tensors(op) and not has_rule(op)}
+
+
+def _takes_tensors(op) -> bool:
+    return any(isinstance(a.type, (torch.TensorType, torch.ListType, torch.OptionalType))
+               and "Tensor" in str(a.type) for a in op._schema.arguments)
+
+
+def runs_whole(node: torch.fx.Node, sizes: tuple[int, ...]) -> bool:
+    """Whether `node` runs whole for want of a sharding rule (`candidates` fell back to it)."""
+    if node.op != "call_function" or not sizes or prog.is_manual(node) or not tensor_inputs(node):
+        return False
+    candidates(node, sizes)
+    return _sig(node) in _WHOLE.get(sizes, ())
+
+
 # --- what the partitioner asks -------------------------------------------------------------------
 
 def candidates(node: torch.fx.Node, sizes: tuple[int, ...]) -> list[Strategy]:
@@ -84,14 +119,24 @@ def candidates(node: torch.fx.Node, sizes: tuple[int, ...]) -> list[Strategy]:
     # a sharding constraint's layout (its own, or an input's) is resolved on the mesh: the same
     # spec is another layout on another mesh of these sizes (('dp_replicate', 'dp_shard') on dp=4
     # or on tp=4)
-    layouts = (prog.constraint_layout(node), *(prog.constraint_layout(a) for a in tensor_inputs(node)))
-    sig = (signature(node), repr(prog.kept_split(node)), repr(layouts))
+    sig = _sig(node)
     if sig not in cache:
-        cache[sig] = _candidates(node, sizes)
+        try:
+            cache[sig] = _candidates(node, sizes)
+        except NoStrategy:  # no rule, or none that fits these shapes: the op whole
+            cache[sig] = _replicated_rule(node, sizes)
+            if not all(_constrained_replicated(a) for a in tensor_inputs(node)):  # (else the user chose it)
+                _WHOLE.setdefault(sizes, set()).add(sig)
     return cache[sig]
 
 
+def _sig(node: torch.fx.Node) -> tuple:
+    layouts = (prog.constraint_layout(node), *(prog.constraint_layout(a) for a in tensor_inputs(node)))
+    return (signature(node), repr(prog.kept_split(node)), repr(layouts))
+
+
 _CACHE: dict[tuple[int, ...], dict] = {}
+_WHOLE: dict[tuple[int, ...], set] = {}  # signatures that run whole for want of a rule
 
 
 def _candidates(node: torch.fx.Node, sizes: tuple[int, ...]) -> list[Strategy]:
@@ -104,11 +149,7 @@ def _candidates(node: torch.fx.Node, sizes: tuple[int, ...]) -> list[Strategy]:
     rule = _RULES.get(op)
     if rule is not None and rule.strategies is not None:
         found = rule.strategies(node, sizes)
-    elif (found := from_dtensor(node, ins, outs, sizes)) is not None:
-        pass
-    elif all(_constrained_replicated(a) for a in ins):
-        found = _replicated_rule(node, sizes)  # no rule, but the user replicated every input
-    else:
+    elif (found := from_dtensor(node, ins, outs, sizes)) is None:
         raise NoStrategy(op)
     shapes_in = [tuple(a.meta["val"].shape) for a in ins]
     shapes_out = [None if o is None else tuple(o.shape) for o in outs]

@@ -1,0 +1,211 @@
+"""Any torch op inside a jitted step: decomposed where PyTorch can, else run whole with a warning;
+code that needs a tensor's value is an error that names its line.
+
+The reference for every result is the same step run eagerly on one device (plain tensors, no nf.jit).
+"""
+
+import re
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import ndfunc as nf
+from ndfunc.sharding import P
+
+B, D, H, C = 8, 6, 8, 4
+TOL = dict(rtol=1e-5, atol=1e-6)
+
+
+def _data():
+    g = torch.Generator().manual_seed(0)
+    params = {"w1": torch.randn(D, H, generator=g) * 0.3, "w2": torch.randn(H, C, generator=g) * 0.3}
+    x, y = torch.randn(B, D, generator=g), torch.randn(B, C, generator=g)
+    return params, x, y, torch.randint(0, C, (B,), generator=g)
+
+
+def _net(p, x):
+    return torch.tanh(x @ p["w1"]) @ p["w2"]
+
+
+# every one of these traces to ops with sharding rules (ATen's own, or PyTorch's core decompositions)
+LOSSES = {
+    "mse_loss": lambda o, y, t: F.mse_loss(o, y),
+    "l1_loss": lambda o, y, t: F.l1_loss(o, y),
+    "smooth_l1_loss": lambda o, y, t: F.smooth_l1_loss(o, y, beta=0.5),
+    "huber_loss": lambda o, y, t: F.huber_loss(o, y, delta=0.7),
+    "cross_entropy_label_smoothing": lambda o, y, t: F.cross_entropy(o, t, label_smoothing=0.1),
+    "one_hot": lambda o, y, t: ((o - F.one_hot(t, C).to(o.dtype)) ** 2).mean(),
+    "kl_div": lambda o, y, t: F.kl_div(F.log_softmax(o, -1), F.softmax(y, -1), reduction="batchmean"),
+    "bce_with_logits": lambda o, y, t: F.binary_cross_entropy_with_logits(o, torch.sigmoid(y)),
+    "index_add": lambda o, y, t: torch.zeros(C, C).index_add(0, t, o).pow(2).sum(),
+    "scatter_add": lambda o, y, t: torch.zeros(C, C).scatter_add(0, t[:, None].expand(B, C), o).pow(2).sum(),
+    "literal_1d": lambda o, y, t: (o * torch.tensor([1.0, 2.0, 3.0, 4.0])).pow(2).mean(),
+    "literal_2d": lambda o, y, t: (o @ torch.tensor([[1.0, 0.5, 0.0, 0.0], [0.0, 1.0, 0.0, 0.0],
+                                                     [0.0, 0.0, 1.0, 0.0], [0.0, 0.0, 0.5, 1.0]])).pow(2).mean(),
+    "literal_3d": lambda o, y, t: (o.view(B, 2, 2) * torch.tensor([[[1.0, 2.0], [3.0, 4.0]]])).pow(2).mean(),
+}
+
+# mesh axes, parameter specs, batch spec
+STRATEGIES = {
+    "dp": (dict(dp=2), {"w1": P(), "w2": P()}, P("dp")),
+    "fsdp": (dict(dp=2), {"w1": P("dp"), "w2": P("dp")}, P("dp")),
+    "tp": (dict(tp=2), {"w1": P(None, "tp"), "w2": P("tp")}, P()),
+}
+
+
+def _sgd_step(loss):
+    def step(p, x, y, t):
+        value, g = nf.value_and_grad(lambda p: loss(_net(p, x), y, t))(p)
+        return {k: v - 0.1 * g[k] for k, v in p.items()}, value
+
+    return step
+
+
+def _jitted(step, strategy):
+    axes, pspec, bspec = STRATEGIES[strategy]
+    mesh = nf.make_mesh(**axes)
+    return nf.jit(step, mesh=mesh, in_shardings=(pspec, bspec, bspec, bspec), out_shardings=(pspec, P()))
+
+
+@pytest.mark.parametrize("strategy", list(STRATEGIES))
+@pytest.mark.parametrize("loss", list(LOSSES))
+def test_a_loss_without_an_aten_sharding_rule_trains_equal_to_one_device(loss, strategy):
+    params, x, y, t = _data()
+    step = _sgd_step(LOSSES[loss])
+    want_params, want_loss = step(params, x, y, t)  # eager, one device
+    with nf.simulate(2):
+        got_params, got_loss = _jitted(step, strategy)(params, x, y, t)  # no ShardingWarning: an error here
+        torch.testing.assert_close(nf.device_get(got_loss), want_loss, **TOL)
+        for k in want_params:
+            torch.testing.assert_close(nf.device_get(got_params[k]), want_params[k], **TOL)
+
+
+def _binned(o, y, t):  # ATen's searchsorted has no sharding rule and no decomposition
+    return (o * torch.searchsorted(torch.tensor([-1.0, 0.0, 1.0]), o)).pow(2).mean()
+
+
+@pytest.mark.parametrize("strategy", list(STRATEGIES))
+def test_an_op_with_no_rule_runs_whole_with_one_warning_naming_it_and_the_line(strategy):
+    params, x, y, t = _data()
+    step = _sgd_step(_binned)
+    want_params, want_loss = step(params, x, y, t)
+    with nf.simulate(2):
+        f = _jitted(step, strategy)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            lowered = f.lower(params, x, y, t)
+        assert [str(w.message) for w in caught if w.category is nf.sharding.ShardingWarning] == [
+            "step: no sharding rule for aten.searchsorted.Tensor, made at "
+            f"{__file__}:{_binned.__code__.co_firstlineno + 1} (return (o * torch.searchsorted(torch.tensor("
+            "[-1.0, 0.0, 1.0]), o)).pow(2).mean()). Each runs whole on every rank: its inputs gathered where "
+            "they are sharded, its results replicated (the plan prices the gathers). To keep the work sharded, "
+            "write it with ops that have rules, run it per block inside nf.shard_map, or add a rule (the op "
+            "registry: docs/architecture.md)."]
+        assert caught[0].filename == __file__  # the warning points at the user's call
+        if strategy != "tp":  # the batch is split: the op's input is gathered for it
+            assert lowered.cost_analysis()["collectives"].get("all_gather", 0) >= 1
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", nf.sharding.ShardingWarning)
+            got_params, got_loss = f(params, x, y, t)
+        torch.testing.assert_close(nf.device_get(got_loss), want_loss, **TOL)
+        for k in want_params:
+            torch.testing.assert_close(nf.device_get(got_params[k]), want_params[k], **TOL)
+
+
+def test_a_user_replicated_op_with_no_rule_does_not_warn():
+    x, edges = torch.rand(8), torch.linspace(0, 1, 5)
+
+    def replicated(x, edges):
+        return torch.searchsorted(nf.with_sharding_constraint(edges, P()), nf.with_sharding_constraint(x, P()))
+
+    with nf.simulate(2):
+        got = nf.jit(replicated, mesh=nf.make_mesh(dp=2), in_shardings=(P("dp"), P()))(x, edges)
+    assert torch.equal(nf.device_get(got), torch.searchsorted(edges, x))
+
+
+# --- code that needs a tensor's value ------------------------------------------------------------
+
+def _branch(x):
+    if x.sum() > 0:
+        return x * 2
+    return x
+
+
+def _item(x):
+    return x * x.max().item()
+
+
+def _float(x):
+    return x / float(x.sum())
+
+
+def _mask(x):
+    return x[x > 0].sum()
+
+
+def _unique(x):
+    return torch.unique(x).sum() + x.sum()
+
+
+READS = ("reads a tensor's value (aten._local_scalar_dense.default: `.item()`, `float(x)`, `int(x)`, `bool(x)` "
+         "or `if x:` on a tensor)")
+SHAPES = "makes a shape from a tensor's values ({op}: `x[mask]`, `nonzero`, `unique`, `masked_select`)"
+VALUE_CASES = {
+    "if": (_branch, READS, "if x.sum() > 0:"),
+    "item": (_item, READS, "return x * x.max().item()"),
+    "float": (_float, READS, "return x / float(x.sum())"),
+    "mask": (_mask, SHAPES.format(op="aten.nonzero.default"), "return x[x > 0].sum()"),
+    "unique": (_unique, SHAPES.format(op="aten._unique2.default"), "return torch.unique(x).sum() + x.sum()"),
+}
+
+
+@pytest.mark.parametrize("under_grad", [False, True], ids=["jit", "grad"])
+@pytest.mark.parametrize("case", list(VALUE_CASES))
+def test_code_that_needs_a_value_is_an_error_naming_the_line_and_what_to_do(case, under_grad):
+    fn, what, code = VALUE_CASES[case]
+    step = nf.grad(lambda x: fn(x).sum()) if under_grad else fn
+    line = fn.__code__.co_firstlineno + 1
+    instead = ("torch.where(mask, x, 0) keeps the shape" if "shape" in what else
+               "torch.where(cond, a, b) for a choice made per element; a static argument (static_argnums)")
+    with nf.simulate(2):
+        f = nf.jit(step, mesh=nf.make_mesh(dp=2), in_shardings=P("dp"))
+        with pytest.raises(nf.DataDependentError) as e:
+            f(torch.randn(8))
+    message = str(e.value)
+    assert message.startswith(f"{'<lambda>' if under_grad else fn.__name__} {what} at {__file__}:{line} ({code}). "
+                              "A traced step sees shapes and dtypes, not values: nf.jit makes one program for every "
+                              "value of its inputs, so Python cannot branch on a value or make a shape from one. "
+                              f"Instead: {instead}"), message
+    assert "DataDependentOutputException" not in message and "DynamicOutputShapeException" not in message
+
+
+def test_a_draw_from_torchs_generator_is_an_error_and_dropout_off_is_fine():
+    def noisy(x):
+        return x + torch.rand_like(x)
+
+    with nf.simulate(2):
+        mesh = nf.make_mesh(dp=2)
+        with pytest.raises(nf.DataDependentError, match=re.escape(
+                f"noisy draws random numbers from torch's global generator (aten.rand_like.default) at "
+                f"{__file__}:{noisy.__code__.co_firstlineno + 1} (return x + torch.rand_like(x)). A traced step "
+                f"holds no generator state")):
+            nf.jit(noisy, mesh=mesh, in_shardings=P("dp"))(torch.ones(8))
+        off = nf.jit(lambda x: F.dropout(x, 0.0, training=True) * 2, mesh=mesh, in_shardings=P("dp"))
+        assert torch.equal(nf.device_get(off(torch.ones(8))), torch.full((8,), 2.0))
+
+
+def test_libraries_see_that_they_are_being_compiled_inside_jit_and_grad():
+    seen = []
+
+    def loss(x):
+        seen.append(torch.compiler.is_compiling())
+        return (x * x).sum()
+
+    with nf.simulate(2):
+        mesh = nf.make_mesh(dp=2)
+        nf.jit(loss, mesh=mesh, in_shardings=P("dp"))(torch.ones(8))
+        nf.jit(nf.grad(loss), mesh=mesh, in_shardings=P("dp"))(torch.ones(8))
+    assert seen == [True, True]
+    assert not torch.compiler.is_compiling()  # and not after
