@@ -13,7 +13,8 @@ PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "ndfunc"
 LAYERS = [
     ["_src.torch_compat"],
     ["tree", "_src.sharding", "optim", "random", "_src.buffers"],
-    ["_src.host_memory", "_src.runtime", "_src.transfer", "_src.config", "_src.visualize", "sharding"],
+    ["_src.host_memory", "_src.runtime", "_src.transfer", "_src.config", "_src.visualize", "sharding", "_src.module",
+     "nn"],
     ["_src.autodiff", "_src.constraints", "_src.manual", "_src.trace", "lax", "_src.shard_map"],
     ["_src.partition.planning", "_src.partition.program"],  # the record the planner's node marks live in
     ["_src.partition.lower", "_src.partition.passes", "_src.partition.backends"],
@@ -81,7 +82,7 @@ def test_the_named_rules(module, forbidden):
 
 
 def test_internal_modules_are_private():
-    public = {"", "tree", "lax", "sharding", "optim", "random", "transforms"}
+    public = {"", "tree", "lax", "nn", "sharding", "optim", "random", "transforms"}
     for name, _ in modules():
         top = name.split(".")[0]
         assert top in public or top.startswith("_"), f"ndfunc.{name} is an internal module outside _src"

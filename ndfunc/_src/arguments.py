@@ -179,7 +179,12 @@ def arg_index(treespec, leaf_index: int):
 
 
 def _leaf_key(x: torch.Tensor) -> tuple:
+    """A leaf's part of the signature. A DTensor replicated on every axis keys as a plain tensor
+    (the replicated global value) does: the program is the same, so a step whose replicated results
+    feed its next call is not traced again."""
     placements = tuple(x.placements) if isinstance(x, DTensor) else None
+    if placements is not None and all(isinstance(p, Replicate) for p in placements):
+        placements = None
     return (tuple(x.shape), x.dtype, x.device.type, placements)
 
 

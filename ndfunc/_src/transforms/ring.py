@@ -10,7 +10,10 @@ positions (the mask the model builds from them), so any layout of the sequence i
 `nf.zigzag` lays a batch out so that rank r holds chunks r and 2n-1-r, which balances the work when
 fully masked blocks are skipped (`load_balance='zigzag'`, on real ranks).
 
-The pass marks each masked attention (forward and backward) in the traced program; the partitioner
+`is_causal=True` without a mask (Hugging Face's sdpa path) is the causal mask of the sequence in
+order: each rank's queries are positions `rank * block ..`, and the mask comes from those.
+
+The pass marks each masked or causal attention (forward and backward) in the traced program; the partitioner
 may then keep its keys and values split over the axis, and the lowering writes the ring there.
 """
 
@@ -63,10 +66,25 @@ class ring_attention(Transform):  # noqa: N801 - a transform is named like the f
         # each rank's next along the axis, its other coordinates the same
         peers = tuple(zip(grid.flatten().tolist(), grid.roll(-1, dim).flatten().tolist()))
         ring = _Ring(live=live, axis=self.axis, size=grid.shape[dim], peers=peers, skip=self.load_balance == "zigzag")
+        marked = 0
         for node in program.traced.graph.nodes:
-            if node.target in (FLASH, FLASH_BACKWARD) and node.kwargs.get("attn_mask") is not None:
+            if node.target in (FLASH, FLASH_BACKWARD) and (node.kwargs.get("attn_mask") is not None or _causal(node)):
                 prog.keep_split(node, ring)
                 prog.set_local_op(node, _lower)
+                marked += 1
+        if not marked:
+            raise ValueError(
+                f"nf.ring_attention({self.axis!r}): {program.name} has no scaled-dot-product attention with a "
+                f"mask or is_causal=True to run as a ring. Attention written as matmuls and a softmax (Hugging Face's "
+                f"attn_implementation='eager') is not one op: use torch.nn.functional.scaled_dot_product_attention "
+                f"(attn_implementation='sdpa'), or leave the transform out (the sequence split then gathers keys "
+                f"and values).")
+
+
+def _causal(node: torch.fx.Node) -> bool:
+    """Whether a flash attention node (forward or backward) has `is_causal=True`."""
+    slot = 7 if node.target is FLASH_BACKWARD else 4
+    return bool(node.args[slot] if len(node.args) > slot else node.kwargs.get("is_causal", False))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,7 +107,7 @@ def _lower(ctx: prog.LoweringContext, node, strategy, op, args, kwargs):
     if strategy.ins[k_slot][ring.live] != SEQ:
         return op, args, kwargs, None
     q, k, v = args[1:4] if backward else args[:3]
-    common = dict(mask=kwargs["attn_mask"], scale=kwargs.get("scale"), coords=ctx.coords,
+    common = dict(mask=kwargs.get("attn_mask"), scale=kwargs.get("scale"), coords=ctx.coords,
                   axis=ctx.axis_names.index(ring.axis), size=ring.size, peers=ring.peers, skip=ring.skip)
     kv = k.meta["val"]
     shape = local_shape(tuple(kv.shape), strategy.ins[k_slot], ctx.sizes)
@@ -125,6 +143,14 @@ def _shift(x: torch.Tensor, peers: tuple) -> torch.Tensor:
                                         dist.P2POp(dist.irecv, out, source)]):
         work.wait()
     return out
+
+
+def _causal_mask(q: torch.Tensor, coords, axis: int, size: int) -> torch.Tensor:
+    """`is_causal`'s mask for this rank's queries against every key, the sequence split in order
+    (rank i holds positions i * rows ..): (1, 1, rows, rows * size), True where a query may attend."""
+    rows = q.shape[2]
+    queries = coords[axis] * rows + torch.arange(rows, device=q.device)
+    return (torch.arange(rows * size, device=q.device)[None, :] <= queries[:, None]).reshape(1, 1, rows, rows * size)
 
 
 def _block(mask: torch.Tensor, coords, axis: int, size: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -165,6 +191,7 @@ def ring_forward(q, k, v, *, mask, scale, coords, axis, size, peers, skip):
     travelling the ring. Each block by the flash kernel (no score matrix held); the blocks merge
     by their log-sum-exps, in fp32 (fp64 for fp64)."""
     heads, acc = q.shape[1], _accumulator(q.dtype)
+    mask = _causal_mask(q, coords, axis, size) if mask is None else mask
     out = torch.zeros(q.shape, dtype=acc, device=q.device)
     lse = torch.full(q.shape[:-1], -math.inf, dtype=acc, device=q.device)
     for step in range(size):
@@ -191,6 +218,7 @@ def ring_backward(grad_out, q, k, v, out, lse, *, mask, scale, coords, axis, siz
     output and log-sum-exp (so each block's softmax is the global one); dk and dv travel with
     their keys and values, in fp32 (fp64 for fp64), and are home after `size` steps."""
     heads, groups, acc = q.shape[1], k.shape[1], _accumulator(q.dtype)
+    mask = _causal_mask(q, coords, axis, size) if mask is None else mask
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
     dk = torch.zeros(k.shape, dtype=acc, device=k.device)
     dv = torch.zeros(v.shape, dtype=acc, device=v.device)

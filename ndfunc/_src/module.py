@@ -1,0 +1,91 @@
+"""`nf.nn`: a `torch.nn.Module` as what ndfunc wants - a tree of parameters and buffers, a pure
+apply - and its PartitionSpecs, from the module's own tensor-parallel plan.
+
+    params, buffers, apply = nf.nn.functional(model)
+    loss = apply(params, buffers, ids, labels=ids).loss        # torch.func.functional_call
+    specs = nf.nn.partition_specs(model, mesh, tp="tp", fsdp="dp_shard")
+
+A Hugging Face model carries its Megatron plan (`model.tp_plan`: `'model.layers.*.self_attn.q_proj':
+'colwise'`, ...); `partition_specs` turns it into a spec per parameter over `tp`, by the module
+each parameter belongs to: a `Linear`'s weight is `(out, in)`, so colwise splits dim 0 (and the
+bias), rowwise dim 1; an `Embedding`'s `(num, dim)`, rowwise splits the rows; transformers'
+`Conv1D` (GPT-2) is `(in, out)`, the other way round. `fsdp` then splits the largest dim that TP
+leaves whole and the axis divides, as FSDP2 shards every parameter. ndfunc partitions the global
+program, so any specs give the single device's results; the plan decides only what moves.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from ndfunc._src.sharding.mesh import AbstractMesh
+from ndfunc._src.sharding.partition_spec import PartitionSpec
+
+_COLWISE = ("colwise", "colwise_rep", "colwise_gather_output", "local_colwise", "packed_colwise",
+            "embedding_colwise")
+_ROWWISE = ("rowwise", "rowwise_rep", "local_rowwise", "packed_rowwise", "rowwise_split_input", "embedding_rowwise")
+
+
+def functional(module: torch.nn.Module) -> tuple[dict, dict, Callable[..., Any]]:
+    """`(params, buffers, apply)` of `module`: its parameters and buffers by name (detached; tied
+    parameters once, under their first name), and `apply(params, buffers, *args, **kwargs)`, the
+    module called on those (`torch.func.functional_call`, ties kept)."""
+    params = {name: p.detach() for name, p in module.named_parameters()}
+    buffers = {name: b for name, b in module.named_buffers()}
+
+    def apply(params: Mapping, buffers: Mapping, *args, **kwargs):
+        return torch.func.functional_call(module, (dict(params), dict(buffers)), args, kwargs)
+
+    apply.__name__ = f"{type(module).__name__}.apply"
+    return params, buffers, apply
+
+
+def partition_specs(module: torch.nn.Module, mesh: AbstractMesh, *, tp: str | None = None, fsdp: str | None = None,
+                    plan: Mapping[str, str] | None = None) -> dict[str, PartitionSpec]:
+    """A PartitionSpec per parameter of `module` (names as `functional` gives them).
+
+    `tp`: the mesh axis of the tensor-parallel plan, `plan` (module-path patterns, `*` one path
+    component, to 'colwise' or 'rowwise' and transformers' variants of them), by default the
+    module's own (`module.tp_plan`); a parameter the plan does not name stays whole over `tp`.
+    `fsdp`: the axis every parameter is also split over, along its largest dim that `tp` leaves whole
+    and the axis divides (none: whole).
+    """
+    if plan is None and tp is not None:
+        plan = getattr(module, "tp_plan", None) or getattr(module, "_tp_plan", None) or {}
+    rules = [(re.compile(re.escape(pattern).replace(r"\*", r"[^.]+") + r"\Z"), style)
+             for pattern, style in (plan or {}).items()]
+    kinds = {name: sub for name, sub in module.named_modules()}
+    sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
+    specs = {}
+    for name, p in module.named_parameters():
+        owner, _, leaf = name.rpartition(".")
+        spec: list = [None] * p.ndim
+        style = next((s for rx, s in rules if rx.match(owner)), None) if tp is not None else None
+        if style is not None:
+            dim = _tp_dim(kinds.get(owner), leaf, style, p.ndim)
+            if dim is not None and p.shape[dim] % sizes[tp] == 0:
+                spec[dim] = tp
+        if fsdp is not None and sizes.get(fsdp, 1) > 1:
+            free = [d for d in range(p.ndim) if spec[d] is None and p.shape[d] % sizes[fsdp] == 0]
+            if free:
+                spec[max(free, key=lambda d: (p.shape[d], -d))] = fsdp
+        specs[name] = PartitionSpec(*spec)
+    return specs
+
+
+def _tp_dim(owner: torch.nn.Module | None, leaf: str, style: str, ndim: int) -> int | None:
+    """The dim of parameter `leaf` of `owner` that TP style `style` splits (None: it stays whole)."""
+    colwise = style in _COLWISE
+    if not colwise and style not in _ROWWISE:
+        return None  # replicate, sequence_parallel, MoE routers and experts: whole over tp
+    if isinstance(owner, torch.nn.Embedding):
+        return (1 if colwise else 0) if leaf == "weight" else None
+    if type(owner).__name__ == "Conv1D":  # transformers' (in, out) linear (GPT-2)
+        return (ndim - 1 if colwise else 0) if leaf == "weight" else (0 if colwise else None)
+    if leaf == "bias":  # (out,): colwise splits it with the outputs; rowwise adds it whole
+        return 0 if colwise else None
+    return 0 if colwise else (1 if ndim > 1 else None)

@@ -1,0 +1,164 @@
+"""Hugging Face causal LMs as they are (transformers' own modules through `nf.nn.functional`), trained
+by one jitted AdamW step on every strategy, against the eager model and `torch.optim.AdamW` on one
+device. Specs come from the model's own TP plan (`nf.nn.partition_specs`)."""
+
+import logging
+
+import pytest
+import torch
+import transformers
+
+import ndfunc as nf
+from ndfunc.sharding import P
+
+logging.getLogger("transformers").setLevel(logging.ERROR)
+VOCAB, STEPS, LR = 64, 2, 1e-2
+LOSS_TOL = dict(rtol=1e-5, atol=1e-5)
+PARAM_TOL = dict(rtol=1e-4, atol=2e-5)  # two AdamW steps of lr 1e-2: a few fp32 ulps of the updates
+# GPT-2 ships no TP plan; Megatron's, for its (in, out) Conv1D projections
+GPT2_PLAN = {"transformer.h.*.attn.c_attn": "colwise", "transformer.h.*.attn.c_proj": "rowwise",
+             "transformer.h.*.mlp.c_fc": "colwise", "transformer.h.*.mlp.c_proj": "rowwise"}
+FAMILIES = ["llama", "gpt2", "qwen2", "mistral"]
+# mesh axes, the batch's spec, transforms
+STRATEGIES = {
+    "dp": (dict(dp=2), P("dp"), ()),
+    "fsdp": (dict(dp_shard=2), P("dp_shard"), ()),
+    "fsdp_schedule": (dict(dp_shard=2), P("dp_shard"), ("fsdp",)),
+    "tp": (dict(tp=2), P(), ()),
+    "dp_tp": (dict(dp=2, tp=2), P("dp"), ()),
+    "cp": (dict(cp=2), P(None, "cp"), ()),
+    "cp_ring": (dict(cp=2), P(None, "cp"), ("ring",)),
+}
+QUICK = {("llama", "sdpa", "dp"), ("llama", "sdpa", "tp"), ("gpt2", "eager", "fsdp_schedule")}
+
+
+def make_model(family: str, attn: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    if family == "gpt2":
+        config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=VOCAB, n_positions=32,
+                                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0,
+                                         eos_token_id=0)
+        cls = transformers.GPT2LMHeadModel
+    else:
+        config_cls, cls = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+                           "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+                           "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM)}[family]
+        config = config_cls(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                            num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=64, bos_token_id=0,
+                            eos_token_id=0, pad_token_id=0)
+    config._attn_implementation = attn
+    return cls(config)
+
+
+def tokens() -> torch.Tensor:
+    return torch.randint(0, VOCAB, (4, 16), generator=torch.Generator().manual_seed(1))
+
+
+_EAGER: dict = {}
+
+
+def eager_run(family: str, attn: str):
+    """Losses and parameters after `STEPS` steps of the eager model with torch.optim.AdamW."""
+    if (family, attn) not in _EAGER:
+        model, ids = make_model(family, attn), tokens()
+        opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=1e-5, weight_decay=0.1)
+        losses = []
+        for _ in range(STEPS):
+            loss = model(ids, labels=ids).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.detach())
+        _EAGER[family, attn] = torch.stack(losses), {k: v.detach().clone() for k, v in model.named_parameters()}
+    return _EAGER[family, attn]
+
+
+def jitted_run(family: str, attn: str, strategy: str):
+    """The same steps by nf.jit on `strategy`, simulated: (losses, parameters, lowering count, cost)."""
+    axes, batch_spec, names = STRATEGIES[strategy]
+    model, ids = make_model(family, attn), tokens()
+    params, buffers, apply = nf.nn.functional(model)
+    opt = nf.optim.adamw(LR, eps=1e-5, weight_decay=0.1)
+
+    def step(params, state, ids):
+        loss, grads = nf.value_and_grad(lambda p: apply(p, buffers, ids, labels=ids).loss)(params)
+        updates, state = opt.update(grads, state, params)
+        return nf.optim.apply_updates(params, updates), state, loss
+
+    with nf.simulate(int(torch.tensor(list(axes.values())).prod())):
+        mesh = nf.make_mesh(**axes)
+        pspec = nf.nn.partition_specs(model, mesh, tp="tp" if "tp" in axes else None,
+                                      fsdp="dp_shard" if "dp_shard" in axes else None,
+                                      plan=GPT2_PLAN if family == "gpt2" else None)
+        state = opt.init(params)
+        sspec = nf.optim.state_shardings(state, pspec)
+        transforms = [nf.fsdp("dp_shard") if n == "fsdp" else nf.ring_attention("cp") for n in names]
+        f = nf.jit(step, mesh=mesh, in_shardings=(pspec, sspec, batch_spec), out_shardings=(pspec, sspec, P()),
+                   transforms=transforms, donate_argnums=(0, 1))
+        cost = f.lower(params, state, ids).cost_analysis()
+        losses = []
+        for _ in range(STEPS):
+            params, state, loss = f(params, state, ids)
+            losses.append(nf.device_get(loss))
+        return torch.stack(losses), {k: nf.device_get(v) for k, v in params.items()}, f.trace_count, cost
+
+
+CASES = [pytest.param(family, attn, strategy, marks=() if (family, attn, strategy) in QUICK else pytest.mark.slow)
+         for family in FAMILIES for attn in ("sdpa", "eager") for strategy in STRATEGIES
+         if not (attn == "eager" and strategy == "cp_ring")]
+
+
+@pytest.mark.parametrize("family,attn,strategy", CASES)
+def test_a_hugging_face_model_trains_equal_to_eager_with_torch_adamw(family, attn, strategy):
+    want_losses, want_params = eager_run(family, attn)
+    losses, params, lowerings, cost = jitted_run(family, attn, strategy)
+    torch.testing.assert_close(losses, want_losses, **LOSS_TOL)
+    assert params.keys() == want_params.keys()
+    for k in want_params:
+        torch.testing.assert_close(params[k], want_params[k], **PARAM_TOL, msg=lambda m: f"{k}: {m}")
+    assert lowerings == 1  # the step's results fed back in are the signature it was lowered for
+    if strategy == "cp_ring":  # the keys and values go round the ring, not gathered
+        assert cost["collectives"]["ppermute"] == 2 * 2  # forward and backward, two layers
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_ring_attention_on_attention_written_as_matmuls_says_to_use_sdpa(family):
+    with pytest.raises(ValueError, match=r"^nf\.ring_attention\('cp'\): step has no scaled-dot-product attention "
+                       r"with a mask or is_causal=True to run as a ring\. Attention written as matmuls and a softmax "
+                       r"\(Hugging Face's attn_implementation='eager'\) is not one op: use "):
+        jitted_run(family, "eager", "cp_ring")
+
+
+def test_partition_specs_follow_the_models_own_tp_plan_and_fsdp_takes_a_free_dim():
+    model = make_model("llama", "sdpa")
+    with nf.simulate(4):
+        mesh = nf.make_mesh(dp_shard=2, tp=2)
+        specs = nf.nn.partition_specs(model, mesh, tp="tp", fsdp="dp_shard")
+        tp_only = nf.nn.partition_specs(model, mesh, tp="tp")
+    layer = "model.layers.0."
+    assert tp_only[layer + "self_attn.q_proj.weight"] == P("tp", None)  # colwise: (out, in) split on out
+    assert tp_only[layer + "self_attn.o_proj.weight"] == P(None, "tp")  # rowwise: on in
+    assert tp_only[layer + "mlp.down_proj.weight"] == P(None, "tp")
+    assert tp_only["model.embed_tokens.weight"] == P("tp", None)  # embedding_rowwise: the vocabulary split
+    assert tp_only["lm_head.weight"] == P("tp", None)  # colwise_gather_output
+    assert tp_only[layer + "input_layernorm.weight"] == P(None)  # not in the plan: whole
+    assert specs[layer + "self_attn.q_proj.weight"] == P("tp", "dp_shard")  # FSDP on the dim TP leaves
+    assert specs[layer + "input_layernorm.weight"] == P("dp_shard")
+    gpt2 = make_model("gpt2", "sdpa")
+    with nf.simulate(2):
+        conv = nf.nn.partition_specs(gpt2, nf.make_mesh(tp=2), tp="tp", plan=GPT2_PLAN)
+    assert conv["transformer.h.0.attn.c_attn.weight"] == P(None, "tp")  # Conv1D is (in, out)
+    assert conv["transformer.h.0.attn.c_attn.bias"] == P("tp")
+    assert conv["transformer.h.0.attn.c_proj.weight"] == P("tp", None)
+    assert conv["transformer.h.0.attn.c_proj.bias"] == P(None)
+
+
+def test_functional_gives_the_modules_tensors_and_a_pure_apply():
+    model = make_model("gpt2", "sdpa")
+    params, buffers, apply = nf.nn.functional(model)
+    assert list(params) == [k for k, _ in model.named_parameters()]  # tied lm_head once, as wte
+    assert "lm_head.weight" not in params and not any(p.requires_grad for p in params.values())
+    ids = tokens()
+    torch.testing.assert_close(apply(params, buffers, ids).logits, model(ids).logits, rtol=0, atol=0)
+    doubled = {k: v * 2 if k == "transformer.ln_f.weight" else v for k, v in params.items()}
+    assert not torch.equal(apply(doubled, buffers, ids).logits, model(ids).logits)  # it reads the given tensors
