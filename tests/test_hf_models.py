@@ -2,6 +2,7 @@
 by one jitted AdamW step on every strategy, against the eager model and `torch.optim.AdamW` on one
 device. Specs come from the model's own TP plan (`nf.nn.partition_specs`)."""
 
+import contextlib
 import logging
 
 import pytest
@@ -73,9 +74,12 @@ def eager_run(family: str, attn: str):
     return _EAGER[family, attn]
 
 
-def jitted_run(family: str, attn: str, strategy: str):
-    """The same steps by nf.jit on `strategy`, simulated: (losses, parameters, lowering count, cost)."""
-    axes, batch_spec, names = STRATEGIES[strategy]
+def jitted_run(family: str, attn: str, strategy: str, axes: dict | None = None):
+    """The same steps by nf.jit on `strategy`, simulated (`axes`: on the real ranks of this process
+    group, over these mesh axes instead): (losses, parameters, lowering count, cost)."""
+    simulated = axes is None
+    default_axes, batch_spec, names = STRATEGIES[strategy]
+    axes = default_axes if simulated else axes
     model, ids = make_model(family, attn), tokens()
     params, buffers, apply = nf.nn.functional(model)
     opt = nf.optim.adamw(LR, eps=1e-5, weight_decay=0.1)
@@ -85,7 +89,7 @@ def jitted_run(family: str, attn: str, strategy: str):
         updates, state = opt.update(grads, state, params)
         return nf.optim.apply_updates(params, updates), state, loss
 
-    with nf.simulate(int(torch.tensor(list(axes.values())).prod())):
+    with nf.simulate(int(torch.tensor(list(axes.values())).prod())) if simulated else contextlib.nullcontext():
         mesh = nf.make_mesh(**axes)
         pspec = nf.nn.partition_specs(model, mesh, tp="tp" if "tp" in axes else None,
                                       fsdp="dp_shard" if "dp_shard" in axes else None,

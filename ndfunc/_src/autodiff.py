@@ -95,15 +95,22 @@ def value_and_grad(fn: Callable[..., Any], argnums: ArgNums = 0, has_aux: bool =
             specs.append(optree.tree_structure(args[i]))
         aux_box: list = []
 
+        others = [i for i in range(len(args)) if i not in indices]
+
         def flat_fn(*flat_args):
+            # the arguments not differentiated come in as inputs too, not captured: torch.func lets a
+            # function write into its inputs (BatchNorm's running statistics), not into what it captures
+            *flat_args, rest, kw = flat_args
             new_args = list(args)
+            for i, a in zip(others, rest):
+                new_args[i] = a
             compute = COMPUTE_DTYPE.get()
             for i, spec, leaves in zip(indices, specs, flat_args):
                 if compute is not None:  # nf.mixed_precision: compute in it; gradients come back as the leaves are
                     leaves = [x.to(compute) if x.is_floating_point() else x for x in leaves]
                 new_args[i] = optree.tree_unflatten(spec, leaves)
             with fx_traceback.annotate({FORWARD: True}):  # nf.remat tells forward from backward by it
-                out = fn(*new_args, **kwargs)
+                out = fn(*new_args, **kw)
             if not has_aux:
                 return _check_loss(out, fn)
             if not (isinstance(out, (tuple, list)) and len(out) == 2):
@@ -117,7 +124,7 @@ def value_and_grad(fn: Callable[..., Any], argnums: ArgNums = 0, has_aux: bool =
             return _check_loss(out[0], fn), [x for x in aux_leaves if isinstance(x, torch.Tensor)]
 
         grads, out = torch.func.grad_and_value(
-            flat_fn, argnums=tuple(range(len(indices))), has_aux=has_aux)(*flat)
+            flat_fn, argnums=tuple(range(len(indices))), has_aux=has_aux)(*flat, [args[i] for i in others], kwargs)
         grads = tuple(optree.tree_unflatten(spec, g) for spec, g in zip(specs, grads))
         grads = grads[0] if single else grads
         if not has_aux:

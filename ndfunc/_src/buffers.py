@@ -49,6 +49,28 @@ def buffer_of(node: torch.fx.Node) -> torch.fx.Node:
     return node
 
 
+def written_inputs(gm: torch.fx.GraphModule) -> list[int]:
+    """The positions of `gm`'s inputs that it writes into (an in-place op or `out=` on them or a view,
+    BatchNorm's running statistics)."""
+    placeholders = {n: i for i, n in enumerate(gm.graph.find_nodes(op="placeholder"))}
+    written = set()
+    for n in gm.graph.nodes:
+        schema = getattr(n.target, "_schema", None) if n.op == "call_function" else None
+        if schema is None or not (schema.is_mutable or n.target in _UNDECLARED_WRITES):
+            continue
+        for j, arg in enumerate(schema.arguments):  # each argument it writes
+            value = n.args[j] if j < len(n.args) else n.kwargs.get(arg.name)
+            writes = (arg.alias_info is not None and arg.alias_info.is_write) or (
+                j in _UNDECLARED_WRITES.get(n.target, ()) and n.args[5])
+            if writes and isinstance(value, torch.fx.Node) and (i := placeholders.get(buffer_of(value))) is not None:
+                written.add(i)
+    return sorted(written)
+
+
+# ops whose schema does not say what they write: BatchNorm in training updates its running statistics
+_UNDECLARED_WRITES = {torch.ops.aten.native_batch_norm.default: (3, 4)}
+
+
 def lifetimes(nodes: list[torch.fx.Node]) -> tuple[dict, dict]:
     """`(root, last)`: the node whose buffer each node's result is, and for each such buffer the
     index of the last node reading it through any alias (results: to the end; inputs, which their

@@ -19,6 +19,7 @@ from torch.distributed.tensor import DTensor
 
 from ndfunc._src import pipeline
 from ndfunc._src.arguments import Arguments
+from ndfunc._src.buffers import written_inputs
 from ndfunc._src.donation import mark_donated
 from ndfunc._src.partition.passes.analysis import as_text, cost_analysis
 from ndfunc._src.partition.program import Program, propagate_meta
@@ -29,6 +30,7 @@ from ndfunc._src.torch_compat import (
     TensorMeta,
     bind_ops,
     dtensor_of_local,
+    local_blocks,
     local_of,
     local_tensor_mode,
 )
@@ -67,6 +69,7 @@ class Compiled:
         self.program, self._arguments, self._key = program, arguments, key
         self._coords = None
         self._donated = frozenset(program.donated)
+        self._written = frozenset(written_inputs(program.runs)) - self._donated
         self._forward = bind_ops(program.runs)  # each op called at its C++ entry point
         self._runs_meta = False
         # how each result is wrapped, worked out once: placements over the whole mesh, shape, stride
@@ -127,17 +130,23 @@ class Compiled:
         p = self.program
         locals_ = [local_of(x) if isinstance(x, DTensor) else x for x in prepared]
         mode = local_tensor_mode()
+        written = []  # (a plain argument the program writes into, each rank's copy of it)
         if mode is not None:  # in simulation every input is per rank, so no op mixes the two kinds
-            # (a donated one a copy per rank: one tensor for all would take every rank's write)
+            # (one the program writes into a copy per rank: one tensor for all would take every
+            # rank's write, where each real rank writes its own once)
+            plain = locals_
             locals_ = [x if isinstance(x, LocalTensor) else
-                       mode.rank_map(lambda r, x=x, copy=i in self._donated: x.clone() if copy else x)
-                       for i, x in enumerate(locals_)]
+                       mode.rank_map(lambda r, x=x, copy=i in self._donated or i in self._written: x.clone()
+                                     if copy else x) for i, x in enumerate(locals_)]
+            written = [(plain[i], locals_[i]) for i in self._written if not isinstance(plain[i], LocalTensor)]
         device = locals_[0].device if locals_ else torch.device("cpu")
         with torch.no_grad():
             outs = list(self._forward(*locals_, self._coords_tensor(device)))
             for j in p.donation:  # a new tensor on the donated memory: the old object is retired
                 outs[j] = outs[j].detach()
-        del locals_
+            for x, copies in written:  # what every real rank holds (a replicated value): rank 0's
+                x.copy_(local_blocks(copies)[min(local_blocks(copies))])
+        del locals_, written
         mark_donated(p, prepared, optree.tree_leaves(original_args))
         if self._specs:  # no mesh: plain tensors, as they came
             # not from_local: no autograd Function per result (nothing here is differentiated),
