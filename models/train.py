@@ -5,6 +5,7 @@
     python -m models.train --dp-replicate 2 --dp-shard 2 --simulate 4 --grad-accum 2
     torchrun --nproc-per-node 4 -m models.train --dp-shard 2 --tp 2   # real processes (gloo on CPU)
     python -m models.train --hf-checkpoint DIR                      # start from a Hugging Face Llama
+    python -m models.train --hf-model DIR                           # train a transformers causal LM as it is
 
 The flags mirror `nf.ParallelConfig`. Parameters are laid out by the config's logical rules (FSDP
 over `('dp_shard', 'cp')`, TP over `tp`), the batch over the data-parallel axes and the sequence
@@ -13,6 +14,11 @@ the ranks are simulated in this process (`--simulate N`, default: as many as the
 
 Effective batch = micro batch x grad accumulation x dp_replicate x dp_shard; `--lr-scaling` adapts
 the learning rate from `--base-batch` to it (linear or sqrt).
+
+`--hf-model DIR` trains a Hugging Face causal LM (Llama, GPT-2, Qwen2, Mistral, ...: whatever
+`transformers.AutoModelForCausalLM` loads, with sdpa attention) instead, the model's own modules
+called through `nf.nn.functional`, its parameters laid out by its own TP plan over `tp` and FSDP
+over `dp_shard` (`nf.nn.partition_specs`). It needs `transformers` installed.
 """
 
 from __future__ import annotations
@@ -35,13 +41,45 @@ from ndfunc.sharding import NamedSharding, P
 
 def make_step(cfg: llama.LlamaConfig, opt: nf.optim.GradientTransformation, rules=None):
     """One AdamW step of llama; `rules` (a ParallelConfig's `.rules`) lay out its activations."""
+    return make_loss_step(lambda params, batch: llama.loss(params, batch, cfg), opt, rules)
+
+
+def make_loss_step(loss, opt: nf.optim.GradientTransformation, rules=None):
+    """One optimizer step of `loss(params, batch)`; `rules` lay out the activations it names."""
     @nf.sharding.axis_rules(rules)
     def step(params, opt_state, batch):
-        loss, grads = nf.value_and_grad(llama.loss)(params, batch, cfg)
+        value, grads = nf.value_and_grad(loss)(params, batch)
         updates, opt_state = opt.update(grads, opt_state, params)
-        return nf.optim.apply_updates(params, updates), opt_state, loss
+        return nf.optim.apply_updates(params, updates), opt_state, value
 
     return step
+
+
+def load_hf_model(path: str) -> torch.nn.Module:
+    """The transformers causal LM at `path`, with sdpa attention (loaded outside any simulation: its
+    buffers are constants of the step, the same on every rank)."""
+    try:
+        import transformers
+    except ImportError:
+        raise SystemExit("--hf-model needs Hugging Face transformers: pip install transformers") from None
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, attn_implementation="sdpa")
+    if model.config.vocab_size < data.VOCAB_SIZE:
+        raise SystemExit(f"the byte corpus needs a vocabulary of at least {data.VOCAB_SIZE}; {path} has "
+                         f"{model.config.vocab_size}.")
+    return model
+
+
+def hf_model(model: torch.nn.Module, mesh):
+    """(description, parameters, their specs, loss(params, batch), parameter count) of a
+    transformers causal LM."""
+    params, buffers, apply = nf.nn.functional(model)
+    specs = nf.nn.partition_specs(model, mesh, tp="tp", fsdp="dp_shard")
+
+    def loss(params, batch):
+        logits = apply(params, buffers, batch["tokens"], position_ids=batch["positions"]).logits
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), batch["targets"].flatten())
+
+    return type(model).__name__, params, specs, loss, sum(p.numel() for p in params.values())
 
 
 def make_update(opt: nf.optim.GradientTransformation):
@@ -64,6 +102,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                         help="ranks to simulate in this process when not under torchrun (default: the layout's)")
     parser.add_argument("--config", choices=["tiny", "small"], default="tiny")
     parser.add_argument("--hf-checkpoint", help="a Hugging Face Llama directory to start from")
+    parser.add_argument("--hf-model", help="a Hugging Face causal LM directory to train as it is (needs transformers)")
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--micro-batch", "--batch-size", dest="micro_batch", type=int, default=8,
                         help="sequences per data-parallel rank per micro-batch")
@@ -102,18 +141,19 @@ def main(argv: list[str] | None = None) -> list[float]:
         n = args.simulate or (config.total_size if config.is_resolved else 1)
         config = config.resolve(n)
         ranks = nf.simulate(n) if n > 1 else _world_of_this_process()
+    model = load_hf_model(args.hf_model) if args.hf_model else None
     with ranks:
-        return train(args, config)
+        return train(args, config, model)
 
 
-def train(args: argparse.Namespace, config: nf.ParallelConfig) -> list[float]:
+def train(args: argparse.Namespace, config: nf.ParallelConfig, model: torch.nn.Module | None = None) -> list[float]:
     if args.hf_checkpoint:
         cfg, params = hf.load_llama(args.hf_checkpoint)
     else:
         cfg = getattr(llama.LlamaConfig, args.config)()
         params = None
     cfg = dataclasses.replace(cfg, remat=None if args.remat == "none" else args.remat)
-    if cfg.vocab_size < data.VOCAB_SIZE:
+    if cfg.vocab_size < data.VOCAB_SIZE and model is None:
         raise SystemExit(f"the byte corpus needs a vocabulary of at least {data.VOCAB_SIZE}; this model has {cfg.vocab_size}.")
     effective = config.effective_batch_size(args.micro_batch, args.grad_accum)
     lr = args.lr if args.lr_scaling == "none" else nf.ParallelConfig.scale_lr(
@@ -124,11 +164,16 @@ def train(args: argparse.Namespace, config: nf.ParallelConfig) -> list[float]:
     mesh = config.build_mesh()
     put = lambda tree, specs: nf.device_put(tree, optree.tree_map(  # noqa: E731
         lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda s: isinstance(s, P)))
-    pspec = nf.sharding.logical_to_mesh(llama.param_axes(cfg), config.rules)
-    if params is None:  # each rank makes only its own blocks
-        params = nf.jit(lambda key: llama.init(cfg, key), mesh=mesh, out_shardings=pspec)(random.key(args.seed))
-    else:
+    if model is not None:
+        name, params, pspec, loss_of, n_params = hf_model(model, mesh)
         params = put(params, pspec)
+    else:
+        name, loss_of, n_params = str(cfg), (lambda p, b: llama.loss(p, b, cfg)), cfg.num_params()
+        pspec = nf.sharding.logical_to_mesh(llama.param_axes(cfg), config.rules)
+        if params is None:  # each rank makes only its own blocks
+            params = nf.jit(lambda key: llama.init(cfg, key), mesh=mesh, out_shardings=pspec)(random.key(args.seed))
+        else:
+            params = put(params, pspec)
     opt_state = opt.init(params)  # moments laid out as their parameters, on each rank's blocks
     sspec = nf.optim.state_shardings(opt_state, pspec)
 
@@ -146,16 +191,17 @@ def train(args: argparse.Namespace, config: nf.ParallelConfig) -> list[float]:
         transforms.append(nf.fsdp(("dp_shard", "cp")))
     kw = dict(mesh=mesh, donate_argnums=(0, 1), transforms=transforms)
     if args.grad_accum == 1:
-        step = nf.jit(make_step(cfg, opt, config.rules), in_shardings=(pspec, sspec, bspec), out_shardings=(pspec, sspec, P()), **kw)
+        step = nf.jit(make_loss_step(loss_of, opt, config.rules), in_shardings=(pspec, sspec, bspec),
+                      out_shardings=(pspec, sspec, P()), **kw)
     else:  # one program per micro-batch, run grad_accum times; then the update
-        loss_fn = nf.sharding.axis_rules(config.rules)(lambda p, b: llama.loss(p, b, cfg))
+        loss_fn = nf.sharding.axis_rules(config.rules)(loss_of)
         grads_fn = nf.accumulate(nf.value_and_grad(loss_fn), args.grad_accum, reduce=args.reduce_grads,
                                  transforms=transforms)
         update = nf.jit(make_update(opt), in_shardings=(pspec, sspec, pspec), out_shardings=(pspec, sspec), **kw)
 
     sequences = data.Sequences(data.stdlib_corpus(), args.seq_len, seed=args.seed)
     say = print if nf.rank() == 0 else (lambda *a, **k: None)
-    say(f"{cfg}\n{cfg.num_params() / 1e6:.2f}M parameters; layout {config.sizes} on {config.total_size} "
+    say(f"{name}\n{n_params / 1e6:.2f}M parameters; layout {config.sizes} on {config.total_size} "
         f"{'simulated ' if nf.is_simulated() else ''}rank(s); effective batch {effective} = micro "
         f"{args.micro_batch} x accumulation {args.grad_accum} x dp {config.dp_world_size}; lr {lr:.2e}")
 

@@ -166,3 +166,22 @@ def test_functional_gives_the_modules_tensors_and_a_pure_apply():
     torch.testing.assert_close(apply(params, buffers, ids).logits, model(ids).logits, rtol=0, atol=0)
     doubled = {k: v * 2 if k == "transformer.ln_f.weight" else v for k, v in params.items()}
     assert not torch.equal(apply(doubled, buffers, ids).logits, model(ids).logits)  # it reads the given tensors
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_train_job_trains_a_hugging_face_model_from_its_directory(family, tmp_path):
+    from models import data, train
+
+    model = make_model(family, "sdpa")
+    model.resize_token_embeddings(data.VOCAB_SIZE)  # the byte corpus
+    model.save_pretrained(tmp_path)
+    losses = train.main(["--hf-model", str(tmp_path), "--steps", "3", "--seq-len", "16", "--micro-batch", "2",
+                         "--dp-shard", "2", "--cp", "2", "--tp", "2", "--ring-attention", "--log-every", "3"])
+    # the first step's loss is the eager model's on the first batch (2 x dp_shard sequences)
+    first = next(data.batches(data.Sequences(data.stdlib_corpus(), 16, seed=0), 4, steps=1))
+    logits = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="sdpa")(
+        first["tokens"]).logits
+    want = torch.nn.functional.cross_entropy(logits.flatten(0, 1), first["targets"].flatten())
+    torch.testing.assert_close(torch.tensor(losses[0]), want.detach(), **LOSS_TOL)
+    assert losses[-1] < losses[0]
