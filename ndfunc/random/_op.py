@@ -3,7 +3,9 @@
 Tracing the kernel itself would put one chunk's ~300 ops in the graph and, run whole, hold some 30
 times the block's bytes at once. As one node, the program computes the block chunk by chunk (the
 eager path), its size in the graph does not depend on the block's, and a partitioner can shard it
-by changing `starts`/`stops`: every rank computes only its own block of the global value.
+by changing `starts`/`stops`: every rank computes only its own block of the global value
+(`random_block_at`, the partitioner's local op for a sharded one, reads them from the rank's
+coordinates).
 """
 
 from __future__ import annotations
@@ -30,10 +32,38 @@ def _meta(key, kernel, shape, starts, stops, out_dtype, tensor_args, kernel_dtyp
     return torch.empty([b - a for a, b in zip(starts, stops)], dtype=out_dtype, device=key.device)
 
 
+# The same block, where it starts read from a rank's mesh coordinates at run time (so one program
+# serves every rank, and in simulation each simulated rank gets its own): `starts = offset + coords @
+# weights` (`weights`, (len(coords), ndim) flattened, say how far one step along each axis moves each
+# dim), `block` its shape.
+_lib.define(
+    "random_block_at(Tensor key, str kernel, int[] shape, int[] offset, int[] block, Tensor coords, int[] weights, "
+    "ScalarType out_dtype, Tensor[] tensor_args, ScalarType? kernel_dtype) -> Tensor"
+)
+
+
+def _starts(coords: torch.Tensor, weights, ndim: int) -> list[int]:
+    w = torch.tensor(weights, dtype=torch.int64).view(-1, ndim)
+    return (coords.reshape(-1, 1).to(torch.int64).cpu() * w).sum(0).tolist()
+
+
+def _run_at(key, kernel, shape, offset, block, coords, weights, out_dtype, tensor_args, kernel_dtype):
+    starts = [a + b for a, b in zip(offset, _starts(coords, weights, len(shape)))]
+    return _run(key, kernel, shape, starts, [a + b for a, b in zip(starts, block)], out_dtype, tensor_args,
+                kernel_dtype)
+
+
+def _meta_at(key, kernel, shape, offset, block, coords, weights, out_dtype, tensor_args, kernel_dtype):
+    return torch.empty(list(block), dtype=out_dtype, device=key.device)
+
+
 for _key in ("CPU", "CUDA"):
     _lib.impl("random_block", _run, _key)
+    _lib.impl("random_block_at", _run_at, _key)
 _lib.impl("random_block", _meta, "Meta")
+_lib.impl("random_block_at", _meta_at, "Meta")
 random_block_op = torch.ops.ndfunc.random_block.default
+random_block_at_op = torch.ops.ndfunc.random_block_at.default
 
 
 def traced_block(kernel_name: str, key, shape, bounds, out_dtype, args) -> torch.Tensor:

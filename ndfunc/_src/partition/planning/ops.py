@@ -33,7 +33,7 @@ from torch.nn import _reduction
 from ndfunc._src import manual
 from ndfunc._src.constraints import sharding_constraint_op
 from ndfunc._src.partition import program as prog
-from ndfunc._src.partition.planning.layout import MANUAL, fits, replicated
+from ndfunc._src.partition.planning.layout import MANUAL, all_layouts, fits, local_shape, replicated
 from ndfunc._src.partition.planning.strategies import (
     NoStrategy,
     Strategy,
@@ -46,7 +46,7 @@ from ndfunc._src.partition.planning.strategies import (
 )
 from ndfunc._src.torch_compat import core_aten_decompositions
 from ndfunc._src.torch_compat import sharding_propagator as propagator
-from ndfunc.random._op import random_block_op
+from ndfunc.random._op import random_block_at_op, random_block_op
 
 aten = torch.ops.aten
 
@@ -253,6 +253,42 @@ def _mean_loss_rule(node, sizes) -> list[Strategy]:
 
 # --- local ops that are not the op on blocks -----------------------------------------------------
 
+def _random_rule(node, sizes) -> list[Strategy]:
+    """A random block (`nf.random`) in any layout whose splits divide it evenly: a counter-based
+    sampler computes any block of the value from the key alone, so a sharded one is each rank's
+    own (1/n of the values), the same bits as the whole. Key and tensor arguments whole."""
+    k, out = len(sizes), tensor_outputs(node)[0]
+    ins = tuple(replicated(k) for _ in tensor_inputs(node))
+    return [Strategy((lay,), ins) for lay in all_layouts(tuple(out.shape), sizes, partial=False)]
+
+
+def _random_flops(node) -> int:
+    """A counter-based sample: threefry2x32's 20 rounds of add, rotate and xor per pair of words,
+    then the transform to the distribution (what makes computing a block, not the whole, pay)."""
+    return 64 * node.meta["val"].numel()
+
+
+def _random_block(emitter, node, locals_):
+    """The local op of a random block: whole where replicated, else `random_block_at`, which reads
+    where this rank's block starts from `coords`."""
+    layout = emitter.plan.strategy[node].outs[0]
+    key, kernel, shape, starts, stops, out_dtype, _, kernel_dtype = node.args
+    tensors = locals_[1:]
+    if all(isinstance(p, Replicate) for p in layout):
+        return emitter.call(random_block_op, locals_[0], kernel, shape, starts, stops, out_dtype, tensors, kernel_dtype)
+    ndim = len(shape)
+    block = list(local_shape(tuple(b - a for a, b in zip(starts, stops)), layout, emitter.sizes))
+    weights = [[0] * ndim for _ in layout]  # how far one step along axis i moves dim d
+    for d in range(ndim):
+        step = block[d]
+        for i in reversed([i for i, p in enumerate(layout) if p == Shard(d)]):  # minor to major
+            weights[i][d] = step
+            step *= emitter.sizes[i]
+    out = emitter.call(random_block_at_op, locals_[0], kernel, list(shape), list(starts), block, emitter.coords,
+                       [w for row in weights for w in row], out_dtype, tensors, kernel_dtype)
+    return prog.note_local(out, tuple(block), out_dtype)
+
+
 def _same_value(emitter, node, locals_):
     """A constraint or region boundary: the layouts were the point; the value is its input's."""
     return locals_[0]
@@ -287,7 +323,7 @@ register(aten._scaled_dot_product_flash_attention_for_cpu_backward.default, stra
          flops=_flash_backward_flops)
 register(aten.nll_loss_forward.default, strategies=_mean_loss_rule)
 register(aten.nll_loss2d_forward.default, strategies=_mean_loss_rule)
-register(random_block_op, strategies=_replicated_rule)  # whole, from the key: every rank computes it
+register(random_block_op, strategies=_random_rule, lower=_random_block, flops=_random_flops)  # each its own block
 register(sharding_constraint_op, strategies=_constraint_rule, lower=_same_value)
 register(manual.enter_op, lower=_same_value)  # strategies: the region's (`candidates`)
 register(manual.exit_op, lower=_same_value)

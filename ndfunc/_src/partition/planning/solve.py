@@ -467,6 +467,15 @@ class Problem:
                 break
             old = {n: choice[n]}
             choice[n] = i
+            # an input made for this node alone is made in the layout it now reads (a sharded
+            # parameter's initializer: the random block, then its scale, both split)
+            for u in self.inputs[n]:
+                p = self.values[u][0]
+                if len(self.consumers[u]) == 1 and len(self.c_ins[p]) > 1 and p not in old:
+                    b = self.best(p, choice)
+                    if b != choice[p]:
+                        old[p] = choice[p]
+                        choice[p] = b
             moves.append(self._settle(old, choice))
         return moves
 
