@@ -303,3 +303,25 @@ def test_llama_train_step_on_eight_ranks(strategy, axes):
     with nf.simulate(8):
         jitted, p, s, batch, expected, _ = jit_llama(strategy, nf.make_mesh(**axes), case)
         assert_same(jitted(p, s, batch), expected, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_a_training_loop_fed_its_own_results_lowers_its_step_once():
+    from models import llama, train
+
+    cfg, config = llama.LlamaConfig.tiny(), nf.ParallelConfig(1, 2, 1, 2)
+    opt = nf.optim.adamw(1e-3)
+    with nf.simulate(4):
+        mesh = config.build_mesh()
+        pspec = nf.sharding.logical_to_mesh(llama.param_axes(cfg), config.rules)
+        params = nf.jit(lambda k: llama.init(cfg, k), mesh=mesh, out_shardings=pspec)(nf.random.key(0))
+        state = opt.init(params)  # its step count a plain tensor; the step returns a replicated DTensor
+        sspec = nf.optim.state_shardings(state, pspec)
+        tokens = torch.randint(0, cfg.vocab_size, (4, 16), generator=torch.Generator().manual_seed(0))
+        batch = {"tokens": tokens, "targets": tokens, "positions": torch.arange(16).expand(4, 16).contiguous()}
+        step = nf.jit(train.make_step(cfg, opt, config.rules), mesh=mesh, donate_argnums=(0, 1),
+                      in_shardings=(pspec, sspec, {k: config.batch_spec for k in batch}),
+                      out_shardings=(pspec, sspec, P()))
+        for _ in range(3):
+            params, state, _ = step(params, state, batch)
+        assert step.trace_count == 1
