@@ -121,7 +121,8 @@ def test_traced_as_compiling_sets_what_torch_compiler_is_compiling_reads():
     assert not torch.compiler.is_compiling()
 
 
-def test_core_aten_decompositions_datadependentoutputexception_dynamicoutputshapeexception():
+def test_core_aten_decompositions_decomposition_table_datadependentoutputexception_dynamicoutputshapeexception():
+    assert torch.ops.aten.native_batch_norm.default in compat.decomposition_table
     table = compat.core_aten_decompositions()
     x = torch.randn(4, 3)
     y = torch.randn(4, 3)

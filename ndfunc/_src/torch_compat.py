@@ -14,7 +14,7 @@ import re
 from collections.abc import Callable
 
 import torch
-from torch._decomp import core_aten_decompositions
+from torch._decomp import core_aten_decompositions, decomposition_table
 from torch._subclasses.fake_tensor import (
     DataDependentOutputException,
     DynamicOutputShapeException,
@@ -51,7 +51,7 @@ __all__ = [
     "local_of", "local_tensor_mode", "onednn_available", "onednn_linear", "pop_dispatch_mode", "pytree", "sharding_propagator",
     "unset_fake_temporarily", "REDISTRIBUTE_LOGGER", "random_rng_tracker", "set_random_rng_tracker", "flattened",
     "functional_collectives", "shape_only_device_mesh", "traced_as_compiling", "DataDependentOutputException",
-    "DynamicOutputShapeException", "core_aten_decompositions",
+    "DynamicOutputShapeException", "core_aten_decompositions", "decomposition_table",
 ]
 
 current_dispatch_mode = _get_current_dispatch_mode

@@ -24,6 +24,7 @@ import dataclasses
 import functools
 import itertools
 import json
+import math
 from collections.abc import Callable
 
 import torch
@@ -44,7 +45,7 @@ from ndfunc._src.partition.planning.strategies import (
     tensor_outputs,
     value_of,
 )
-from ndfunc._src.torch_compat import core_aten_decompositions
+from ndfunc._src.torch_compat import core_aten_decompositions, decomposition_table
 from ndfunc._src.torch_compat import sharding_propagator as propagator
 from ndfunc.random._op import random_block_at_op, random_block_op
 
@@ -91,9 +92,36 @@ def has_rule(op) -> bool:
 def decompositions() -> dict:
     """PyTorch's core ATen decompositions of the ops on tensors that have no sharding rule: traced as
     the ops they decompose into, which mostly have one. (Factories, with no tensor argument, need no
-    rule: every rank makes them whole.)"""
-    return {op: fn for op, fn in core_aten_decompositions().items()
-            if isinstance(op, torch._ops.OpOverload) and _takes_tensors(op) and not has_rule(op)}
+    rule: every rank makes them whole.) And those of `DECOMPOSED`, whose rules cannot split the work."""
+    table = {op: fn for op, fn in core_aten_decompositions().items()
+             if isinstance(op, torch._ops.OpOverload) and _takes_tensors(op) and not has_rule(op)}
+    return table | {op: decomposition_table[op] for op in DECOMPOSED} | {
+        aten.var_mean.correction: _var_mean, aten.mean.default: _mean}
+
+
+def _mean(x, dtype=None):
+    """A mean of everything (a loss) as a sum over the count: the sum of a split value is a partial
+    sum per rank, one all-reduce of a scalar, where DTensor's rule for the mean gathers the value."""
+    return x.sum(dtype=dtype) / x.numel()
+
+
+def _var_mean(x, dim=None, *, correction=1, keepdim=False):
+    """Variance and mean as two sums (the mean, then the squares about it): each splits over a
+    sharded dim as a partial sum, where ATen's one-pass `var_mean` (and so BatchNorm's statistics)
+    has no sharded rule."""
+    dims = list(range(x.ndim)) if dim is None else [d % x.ndim for d in dim]
+    count = math.prod(x.shape[d] for d in dims)
+    mean = x.mean(dims, keepdim=True)
+    var = (x - mean).square().sum(dims, keepdim=keepdim) / max(count - (correction or 0), 0)
+    return var, mean if keepdim else mean.squeeze(dims)
+
+
+# Ops with a rule that runs them whole over the dim the data is split on: BatchNorm's statistics
+# need every sample, so DTensor's rule gathers the batch (a CNN under DP would compute all of it on
+# every rank). Decomposed, the statistics are sums over the batch, which split like any other sum
+# (a partial sum per rank, then one all-reduce of the channels' sums), and the running statistics
+# are written by `copy_`.
+DECOMPOSED = (aten.native_batch_norm.default, aten.native_batch_norm_backward.default)
 
 
 def _takes_tensors(op) -> bool:
