@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import math
 from collections.abc import Iterator, Sequence
 
 import torch
@@ -251,8 +252,10 @@ def axis_index(axis_name: AxisName) -> torch.Tensor:
 
 def ppermute(x: torch.Tensor, axis_name: AxisName, perm: Sequence[tuple[int, int]]) -> torch.Tensor:
     """Send `x` from position `src` to position `dst` along `axis_name` for each `(src, dst)` in
-    `perm`; a position no pair sends to gets zeros (JAX's semantics)."""
-    group, size = _group(axis_name, "ppermute")
+    `perm`; a position no pair sends to gets zeros (JAX's semantics). Each rank sends its one block,
+    point to point (in simulation, on real ranks and inside nf.jit)."""
+    _, size = _group(axis_name, "ppermute")
+    mesh = _manual_mesh.get()
     pairs = [(int(s), int(d)) for s, d in perm]
     sources, dests = [s for s, _ in pairs], [d for _, d in pairs]
     if len(set(sources)) != len(sources) or len(set(dests)) != len(dests) or not all(0 <= i < size for i in sources + dests):
@@ -260,27 +263,53 @@ def ppermute(x: torch.Tensor, axis_name: AxisName, perm: Sequence[tuple[int, int
             f"nf.lax.ppermute: perm {perm} must pair distinct sources with distinct destinations, each in "
             f"0..{size - 1} (the positions along {axis_name!r})."
         )
-    return _Linear.apply(x, _permute, _unpermute, (_manual_mesh.get(), axis_name), tuple(pairs), size)
+    names = (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
+    ranks = _global_pairs(mesh, names, pairs)
+    back = tuple((d, s) for s, d in ranks)
+    return _Linear.apply(x, _permute, _unpermute, ranks, back, ",".join(names))
 
 
-def _permute(x: torch.Tensor, where: tuple, pairs: tuple, size: int) -> torch.Tensor:
-    # Each position takes the block of its source from a gather along the axis. Simple and right on
-    # every backend, simulated ranks included; it moves (size - 1) blocks where a point-to-point
-    # permute moves one, which is for a later lowering to fix.
-    source_of = [-1] * size
-    for s, d in pairs:
-        source_of[d] = s
-    mesh, axis_name = where  # explicit: a backward pass runs after shard_map has returned
-    with _manual_axes(mesh):
-        blocks = all_gather(x, axis_name, dim=0, tiled=False)  # (size, *x.shape)
-        mine = torch.tensor([s if s >= 0 else size for s in source_of]).index_select(
-            0, axis_index(axis_name).reshape(1))  # a tensor op: per rank in simulation
-    padded = torch.cat([blocks, torch.zeros_like(blocks[:1])])  # index `size`: zeros
-    return padded.index_select(0, mine).squeeze(0)
+def _global_pairs(mesh: Mesh, names: tuple[str, ...], pairs: list) -> tuple:
+    """(global rank, global rank it sends to) of every rank: position `s` along `names` (their
+    positions together, major to minor) sends to position `d`, its other coordinates the same."""
+    sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
+    dims = [mesh.axis_names.index(a) for a in names]
+
+    def rank_of(coord) -> int:  # row-major, the last axis fastest
+        r = 0
+        for c, n in zip(coord, mesh.axis_sizes):
+            r = r * n + c
+        return r
+
+    def at(coord, position: int) -> tuple:  # `coord` with its position along `names` set
+        coord = list(coord)
+        for d in reversed(dims):
+            position, coord[d] = divmod(position, sizes[mesh.axis_names[d]])
+        return tuple(coord)
+
+    out = []
+    for r in range(math.prod(mesh.axis_sizes)):
+        coord = mesh.coordinate(r)
+        position = 0
+        for d in dims:
+            position = position * sizes[mesh.axis_names[d]] + coord[d]
+        out += [(r, rank_of(at(coord, dst))) for src, dst in pairs if src == position]
+    return tuple(out)
 
 
-def _unpermute(x: torch.Tensor, where: tuple, pairs: tuple, size: int) -> torch.Tensor:
-    return _permute(x, where, tuple((d, s) for s, d in pairs), size)
+def _permute(x: torch.Tensor, pairs: tuple, inverse: tuple, axis: str) -> torch.Tensor:
+    """The permutation itself (its transpose is the inverse permutation, `inverse`)."""
+    from ndfunc._src.trace import is_tracing
+
+    if is_tracing():  # a node of nf.jit's program; its lowering runs `permute_blocks`
+        from ndfunc._src.manual import ppermute_op
+        return ppermute_op(x, [r for pair in pairs for r in pair], axis)
+    from ndfunc._src.runtime import permute_blocks
+    return permute_blocks(x, pairs)
+
+
+def _unpermute(x: torch.Tensor, pairs: tuple, inverse: tuple, axis: str) -> torch.Tensor:
+    return _permute(x, inverse, pairs, axis)
 
 
 def all_to_all(x: torch.Tensor, axis_name: AxisName, split_dim: int, concat_dim: int, tiled: bool = False) -> torch.Tensor:

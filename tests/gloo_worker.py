@@ -84,6 +84,14 @@ def check_shard_map(mesh) -> None:
     torch.testing.assert_close(nf.device_get(loss), expected.detach(), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(nf.device_get(w1d.grad), gw1, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(nf.device_get(w2d.grad), gw2, rtol=1e-5, atol=1e-5)
+    # the same inside nf.jit: the permutes are point to point there too (two forward, two backward)
+    jitted = nf.jit(nf.value_and_grad(lambda w1, w2, x: step(x, w1, w2), argnums=(0, 1)), mesh=mesh,
+                    in_shardings=(P(None, "tp"), P("tp"), P("dp_shard")))
+    assert jitted.lower(w1.detach(), w2.detach(), x).cost_analysis()["collectives"]["ppermute"] == 4
+    loss, (g1, g2) = jitted(w1.detach(), w2.detach(), x)
+    torch.testing.assert_close(nf.device_get(loss), expected.detach(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(nf.device_get(g1), gw1, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(nf.device_get(g2), gw2, rtol=1e-5, atol=1e-5)
     print(f"rank {nf.rank()}: shard_map ok", flush=True)
 
 

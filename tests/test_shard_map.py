@@ -113,6 +113,17 @@ def test_gradients_of_permute_and_all_to_all_are_their_inverses():
         torch.testing.assert_close(nf.device_get(loss), expected.detach(), **TOL)
         loss.backward()
         torch.testing.assert_close(nf.device_get(xd.grad), gx, **TOL)
+        # inside nf.jit: one block sent per rank each way (the permute, then its inverse for the
+        # gradient), not a gather of every block
+        step = nf.jit(nf.value_and_grad(nf.shard_map(ring_loss, mesh, in_specs=(P("x"), P("x")), out_specs=P())),
+                      mesh=mesh, in_shardings=(P("x"), P("x")))
+        costs = step.lower(x.detach(), c).cost_analysis()
+        block = 2 * 4 * 4  # bytes of one rank's (2, 4) block
+        assert costs["collectives"].get("all_gather", 0) == 0 and costs["collectives"]["ppermute"] == 2
+        assert costs["comm_bytes"]["ppermute"] == 2 * block
+        loss, grad = step(x.detach(), c)
+        torch.testing.assert_close(nf.device_get(loss), expected.detach(), **TOL)
+        torch.testing.assert_close(nf.device_get(grad), gx, **TOL)
 
         def swap_loss(x, c):  # rows sharded in, columns sharded out
             return lax.psum((lax.all_to_all(x, "x", split_dim=1, concat_dim=0, tiled=True) * c).sum(), "x")

@@ -21,16 +21,19 @@ _lib = torch.library.Library("ndfunc", "FRAGMENT")
 _lib.define("enter_manual(Tensor x, str spec, int[] block) -> Tensor")
 _lib.define("exit_manual(Tensor y, str spec, int[] shape) -> Tensor")
 _lib.define("axis_index(str axes, Device device) -> Tensor")
+# nf.lax.ppermute in a traced program: `pairs` (global rank, global rank it sends to), flattened
+_lib.define("ppermute(Tensor x, int[] pairs, str axis) -> Tensor")
 
 
 def _outside(*args, **kwargs):
     raise RuntimeError("ndfunc manual-region ops exist only in programs that nf.jit traces and lowers.")
 
 
-for _name in ("enter_manual", "exit_manual", "axis_index"):
+for _name in ("enter_manual", "exit_manual", "axis_index", "ppermute"):
     _lib.impl(_name, _outside, "CompositeExplicitAutograd")
 _lib.impl("enter_manual", lambda x, spec, block: x.new_empty(block), "Meta")
 _lib.impl("exit_manual", lambda y, spec, shape: y.new_empty(shape), "Meta")
+_lib.impl("ppermute", lambda x, pairs, axis: torch.empty_like(x, memory_format=torch.contiguous_format), "Meta")
 
 
 @torch.library.register_fake("ndfunc::axis_index", lib=_lib)
@@ -41,6 +44,7 @@ def _axis_index_fake(axes, device):
 enter_op = torch.ops.ndfunc.enter_manual.default
 exit_op = torch.ops.ndfunc.exit_manual.default
 axis_index_op = torch.ops.ndfunc.axis_index.default
+ppermute_op = torch.ops.ndfunc.ppermute.default
 
 
 class _Boundary(torch.autograd.Function):

@@ -23,11 +23,11 @@ import dataclasses
 import math
 
 import torch
-import torch.distributed as dist
 
 from ndfunc._src.partition import program as prog
 from ndfunc._src.partition.planning.layout import local_shape
-from ndfunc._src.torch_compat import FakeTensor, LocalTensor, local_blocks
+from ndfunc._src.runtime import permute_blocks
+from ndfunc._src.torch_compat import FakeTensor, LocalTensor
 from ndfunc._src.transforms.base import Transform
 
 aten = torch.ops.aten
@@ -130,19 +130,7 @@ SEQ = torch.distributed.tensor.Shard(2)
 
 def _shift(x: torch.Tensor, peers: tuple) -> torch.Tensor:
     """Each rank's block to the next rank along the ring (`peers`: (global rank, next) pairs)."""
-    if isinstance(x, FakeTensor):
-        return x.clone()
-    if isinstance(x, LocalTensor):  # one process holds every rank: hand the blocks on
-        to = dict(peers)
-        return LocalTensor({to[r]: t for r, t in local_blocks(x).items()})
-    to = dict(peers)
-    me = dist.get_rank()
-    source = next(r for r, nxt in to.items() if nxt == me)
-    out = torch.empty_like(x, memory_format=torch.contiguous_format)
-    for work in dist.batch_isend_irecv([dist.P2POp(dist.isend, x.contiguous(), to[me]),
-                                        dist.P2POp(dist.irecv, out, source)]):
-        work.wait()
-    return out
+    return permute_blocks(x, peers)
 
 
 def _causal_mask(q: torch.Tensor, coords, axis: int, size: int) -> torch.Tensor:

@@ -322,6 +322,20 @@ def _same_value(emitter, node, locals_):
     return locals_[0]
 
 
+def _ppermute(emitter, node, locals_):
+    """`nf.lax.ppermute` inside nf.jit: each rank's block to its peer, point to point (`permute_blocks`)."""
+    from ndfunc._src.runtime import permute_blocks
+
+    x, flat, axis = node.args
+    pairs = tuple(zip(flat[0::2], flat[1::2]))
+    out = emitter.call(permute_blocks, locals_[0], pairs)
+    val = x.meta["val"]
+    block = val.numel() * val.element_size()
+    prog.set_comm(out, prog.Comm("ppermute", tuple(axis.split(",")), tuple(val.shape), tuple(val.shape), val.dtype,
+                                 val.device, None, block, block))
+    return prog.note_local(out, tuple(val.shape), val.dtype)
+
+
 def _axis_index(emitter, node, locals_):
     """`nf.lax.axis_index` inside nf.jit: this rank's position, read from `coords`."""
     return emitter.axis_index(json.loads(node.args[0]))
@@ -356,5 +370,6 @@ register(sharding_constraint_op, strategies=_constraint_rule, lower=_same_value)
 register(manual.enter_op, lower=_same_value)  # strategies: the region's (`candidates`)
 register(manual.exit_op, lower=_same_value)
 register(manual.axis_index_op, lower=_axis_index)
+register(manual.ppermute_op, lower=_ppermute)  # strategies: the region's (`candidates`)
 for _dot in (aten.mm.default, aten.bmm.default, aten.addmm.default, aten.baddbmm.default):
     register(_dot, saved_by_remat=True)
