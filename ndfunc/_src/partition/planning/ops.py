@@ -34,7 +34,13 @@ from torch.nn import _reduction
 from ndfunc._src import manual
 from ndfunc._src.constraints import sharding_constraint_op
 from ndfunc._src.partition import program as prog
-from ndfunc._src.partition.planning.layout import MANUAL, all_layouts, fits, local_shape, replicated
+from ndfunc._src.partition.planning.layout import (
+    MANUAL,
+    all_layouts,
+    fits,
+    local_shape,
+    replicated,
+)
 from ndfunc._src.partition.planning.strategies import (
     NoStrategy,
     Strategy,
