@@ -304,7 +304,7 @@ def _permute(x: torch.Tensor, pairs: tuple, inverse: tuple, axis: str) -> torch.
     if is_tracing():  # a node of nf.jit's program; its lowering runs `permute_blocks`
         from ndfunc._src.manual import ppermute_op
         return ppermute_op(x, [r for pair in pairs for r in pair], axis)
-    from ndfunc._src.runtime import permute_blocks
+    from ndfunc._src.point_to_point import permute_blocks
     return permute_blocks(x, pairs)
 
 

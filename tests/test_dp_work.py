@@ -41,6 +41,54 @@ def _cnn():
     return _sgd(loss), params, buffers, torch.randn(64, 3, 8, 8, generator=g), torch.randint(0, 10, (64,), generator=g)
 
 
+class _MixerBlock(torch.nn.Module):
+    """MLP-Mixer's block: an MLP across tokens, then one across channels, each after a LayerNorm."""
+
+    def __init__(self, tokens: int, channels: int):
+        super().__init__()
+        self.norm1, self.norm2 = torch.nn.LayerNorm(channels), torch.nn.LayerNorm(channels)
+        self.tokens = torch.nn.Sequential(torch.nn.Linear(tokens, 2 * tokens), torch.nn.GELU(),
+                                          torch.nn.Linear(2 * tokens, tokens))
+        self.channels = torch.nn.Sequential(torch.nn.Linear(channels, 2 * channels), torch.nn.GELU(),
+                                            torch.nn.Linear(2 * channels, channels))
+
+    def forward(self, x):
+        x = x + self.tokens(self.norm1(x).transpose(1, 2)).transpose(1, 2)
+        return x + self.channels(self.norm2(x))
+
+
+def _mixer():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(12, 16), _MixerBlock(8, 16), _MixerBlock(8, 16))
+    params, buffers, apply = nf.nn.functional(model)
+    loss = lambda p, b, x, y: torch.nn.functional.cross_entropy(apply(p, b, x).mean(1), y)  # noqa: E731
+    g = torch.Generator().manual_seed(3)
+    return _sgd(loss), params, buffers, torch.randn(32, 8, 12, generator=g), torch.randint(0, 16, (32,), generator=g)
+
+
+def _moe():
+    """A top-1 mixture of experts with a capacity (GShard's dispatch): each token goes to its best
+    expert's next free slot, tokens past the capacity are dropped; the slots count over the whole batch."""
+    g = torch.Generator().manual_seed(4)
+    # experts wide enough that splitting their work over the ranks beats reducing their inputs whole
+    e, c, h, cap = 4, 12, 256, 6
+    params = {"router": torch.randn(c, e, generator=g), "w_in": torch.randn(e, c, h, generator=g) / c**0.5,
+              "w_out": torch.randn(e, h, c, generator=g) / h**0.5}
+
+    def loss(p, b, x, y):
+        gates = torch.softmax(x @ p["router"], -1)  # (n, e)
+        mask = torch.nn.functional.one_hot(gates.argmax(-1), e).to(x.dtype)
+        slot = (torch.cumsum(mask, 0) * mask - 1).to(torch.int64)  # each token's place in its expert's queue
+        dispatch = torch.nn.functional.one_hot(slot.clamp(0, cap - 1), cap).to(x.dtype) * (
+            (slot >= 0) & (slot < cap)).to(x.dtype)[..., None]  # (n, e, cap)
+        routed = torch.einsum("nes,nc->esc", dispatch, x)
+        out = torch.einsum("esh,ehc->esc", torch.relu(torch.einsum("esc,ech->esh", routed, p["w_in"])), p["w_out"])
+        combined = torch.einsum("nes,esc->nc", dispatch * gates[..., None], out)
+        return torch.nn.functional.mse_loss(combined, y)
+
+    return _sgd(loss), params, {}, torch.randn(32, c, generator=g), torch.randn(32, c, generator=g)
+
+
 def _hf(family):
     def case():
         params, buffers, apply = nf.nn.functional(make_model(family, "sdpa"))
@@ -50,7 +98,7 @@ def _hf(family):
     return case
 
 
-FAMILIES = {"mlp_mse": _mlp, "cnn_batchnorm": _cnn, **{f"hf_{f}": _hf(f) for f in ("llama", "gpt2", "qwen2", "mistral")}}
+FAMILIES = {"mlp_mse": _mlp, "cnn_batchnorm": _cnn, "mlp_mixer": _mixer, "moe_capacity": _moe, **{f"hf_{f}": _hf(f) for f in ("llama", "gpt2", "qwen2", "mistral")}}
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))

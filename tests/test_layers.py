@@ -13,7 +13,7 @@ PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "ndfunc"
 LAYERS = [
     ["_src.torch_compat"],
     ["tree", "_src.sharding", "optim", "random", "_src.buffers"],
-    ["_src.host_memory", "_src.runtime", "_src.transfer", "_src.config", "_src.visualize", "sharding", "_src.module",
+    ["_src.host_memory", "_src.runtime", "_src.point_to_point", "_src.transfer", "_src.config", "_src.visualize", "sharding", "_src.module",
      "nn"],
     ["_src.autodiff", "_src.constraints", "_src.manual", "_src.trace", "lax", "_src.shard_map"],
     ["_src.partition.planning", "_src.partition.program"],  # the record the planner's node marks live in

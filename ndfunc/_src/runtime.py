@@ -10,7 +10,6 @@ user code runs under either; nothing here is global beyond torch.distributed's o
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
@@ -18,7 +17,6 @@ import torch.distributed as dist
 from ndfunc._src.host_memory import keep_freed_memory
 from ndfunc._src.sharding.mesh import mesh_context, restore_mesh_context
 from ndfunc._src.torch_compat import (
-    FakeTensor,
     LocalTensor,
     LocalTensorMode,
     fake_store,
@@ -28,27 +26,6 @@ from ndfunc._src.torch_compat import (
     random_rng_tracker,
     set_random_rng_tracker,
 )
-
-
-def permute_blocks(x: torch.Tensor, pairs: Sequence[tuple[int, int]]) -> torch.Tensor:
-    """Each rank's block sent to another (`pairs`: (global rank, the global rank it sends to)); a
-    rank nothing is sent to gets zeros. One block per rank moves, point to point: simulated ranks
-    (a LocalTensor) hand theirs on in this process, real ones by `batch_isend_irecv`."""
-    if isinstance(x, FakeTensor):
-        return torch.empty_like(x, memory_format=torch.contiguous_format)
-    to = dict(pairs)
-    if isinstance(x, LocalTensor):
-        blocks = local_blocks(x)
-        out = {to[r]: t.clone() for r, t in blocks.items() if r in to}  # a copy: the program may write into it
-        return LocalTensor({r: out[r] if r in out else torch.zeros_like(t) for r, t in blocks.items()})
-    me = dist.get_rank()
-    source = next((r for r, d in to.items() if d == me), None)
-    out = torch.zeros_like(x, memory_format=torch.contiguous_format)
-    ops = ([dist.P2POp(dist.isend, x.contiguous(), to[me])] if me in to else []) + (
-        [dist.P2POp(dist.irecv, out, source)] if source is not None else [])
-    for work in dist.batch_isend_irecv(ops) if ops else ():
-        work.wait()
-    return out
 
 
 class _SimulatedRanks(LocalTensorMode):

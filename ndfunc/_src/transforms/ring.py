@@ -26,7 +26,7 @@ import torch
 
 from ndfunc._src.partition import program as prog
 from ndfunc._src.partition.planning.layout import local_shape
-from ndfunc._src.runtime import permute_blocks
+from ndfunc._src.point_to_point import permute_blocks
 from ndfunc._src.torch_compat import FakeTensor, LocalTensor
 from ndfunc._src.transforms.base import Transform
 

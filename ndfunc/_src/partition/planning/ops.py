@@ -34,6 +34,7 @@ from torch.nn import _reduction
 from ndfunc._src import manual
 from ndfunc._src.constraints import sharding_constraint_op
 from ndfunc._src.partition import program as prog
+from ndfunc._src.partition.planning import redistribute
 from ndfunc._src.partition.planning.layout import (
     MANUAL,
     all_layouts,
@@ -323,6 +324,45 @@ def _random_block(emitter, node, locals_):
     return prog.note_local(out, tuple(block), out_dtype)
 
 
+def _cumsum_rule(node, sizes) -> list[Strategy]:
+    """DTensor's (split on other dims), and split along the summed dim over one axis: each rank's
+    cumulative sum, then plus the totals of the ranks before it (`_cumsum`)."""
+    found = from_dtensor(node, tensor_inputs(node), tensor_outputs(node), sizes) or []
+    d = node.args[1] % node.args[0].meta["val"].ndim
+    for m in range(len(sizes)):
+        lay = tuple(Shard(d) if i == m else Replicate() for i in range(len(sizes)))
+        found.append(Strategy((lay,), (lay,)))
+    return found
+
+
+def _cumsum(emitter, node, locals_):
+    """A cumulative sum on blocks: along a dim split over an axis, each rank's own sum plus the sum
+    of the totals of the ranks before it on that axis (gathered: one value per rank and column)."""
+    x, lay = locals_[0], emitter.plan.strategy[node].ins[0]
+    val = node.meta["val"]
+    d = node.args[1] % val.ndim
+    dtype = node.kwargs.get("dtype")
+    local = emitter.call(aten.cumsum.default, x, d, **({"dtype": dtype} if dtype is not None else {}))
+    axes = [m for m, p in enumerate(lay) if p == Shard(d)]
+    if not axes:
+        return local
+    (m,) = axes
+    n, shape = emitter.sizes[m], local_shape(tuple(val.shape), lay, emitter.sizes)
+    last = emitter.call(aten.narrow.default, local, d, shape[d] - 1, 1)
+    total = emitter.call(aten.clone.default, emitter.call(aten.movedim.int, last, d, 0),
+                         memory_format=torch.contiguous_format)
+    rest = (1, *shape[:d], *shape[d + 1:])
+    step = redistribute.Step("all_gather", m, 0, None, rest, (n, *rest[1:]), n)
+    every = emitter.emit(step, total, val)  # (n, rest): each rank's total along the axis
+    before = emitter.call(aten.lt.Tensor, emitter.call(aten.arange.default, n, device=val.device),
+                          emitter.call(aten.select.int, emitter.coords, 0, m))
+    weights = emitter.call(aten.view.default, emitter.call(aten._to_copy.default, before, dtype=val.dtype),
+                           [n] + [1] * (len(rest) - 1))
+    prefix = emitter.call(aten.sum.dim_IntList, emitter.call(aten.mul.Tensor, every, weights), [0], True)
+    out = emitter.call(aten.add.Tensor, local, emitter.call(aten.movedim.int, prefix, 0, d))
+    return prog.note_local(out, shape, val.dtype)
+
+
 def _same_value(emitter, node, locals_):
     """A constraint or region boundary: the layouts were the point; the value is its input's."""
     return locals_[0]
@@ -330,7 +370,7 @@ def _same_value(emitter, node, locals_):
 
 def _ppermute(emitter, node, locals_):
     """`nf.lax.ppermute` inside nf.jit: each rank's block to its peer, point to point (`permute_blocks`)."""
-    from ndfunc._src.runtime import permute_blocks
+    from ndfunc._src.point_to_point import permute_blocks
 
     x, flat, axis = node.args
     pairs = tuple(zip(flat[0::2], flat[1::2]))
@@ -376,6 +416,7 @@ register(sharding_constraint_op, strategies=_constraint_rule, lower=_same_value)
 register(manual.enter_op, lower=_same_value)  # strategies: the region's (`candidates`)
 register(manual.exit_op, lower=_same_value)
 register(manual.axis_index_op, lower=_axis_index)
-register(manual.ppermute_op, lower=_ppermute)  # strategies: the region's (`candidates`)
+register(manual.ppermute_op, lower=_ppermute)
+register(aten.cumsum.default, strategies=_cumsum_rule, lower=_cumsum)  # a scan along a split dim  # strategies: the region's (`candidates`)
 for _dot in (aten.mm.default, aten.bmm.default, aten.addmm.default, aten.baddbmm.default):
     register(_dot, saved_by_remat=True)

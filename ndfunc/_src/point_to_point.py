@@ -1,0 +1,32 @@
+"""Blocks sent rank to rank at run time, on simulated ranks and real ones alike (no process group
+is made here: a real one is torchrun's, joined by `nf.init`)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from ndfunc._src.torch_compat import FakeTensor, LocalTensor, local_blocks
+
+
+def permute_blocks(x: torch.Tensor, pairs: Sequence[tuple[int, int]]) -> torch.Tensor:
+    """Each rank's block sent to another (`pairs`: (global rank, the global rank it sends to)); a
+    rank nothing is sent to gets zeros. One block per rank moves, point to point: simulated ranks
+    (a LocalTensor) hand theirs on in this process, real ones by `batch_isend_irecv`."""
+    if isinstance(x, FakeTensor):
+        return torch.empty_like(x, memory_format=torch.contiguous_format)
+    to = dict(pairs)
+    if isinstance(x, LocalTensor):
+        blocks = local_blocks(x)
+        out = {to[r]: t.clone() for r, t in blocks.items() if r in to}  # a copy: the program may write into it
+        return LocalTensor({r: out[r] if r in out else torch.zeros_like(t) for r, t in blocks.items()})
+    me = dist.get_rank()
+    source = next((r for r, d in to.items() if d == me), None)
+    out = torch.zeros_like(x, memory_format=torch.contiguous_format)
+    ops = ([dist.P2POp(dist.isend, x.contiguous(), to[me])] if me in to else []) + (
+        [dist.P2POp(dist.irecv, out, source)] if source is not None else [])
+    for work in dist.batch_isend_irecv(ops) if ops else ():
+        work.wait()
+    return out
