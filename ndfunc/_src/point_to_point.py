@@ -23,6 +23,8 @@ def permute_blocks(x: torch.Tensor, pairs: Sequence[tuple[int, int]]) -> torch.T
         out = {to[r]: t.clone() for r, t in blocks.items() if r in to}  # a copy: the program may write into it
         return LocalTensor({r: out[r] if r in out else torch.zeros_like(t) for r, t in blocks.items()})
     me = dist.get_rank()
+    if to.get(me) == me:  # its own block stays (and nothing else comes)
+        return x.clone(memory_format=torch.contiguous_format)
     source = next((r for r, d in to.items() if d == me), None)
     out = torch.zeros_like(x, memory_format=torch.contiguous_format)
     ops = ([dist.P2POp(dist.isend, x.contiguous(), to[me])] if me in to else []) + (

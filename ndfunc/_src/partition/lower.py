@@ -12,6 +12,8 @@ number and one program serves every simulated rank. Each collective node carries
 from __future__ import annotations
 
 import dataclasses
+import itertools
+import math
 import operator
 from collections.abc import Sequence
 
@@ -36,6 +38,13 @@ c10d = torch.ops._c10d_functional
 _RESHAPES = {aten.view.default: aten.reshape.default, aten._unsafe_view.default: aten.reshape.default}
 _MANUAL_COMMS = (c10d.all_reduce.default, c10d.all_gather_into_tensor.default, c10d.reduce_scatter_tensor.default,
                  c10d.all_to_all_single.default)
+
+
+def _row_major(coord, sizes) -> int:
+    r = 0
+    for c, n in zip(coord, sizes):
+        r = r * n + c
+    return r
 
 
 class _Emitter:
@@ -107,6 +116,8 @@ class _Emitter:
             return self.call(aten.reshape.default, block, list(step.out_shape))
         if step.kind == "all_to_all":
             return self.all_to_all(step, x, val)
+        if step.kind == "permute":
+            return self.permute(step, x, val)
         sent = tuple(step.in_shape)
         if not val.is_contiguous() or (step.kind == "reduce_scatter" and d != 0):
             if step.kind == "reduce_scatter" and d != 0:  # blocks along d, stacked on dim 0
@@ -128,6 +139,24 @@ class _Emitter:
         if step.kind == "all_gather" and d != 0:  # rank blocks arrive stacked on dim 0
             parts = self.call(aten.split.Tensor, out, step.in_shape[0], 0)
             out = self.call(aten.cat.default, [self.call(operator.getitem, parts, i) for i in range(n)], d)
+        return out
+
+    def permute(self, step: redistribute.Step, x: torch.fx.Node, val: torch.Tensor) -> torch.fx.Node:
+        """Two axes trading their dims: the block at (.., i, .., j, ..) goes to (.., j, .., i, ..)."""
+        from ndfunc._src.point_to_point import permute_blocks
+
+        names, sizes = list(self.mesh_sizes), list(self.mesh_sizes.values())
+        a, b = names.index(self.axis_names[step.axis]), names.index(self.axis_names[step.joined])
+        pairs = []
+        for coord in itertools.product(*(range(n) for n in sizes)):
+            to = list(coord)
+            to[a], to[b] = coord[b], coord[a]
+            pairs.append((_row_major(coord, sizes), _row_major(to, sizes)))
+        out = self.call(permute_blocks, x, tuple(pairs))
+        block = math.prod(step.in_shape) * val.element_size()
+        prog.set_comm(out, Comm("ppermute", (self.axis_names[step.axis], self.axis_names[step.joined]),
+                                tuple(step.in_shape), tuple(step.in_shape), val.dtype, val.device, None,
+                                step.value_bytes(val.element_size()), block))
         return out
 
     def all_to_all(self, step: redistribute.Step, x: torch.fx.Node, val: torch.Tensor) -> torch.fx.Node:

@@ -8,6 +8,7 @@ lowering (which emits each step as a functional collective). Steps, per mesh axi
 - `reduce_scatter` Partial -> Shard(d)                   moves (n-1)/n of the input
 - `all_to_all`   Shard(d) -> Shard(e)                    moves (n-1)/n of the input
 - `slice`        Replicate -> Shard(d)                   local, free
+- `permute`      two axes of one size trading dims       moves one block, point to point
 
 An axis that moves its split from one dim to another, where no other axis splits either dim,
 exchanges blocks in one all-to-all, as XLA's partitioner and DTensor do: a gather and a slice
@@ -17,6 +18,11 @@ wherever activations are smaller than weights, and a data-parallel step given FS
 turn tensor-parallel layer by layer (sharding propagation in XLA keeps the split where the inputs
 put it, too). So the choice of layouts is what it was without all-to-alls, and what runs moves
 less; `cost_analysis` reads what runs.
+
+Two axes of one size that trade the dims they split (`P('a', 'b')` -> `P('b', 'a')`), no other axis
+splitting either, need no gather: the rank at (i, j) holds exactly the block the rank at (j, i)
+needs, so every rank sends its block to that one (`permute`, one block per rank, where two
+gathers and two slices would move the whole value).
 
 Several axes sharding one dim nest in mesh order, so before an axis gathers, or newly splits a dim,
 every later axis splitting that dim is gathered first (and split again afterwards). A pending sum
@@ -57,6 +63,8 @@ class Step:
             return (n - 1) / n * math.prod(self.out_shape) * itemsize
         if self.kind in ("reduce_scatter", "all_to_all"):
             return (n - 1) / n * math.prod(self.in_shape) * itemsize
+        if self.kind == "permute":
+            return math.prod(self.in_shape) * itemsize
         return 0.0
 
     def value_bytes(self, itemsize: int) -> int:
@@ -75,6 +83,9 @@ def plan(src: Layout, dst: Layout, shape: Sequence[int], sizes: Sequence[int], s
     for s, d in zip(src, dst):
         if isinstance(d, Partial) and s != d:
             return None
+    if swaps and (pair := _traded(src, dst, sizes)) is not None:
+        now = local_shape(shape, tuple(src), sizes)
+        return [Step("permute", pair[0], None, None, now, now, sizes[pair[0]], joined=pair[1])]
     cur = list(src)
     swap = {m for m in range(k) if swaps and _swaps_alone(src, dst, m)}
     gather = {m for m in range(k) if isinstance(cur[m], Shard) and dst[m] != cur[m] and m not in swap}
@@ -123,6 +134,22 @@ def plan(src: Layout, dst: Layout, shape: Sequence[int], sizes: Sequence[int], s
             now = out
         cur[m] = dst[m]
     return steps
+
+
+def _traded(src: Layout, dst: Layout, sizes: Sequence[int]) -> tuple[int, int] | None:
+    """The two axes (of one size) that trade their split dims between `src` and `dst`, every other
+    axis the same in both and splitting neither dim; else None."""
+    moved = [m for m in range(len(src)) if src[m] != dst[m]]
+    if len(moved) != 2:
+        return None
+    a, b = moved
+    if not all(type(p) is Shard for p in (src[a], src[b], dst[a], dst[b])) or sizes[a] != sizes[b]:
+        return None
+    if not (src[a] == dst[b] and src[b] == dst[a] and src[a] != src[b]):
+        return None
+    dims = {src[a].dim, src[b].dim}
+    return (a, b) if not any(isinstance(src[m], Shard) and src[m].dim in dims for m in range(len(src))
+                             if m not in (a, b)) else None
 
 
 def _swaps_alone(src: Layout, dst: Layout, m: int) -> bool:
