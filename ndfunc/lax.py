@@ -275,12 +275,6 @@ def _global_pairs(mesh: Mesh, names: tuple[str, ...], pairs: list) -> tuple:
     sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
     dims = [mesh.axis_names.index(a) for a in names]
 
-    def rank_of(coord) -> int:  # row-major, the last axis fastest
-        r = 0
-        for c, n in zip(coord, mesh.axis_sizes):
-            r = r * n + c
-        return r
-
     def at(coord, position: int) -> tuple:  # `coord` with its position along `names` set
         coord = list(coord)
         for d in reversed(dims):
@@ -293,7 +287,7 @@ def _global_pairs(mesh: Mesh, names: tuple[str, ...], pairs: list) -> tuple:
         position = 0
         for d in dims:
             position = position * sizes[mesh.axis_names[d]] + coord[d]
-        out += [(r, rank_of(at(coord, dst))) for src, dst in pairs if src == position]
+        out += [(r, mesh.rank_of(at(coord, dst))) for src, dst in pairs if src == position]
     return tuple(out)
 
 

@@ -3,6 +3,7 @@ is made here: a real one is torchrun's, joined by `nf.init`)."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import torch
@@ -17,7 +18,7 @@ def permute_blocks(x: torch.Tensor, pairs: Sequence[tuple[int, int]]) -> torch.T
     (a LocalTensor) hand theirs on in this process, real ones by `batch_isend_irecv`."""
     if isinstance(x, FakeTensor):
         return torch.empty_like(x, memory_format=torch.contiguous_format)
-    to = dict(pairs)
+    to, source_of = _routes(tuple(pairs))
     if isinstance(x, LocalTensor):
         blocks = local_blocks(x)
         out = {to[r]: t.clone() for r, t in blocks.items() if r in to}  # a copy: the program may write into it
@@ -25,10 +26,16 @@ def permute_blocks(x: torch.Tensor, pairs: Sequence[tuple[int, int]]) -> torch.T
     me = dist.get_rank()
     if to.get(me) == me:  # its own block stays (and nothing else comes)
         return x.clone(memory_format=torch.contiguous_format)
-    source = next((r for r, d in to.items() if d == me), None)
+    source = source_of.get(me)
     out = torch.zeros_like(x, memory_format=torch.contiguous_format)
     ops = ([dist.P2POp(dist.isend, x.contiguous(), to[me])] if me in to else []) + (
         [dist.P2POp(dist.irecv, out, source)] if source is not None else [])
     for work in dist.batch_isend_irecv(ops) if ops else ():
         work.wait()
     return out
+
+
+@functools.lru_cache(maxsize=256)
+def _routes(pairs: tuple) -> tuple[dict, dict]:
+    """(where each rank sends, where each receives from), worked out once per permutation, not per step."""
+    return dict(pairs), {d: s for s, d in pairs}

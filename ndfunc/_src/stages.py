@@ -145,7 +145,8 @@ class Compiled:
             for j in p.donation:  # a new tensor on the donated memory: the old object is retired
                 outs[j] = outs[j].detach()
             for x, copies in written:  # what every real rank holds (a replicated value): rank 0's
-                x.copy_(local_blocks(copies)[min(local_blocks(copies))])
+                blocks = local_blocks(copies)
+                x.copy_(blocks[min(blocks)])
         del locals_, written
         mark_donated(p, prepared, optree.tree_leaves(original_args))
         if self._specs:  # no mesh: plain tensors, as they came

@@ -31,6 +31,7 @@ from ndfunc._src.partition.planning.strategies import (
     value_of,
 )
 from ndfunc._src.partition.program import Comm, LoweringContext
+from ndfunc._src.sharding.mesh import rank_at
 from ndfunc._src.torch_compat import LazyGraphModule, pytree
 
 aten = torch.ops.aten
@@ -38,13 +39,6 @@ c10d = torch.ops._c10d_functional
 _RESHAPES = {aten.view.default: aten.reshape.default, aten._unsafe_view.default: aten.reshape.default}
 _MANUAL_COMMS = (c10d.all_reduce.default, c10d.all_gather_into_tensor.default, c10d.reduce_scatter_tensor.default,
                  c10d.all_to_all_single.default)
-
-
-def _row_major(coord, sizes) -> int:
-    r = 0
-    for c, n in zip(coord, sizes):
-        r = r * n + c
-    return r
 
 
 class _Emitter:
@@ -151,7 +145,7 @@ class _Emitter:
         for coord in itertools.product(*(range(n) for n in sizes)):
             to = list(coord)
             to[a], to[b] = coord[b], coord[a]
-            pairs.append((_row_major(coord, sizes), _row_major(to, sizes)))
+            pairs.append((rank_at(coord, sizes), rank_at(to, sizes)))
         out = self.call(permute_blocks, x, tuple(pairs))
         block = math.prod(step.in_shape) * val.element_size()
         prog.set_comm(out, Comm("ppermute", (self.axis_names[step.axis], self.axis_names[step.joined]),

@@ -92,6 +92,10 @@ class AbstractMesh:
             coord.append(index)
         return tuple(reversed(coord))
 
+    def rank_of(self, coord) -> int:
+        """The rank at a mesh coordinate (`coordinate`'s inverse)."""
+        return rank_at(coord, self.axis_sizes)
+
     def __eq__(self, other: object) -> bool:
         return isinstance(other, AbstractMesh) and type(other) is AbstractMesh and self._axes == other._axes
 
@@ -165,6 +169,9 @@ class Mesh:
 
     def coordinate(self, rank: int) -> tuple[int, ...]:
         return self._abstract.coordinate(rank)
+
+    def rank_of(self, coord) -> int:
+        return self._abstract.rank_of(coord)
 
     def __eq__(self, other: object) -> bool:
         return (
@@ -266,3 +273,11 @@ def make_mesh(shape: AxisShape | None = None, /, **axes: int) -> Mesh:
     device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
     device_mesh = init_device_mesh(device_type, abstract.axis_sizes, mesh_dim_names=abstract.axis_names)
     return Mesh(abstract, device_mesh)
+
+
+def rank_at(coord, sizes) -> int:
+    """The rank at `coord` of a mesh of `sizes` (row-major, the last axis fastest)."""
+    rank = 0
+    for c, n in zip(coord, sizes):
+        rank = rank * n + c
+    return rank
