@@ -14,6 +14,7 @@ LAYERS = [
     ["_src.torch_compat"],
     ["tree", "_src.sharding", "optim", "random", "_src.buffers"],
     ["_src.host_memory", "_src.runtime", "_src.point_to_point", "_src.transfer", "_src.config", "_src.visualize", "sharding", "_src.module",
+     "_src.attention",
      "nn"],
     ["_src.autodiff", "_src.constraints", "_src.manual", "_src.trace", "lax", "_src.shard_map"],
     ["_src.partition.planning", "_src.partition.program"],  # the record the planner's node marks live in

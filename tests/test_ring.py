@@ -38,8 +38,8 @@ def whole(x, dim=2):
     return torch.cat([x._local_tensors[r] for r in range(N)], dim)
 
 
-def ring_kwargs(mask):
-    return dict(mask=blocks(mask), scale=None, coords=LocalTensor({r: torch.tensor([r]) for r in range(N)}), axis=0,
+def ring_kwargs(mask, kernel="cpu_flash"):
+    return dict(mask=blocks(mask), scale=None, kernel=kernel, coords=LocalTensor({r: torch.tensor([r]) for r in range(N)}), axis=0,
                 size=N, peers=tuple((r, (r + 1) % N) for r in range(N)), skip=True)
 
 
@@ -56,15 +56,16 @@ def inputs(kv_heads=H, dtype=torch.float32, layout="zigzag"):
     return [x.to(dtype) for x in (q, k, v, grad_out)], positions
 
 
+@pytest.mark.parametrize("kernel", ["cpu_flash", "math"])  # math: what runs where no kernel of torch's does
 @pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
 @pytest.mark.parametrize("kv_heads", [H, 2], ids=["mha", "gqa"])
-def test_ring_forward_and_gradients_equal_full_attention_fp32(layout, kv_heads):
+def test_ring_forward_and_gradients_equal_full_attention_fp32(layout, kv_heads, kernel):
     (q, k, v, grad_out), positions = inputs(kv_heads, layout=layout)
     leaves = [x.clone().requires_grad_() for x in (q, k, v)]
     expected, expected_lse, mask = full_attention(*leaves, positions)
     expected.backward(grad_out)
     with nf.simulate(N):
-        kw = ring_kwargs(mask)
+        kw = ring_kwargs(mask, kernel)
         out, lse = ring.ring_forward(blocks(q), blocks(k), blocks(v), **kw)
         dq, dk, dv = ring.ring_backward(blocks(grad_out), blocks(q), blocks(k), blocks(v), out, lse, **kw)
         got = [whole(x) for x in (out, lse, dq, dk, dv)]

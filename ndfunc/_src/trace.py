@@ -2,8 +2,8 @@
 
 `trace(fn, args)` runs `fn` under `make_fx` on fake tensors of each input's *global* shape (a
 DTensor contributes its full shape, never its data): forward, backward (through `torch.func`) and
-the optimizer update become one graph with no autograd left in it. Attention stays one node
-(`_scaled_dot_product_*`), and `nf.with_sharding_constraint` stays one `ndfunc.sharding_constraint`
+the optimizer update become one graph with no autograd left in it. Attention is one node whatever
+the device (`ndfunc.attention` and its backward, `ndfunc._src.attention`), and `nf.with_sharding_constraint` stays one `ndfunc.sharding_constraint`
 node, so later passes can find both. Nothing is allocated at global size: tracing a 100M-parameter
 step costs what its graph costs.
 
@@ -37,6 +37,7 @@ import torch.fx.traceback as fx_traceback
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.nn import _reduction
 
+from ndfunc._src.attention import traced_sdpa
 from ndfunc._src.constraints import decode_spec, sharding_constraint_op
 from ndfunc._src.sharding.partition_spec import PartitionSpec
 from ndfunc._src.torch_compat import (
@@ -193,9 +194,10 @@ def _one_hot(labels: torch.Tensor, num_classes: int = -1) -> torch.Tensor:
 
 
 class _Traceable(torch.overrides.TorchFunctionMode):
-    """Functions whose ATen kernels read values to check their arguments, traced as the same math
-    without the check (`_TRACEABLE`). A function mode: ATen's composite kernels would run before any
-    decomposition table is consulted inside `torch.func` transforms."""
+    """Functions traced as something else (`_TRACEABLE`): those whose ATen kernels read values to
+    check their arguments, as the same math without the check; attention, as the one op of every
+    device. A function mode: ATen's composite kernels would run before any decomposition table is
+    consulted inside `torch.func` transforms."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -204,7 +206,8 @@ class _Traceable(torch.overrides.TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-_TRACEABLE = {torch.nn.functional.one_hot: _one_hot}
+_TRACEABLE = {torch.nn.functional.one_hot: _one_hot,
+              torch.nn.functional.scaled_dot_product_attention: traced_sdpa}
 
 
 class DataDependentError(TypeError):

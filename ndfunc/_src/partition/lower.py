@@ -207,6 +207,8 @@ def lower(graph: torch.fx.Graph, plan: Plan, axis_names: Sequence[str], group_na
             op, a, kw = node.target, node.args, node.kwargs
         else:
             op, a, kw = local_args(node, s.ins, plan.sizes)
+            if rule is not None and rule.local is not None:
+                a = rule.local(node, a)
             # a block of a viewable value need not be viewable (its strides differ): reshape,
             # which views when it can and copies when it must
             op = _RESHAPES.get(op, op)

@@ -24,15 +24,14 @@ import math
 
 import torch
 
+from ndfunc._src import attention
 from ndfunc._src.partition import program as prog
 from ndfunc._src.partition.planning.layout import local_shape
 from ndfunc._src.point_to_point import permute_blocks
 from ndfunc._src.torch_compat import FakeTensor, LocalTensor
 from ndfunc._src.transforms.base import Transform
 
-aten = torch.ops.aten
-FLASH = aten._scaled_dot_product_flash_attention_for_cpu.default
-FLASH_BACKWARD = aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+ATTENTION, ATTENTION_BACKWARD = attention.attention_op, attention.attention_backward_op
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,7 +67,8 @@ class ring_attention(Transform):  # noqa: N801 - a transform is named like the f
         ring = _Ring(live=live, axis=self.axis, size=grid.shape[dim], peers=peers, skip=self.load_balance == "zigzag")
         marked = 0
         for node in program.traced.graph.nodes:
-            if node.target in (FLASH, FLASH_BACKWARD) and (node.kwargs.get("attn_mask") is not None or _causal(node)):
+            if node.target in (ATTENTION, ATTENTION_BACKWARD) and (
+                    attention.argument(node, "attn_mask") is not None or attention.argument(node, "is_causal")):
                 prog.keep_split(node, ring)
                 prog.set_local_op(node, _lower)
                 marked += 1
@@ -79,12 +79,6 @@ class ring_attention(Transform):  # noqa: N801 - a transform is named like the f
                 f"attn_implementation='eager') is not one op: use torch.nn.functional.scaled_dot_product_attention "
                 f"(attn_implementation='sdpa'), or leave the transform out (the sequence split then gathers keys "
                 f"and values).")
-
-
-def _causal(node: torch.fx.Node) -> bool:
-    """Whether a flash attention node (forward or backward) has `is_causal=True`."""
-    slot = 7 if node.target is FLASH_BACKWARD else 4
-    return bool(node.args[slot] if len(node.args) > slot else node.kwargs.get("is_causal", False))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,24 +96,28 @@ def _lower(ctx: prog.LoweringContext, node, strategy, op, args, kwargs):
     """The local op for a ring-marked attention: the ring where its keys are split over the ring
     axis (and what it sends, for `as_text` and `cost_analysis`), else the op itself."""
     ring = prog.kept_split(node)
-    backward = node.target is FLASH_BACKWARD
+    backward = node.target is ATTENTION_BACKWARD
     k_slot = 2 if backward else 1
     if strategy.ins[k_slot][ring.live] != SEQ:
         return op, args, kwargs, None
-    q, k, v = args[1:4] if backward else args[:3]
-    common = dict(mask=kwargs.get("attn_mask"), scale=kwargs.get("scale"), coords=ctx.coords,
-                  axis=ctx.axis_names.index(ring.axis), size=ring.size, peers=ring.peers, skip=ring.skip)
+    named = dict(zip((a.name for a in node.target._schema.arguments), args))
+    q, k, v = named["query"], named["key"], named["value"]
     kv = k.meta["val"]
+    # every block is masked (by the mask's columns, or the causal mask's): the kernel for that
+    kernel = attention.choose(kv.device.type, kv.dtype, kv.shape[-1], masked=True)
+    common = dict(mask=named.get("attn_mask"), scale=named.get("scale"), kernel=kernel, coords=ctx.coords, axis=ctx.axis_names.index(ring.axis), size=ring.size,
+                  peers=ring.peers, skip=ring.skip)
     shape = local_shape(tuple(kv.shape), strategy.ins[k_slot], ctx.sizes)
     block = math.prod(shape) * kv.element_size()
     n = ring.size
     # forward: K and V go round n-1 times; backward: K and V n-1 times, dK and dV n times (summed
     # in fp32, or fp64)
-    moved = 2 * (n - 1) * block + (2 * n * block * _accumulator(kv.dtype).itemsize // kv.element_size() if backward else 0)
+    moved = 2 * (n - 1) * block + (2 * n * block * attention.accumulator(kv.dtype).itemsize // kv.element_size()
+                                   if backward else 0)
     sent = (2, *shape)  # a key block and a value block
     comm = prog.Comm("ppermute", (ring.axis,), sent, sent, kv.dtype, kv.device, None, 2 * block, moved)
     if backward:
-        return ring_backward, (args[0], q, k, v, args[4], args[5]), common, comm
+        return ring_backward, (named["grad_out"], q, k, v, named["out"], named["logsumexp"]), common, comm
     return ring_forward, (q, k, v), common, comm
 
 
@@ -149,18 +147,6 @@ def _block(mask: torch.Tensor, coords, axis: int, size: int, step: int) -> tuple
     return mask.reshape(b, h, rows, size, cols // size).index_select(3, source).squeeze(3), source
 
 
-def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The mask as the flash kernel takes it: 0 where a query may attend, -inf where not."""
-    if mask.dtype == torch.bool:
-        return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, -math.inf)
-    return mask.to(dtype)
-
-
-def _expand_heads(x: torch.Tensor, heads: int) -> torch.Tensor:
-    """Grouped key/value heads (GQA) repeated to the query heads they serve."""
-    return x if x.shape[1] == heads else x.repeat_interleave(heads // x.shape[1], dim=1)
-
-
 def _visible(m) -> bool:
     """Whether any query sees any key of this block (always True where it cannot be known here)."""
     if isinstance(m, (LocalTensor, FakeTensor)):
@@ -168,44 +154,38 @@ def _visible(m) -> bool:
     return bool((m if m.dtype == torch.bool else m > -math.inf).any())
 
 
-def _accumulator(dtype: torch.dtype) -> torch.dtype:
-    """What the ring sums its blocks in: fp32 for half precision and fp32, fp64 for fp64 (the
-    flash kernel's own log-sum-exp dtype, which backward is handed)."""
-    return torch.promote_types(dtype, torch.float32)
-
-
-def ring_forward(q, k, v, *, mask, scale, coords, axis, size, peers, skip):
+def ring_forward(q, k, v, *, mask, scale, kernel, coords, axis, size, peers, skip):
     """(out, logsumexp) of this rank's queries against every rank's keys, the keys and values
-    travelling the ring. Each block by the flash kernel (no score matrix held); the blocks merge
-    by their log-sum-exps, in fp32 (fp64 for fp64)."""
-    heads, acc = q.shape[1], _accumulator(q.dtype)
+    travelling the ring. Each block by `kernel` (the device's attention kernel; no score matrix
+    held); the blocks merge by their log-sum-exps, in fp32 (fp64 for fp64)."""
+    acc, run, scale = attention.accumulator(q.dtype), attention.KERNELS[kernel], attention.default_scale(q, scale)
     mask = _causal_mask(q, coords, axis, size) if mask is None else mask
     out = torch.zeros(q.shape, dtype=acc, device=q.device)
     lse = torch.full(q.shape[:-1], -math.inf, dtype=acc, device=q.device)
     for step in range(size):
         m, _ = _block(mask, coords, axis, size, step)
         if not skip or _visible(m):
-            m = _additive(m, q.dtype)
-            block_out, block_lse = FLASH(q, _expand_heads(k, heads), _expand_heads(v, heads), 0.0, False,
-                                         attn_mask=m, scale=scale)
-            # a row that sees no key of this block: the kernel says lse 0, out 0; it is -inf
+            m = attention.additive(m, q.dtype)
+            block_out, block_lse = run.forward(q, k, v, m, False, scale)
+            # a row that sees no key of this block: kernels say lse 0 (or -inf) and out 0 (or
+            # nan); it is -inf, and adds nothing
             seen = (m > -math.inf).any(-1).expand(block_lse.shape)
             block_lse = block_lse.to(acc).masked_fill(~seen, -math.inf)
             new = torch.logaddexp(lse, block_lse)
             keep = torch.exp(lse - new).nan_to_num(0.0).unsqueeze(-1)
             take = torch.exp(block_lse - new).nan_to_num(0.0).unsqueeze(-1)
-            out = out * keep + block_out.to(acc) * take
+            out = out * keep + block_out.to(acc).masked_fill(~seen.unsqueeze(-1), 0.0) * take
             lse = new
         if step < size - 1:
             k, v = _shift(k, peers), _shift(v, peers)
     return out.to(q.dtype), lse
 
 
-def ring_backward(grad_out, q, k, v, out, lse, *, mask, scale, coords, axis, size, peers, skip):
-    """(dq, dk, dv): each block's gradients by the flash kernel's backward, given the whole
-    output and log-sum-exp (so each block's softmax is the global one); dk and dv travel with
-    their keys and values, in fp32 (fp64 for fp64), and are home after `size` steps."""
-    heads, groups, acc = q.shape[1], k.shape[1], _accumulator(q.dtype)
+def ring_backward(grad_out, q, k, v, out, lse, *, mask, scale, kernel, coords, axis, size, peers, skip):
+    """(dq, dk, dv): each block's gradients by `kernel`'s backward, given the whole output and
+    log-sum-exp (so each block's softmax is the global one); dk and dv travel with their keys and
+    values, in fp32 (fp64 for fp64), and are home after `size` steps."""
+    acc, run, scale = attention.accumulator(q.dtype), attention.KERNELS[kernel], attention.default_scale(q, scale)
     mask = _causal_mask(q, coords, axis, size) if mask is None else mask
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
     dk = torch.zeros(k.shape, dtype=acc, device=k.device)
@@ -213,12 +193,8 @@ def ring_backward(grad_out, q, k, v, out, lse, *, mask, scale, coords, axis, siz
     for step in range(size):
         m, _ = _block(mask, coords, axis, size, step)
         if not skip or _visible(m):
-            dq_block, dk_block, dv_block = FLASH_BACKWARD(
-                grad_out, q, _expand_heads(k, heads), _expand_heads(v, heads), out, lse, 0.0, False,
-                attn_mask=_additive(m, q.dtype), scale=scale)
-            if groups != heads:  # the query heads a key/value head served, summed back into it
-                dk_block = dk_block.unflatten(1, (groups, heads // groups)).sum(2)
-                dv_block = dv_block.unflatten(1, (groups, heads // groups)).sum(2)
+            dq_block, dk_block, dv_block = run.backward(grad_out, q, k, v, out, lse, attention.additive(m, q.dtype),
+                                                        False, scale)
             dq, dk, dv = dq + dq_block.to(acc), dk + dk_block.to(acc), dv + dv_block.to(acc)
         if step < size - 1:
             k, v = _shift(k, peers), _shift(v, peers)

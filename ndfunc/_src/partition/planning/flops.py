@@ -1,7 +1,7 @@
 """Floating-point work of one graph node, from its values' shapes.
 
-An op's registered formula (`ndfunc._src.partition.planning.ops`: the CPU flash-attention kernels), else
-PyTorch's (`torch.utils.flop_counter`: matmuls, convolutions, the CUDA attention kernels). Other
+An op's registered formula (`ndfunc._src.partition.planning.ops`: `ndfunc.attention`), else PyTorch's
+(`torch.utils.flop_counter`: matmuls, convolutions, its own attention kernels). Other
 ops count nothing: next to the matmuls they are noise.
 """
 

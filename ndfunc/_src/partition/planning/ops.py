@@ -6,6 +6,8 @@ One `OpRule` per op, registered in this file and nowhere else:
     flops(node) -> int                       the work, where torch's flop counter has no formula
     saved_by_remat                           `nf.remat(policy='save_dots')` keeps its result
     lower(emitter, node, locals) -> Node     its local op, where that is not the op on blocks
+    local(node, args) -> args                the op on blocks, with other arguments than the
+                                             traced ones (attention: the mesh device's kernel)
 
 `candidates(node, sizes)` is what the partitioner asks: the registered rule, else DTensor's
 (`ndfunc._src.partition.planning.strategies`), else the op whole: its inputs replicated (gathered
@@ -31,7 +33,7 @@ import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.nn import _reduction
 
-from ndfunc._src import manual
+from ndfunc._src import attention, manual
 from ndfunc._src.constraints import sharding_constraint_op
 from ndfunc._src.partition import program as prog
 from ndfunc._src.partition.planning import redistribute
@@ -67,6 +69,7 @@ class OpRule:
     flops: Callable[[torch.fx.Node], int] | None = None
     saved_by_remat: bool = False
     lower: Callable | None = None
+    local: Callable | None = None
 
 
 _RULES: dict = {}
@@ -208,7 +211,7 @@ def _constrained_replicated(a: torch.fx.Node) -> bool:
 
 
 def _attention_rule(node, sizes) -> list[Strategy]:
-    """Flash attention (CPU) forward and backward: q, k, v (B, H, L, K) split alike on batch or
+    """Attention (`ndfunc.attention`) forward and backward: q, k, v (B, H, L, K) split alike on batch or
     heads (grouped key/value heads split by the same factor); the mask follows where it has the
     dim, else stays whole; logsumexp (B, H, L) follows q.
 
@@ -217,12 +220,12 @@ def _attention_rule(node, sizes) -> list[Strategy]:
     rows following the queries; in backward the key and value gradients are then partial sums
     over that axis. On the axis `nf.ring_attention` marked, keys and values (and their gradients)
     stay split instead: the lowering writes a ring there."""
-    backward = "backward" in str(node.target)
+    backward = node.target is attention.attention_backward_op
     ins = tensor_inputs(node)
     outs = tensor_outputs(node)
-    q = node.args[1] if backward else node.args[0]
-    kv = {node.args[2], node.args[3]} if backward else {node.args[1], node.args[2]}
-    causal = node.args[7] if backward else (node.args[4] if len(node.args) > 4 else node.kwargs.get("is_causal", False))
+    q = attention.argument(node, "query")
+    kv = {attention.argument(node, "key"), attention.argument(node, "value")}
+    causal = attention.argument(node, "is_causal")
     q_shape = tuple(q.meta["val"].shape)
     seq = Shard(2)
     ring = getattr(prog.kept_split(node), "live", None)  # nf.ring_attention's axis: keys stay split
@@ -394,21 +397,29 @@ def _attention(q: torch.Tensor, k: torch.Tensor) -> int:
     return 4 * b * h * lq * k.shape[-2] * d
 
 
-def _flash_flops(node) -> int:
-    """CPU flash attention: 4·B·H·Lq·Lk·K, as torch's formula for the CUDA kernels."""
+def _attention_flops(node) -> int:
+    """Attention: 4·B·H·Lq·Lk·K, as torch's formula for its flash kernels."""
     return _attention(node.args[0].meta["val"], node.args[1].meta["val"])
 
 
-def _flash_backward_flops(node) -> int:
-    """Its backward: 2.5 times the forward, as for the CUDA kernels."""
+def _attention_backward_flops(node) -> int:
+    """Its backward: 2.5 times the forward, as for torch's flash kernels."""
     return _attention(node.args[1].meta["val"], node.args[2].meta["val"]) * 5 // 2
+
+
+def _attention_kernel(node, args) -> tuple:
+    """Attention's kernel for the mesh's device (the device its inputs were traced on): the CPU
+    flash kernel; on CUDA flash, memory-efficient or cuDNN (`attention.choose`)."""
+    q = attention.argument(node, "query").meta["val"]
+    masked = attention.argument(node, "attn_mask") is not None
+    return attention.with_kernel(node.target, args, attention.choose(q.device.type, q.dtype, q.shape[-1], masked))
 
 
 # --- the registrations ---------------------------------------------------------------------------
 
-register(aten._scaled_dot_product_flash_attention_for_cpu.default, strategies=_attention_rule, flops=_flash_flops)
-register(aten._scaled_dot_product_flash_attention_for_cpu_backward.default, strategies=_attention_rule,
-         flops=_flash_backward_flops)
+register(attention.attention_op, strategies=_attention_rule, flops=_attention_flops, local=_attention_kernel)
+register(attention.attention_backward_op, strategies=_attention_rule, flops=_attention_backward_flops,
+         local=_attention_kernel)
 register(aten.nll_loss_forward.default, strategies=_mean_loss_rule)
 register(aten.nll_loss2d_forward.default, strategies=_mean_loss_rule)
 register(random_block_op, strategies=_random_rule, lower=_random_block, flops=_random_flops)  # each its own block
