@@ -39,3 +39,23 @@ def permute_blocks(x: torch.Tensor, pairs: Sequence[tuple[int, int]]) -> torch.T
 def _routes(pairs: tuple) -> tuple[dict, dict]:
     """(where each rank sends, where each receives from), worked out once per permutation, not per step."""
     return dict(pairs), {d: s for s, d in pairs}
+
+
+def trade_blocks(x: torch.Tensor, coords: torch.Tensor, axis: int, m: int, split: int, join: int,
+                 rounds: Sequence[Sequence[tuple[int, int]]]) -> torch.Tensor:
+    """Two axes of sizes n and n/m trading the dims they split, in `m` rounds of `permute_blocks`.
+
+    `x` is this rank's block: the larger axis (at `coords[axis]`, x) splits dim `join`, the smaller
+    one dim `split`. After, the larger one splits `split` and the smaller `join`: this rank's block
+    of `split` is an m-th of what it holds now, of `join` m times it. So the block is cut in m
+    pieces along `split`, and round r sends piece (x + r) mod m (`rounds[r]`: the (global rank,
+    the rank it sends to) pairs, each round a permutation); what arrives in round r is the piece of
+    `join` at (x - r) mod m. Each rank sends its block once in all, as one permute would."""
+    mine = torch.remainder(coords[axis], m).reshape(1)
+    pieces = x.unflatten(split, (m, x.shape[split] // m))
+    arrived = []
+    for r, pairs in enumerate(rounds):
+        piece = pieces.index_select(split, torch.remainder(mine + r, m)).squeeze(split)
+        arrived.append(permute_blocks(piece.contiguous(), pairs))
+    order = torch.remainder(mine - torch.arange(m, device=mine.device), m)
+    return torch.stack(arrived, join).index_select(join, order).flatten(join, join + 1)

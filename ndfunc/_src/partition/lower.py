@@ -136,17 +136,32 @@ class _Emitter:
         return out
 
     def permute(self, step: redistribute.Step, x: torch.fx.Node, val: torch.Tensor) -> torch.fx.Node:
-        """Two axes trading their dims: the block at (.., i, .., j, ..) goes to (.., j, .., i, ..)."""
-        from ndfunc._src.point_to_point import permute_blocks
+        """Two axes trading their dims. Of one size: the block at (.., i, .., j, ..) goes to
+        (.., j, .., i, ..). The first m times the second: m rounds, in round r the rank at
+        (.., i, .., j, ..) sends piece (i + r) mod m of its block to (.., j m + (i + r) mod m, .., i // m, ..)
+        (`point_to_point.trade_blocks`)."""
+        from ndfunc._src.point_to_point import permute_blocks, trade_blocks
 
         names, sizes = list(self.mesh_sizes), list(self.mesh_sizes.values())
         a, b = names.index(self.axis_names[step.axis]), names.index(self.axis_names[step.joined])
-        pairs = []
-        for coord in itertools.product(*(range(n) for n in sizes)):
-            to = list(coord)
-            to[a], to[b] = coord[b], coord[a]
-            pairs.append((rank_at(coord, sizes), rank_at(to, sizes)))
-        out = self.call(permute_blocks, x, tuple(pairs))
+        m = sizes[a] // sizes[b]
+        rounds = []
+        for r in range(m):
+            pairs = []
+            for coord in itertools.product(*(range(n) for n in sizes)):
+                to = list(coord)
+                if m == 1:
+                    to[a], to[b] = coord[b], coord[a]
+                else:
+                    to[a], to[b] = coord[b] * m + (coord[a] % m + r) % m, coord[a] // m
+                pairs.append((rank_at(coord, sizes), rank_at(to, sizes)))
+            rounds.append(tuple(pairs))
+        if m == 1:
+            out = self.call(permute_blocks, x, rounds[0])
+        else:
+            split = next(d for d, (i, o) in enumerate(zip(step.in_shape, step.out_shape)) if o < i)
+            join = next(d for d, (i, o) in enumerate(zip(step.in_shape, step.out_shape)) if o > i)
+            out = self.call(trade_blocks, x, self.coords, step.axis, m, split, join, tuple(rounds))
         block = math.prod(step.in_shape) * val.element_size()
         prog.set_comm(out, Comm("ppermute", (self.axis_names[step.axis], self.axis_names[step.joined]),
                                 tuple(step.in_shape), tuple(step.in_shape), val.dtype, val.device, None,

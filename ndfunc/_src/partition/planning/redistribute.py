@@ -8,7 +8,7 @@ lowering (which emits each step as a functional collective). Steps, per mesh axi
 - `reduce_scatter` Partial -> Shard(d)                   moves (n-1)/n of the input
 - `all_to_all`   Shard(d) -> Shard(e)                    moves (n-1)/n of the input
 - `slice`        Replicate -> Shard(d)                   local, free
-- `permute`      two axes of one size trading dims       moves one block, point to point
+- `permute`      two axes trading dims                   moves one block, point to point
 
 An axis that moves its split from one dim to another, where no other axis splits either dim,
 exchanges blocks in one all-to-all, as XLA's partitioner and DTensor do: a gather and a slice
@@ -22,7 +22,9 @@ less; `cost_analysis` reads what runs.
 Two axes of one size that trade the dims they split (`P('a', 'b')` -> `P('b', 'a')`), no other axis
 splitting either, need no gather: the rank at (i, j) holds exactly the block the rank at (j, i)
 needs, so every rank sends its block to that one (`permute`, one block per rank, where two
-gathers and two slices would move the whole value).
+gathers and two slices would move the whole value). Where one axis is m times the other, each
+block goes to m ranks, an m-th to each, in m rounds of such sends (`point_to_point.trade_blocks`):
+still one block per rank in all.
 
 Several axes sharding one dim nest in mesh order, so before an axis gathers, or newly splits a dim,
 every later axis splitting that dim is gathered first (and split again afterwards). A pending sum
@@ -83,9 +85,9 @@ def plan(src: Layout, dst: Layout, shape: Sequence[int], sizes: Sequence[int], s
     for s, d in zip(src, dst):
         if isinstance(d, Partial) and s != d:
             return None
-    if swaps and (pair := _traded(src, dst, sizes)) is not None:
-        now = local_shape(shape, tuple(src), sizes)
-        return [Step("permute", pair[0], None, None, now, now, sizes[pair[0]], joined=pair[1])]
+    if swaps and (pair := _traded(src, dst, shape, sizes)) is not None:
+        return [Step("permute", pair[0], None, None, local_shape(shape, tuple(src), sizes),
+                     local_shape(shape, tuple(dst), sizes), sizes[pair[0]], joined=pair[1])]
     cur = list(src)
     swap = {m for m in range(k) if swaps and _swaps_alone(src, dst, m)}
     gather = {m for m in range(k) if isinstance(cur[m], Shard) and dst[m] != cur[m] and m not in swap}
@@ -136,20 +138,23 @@ def plan(src: Layout, dst: Layout, shape: Sequence[int], sizes: Sequence[int], s
     return steps
 
 
-def _traded(src: Layout, dst: Layout, sizes: Sequence[int]) -> tuple[int, int] | None:
-    """The two axes (of one size) that trade their split dims between `src` and `dst`, every other
-    axis the same in both and splitting neither dim; else None."""
+def _traded(src: Layout, dst: Layout, shape: Sequence[int], sizes: Sequence[int]) -> tuple[int, int] | None:
+    """The two axes that trade their split dims between `src` and `dst` (the larger first), every
+    other axis the same in both and splitting neither dim, the larger axis's size a multiple m of
+    the smaller's and the block m-divisible where it is cut in pieces; else None."""
     moved = [m for m in range(len(src)) if src[m] != dst[m]]
     if len(moved) != 2:
         return None
-    a, b = moved
-    if not all(type(p) is Shard for p in (src[a], src[b], dst[a], dst[b])) or sizes[a] != sizes[b]:
+    a, b = sorted(moved, key=lambda m: -sizes[m])
+    if not all(type(p) is Shard for p in (src[a], src[b], dst[a], dst[b])) or sizes[a] % sizes[b]:
         return None
     if not (src[a] == dst[b] and src[b] == dst[a] and src[a] != src[b]):
         return None
     dims = {src[a].dim, src[b].dim}
-    return (a, b) if not any(isinstance(src[m], Shard) and src[m].dim in dims for m in range(len(src))
-                             if m not in (a, b)) else None
+    if any(isinstance(src[m], Shard) and src[m].dim in dims for m in range(len(src)) if m not in (a, b)):
+        return None
+    pieces = sizes[a] // sizes[b]
+    return (a, b) if local_shape(shape, tuple(src), sizes)[src[b].dim] % pieces == 0 else None
 
 
 def _swaps_alone(src: Layout, dst: Layout, m: int) -> bool:
