@@ -68,7 +68,8 @@ def additive(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | No
     """A boolean mask (True: may attend) as the kernels take it: 0 where allowed, -inf where not."""
     if mask is None or mask.dtype != torch.bool:
         return mask
-    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, -math.inf)
+    allowed, masked = (torch.scalar_tensor(x, dtype=dtype, device=mask.device) for x in (0.0, -math.inf))
+    return torch.where(mask, allowed, masked)  # one op, as torch's SDPA converts it
 
 
 def _expand(x: torch.Tensor, heads: int) -> torch.Tensor:
@@ -117,7 +118,8 @@ def _probabilities(q, k, mask, causal, scale, lse=None):
 
 def _math_forward(q, k, v, mask, causal, scale):
     p, lse = _probabilities(q, k, mask, causal, scale)
-    return (p @ _expand(v, q.shape[1]).to(p.dtype)).to(q.dtype), lse
+    out = (p @ _expand(v, q.shape[1]).to(p.dtype)).to(q.dtype)
+    return out.transpose(1, 2).contiguous().transpose(1, 2), lse  # laid out as the flash kernels lay it
 
 
 def _math_backward(g, q, k, v, out, lse, mask, causal, scale):
@@ -246,7 +248,11 @@ def _backward(g, q, k, v, out, lse, attn_mask=None, is_causal=False, scale=None,
 
 
 def _forward_meta(q, k, v, attn_mask=None, is_causal=False, scale=None, kernel="auto"):
-    return q.new_empty((*q.shape[:-1], v.shape[-1])), q.new_empty(q.shape[:-1], dtype=accumulator(q.dtype))
+    # the output laid out (B, L, H, E) in memory, as torch's flash and memory-efficient kernels
+    # make it: the heads' merge that follows (transpose, reshape) is then a view, not a copy
+    b, h, rows, _ = q.shape
+    out = q.new_empty((b, rows, h, v.shape[-1])).transpose(1, 2)
+    return out, q.new_empty(q.shape[:-1], dtype=accumulator(q.dtype))
 
 
 def _backward_meta(g, q, k, v, out, lse, attn_mask=None, is_causal=False, scale=None, kernel="auto"):
@@ -288,10 +294,13 @@ class _Attention(torch.autograd.Function):
         q, k, v, mask, ctx.causal, ctx.scale = inputs
         ctx.save_for_backward(q, k, v, mask, *output)
         ctx.mark_non_differentiable(output[1])
+        ctx.set_materialize_grads(False)  # no zeros made for the log-sum-exp's (absent) gradient
 
     @staticmethod
     def backward(ctx, grad_out, _):
         q, k, v, mask, out, lse = ctx.saved_tensors
+        if grad_out is None:
+            return None, None, None, None, None, None
         dq, dk, dv = attention_backward_op(grad_out, q, k, v, out, lse, mask, ctx.causal, ctx.scale)
         return dq, dk, dv, None, None, None
 
@@ -308,5 +317,7 @@ def traced_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=Fals
         return torch.nn.functional.scaled_dot_product_attention(
             query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
             enable_gqa=enable_gqa)
-    out, _ = _Attention.apply(query, key, value, attn_mask, is_causal, scale)
+    # a boolean mask made additive in the program, as torch's own SDPA does (so the partitioner
+    # lays out, and the memory model counts, what the kernels read)
+    out, _ = _Attention.apply(query, key, value, additive(attn_mask, query.dtype), is_causal, scale)
     return out
