@@ -4,6 +4,7 @@ Declare a PartitionSpec per value over named mesh axes; ndfunc lays values out a
 real ranks (`nf.init()` under torchrun) or simulated ones (`nf.simulate(n)`).
 """
 
+from ndfunc import checkpoint as checkpoint
 from ndfunc import lax as lax
 from ndfunc import nn as nn
 from ndfunc import optim as optim
@@ -44,7 +45,7 @@ from ndfunc.transforms import zigzag as zigzag
 __version__ = "0.1.0"
 
 __all__ = [
-    "DataDependentError", "ParallelConfig", "accumulate", "device_get", "device_put", "fsdp", "get_mesh", "grad",
+    "DataDependentError", "ParallelConfig", "accumulate", "checkpoint", "device_get", "device_put", "fsdp", "get_mesh", "grad",
     "init", "is_simulated", "jit", "lax", "mixed_precision", "nn", "optim", "random", "remat", "ring_attention",
     "unzigzag", "value_and_grad", "vmap", "zigzag",
     "make_array_from_callback", "make_mesh", "rank", "set_mesh", "shard_map", "sharding", "sharding_of", "shutdown",

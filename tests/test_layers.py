@@ -15,7 +15,7 @@ LAYERS = [
     ["tree", "_src.sharding", "optim", "random", "_src.buffers"],
     ["_src.host_memory", "_src.runtime", "_src.point_to_point", "_src.transfer", "_src.config", "_src.visualize", "sharding", "_src.module",
      "_src.attention",
-     "nn"],
+     "nn", "_src.checkpoint", "checkpoint"],
     ["_src.autodiff", "_src.constraints", "_src.manual", "_src.trace", "lax", "_src.shard_map"],
     ["_src.partition.planning", "_src.partition.program"],  # the record the planner's node marks live in
     ["_src.partition.lower", "_src.partition.passes", "_src.partition.backends"],
@@ -83,7 +83,7 @@ def test_the_named_rules(module, forbidden):
 
 
 def test_internal_modules_are_private():
-    public = {"", "tree", "lax", "nn", "sharding", "optim", "random", "transforms"}
+    public = {"", "tree", "lax", "nn", "checkpoint", "sharding", "optim", "random", "transforms"}
     for name, _ in modules():
         top = name.split(".")[0]
         assert top in public or top.startswith("_"), f"ndfunc.{name} is an internal module outside _src"
