@@ -66,13 +66,15 @@ class Sequences:
 
 
 def batches(
-    sequences: Sequences, batch_size: int, sharding=None, *, steps: int | None = None
+    sequences: Sequences, batch_size: int, sharding=None, *, steps: int | None = None, start: int = 0
 ) -> Iterator[dict[str, torch.Tensor]]:
     """Global batches `{'tokens', 'targets'}` of shape (batch_size, seq_len), int64, in order.
 
     With `sharding` (a NamedSharding for (batch, seq), e.g. `ParallelConfig.batch_spec` on a mesh)
     each rank builds only its block of every batch. Without `steps`, one epoch of full batches; with
-    it, `steps` batches, each new epoch in a new order.
+    it, `steps` batches, each new epoch in a new order. `start`: the batches before it are skipped
+    (nothing is read for them), as a run resumed at step `start` needs: the stream's position is
+    the step, whatever the layout.
     """
     per_epoch = sequences.num_sequences // batch_size
     if per_epoch < 1:
@@ -82,7 +84,7 @@ def batches(
         )
     shape = (batch_size, sequences.seq_len)
     total = per_epoch if steps is None else steps
-    for step in range(total):
+    for step in range(start, total):
         epoch, first = divmod(step, per_epoch)
         first *= batch_size
         order = sequences.epoch_order(epoch) if epoch else sequences.order

@@ -6,6 +6,7 @@
     torchrun --nproc-per-node 4 -m models.train --dp-shard 2 --tp 2   # real processes (gloo on CPU)
     python -m models.train --hf-checkpoint DIR                      # start from a Hugging Face Llama
     python -m models.train --hf-model DIR                           # train a transformers causal LM as it is
+    python -m models.train --checkpoint-dir DIR --save-every 20     # saved as it trains; again with --resume
 
 The flags mirror `nf.ParallelConfig`. Parameters are laid out by the config's logical rules (FSDP
 over `('dp_shard', 'cp')`, TP over `tp`), the batch over the data-parallel axes and the sequence
@@ -14,6 +15,11 @@ the ranks are simulated in this process (`--simulate N`, default: as many as the
 
 Effective batch = micro batch x grad accumulation x dp_replicate x dp_shard; `--lr-scaling` adapts
 the learning rate from `--base-batch` to it (linear or sqrt).
+
+`--checkpoint-dir DIR` saves the run (`nf.checkpoint`: parameters, optimizer state, step, the data
+stream's position, the key) every `--save-every` steps, written while training goes on, and at the
+end; `--resume` continues from the latest complete one, on this run's layout whatever the saved
+one was (the data position is the step, so it carries over).
 
 `--hf-model DIR` trains a Hugging Face causal LM (Llama, GPT-2, Qwen2, Mistral, ...: whatever
 `transformers.AutoModelForCausalLM` loads, with sdpa attention) instead, the model's own modules
@@ -126,7 +132,16 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--fsdp-schedule", action="store_true",
                         help="FSDP2's gather schedule (nf.fsdp): gather again for backward, prefetch, buckets")
     parser.add_argument("--log-every", type=int, default=10)
-    return parser.parse_args(argv)
+    ckpt = parser.add_argument_group("checkpoints (nf.checkpoint)")
+    ckpt.add_argument("--checkpoint-dir", help="save the run here: parameters, optimizer state, step, data position, key")
+    ckpt.add_argument("--save-every", type=int, default=0, help="steps between checkpoints (0: at the end only)")
+    ckpt.add_argument("--keep", type=int, default=3, help="checkpoints kept (the latest)")
+    ckpt.add_argument("--resume", action="store_true",
+                      help="continue from the latest complete checkpoint in --checkpoint-dir (any layout)")
+    args = parser.parse_args(argv)
+    if args.resume and not args.checkpoint_dir:
+        parser.error("--resume needs --checkpoint-dir (where the run was saved)")
+    return args
 
 
 def main(argv: list[str] | None = None) -> list[float]:
@@ -205,9 +220,25 @@ def train(args: argparse.Namespace, config: nf.ParallelConfig, model: torch.nn.M
         f"{'simulated ' if nf.is_simulated() else ''}rank(s); effective batch {effective} = micro "
         f"{args.micro_batch} x accumulation {args.grad_accum} x dp {config.dp_world_size}; lr {lr:.2e}")
 
+    key = random.key(args.seed)
+    manager = nf.checkpoint.Manager(args.checkpoint_dir, keep=args.keep) if args.checkpoint_dir else None
+    first = 0
+    if args.resume and manager.latest_step() is not None:
+        # into this run's layout, whatever the saved one was; the data resumes where it stopped
+        saved = manager.restore({"params": params, "opt": opt_state, "step": 0, "sequences": 0, "key": key})
+        if saved["sequences"] % batch_size:
+            raise SystemExit(f"the checkpoint stopped after {saved['sequences']} sequences, which is not a whole number "
+                             f"of this run's batches of {batch_size}; resume with an effective batch that divides it.")
+        params, opt_state, key, first = saved["params"], saved["opt"], saved["key"], saved["sequences"] // batch_size
+        say(f"resumed from {manager.path(saved['step'])}: step {saved['step']}, {saved['sequences']} sequences seen")
+
+    def checkpoint(steps: int, blocking: bool) -> None:
+        manager.save(steps, {"params": params, "opt": opt_state, "step": steps, "sequences": steps * batch_size,
+                             "key": key}, blocking=blocking)
+
     losses, costs, start = [], None, time.perf_counter()
-    stream = data.batches(sequences, batch_size, bsharding, steps=args.steps)
-    for i in range(args.steps):
+    stream = data.batches(sequences, batch_size, bsharding, steps=args.steps, start=first)
+    for i in range(first, args.steps):
         batch = dict(next(stream), positions=positions)
         if args.grad_accum == 1:
             if costs is None:
@@ -220,9 +251,18 @@ def train(args: argparse.Namespace, config: nf.ParallelConfig, model: torch.nn.M
             loss, grads = grads_fn(params, batch)
             params, opt_state = update(params, opt_state, grads)
         losses.append(float(nf.device_get(loss)))
-        rate = (i + 1) * effective * args.seq_len / (time.perf_counter() - start)
+        rate = (i + 1 - first) * effective * args.seq_len / (time.perf_counter() - start)
         _progress(say, i + 1, args.steps, losses[-1], rate, costs["peak_memory_bytes"],
                   final=(i + 1) % args.log_every == 0 or i + 1 == args.steps)
+        if manager is not None and args.save_every and (i + 1) % args.save_every == 0 and i + 1 < args.steps:
+            checkpoint(i + 1, blocking=False)  # written while the next steps run
+    if manager is not None:
+        if manager.latest_step() != args.steps:
+            checkpoint(args.steps, blocking=True)
+        manager.close()
+    if not losses:
+        say(f"nothing to do: the checkpoint is at step {first} of {args.steps}")
+        return losses
     tail = sum(losses[-10:]) / min(10, len(losses))
     say(f"loss {losses[0]:.3f} -> {tail:.3f} (mean of the last 10 steps); effective batch {effective} sequences "
         f"({effective * args.seq_len} tokens); per rank per step: {costs['comm_bytes']['total'] / 1e6:.2f} MB "

@@ -3,6 +3,7 @@ device, with gradient accumulation, in real processes, and from a Hugging Face c
 
 import pathlib
 import re
+import shutil
 
 import optree
 import pytest
@@ -135,3 +136,45 @@ def test_mixed_precision_with_accumulation_trains_as_fp32_does_within_bf16_round
     fp32 = train.main(flags)
     bf16 = train.main([*flags, "--mixed-precision", "bf16"])
     assert bf16 == pytest.approx(fp32, rel=1e-2) and bf16 != fp32  # bf16 rounding, a few times 2**-8
+
+
+def _saved(path: pathlib.Path):
+    """A train-job checkpoint, read whole (plain tensors) into the structure the job writes."""
+    cfg = llama.LlamaConfig.tiny()
+    params = llama.init(cfg, nf.random.key(0))
+    opt = nf.optim.chain(nf.optim.clip_by_global_norm(1.0), nf.optim.adamw(1e-3))
+    like = {"params": params, "opt": opt.init(params), "step": 0, "sequences": 0, "key": nf.random.key(0)}
+    return nf.checkpoint.load(path, like)
+
+
+@pytest.mark.slow
+def test_a_run_resumed_from_its_checkpoint_equals_the_run_that_never_stopped(tmp_path):
+    flags = ["--dp-shard", "2", "--cp", "1", "--tp", "1", "--micro-batch", "2", "--log-every", "100", *SHORT]
+    whole = train.main(["--steps", "4", "--save-every", "2", "--checkpoint-dir", str(tmp_path / "run"), *flags])
+    (tmp_path / "run" / "step_4").rename(tmp_path / "uninterrupted")  # as if it had died after step 3
+    rest = train.main(["--steps", "4", "--save-every", "1", "--checkpoint-dir", str(tmp_path / "run"), "--resume",
+                       *flags])
+    assert rest == whole[2:]  # bit for bit
+    a, b = _saved(tmp_path / "uninterrupted"), _saved(tmp_path / "run" / "step_4")
+    assert a["step"] == b["step"] == 4 and a["sequences"] == b["sequences"] == 4 * 4
+    for x, y in zip(optree.tree_leaves(a), optree.tree_leaves(b)):
+        assert torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["step_2", "step_3", "step_4"]  # --keep 3
+
+
+@pytest.mark.slow
+def test_a_run_saved_on_4d_resumes_on_fsdp_with_its_data_position(tmp_path, capsys):
+    # the same effective batch of 8: 4 sequences x dp 2 on 4D, 2 x dp 4 on FSDP x4
+    four_d = ["--micro-batch", "4", *SHORT, "--log-every", "100"]
+    fsdp = ["--dp-shard", "4", "--cp", "1", "--tp", "1", "--micro-batch", "2", *SHORT, "--log-every", "100"]
+    whole = train.main(["--steps", "4", "--save-every", "2", "--checkpoint-dir", str(tmp_path), *four_d])
+    shutil.rmtree(tmp_path / "step_4")  # as if it had died after step 3
+    rest = train.main(["--steps", "4", "--checkpoint-dir", str(tmp_path), "--resume", *fsdp])
+    assert f"resumed from {tmp_path / 'step_2'}: step 2, 16 sequences seen" in capsys.readouterr().out
+    assert rest == pytest.approx(whole[2:], rel=1e-5)  # fp32 sums in another order, two steps on
+
+
+def test_resume_without_a_checkpoint_directory_is_refused_when_parsed(capsys):
+    with pytest.raises(SystemExit):
+        train.parse(["--resume"])
+    assert "--resume needs --checkpoint-dir (where the run was saved)" in capsys.readouterr().err

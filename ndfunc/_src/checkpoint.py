@@ -54,10 +54,16 @@ def _distributed() -> bool:
 
 @contextlib.contextmanager
 def _outside_simulation():
-    """Plain tensors are plain inside this block, under `nf.simulate` too (DCP's own buffers); and
-    DCP's note that it writes from one process, which is what was asked, is not repeated."""
+    """Plain tensors are plain inside this block, under `nf.simulate` too (DCP's own buffers)."""
     mode = local_tensor_mode()
-    with mode.disable() if mode is not None else contextlib.nullcontext(), warnings.catch_warnings():
+    with mode.disable() if mode is not None else contextlib.nullcontext(), _quiet():
+        yield
+
+
+@contextlib.contextmanager
+def _quiet():
+    """DCP's note that it runs in one process, which is what was asked, is not repeated."""
+    with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
         yield
 
@@ -92,8 +98,11 @@ def save(path: str | os.PathLike, tree: Any) -> None:
     _write(path, flat if not is_simulated() else _staged(flat), group=None, distributed=_distributed())
 
 
-def _write(path: pathlib.Path, flat: dict[str, Any], group, distributed: bool, then=None) -> None:
-    """Write aside, commit; `then()` (the manager's pruning) on the coordinator before the ranks go on."""
+def _write(path: pathlib.Path, flat: dict[str, Any], group, distributed: bool, then=None,
+           on_this_thread: bool = True) -> None:
+    """Write aside, commit; `then()` (the manager's pruning) on the coordinator before the ranks go
+    on. Off the caller's thread (an asynchronous save) simulation's mode is not in force, and is
+    not to be touched: it is the caller's."""
     partial = _partial(path)
     coordinator = not distributed or dist.get_rank() == 0
     if coordinator:
@@ -101,7 +110,7 @@ def _write(path: pathlib.Path, flat: dict[str, Any], group, distributed: bool, t
         partial.parent.mkdir(parents=True, exist_ok=True)
     if distributed:
         dist.barrier(group=group)
-    with _outside_simulation():
+    with _outside_simulation() if on_this_thread else _quiet():
         dcp.save(flat, checkpoint_id=str(partial), process_group=group, no_dist=not distributed)
     if coordinator:  # every rank's files are written, and DCP's index with them: make it visible
         if path.exists():
@@ -230,7 +239,7 @@ class Manager:
         if self._group is None and distributed:
             self._group = dist.new_group(backend="gloo")
         self._pool = self._pool or concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="nf-checkpoint")
-        self._pending = self._pool.submit(_write, path, staged, self._group, distributed, self._prune)
+        self._pending = self._pool.submit(_write, path, staged, self._group, distributed, self._prune, False)
 
     def _prune(self) -> None:
         """Drop all but the last `keep` checkpoints (on the coordinator, after a commit)."""
