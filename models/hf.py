@@ -18,9 +18,9 @@ import pathlib
 from collections.abc import Callable
 
 import torch
-from safetensors.torch import save_file
 
 import ndfunc as nf
+from models import safetensors_io
 from models.llama import LlamaConfig, param_shapes
 from models.safetensors_io import SafetensorsFile
 from ndfunc.tree import (
@@ -195,17 +195,23 @@ def load_llama(path: str | os.PathLike, shardings=None) -> tuple[LlamaConfig, di
 
 
 def save_llama(path: str | os.PathLike, cfg: LlamaConfig, params: dict) -> None:
-    """Write `params` (whole tensors or DTensors, gathered here) as a Hugging Face Llama directory."""
+    """Write `params` (whole tensors or DTensors of any layout) as a Hugging Face Llama directory.
+
+    One tensor at a time is gathered (every rank takes part) and written by rank 0, then dropped:
+    no rank holds more than one whole tensor beyond its own blocks. The file is written by
+    `models.safetensors_io` (no numpy needed)."""
     path = pathlib.Path(path)
     path.mkdir(parents=True, exist_ok=True)
     layout = hf_layout(cfg)
-    tensors = {}
-    for p, x in tree_flatten_with_path(nf.device_get(params))[0]:
+    entries = []
+    for p, x in tree_flatten_with_path(params)[0]:
         if p not in layout:
             raise ValueError(f"parameter {p!r} has no place in a Hugging Face Llama checkpoint for {cfg}.")
         name, kind = layout[p]
-        tensors[name] = to_hf(kind, x).contiguous()
-    dtype = next(iter(tensors.values())).dtype
-    if nf.rank() == 0:
-        save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+        shape = tuple(to_hf(kind, torch.empty(x.shape, device="meta")).shape)
+        entries.append((name, shape, x.dtype, lambda x=x, kind=kind: to_hf(kind, nf.device_get(x)).contiguous()))
+    dtype = entries[0][2]
+    writer = nf.rank() == 0
+    safetensors_io.write(path / "model.safetensors", entries, metadata={"format": "pt"}, write=writer)
+    if writer:
         (path / "config.json").write_text(json.dumps(config_to_hf(cfg, dtype), indent=2))

@@ -11,6 +11,7 @@ JSON header mapping names to dtype, shape and [begin, end) byte offsets, then th
 
 from __future__ import annotations
 
+import ctypes
 import json
 import math
 import os
@@ -31,10 +32,32 @@ class SafetensorsFile:
 
     def __init__(self, path: str | os.PathLike):
         self.path = os.fspath(path)
+        size = os.path.getsize(self.path)
         with open(self.path, "rb") as f:
-            (length,) = struct.unpack("<Q", f.read(8))
-            header = json.loads(f.read(length))
+            head = f.read(8)
+            if len(head) < 8:
+                raise ValueError(f"{self.path} is {size} bytes, shorter than a safetensors header's length "
+                                 f"(8 bytes); the file is truncated or not safetensors.")
+            (length,) = struct.unpack("<Q", head)
+            if length > size - 8:
+                raise ValueError(f"{self.path} says its header is {length} bytes, but the file has {size - 8} after "
+                                 f"the length; the file is truncated or not safetensors.")
+            try:
+                header = json.loads(f.read(length))
+            except (UnicodeDecodeError, json.JSONDecodeError) as e:
+                raise ValueError(f"{self.path} has a damaged header (not JSON: {e}); the file is corrupted or not "
+                                 f"safetensors.") from None
+        if not isinstance(header, dict):
+            raise ValueError(f"{self.path} has a header that is a JSON {type(header).__name__}, not an object of "
+                             f"tensors; the file is corrupted or not safetensors.")
         header.pop("__metadata__", None)
+        data = size - 8 - length
+        for name, entry in header.items():
+            offsets = entry.get("data_offsets") if isinstance(entry, dict) else None
+            if (not isinstance(offsets, list) or len(offsets) != 2 or not all(isinstance(o, int) for o in offsets)
+                    or not 0 <= offsets[0] <= offsets[1] <= data or not isinstance(entry.get("shape"), list)):
+                raise ValueError(f"{self.path}: the header's entry for {name!r} ({entry!r}) is not a dtype, a shape "
+                                 f"and data offsets within the file's {data} data bytes; the file is corrupted.")
         self._entries = header
         self._data_start = 8 + length
 
@@ -112,3 +135,38 @@ def _full_index(shape: tuple[int, ...], index, name: str) -> tuple[slice, ...]:
             raise ValueError(f"index {index} for {name} has a step; blocks are contiguous slices.")
         full.append(slice(start, max(start, stop)))
     return tuple(full)
+
+
+CODES = {dtype: code for code, dtype in DTYPES.items()}
+
+
+def write(path: str | os.PathLike, entries, metadata: dict[str, str] | None = None, write: bool = True) -> None:
+    """Write a safetensors file from `entries`: (name, shape, dtype, fetch) each, `fetch()` giving
+    the whole tensor when its turn comes. The header is made from the shapes first, then each
+    tensor is fetched, written and dropped, so the writer holds one tensor at a time. With
+    `write=False` the tensors are still fetched in turn (every rank takes part in each gather)
+    but nothing is written (the ranks other than the one that writes)."""
+    header, offset = {}, 0
+    for name, shape, dtype, _ in entries:
+        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        header[name] = {"dtype": CODES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    if metadata:
+        header["__metadata__"] = metadata
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)  # the data starts 8-aligned, as safetensors writes it
+    out = open(path, "wb") if write else None
+    try:
+        if out is not None:
+            out.write(struct.pack("<Q", len(text)) + text)
+        for name, shape, dtype, fetch in entries:
+            x = fetch()
+            if tuple(x.shape) != tuple(shape) or x.dtype != dtype:
+                raise ValueError(f"{name}: fetched {x.dtype}{list(x.shape)}, announced {dtype}{list(shape)}.")
+            if out is not None:
+                x = x.detach().cpu().contiguous()
+                out.write(memoryview(ctypes.string_at(x.data_ptr(), x.numel() * x.element_size())) if x.numel() else b"")
+            del x
+    finally:
+        if out is not None:
+            out.close()

@@ -136,11 +136,15 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ckpt.add_argument("--checkpoint-dir", help="save the run here: parameters, optimizer state, step, data position, key")
     ckpt.add_argument("--save-every", type=int, default=0, help="steps between checkpoints (0: at the end only)")
     ckpt.add_argument("--keep", type=int, default=3, help="checkpoints kept (the latest)")
+    ckpt.add_argument("--save-hf", metavar="DIR", help="at the end, write the Llama as a Hugging Face checkpoint "
+                      "(safetensors + config.json) that transformers loads")
     ckpt.add_argument("--resume", action="store_true",
                       help="continue from the latest complete checkpoint in --checkpoint-dir (any layout)")
     args = parser.parse_args(argv)
     if args.resume and not args.checkpoint_dir:
         parser.error("--resume needs --checkpoint-dir (where the run was saved)")
+    if args.save_hf and args.hf_model:
+        parser.error("--save-hf writes the reference Llama; a --hf-model saves with its own save_pretrained")
     return args
 
 
@@ -256,6 +260,8 @@ def train(args: argparse.Namespace, config: nf.ParallelConfig, model: torch.nn.M
                   final=(i + 1) % args.log_every == 0 or i + 1 == args.steps)
         if manager is not None and args.save_every and (i + 1) % args.save_every == 0 and i + 1 < args.steps:
             checkpoint(i + 1, blocking=False)  # written while the next steps run
+    if args.save_hf:  # gathered a tensor at a time, written by rank 0
+        hf.save_llama(args.save_hf, cfg, params)
     if manager is not None:
         if manager.latest_step() != args.steps:
             checkpoint(args.steps, blocking=True)

@@ -131,3 +131,23 @@ def test_weights_that_do_not_fit_the_config_are_refused(tmp_path):
     with pytest.raises(ValueError, match=r"model.layers.0.mlp.gate_proj.weight has shape \(80, 64\) in model.safetensors, "
                                          r"but config.json describes \(40, 64\)"):
         hf.load_llama(tmp_path)
+
+
+@pytest.mark.parametrize("sizes", [dict(dp_shard_size=4), dict(dp_shard_size=2, cp_size=2, tp_size=2)],
+                         ids=["fsdp4", "4d"])
+def test_save_llama_from_sharded_parameters_loads_in_transformers(tmp_path, sizes):
+    cfg = llama.LlamaConfig(vocab_size=96, dim=64, n_layers=2, n_heads=8, n_kv_heads=4, ffn_dim=80)
+    gen = torch.Generator().manual_seed(5)
+    params = nf.tree.tree_map_with_path(lambda p, shape: torch.randn(shape, generator=gen) * 0.1,
+                                        llama.param_shapes(cfg))
+    config = nf.ParallelConfig(**sizes)
+    with nf.simulate(config.total_size):
+        mesh = config.build_mesh()
+        specs = logical_to_mesh(llama.param_axes(cfg), config.rules)
+        sharded = nf.device_put(params, nf.tree.tree_map_with_path(lambda p, s: NamedSharding(mesh, s), specs))
+        hf.save_llama(tmp_path, cfg, sharded)
+    model = transformers.LlamaForCausalLM.from_pretrained(tmp_path).eval()
+    x = tokens(cfg.vocab_size)
+    with torch.no_grad():
+        expected = model(x).logits
+    torch.testing.assert_close(llama.apply(params, x, cfg), expected, atol=ATOL, rtol=RTOL)

@@ -2,6 +2,7 @@
 safetensors library itself)."""
 
 import itertools
+import re
 
 import pytest
 import torch
@@ -45,3 +46,37 @@ def test_errors(file):
         file.read("ints", (slice(0, 1),) * 3)
     with pytest.raises(ValueError, match="has a step; blocks are contiguous slices"):
         file.read("ints", (slice(0, 10, 2),))
+
+
+def test_the_writer_writes_what_the_safetensors_library_reads(tmp_path):
+    from safetensors.torch import load_file
+
+    path = tmp_path / "w.safetensors"
+    fetched = []
+
+    def fetch(name):
+        fetched.append(name)  # each tensor fetched once, in turn
+        return TENSORS[name]
+
+    entries = [(k, tuple(v.shape), v.dtype, lambda k=k: fetch(k)) for k, v in TENSORS.items()]
+    safetensors_io.write(path, entries, metadata={"format": "pt"})
+    assert fetched == list(TENSORS)
+    back = load_file(str(path))
+    assert sorted(back) == sorted(TENSORS) and all(torch.equal(back[k], v) for k, v in TENSORS.items())
+
+
+@pytest.mark.parametrize("damage,message", [
+    (lambda b: b[:5], "is 5 bytes, shorter than a safetensors header's length (8 bytes)"),
+    (lambda b: (10**12).to_bytes(8, "little") + b[8:], "says its header is 1000000000000 bytes, but the file has"),
+    (lambda b: b[:8] + b"}" + b[9:], "has a damaged header (not JSON:"),
+    (lambda b: b[:8] + b"\xff\xfe" + b[10:], "has a damaged header (not JSON:"),
+    (lambda b: len(b"[1]      ").to_bytes(8, "little") + b"[1]      ", "has a header that is a JSON list"),
+    (lambda b: b.replace(b'[0,16]', b'[0,99]', 1), "is not a dtype, a shape and data offsets"),
+])
+def test_a_damaged_file_is_refused_saying_what_is_wrong(tmp_path, damage, message):
+    good = tmp_path / "good.safetensors"
+    save_file({"a": torch.arange(4.0)}, str(good))
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(damage(good.read_bytes()))
+    with pytest.raises(ValueError, match=re.escape(message)):
+        safetensors_io.SafetensorsFile(bad)

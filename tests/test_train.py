@@ -178,3 +178,15 @@ def test_resume_without_a_checkpoint_directory_is_refused_when_parsed(capsys):
     with pytest.raises(SystemExit):
         train.parse(["--resume"])
     assert "--resume needs --checkpoint-dir (where the run was saved)" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_the_job_writes_a_hugging_face_checkpoint_of_what_it_trained(tmp_path):
+    flags = ["--dp-shard", "2", "--cp", "1", "--tp", "1", "--micro-batch", "2", "--steps", "2", *SHORT]
+    train.main([*flags, "--checkpoint-dir", str(tmp_path / "ck"), "--save-hf", str(tmp_path / "hf")])
+    params = _saved(tmp_path / "ck" / "step_2")["params"]
+    model = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    x = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = model(x).logits
+    torch.testing.assert_close(llama.apply(params, x, llama.LlamaConfig.tiny()), expected, rtol=1e-5, atol=1e-5)
