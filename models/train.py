@@ -97,31 +97,75 @@ def make_update(opt: nf.optim.GradientTransformation):
     return update
 
 
+def _at_least(low: int):
+    """An int flag's type: at least `low` (argparse prints the message and exits, no traceback)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be at least {low}, got {value}")
+        return value
+    parse.__name__ = f"int >= {low}"
+    return parse
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive finite number, got {text}")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number of at least 0, got {text}")
+    return value
+
+
+def _shard_size(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value != -1 and value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, or -1 for what the other axes leave, got {value}")
+    return value
+
+
 def parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     layout = parser.add_argument_group("layout (nf.ParallelConfig)")
-    layout.add_argument("--dp-replicate", type=int, default=1, help="replicas (DDP / across nodes in HSDP)")
-    layout.add_argument("--dp-shard", type=int, default=2, help="FSDP shards; -1 takes what the others leave")
-    layout.add_argument("--cp", type=int, default=2, help="context-parallel ranks (the sequence split)")
-    layout.add_argument("--tp", type=int, default=2, help="tensor-parallel ranks")
-    layout.add_argument("--simulate", type=int, default=None,
+    layout.add_argument("--dp-replicate", type=_at_least(1), default=1, help="replicas (DDP / across nodes in HSDP)")
+    layout.add_argument("--dp-shard", type=_shard_size, default=2, help="FSDP shards; -1 takes what the others leave")
+    layout.add_argument("--cp", type=_at_least(1), default=2, help="context-parallel ranks (the sequence split)")
+    layout.add_argument("--tp", type=_at_least(1), default=2, help="tensor-parallel ranks")
+    layout.add_argument("--simulate", type=_at_least(1), default=None,
                         help="ranks to simulate in this process when not under torchrun (default: the layout's)")
     parser.add_argument("--config", choices=["tiny", "small"], default="tiny")
     parser.add_argument("--hf-checkpoint", help="a Hugging Face Llama directory to start from")
     parser.add_argument("--hf-model", help="a Hugging Face causal LM directory to train as it is (needs transformers)")
-    parser.add_argument("--steps", type=int, default=60)
-    parser.add_argument("--micro-batch", "--batch-size", dest="micro_batch", type=int, default=8,
+    parser.add_argument("--steps", type=_at_least(1), default=60)
+    parser.add_argument("--micro-batch", "--batch-size", dest="micro_batch", type=_at_least(1), default=8,
                         help="sequences per data-parallel rank per micro-batch")
-    parser.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
+    parser.add_argument("--grad-accum", type=_at_least(1), default=1, help="micro-batches per optimizer step")
     parser.add_argument("--reduce-grads", choices=["each", "end"], default="each",
                         help="with --grad-accum: reduce gradients each micro-batch, or once at the end (more memory)")
-    parser.add_argument("--seq-len", type=int, default=128)
-    parser.add_argument("--lr", type=float, default=3e-3, help="peak learning rate at --base-batch")
+    parser.add_argument("--seq-len", type=_at_least(2), default=128)
+    parser.add_argument("--lr", type=_positive_float, default=3e-3, help="peak learning rate at --base-batch")
     parser.add_argument("--lr-scaling", choices=["none", "linear", "sqrt"], default="none",
                         help="scale --lr from --base-batch to the effective batch")
-    parser.add_argument("--base-batch", type=int, default=None, help="the batch --lr was tuned at (default: effective)")
-    parser.add_argument("--warmup", type=int, default=10)
-    parser.add_argument("--weight-decay", type=float, default=0.1)
+    parser.add_argument("--base-batch", type=_at_least(1), default=None, help="the batch --lr was tuned at (default: effective)")
+    parser.add_argument("--warmup", type=_at_least(0), default=10)
+    parser.add_argument("--weight-decay", type=_non_negative_float, default=0.1)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--remat", choices=["none", "full", "save_dots"], default="none",
                         help="recompute each decoder layer in backward (nf.remat)")
@@ -131,11 +175,11 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                         help="attention over the cp-split sequence as a ring (nf.ring_attention), not gathered")
     parser.add_argument("--fsdp-schedule", action="store_true",
                         help="FSDP2's gather schedule (nf.fsdp): gather again for backward, prefetch, buckets")
-    parser.add_argument("--log-every", type=int, default=10)
+    parser.add_argument("--log-every", type=_at_least(1), default=10)
     ckpt = parser.add_argument_group("checkpoints (nf.checkpoint)")
     ckpt.add_argument("--checkpoint-dir", help="save the run here: parameters, optimizer state, step, data position, key")
-    ckpt.add_argument("--save-every", type=int, default=0, help="steps between checkpoints (0: at the end only)")
-    ckpt.add_argument("--keep", type=int, default=3, help="checkpoints kept (the latest)")
+    ckpt.add_argument("--save-every", type=_at_least(0), default=0, help="steps between checkpoints (0: at the end only)")
+    ckpt.add_argument("--keep", type=_at_least(1), default=3, help="checkpoints kept (the latest)")
     ckpt.add_argument("--save-hf", metavar="DIR", help="at the end, write the Llama as a Hugging Face checkpoint "
                       "(safetensors + config.json) that transformers loads")
     ckpt.add_argument("--resume", action="store_true",
