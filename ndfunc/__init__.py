@@ -11,6 +11,7 @@ from ndfunc import optim as optim
 from ndfunc import random as random
 from ndfunc import sharding as sharding
 from ndfunc import tree as tree
+from ndfunc._src.agreement import RanksDisagreeError as RanksDisagreeError
 from ndfunc._src.autodiff import grad as grad
 from ndfunc._src.autodiff import value_and_grad as value_and_grad
 from ndfunc._src.autodiff import vmap as vmap
@@ -45,7 +46,7 @@ from ndfunc.transforms import zigzag as zigzag
 __version__ = "0.1.0"
 
 __all__ = [
-    "DataDependentError", "ParallelConfig", "accumulate", "checkpoint", "device_get", "device_put", "fsdp", "get_mesh", "grad",
+    "DataDependentError", "ParallelConfig", "RanksDisagreeError", "accumulate", "checkpoint", "device_get", "device_put", "fsdp", "get_mesh", "grad",
     "init", "is_simulated", "jit", "lax", "mixed_precision", "nn", "optim", "random", "remat", "ring_attention",
     "unzigzag", "value_and_grad", "vmap", "zigzag",
     "make_array_from_callback", "make_mesh", "rank", "set_mesh", "shard_map", "sharding", "sharding_of", "shutdown",

@@ -22,7 +22,7 @@ import optree
 import torch
 from torch.distributed.tensor import DTensor, Replicate
 
-from ndfunc._src import pipeline
+from ndfunc._src import agreement, pipeline
 from ndfunc._src.arguments import Arguments, Bounded, arg_index, output_placements
 from ndfunc._src.partition.planning.ops import decompositions
 from ndfunc._src.partition.program import Program
@@ -86,6 +86,7 @@ class Jitted:
         self.static_argnums, self.donate_argnums, self.transforms = static_argnums, donate_argnums, transforms
         self.arguments = Arguments(self.__name__, mesh, in_shardings, out_shardings, static_argnums)
         self._cache: dict = {}  # signature -> Lowered
+        self._agreed: set = set()  # signatures every rank was found to run alike
         # arguments as they came (see Arguments.quick) -> (mesh, key, what the key's ids name):
         # nothing to lay out
         self._seen: Bounded = Bounded()
@@ -117,7 +118,11 @@ class Jitted:
                 self._seen[quick] = (mesh, key, meshes)
         if key not in self._cache:
             self._cache[key] = self._lowered(mesh, prepared, key)
-        return self._cache[key].compiled, prepared
+        lowered = self._cache[key]
+        if key not in self._agreed:  # before it first runs over real ranks: the same program on each
+            agreement.check(self.__name__, lowered.program, key[1])
+            self._agreed.add(key)
+        return lowered.compiled, prepared
 
     def _lowered(self, mesh, prepared, key) -> Lowered:
         if mesh is None:

@@ -9,6 +9,7 @@ user code runs under either; nothing here is global beyond torch.distributed's o
 
 from __future__ import annotations
 
+import datetime
 import os
 
 import torch
@@ -125,7 +126,7 @@ def is_simulated() -> bool:
     return local_tensor_mode() is not None
 
 
-def init(backend: str | None = None, keep_host_memory: bool = True) -> None:
+def init(backend: str | None = None, keep_host_memory: bool = True, timeout: float | None = None) -> None:
     """Join the world of processes that torchrun started; idempotent.
 
     Reads torchrun's environment (`RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `MASTER_ADDR`,
@@ -134,6 +135,9 @@ def init(backend: str | None = None, keep_host_memory: bool = True) -> None:
     runs unchanged on one machine. Inside `nf.simulate` (or after an earlier call) it does nothing.
     A gloo world (steps on CPU) keeps freed host memory mapped between steps unless
     `keep_host_memory=False` (`ndfunc._src.host_memory`: glibc's malloc thresholds, process-wide).
+    `timeout` (seconds; else `NDFUNC_TIMEOUT` from the environment, else torch's default): how long
+    a collective waits for the other ranks before it fails, so a rank that stopped is an error on
+    the others, not a hang.
     """
     if dist.is_initialized():
         return
@@ -143,10 +147,27 @@ def init(backend: str | None = None, keep_host_memory: bool = True) -> None:
         keep_freed_memory()
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    if timeout is not None and not timeout > 0:
+        raise ValueError(f"nf.init: timeout is a positive number of seconds, got {timeout!r}.")
+    timeout = timeout if timeout is not None else _seconds(os.environ.get("NDFUNC_TIMEOUT"))
+    wait = {} if timeout is None else {"timeout": datetime.timedelta(seconds=timeout)}
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        dist.init_process_group(backend, init_method="env://")
+        dist.init_process_group(backend, init_method="env://", **wait)
     else:
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, **wait)
+
+
+def _seconds(text: str | None) -> float | None:
+    if text is None or not text.strip():
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise ValueError(f"NDFUNC_TIMEOUT is {text!r}; expected a positive number of seconds (e.g. 60), or unset "
+                         f"for torch's default.")
+    return value
 
 
 def shutdown() -> None:

@@ -1,0 +1,60 @@
+"""Ranks agree on what they run, or say why not.
+
+Over real ranks every process traces and compiles its own copy of a step. One started with other
+flags (another layout, another learning rate baked into the program) would wait forever in a
+collective the others never call, or train silently into another model. So before a compiled step
+first runs, the ranks compare a fingerprint of it - a hash per field: the mesh, the arguments'
+shapes and dtypes, their layouts, the static arguments, the traced program (its constants
+included) - in one all-gather of a few integers, and a difference is an error on every rank that
+names the ranks and the fields that differ.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+import torch.distributed as dist
+
+from ndfunc._src.runtime import is_simulated
+
+
+class RanksDisagreeError(RuntimeError):
+    """Ranks were about to run different programs (see `ndfunc._src.agreement`)."""
+
+
+def fingerprint(program, statics) -> dict[str, str]:
+    """What must be the same on every rank, field by field (as text; hashed to compare)."""
+    mesh = program.mesh
+    return {
+        "mesh": repr((tuple(mesh.axis_names), tuple(mesh.axis_sizes))),
+        "argument shapes and dtypes": repr(program.traced.in_specs),
+        "argument layouts": repr(program.in_layouts),
+        "static arguments": repr(statics),
+        "program": program.traced.graph_module.code,
+    }
+
+
+def _hash(text: str) -> int:
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little", signed=True)
+
+
+def check(name: str, program, statics) -> None:
+    """Raise `RanksDisagreeError` on every rank unless all ranks hold the same fingerprint; a
+    no-op in simulation and in a world of one."""
+    if not dist.is_initialized() or is_simulated() or dist.get_world_size() == 1:
+        return
+    fields = fingerprint(program, statics)
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    mine = torch.tensor([_hash(v) for v in fields.values()], dtype=torch.int64, device=device)
+    every = torch.empty(dist.get_world_size() * len(fields), dtype=torch.int64, device=device)
+    dist.all_gather_into_tensor(every, mine)
+    every = every.cpu().view(dist.get_world_size(), len(fields))
+    names = list(fields)
+    differ = [(r, names[j]) for r in range(1, every.shape[0]) for j in range(len(names)) if every[r, j] != every[0, j]]
+    if differ:
+        said = "; ".join(f"rank {r}'s {field}" for r, field in differ[:8]) + ("; ..." if len(differ) > 8 else "")
+        raise RanksDisagreeError(
+            f"{name}: the ranks are about to run different programs: {said} differ(s) from rank 0's. Every rank must "
+            f"call the step with the same mesh, argument shapes, dtypes and layouts, static arguments and program: "
+            f"start every rank with the same command line and configuration (this rank is {dist.get_rank()}).")
