@@ -19,8 +19,9 @@ import ndfunc as nf
 VOCAB_SIZE = 256
 
 
-def stdlib_corpus(max_bytes: int = 4 << 20) -> torch.Tensor:
-    """Up to `max_bytes` bytes (uint8) of the standard library's `.py` files, in sorted path order."""
+def stdlib_corpus(max_bytes: int = 4 << 20, skip: int = 0) -> torch.Tensor:
+    """Up to `max_bytes` bytes (uint8) of the standard library's `.py` files, in sorted path order,
+    after the first `skip` bytes (`held_out()`: bytes training never sees)."""
     root = pathlib.Path(sysconfig.get_paths()["stdlib"])
     chunks, total = [], 0
     for file in sorted(root.rglob("*.py")):
@@ -29,11 +30,16 @@ def stdlib_corpus(max_bytes: int = 4 << 20) -> torch.Tensor:
         data = file.read_bytes()
         chunks.append(data)
         total += len(data)
-        if total >= max_bytes:
+        if total >= skip + max_bytes:
             break
     if not chunks:
         raise FileNotFoundError(f"no .py files under {root}; the corpus needs the standard library's sources.")
-    return torch.frombuffer(bytearray(b"".join(chunks)[:max_bytes]), dtype=torch.uint8)
+    return torch.frombuffer(bytearray(b"".join(chunks)[skip:skip + max_bytes]), dtype=torch.uint8)
+
+
+def held_out(max_bytes: int = 256 << 10) -> torch.Tensor:
+    """Evaluation bytes: the standard library's sources that follow `stdlib_corpus()`'s."""
+    return stdlib_corpus(max_bytes, skip=4 << 20)
 
 
 class Sequences:

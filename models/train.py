@@ -32,7 +32,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import json
 import os
+import resource
 import sys
 import time
 
@@ -176,6 +178,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--fsdp-schedule", action="store_true",
                         help="FSDP2's gather schedule (nf.fsdp): gather again for backward, prefetch, buckets")
     parser.add_argument("--log-every", type=_at_least(1), default=10)
+    parser.add_argument("--metrics", metavar="FILE", help="append a JSON line per step: loss, step time, tokens/s "
+                        "after compilation, measured and estimated peak memory, flops, MFU, eval loss")
+    parser.add_argument("--eval-every", type=_at_least(0), default=0,
+                        help="steps between evaluations on held-out bytes (0: none)")
     ckpt = parser.add_argument_group("checkpoints (nf.checkpoint)")
     ckpt.add_argument("--checkpoint-dir", help="save the run here: parameters, optimizer state, step, data position, key")
     ckpt.add_argument("--save-every", type=_at_least(0), default=0, help="steps between checkpoints (0: at the end only)")
@@ -284,9 +290,23 @@ def train(args: argparse.Namespace, config: nf.ParallelConfig, model: torch.nn.M
         manager.save(steps, {"params": params, "opt": opt_state, "step": steps, "sequences": steps * batch_size,
                              "key": key}, blocking=blocking)
 
+    evaluate = None
+    if args.eval_every:
+        held = data.Sequences(data.held_out(), args.seq_len, seed=args.seed)
+        eval_batches = [dict(b, positions=positions) for b in data.batches(held, batch_size, bsharding, steps=2)]
+        eval_loss = nf.jit(nf.sharding.axis_rules(config.rules)(loss_of), mesh=mesh, in_shardings=(pspec, bspec),
+                           out_shardings=P())
+
+        def evaluate():
+            return sum(float(nf.device_get(eval_loss(params, b))) for b in eval_batches) / len(eval_batches)
+    metrics = open(args.metrics, "a") if args.metrics and nf.rank() == 0 else None
+
     losses, costs, start = [], None, time.perf_counter()
     stream = data.batches(sequences, batch_size, bsharding, steps=args.steps, start=first)
+    compiled_at = None  # when the first step (and its compilation) ended: rates count from there
+    progress = _Progress(say, first, args.steps, quiet=nf.rank() != 0)
     for i in range(first, args.steps):
+        step_start = time.perf_counter()
         batch = dict(next(stream), positions=positions)
         if args.grad_accum == 1:
             if costs is None:
@@ -299,11 +319,26 @@ def train(args: argparse.Namespace, config: nf.ParallelConfig, model: torch.nn.M
             loss, grads = grads_fn(params, batch)
             params, opt_state = update(params, opt_state, grads)
         losses.append(float(nf.device_get(loss)))
-        rate = (i + 1 - first) * effective * args.seq_len / (time.perf_counter() - start)
-        _progress(say, i + 1, args.steps, losses[-1], rate, costs["peak_memory_bytes"],
-                  final=(i + 1) % args.log_every == 0 or i + 1 == args.steps)
+        now = time.perf_counter()
+        step_time = now - step_start
+        if compiled_at is None:
+            compiled_at, rate = now, None
+        else:
+            rate = (i - first) * effective * args.seq_len / (now - compiled_at)
+        record = {"step": i + 1, "loss": losses[-1], "step_time_s": step_time, "tokens_per_s": rate,
+                  **_memory(costs), "flops_per_rank": costs["flops"], "mfu": _mfu(costs["flops"], step_time)}
+        if evaluate is not None and ((i + 1) % args.eval_every == 0 or i + 1 == args.steps):
+            record["eval_loss"] = evaluate()
+        if metrics is not None:
+            metrics.write(json.dumps(record) + "\n")
+            metrics.flush()
+        progress.update(i + 1, losses[-1], rate, costs["peak_memory_bytes"], now - start, record.get("eval_loss"),
+                        final=(i + 1) % args.log_every == 0 or i + 1 == args.steps)
         if manager is not None and args.save_every and (i + 1) % args.save_every == 0 and i + 1 < args.steps:
             checkpoint(i + 1, blocking=False)  # written while the next steps run
+    progress.close()
+    if metrics is not None:
+        metrics.close()
     if args.save_hf:  # gathered a tensor at a time, written by rank 0
         hf.save_llama(args.save_hf, cfg, params)
     if manager is not None:
@@ -342,16 +377,68 @@ def _add_costs(micro: dict, times: int, update: dict) -> dict:
             "peak_memory_bytes": max(micro["peak_memory_bytes"], update["peak_memory_bytes"])}
 
 
-def _progress(say, done: int, total: int, loss: float, rate: float, peak: int, final: bool) -> None:
-    """A bar redrawn in place on a terminal; on a pipe, a line every `--log-every` steps."""
-    width = 24
-    filled = width * done // total
-    line = (f"[{'#' * filled}{'.' * (width - filled)}] step {done:>5}/{total}  loss {loss:.3f}  "
-            f"{rate:,.0f} tokens/s  {peak / 2**20:.1f} MiB/rank")
-    if sys.stdout.isatty():
-        say("\r" + line, end="\n" if done == total else "", flush=True)
-    elif final:
-        say(line)
+def _memory(costs: dict) -> dict:
+    """This process's measured peak (the CUDA allocator's on a GPU, else the resident set) beside
+    the program's estimate per rank. In simulation one process holds every rank."""
+    out = {"estimated_peak_mib": costs["peak_memory_bytes"] / 2**20}
+    if torch.cuda.is_available():
+        out["measured_peak_mib"] = torch.cuda.max_memory_allocated() / 2**20
+    else:
+        out["measured_peak_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10  # KiB on Linux
+    return out
+
+
+# peak dense bf16 tensor-core flops per second, from the vendors' specifications (SXM parts)
+PEAK_BF16_FLOPS = {"A100": 312e12, "H100": 989e12, "H200": 989e12, "B200": 2250e12}
+
+
+def _mfu(flops_per_rank: float, step_time: float) -> float | None:
+    """Model flops utilization: the step's flops per rank over the device's peak, where it is known."""
+    if not torch.cuda.is_available():
+        return None
+    name = torch.cuda.get_device_name()
+    peak = next((v for k, v in PEAK_BF16_FLOPS.items() if k in name), None)
+    return None if peak is None else flops_per_rank / step_time / peak
+
+
+def _clock(seconds: float) -> str:
+    minutes, s = divmod(int(seconds), 60)
+    return f"{minutes}:{s:02d}"
+
+
+class _Progress:
+    """The run's progress: on a terminal, rich's bar (steps, elapsed, time left, loss, tokens/s,
+    memory), redrawn in place; on a pipe, a line every `--log-every` steps with the same figures."""
+
+    def __init__(self, say, first: int, total: int, quiet: bool):
+        self.say, self.first, self.total, self.bar = say, first, total, None
+        if sys.stdout.isatty() and not quiet:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, \
+                TimeRemainingColumn
+
+            self.bar = Progress(BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TextColumn("left"),
+                                TimeRemainingColumn(), TextColumn("{task.fields[figures]}"))
+            self.task = self.bar.add_task("train", total=total, completed=first, figures="compiling")
+            self.bar.start()
+
+    def update(self, done: int, loss: float, rate: float | None, peak: int, elapsed: float,
+               eval_loss: float | None, final: bool) -> None:
+        figures = (f"loss {loss:.3f}  " + (f"eval {eval_loss:.3f}  " if eval_loss is not None else "")
+                   + (f"{rate:,.0f} tokens/s  " if rate is not None else "compiling  ") + f"{peak / 2**20:.1f} MiB/rank")
+        if self.bar is not None:
+            self.bar.update(self.task, completed=done, figures=figures)
+            if final:  # keep a line of each --log-every
+                self.bar.console.print(f"step {done:>5}/{self.total}  {figures}")
+            return
+        if final:
+            width, left = 24, elapsed / (done - self.first) * (self.total - done)
+            filled = width * done // self.total
+            self.say(f"[{'#' * filled}{'.' * (width - filled)}] step {done:>5}/{self.total}  {figures}  "
+                     f"{_clock(elapsed)} elapsed, {_clock(left)} left")
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.stop()
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """The training entry point (README's main job), briefly: on the 4D layout in simulation, on one
 device, with gradient accumulation, in real processes, and from a Hugging Face checkpoint."""
 
+import json
 import pathlib
 import re
 import shutil
@@ -190,3 +191,24 @@ def test_the_job_writes_a_hugging_face_checkpoint_of_what_it_trained(tmp_path):
     with torch.no_grad():
         expected = model(x).logits
     torch.testing.assert_close(llama.apply(params, x, llama.LlamaConfig.tiny()), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_the_metrics_file_has_a_line_per_step_and_the_eval_loss_of_the_held_out_bytes(tmp_path):
+    from models import data
+
+    flags = ["--dp-shard", "2", "--cp", "1", "--tp", "1", "--micro-batch", "2", "--steps", "4", "--eval-every", "2",
+             *SHORT]
+    train.main([*flags, "--metrics", str(tmp_path / "m.jsonl"), "--checkpoint-dir", str(tmp_path / "ck")])
+    lines = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in lines] == [1, 2, 3, 4]
+    assert lines[0]["tokens_per_s"] is None and all(r["tokens_per_s"] > 0 for r in lines[1:])  # after compiling
+    assert all(r["measured_peak_mib"] > r["estimated_peak_mib"] > 0 and r["flops_per_rank"] > 0 for r in lines)
+    assert [("eval_loss" in r) for r in lines] == [False, True, False, True]
+    # the last eval: the held-out batches under the final parameters, computed here on one device
+    params = _saved(tmp_path / "ck" / "step_4")["params"]
+    held = data.Sequences(data.held_out(), 32, seed=0)
+    cfg = llama.LlamaConfig.tiny()
+    expected = sum(float(llama.loss(params, dict(b, positions=torch.arange(32).expand(4, 32)), cfg))
+                   for b in data.batches(held, 4, steps=2)) / 2
+    assert lines[3]["eval_loss"] == pytest.approx(expected, rel=1e-5)
