@@ -99,48 +99,28 @@ def make_update(opt: nf.optim.GradientTransformation):
     return update
 
 
-def _at_least(low: int):
-    """An int flag's type: at least `low` (argparse prints the message and exits, no traceback)."""
-    def parse(text: str) -> int:
+def _flag(convert, ok, expected: str, must: str):
+    """A flag's argparse type: `convert(text)`, refused unless `ok` (argparse prints the message
+    and exits, no traceback)."""
+    def parse(text: str):
         try:
-            value = int(text)
+            value = convert(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-        if value < low:
-            raise argparse.ArgumentTypeError(f"must be at least {low}, got {value}")
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
+        if not ok(value):
+            raise argparse.ArgumentTypeError(f"must be {must}, got {text}")
         return value
-    parse.__name__ = f"int >= {low}"
     return parse
 
 
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not value > 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a positive finite number, got {text}")
-    return value
+def _at_least(low: int):
+    return _flag(int, lambda v: v >= low, "a whole number", f"at least {low}")
 
 
-def _non_negative_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not 0 <= value < float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a finite number of at least 0, got {text}")
-    return value
-
-
-def _shard_size(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value != -1 and value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, or -1 for what the other axes leave, got {value}")
-    return value
+_positive_float = _flag(float, lambda v: 0 < v < float("inf"), "a number", "a positive finite number")
+_non_negative_float = _flag(float, lambda v: 0 <= v < float("inf"), "a number", "a finite number of at least 0")
+_shard_size = _flag(int, lambda v: v == -1 or v >= 1, "a whole number",
+                    "at least 1, or -1 for what the other axes leave")
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:

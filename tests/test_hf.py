@@ -66,11 +66,7 @@ def test_save_llama_loads_in_transformers(tmp_path, tie):
     params = nf.tree.tree_map_with_path(
         lambda p, shape: torch.randn(shape, generator=gen) * 0.1, llama.param_shapes(cfg))
     hf.save_llama(tmp_path, cfg, params)
-    model = transformers.LlamaForCausalLM.from_pretrained(tmp_path).eval()
-    x = tokens(cfg.vocab_size)
-    with torch.no_grad():
-        expected = model(x).logits
-    torch.testing.assert_close(llama.apply(params, x, cfg), expected, atol=ATOL, rtol=RTOL)
+    assert_transformers_computes_what_ndfunc_does(tmp_path, cfg, params)
     cfg2, params2 = hf.load_llama(tmp_path)
     assert cfg2 == cfg
     assert all(torch.equal(a, b) for (_, a), (_, b) in zip(nf.tree.tree_flatten_with_path(params)[0],
@@ -146,7 +142,12 @@ def test_save_llama_from_sharded_parameters_loads_in_transformers(tmp_path, size
         specs = logical_to_mesh(llama.param_axes(cfg), config.rules)
         sharded = nf.device_put(params, nf.tree.tree_map_with_path(lambda p, s: NamedSharding(mesh, s), specs))
         hf.save_llama(tmp_path, cfg, sharded)
-    model = transformers.LlamaForCausalLM.from_pretrained(tmp_path).eval()
+    assert_transformers_computes_what_ndfunc_does(tmp_path, cfg, params)
+
+
+def assert_transformers_computes_what_ndfunc_does(path, cfg, params):
+    """transformers' Llama loaded from `path` gives the logits ndfunc's gives with `params`."""
+    model = transformers.LlamaForCausalLM.from_pretrained(path).eval()
     x = tokens(cfg.vocab_size)
     with torch.no_grad():
         expected = model(x).logits
