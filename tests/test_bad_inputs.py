@@ -14,6 +14,7 @@ import torch
 import ndfunc as nf
 from models import safetensors_io, train
 from ndfunc.checkpoint import CheckpointError
+from ndfunc.sharding import P
 
 # --- the train job's flags: (argv, what argparse prints after "error: ") ----------------------
 CLI = [
@@ -167,4 +168,37 @@ API = [
 def test_api_misuse_says_what_was_expected(call, error, message):
     with pytest.raises(error, match=re.escape(message)):
         call()
+
+
+IN_A_WORLD = [
+    ("a string for a spec", lambda mesh: nf.jit(lambda x: x * 2, mesh=mesh, in_shardings="dp")(torch.ones(4)),
+     TypeError, "in_shardings for <lambda> holds the string 'dp' where a PartitionSpec belongs; write P('dp')"),
+    ("a string among the specs", lambda mesh: nf.jit(lambda x, y: x * y, mesh=mesh, in_shardings=(P("dp"), "dp"))(
+        torch.ones(4), torch.ones(4)), TypeError, "holds the string 'dp' where a PartitionSpec belongs"),
+    ("donate_argnums out of range", lambda mesh: nf.jit(lambda x: x * 2, mesh=mesh, in_shardings=P("dp"),
+                                                        donate_argnums=3)(torch.ones(4)), ValueError,
+     "donate_argnums (3,) for <lambda>: it was called with 1 positional argument(s), so 3 names none"),
+    ("donate_argnums out of range, lowered", lambda mesh: nf.jit(lambda x: x * 2, mesh=mesh, donate_argnums=(0, 2))
+     .lower(torch.ones(4)), ValueError, "so 2 names none; donate the positions of arguments it takes (0 to 0)"),
+    ("state shardings that cover no parameter", lambda mesh: nf.optim.state_shardings(
+        nf.optim.adam(1e-3).init({"a": torch.ones(4), "b": torch.ones(2)}), {"a": P("dp")}), ValueError,
+     "nf.optim.state_shardings: no part of the optimizer state is shaped like param_shardings (1 specs)"),
+]
+
+
+@pytest.mark.parametrize("call,error,message", [(c, e, m) for _, c, e, m in IN_A_WORLD],
+                         ids=[n for n, *_ in IN_A_WORLD])
+def test_api_misuse_in_a_simulated_world_says_what_was_expected(call, error, message):
+    with nf.simulate(2):
+        mesh = nf.make_mesh(dp=2)
+        with pytest.raises(error, match=re.escape(message)):
+            call(mesh)
+
+
+def test_device_get_after_the_simulated_ranks_have_ended_says_so():
+    with nf.simulate(2):
+        x = nf.device_put(torch.ones(4), nf.sharding.NamedSharding(nf.make_mesh(dp=2), P("dp")))
+    with pytest.raises(RuntimeError, match=re.escape("this value lives on ranks simulated by an nf.simulate block "
+                                                     "that has ended")):
+        nf.device_get(x)
 

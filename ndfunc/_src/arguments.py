@@ -78,6 +78,10 @@ class Arguments:
         static, dynamic = self.split_static(args)
         mesh = self.find_mesh(args, kwargs)
         specs = self.in_shardings
+        if isinstance(specs, str) or (isinstance(specs, (tuple, list)) and any(isinstance(s, str) for s in specs)):
+            got = specs if isinstance(specs, str) else next(s for s in specs if isinstance(s, str))
+            raise TypeError(f"in_shardings for {self.name} holds the string {got!r} where a PartitionSpec belongs; "
+                            f"write P({got!r}) (from ndfunc.sharding import P), or a NamedSharding.")
         if specs is None or isinstance(specs, (NamedSharding, PartitionSpec)):
             specs = tuple(specs for _ in args)
         elif not isinstance(specs, (tuple, list)) or len(specs) != len(args):

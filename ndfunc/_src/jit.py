@@ -99,10 +99,18 @@ class Jitted:
     def lower(self, *args, **kwargs) -> Lowered:
         """The traced, partitioned and lowered program for these arguments (cached: a later call
         with the same signature runs it)."""
+        self._check_donated(args)
         mesh, prepared, key = self.arguments.prepare(args, kwargs)
         if key not in self._cache:
             self._cache[key] = self._lowered(mesh, prepared, key)
         return self._cache[key]
+
+    def _check_donated(self, args) -> None:
+        wrong = [i for i in self.donate_argnums if not -len(args) <= i < len(args)]
+        if wrong:
+            raise ValueError(f"donate_argnums {tuple(self.donate_argnums)} for {self.__name__}: it was called with "
+                             f"{len(args)} positional argument(s), so {wrong[0]} names none; donate the positions of "
+                             f"arguments it takes (0 to {len(args) - 1}).")
 
     def _compiled(self, args, kwargs):
         quick, leaves = self.arguments.quick(args, kwargs)
@@ -111,6 +119,7 @@ class Jitted:
             mesh, key, _ = seen
             prepared = leaves
         else:
+            self._check_donated(args)
             mesh, prepared, key = self.arguments.prepare(args, kwargs)
             if quick is not None and all(p is x for p, x in zip(prepared, leaves)):
                 # the meshes whose ids the key holds stay alive with it, so no other takes their id

@@ -111,6 +111,11 @@ def _gather(x: Any) -> Any:
     if isinstance(x, torch.Tensor):
         x = x.detach()  # values, as JAX's device_get gives: gather a DTensor with .full_tensor() to differentiate
     if isinstance(x, DTensor):
+        if isinstance(x.to_local(), LocalTensor) and local_tensor_mode() is None:
+            raise RuntimeError(
+                "nf.device_get: this value lives on ranks simulated by an nf.simulate block that has ended, so its "
+                "blocks cannot be gathered any more. Call device_get inside the block (values it returns are plain "
+                "tensors that outlive it).")
         with _quiet_redistribute():
             x = x.full_tensor()
     if isinstance(x, LocalTensor):
