@@ -15,7 +15,7 @@ from ndfunc.sharding import NamedSharding, P
 
 
 def disagree() -> None:
-    nf.init(timeout=30)
+    nf.init(timeout=120)  # (a rank slow to arrive under load is no disagreement)
     rank = nf.rank()
     mesh = nf.make_mesh(dp=4)
     lr = 0.2 if rank == 2 else 0.1  # a flag this rank was started with differently
