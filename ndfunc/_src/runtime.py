@@ -139,6 +139,8 @@ def init(backend: str | None = None, keep_host_memory: bool = True, timeout: flo
     a collective waits for the other ranks before it fails, so a rank that stopped is an error on
     the others, not a hang.
     """
+    if timeout is not None and not (isinstance(timeout, (int, float)) and timeout > 0):
+        raise ValueError(f"nf.init: timeout is a positive number of seconds, got {timeout!r}.")
     if dist.is_initialized():
         return
     cuda = torch.cuda.is_available()
@@ -147,8 +149,6 @@ def init(backend: str | None = None, keep_host_memory: bool = True, timeout: flo
         keep_freed_memory()
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    if timeout is not None and not timeout > 0:
-        raise ValueError(f"nf.init: timeout is a positive number of seconds, got {timeout!r}.")
     timeout = timeout if timeout is not None else _seconds(os.environ.get("NDFUNC_TIMEOUT"))
     wait = {} if timeout is None else {"timeout": datetime.timedelta(seconds=timeout)}
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:

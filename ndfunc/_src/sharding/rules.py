@@ -104,7 +104,15 @@ def logical_to_mesh(axes_tree: PyTree, rules: LogicalRules) -> PyTree:
 
 
 def _normalized(rules: LogicalRules) -> list:
-    return [(name, _as_axes(axes)) for name, axes in rules]
+    out = []
+    for i, rule in enumerate(rules):
+        if not (isinstance(rule, (tuple, list)) and len(rule) == 2 and isinstance(rule[0], str)
+                and (rule[1] is None or isinstance(rule[1], str)
+                     or (isinstance(rule[1], (tuple, list)) and all(isinstance(a, str) for a in rule[1])))):
+            raise ShardingError(f"logical rule {i} is {rule!r}; a rule is (logical name, mesh axis or tuple of mesh "
+                                f"axes or None), e.g. ('batch', 'dp') or ('embed', ('dp_shard', 'cp')).")
+        out.append((rule[0], _as_axes(rule[1])))
+    return out
 
 
 def _to_spec(path: str, names: Any, normalized: list) -> PartitionSpec:

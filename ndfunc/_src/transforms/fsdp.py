@@ -55,6 +55,14 @@ class fsdp(Transform):  # noqa: N801 - a transform is named like the function it
     reduce_dtype: torch.dtype | None = None
     bucket_bytes: int = 8 * 2**20  # gathers (and gradient reduce-scatters) issued together, up to this many bytes
 
+    def __post_init__(self):
+        if not (isinstance(self.axis, str) or (isinstance(self.axis, tuple) and self.axis
+                                               and all(isinstance(a, str) for a in self.axis))):
+            raise TypeError(f"nf.fsdp: axis is a mesh axis name or a tuple of them (e.g. 'dp_shard' or "
+                            f"('dp_shard', 'cp')), got {self.axis!r}.")
+        if self.prefetch < 0:
+            raise ValueError(f"nf.fsdp: prefetch is a number of layers >= 0, got {self.prefetch}.")
+
     @property
     def axes(self) -> tuple[str, ...]:
         return (self.axis,) if isinstance(self.axis, str) else tuple(self.axis)

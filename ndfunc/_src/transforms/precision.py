@@ -30,6 +30,14 @@ class mixed_precision(Transform):  # noqa: N801 - a transform is named like the 
     param_dtype: torch.dtype = torch.bfloat16
     reduce_dtype: torch.dtype | None = torch.float32
 
+    def __post_init__(self):
+        for name in ("param_dtype", "reduce_dtype"):
+            value = getattr(self, name)
+            if not (isinstance(value, torch.dtype) and value.is_floating_point) and not (
+                    name == "reduce_dtype" and value is None):
+                raise TypeError(f"nf.mixed_precision: {name} is a floating-point torch.dtype (e.g. torch.bfloat16), "
+                                f"got {value!r}.")
+
     @contextlib.contextmanager
     def tracing(self):
         token = COMPUTE_DTYPE.set(self.param_dtype)

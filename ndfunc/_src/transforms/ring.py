@@ -50,6 +50,8 @@ class ring_attention(Transform):  # noqa: N801 - a transform is named like the f
     load_balance: str | None = "zigzag"
 
     def __post_init__(self):
+        if not isinstance(self.axis, str):
+            raise TypeError(f"ring_attention: axis is a mesh axis name (e.g. 'cp'), got {self.axis!r}.")
         if self.load_balance not in ("zigzag", None):
             raise ValueError(f"ring_attention: load_balance is 'zigzag' or None, got {self.load_balance!r}.")
 
