@@ -120,6 +120,11 @@ CHECKPOINTS = [
     ("no index", lambda d: (d / ".metadata").unlink(), "has no .metadata (an incomplete or foreign directory)"),
     ("index emptied", lambda d: (d / ".metadata").write_bytes(b""), "cannot be read"),
     ("index garbage", lambda d: (d / ".metadata").write_bytes(b"\x00" * 64), "the checkpoint is damaged"),
+    ("data file truncated", lambda d: (d / "__0_0.distcp").write_bytes((d / "__0_0.distcp").read_bytes()[:100]),
+     "__0_0.distcp is 100 bytes, but the index reads up to byte"),
+    ("data file missing", lambda d: (d / "__0_0.distcp").unlink(), "__0_0.distcp is missing (the checkpoint's index"),
+    ("data file corrupted", lambda d: (d / "__0_0.distcp").write_bytes(b"\x01" * (d / "__0_0.distcp").stat().st_size),
+     "could not be read (UnpicklingError: invalid load key, '\\x01'.); a data file is damaged"),
 ]
 
 

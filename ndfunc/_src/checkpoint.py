@@ -145,7 +145,14 @@ def load(path: str | os.PathLike, like: Any) -> Any:
                 target[key] = torch.empty(leaf.shape, dtype=leaf.dtype)
             else:
                 target[key] = torch.empty_like(leaf)
-        dcp.load(target, checkpoint_id=str(path), no_dist=not distributed)
+        try:
+            dcp.load(target, checkpoint_id=str(path), no_dist=not distributed)
+        except (Exception, dcp.api.CheckpointException) as e:  # noqa: BLE001 - damage within a data file
+            cause = next(iter(getattr(e, "failures", {}).values()), e)  # DCP's: (error, its frames) per rank
+            cause = cause[0] if isinstance(cause, tuple) else cause
+            raise CheckpointError(f"nf.checkpoint.load: {path} could not be read ({type(cause).__name__}: "
+                                  f"{str(cause).splitlines()[0][:200]}); a data file is damaged. Load an earlier "
+                                  f"checkpoint. Nothing was loaded into `like`.") from None
     if simulated:
         for key, leaf in flat.items():
             if isinstance(leaf, DTensor):
@@ -164,6 +171,18 @@ def _check(path: pathlib.Path, flat: dict[str, Any]) -> None:
     except Exception as e:  # noqa: BLE001 - any damage to the index is the same error to the user
         raise CheckpointError(f"nf.checkpoint.load: {path / METADATA} cannot be read ({type(e).__name__}: {e}); "
                               f"the checkpoint is damaged. Load an earlier one.") from None
+    sizes: dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():  # each rank's data file holds what the index says
+        end = info.offset + info.length
+        sizes[info.relative_path] = max(sizes.get(info.relative_path, 0), end)
+    for name, end in sorted(sizes.items()):
+        file = path / name
+        if not file.is_file():
+            raise CheckpointError(f"nf.checkpoint.load: {file} is missing (the checkpoint's index names it); the "
+                                  f"checkpoint is incomplete. Load an earlier one.")
+        if file.stat().st_size < end:
+            raise CheckpointError(f"nf.checkpoint.load: {file} is {file.stat().st_size} bytes, but the index reads up "
+                                  f"to byte {end}; the file is truncated. Load an earlier checkpoint.")
     saved = metadata.state_dict_metadata
     for key, leaf in flat.items():
         if key not in saved:
