@@ -12,6 +12,7 @@ names the ranks and the fields that differ.
 from __future__ import annotations
 
 import hashlib
+import re
 
 import torch
 import torch.distributed as dist
@@ -23,16 +24,21 @@ class RanksDisagreeError(RuntimeError):
     """Ranks were about to run different programs (see `ndfunc._src.agreement`)."""
 
 
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")  # an object's repr names where it lives: not what it is
+
+
 def fingerprint(program, statics) -> dict[str, str]:
-    """What must be the same on every rank, field by field (as text; hashed to compare)."""
+    """What must be the same on every rank, field by field (as text, addresses left out; hashed to
+    compare)."""
     mesh = program.mesh
-    return {
+    fields = {
         "mesh": repr((tuple(mesh.axis_names), tuple(mesh.axis_sizes))),
         "argument shapes and dtypes": repr(program.traced.in_specs),
         "argument layouts": repr(program.in_layouts),
         "static arguments": repr(statics),
         "program": program.traced.graph_module.code,
     }
+    return {k: _ADDRESS.sub("", v) for k, v in fields.items()}
 
 
 def _hash(text: str) -> int:
