@@ -354,7 +354,8 @@ def _add_costs(micro: dict, times: int, update: dict) -> dict:
     return {"comm_bytes": {k: times * micro["comm_bytes"].get(k, 0) + update["comm_bytes"].get(k, 0) for k in kinds},
             "collectives": {k: times * micro["collectives"].get(k, 0) + update["collectives"].get(k, 0)
                             for k in set(micro["collectives"]) | set(update["collectives"])},
-            "peak_memory_bytes": max(micro["peak_memory_bytes"], update["peak_memory_bytes"])}
+            "peak_memory_bytes": max(micro["peak_memory_bytes"], update["peak_memory_bytes"]),
+            "flops": times * micro["flops"] + update["flops"]}
 
 
 def _memory(costs: dict) -> dict:

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from ndfunc._src.runtime import is_simulated
+from ndfunc._src.torch_compat import group_size
 
 
 class RanksDisagreeError(RuntimeError):
@@ -36,9 +37,36 @@ def fingerprint(program, statics) -> dict[str, str]:
         "argument shapes and dtypes": repr(program.traced.in_specs),
         "argument layouts": repr(program.in_layouts),
         "static arguments": repr(statics),
-        "program": program.traced.graph_module.code,
+        "program": _groups_by_axis(program.traced.graph_module.code, mesh),
     }
     return {k: _ADDRESS.sub("", v) for k, v in fields.items()}
+
+
+_QUOTED = re.compile(r"'([^']*)'")
+
+
+def _groups_by_axis(code: str, mesh) -> str:
+    """`code` with the process groups its collectives name (a shard_map region's: each rank's own
+    group along an axis, so a name that differs from rank to rank) written as the mesh axis they
+    span, or as their size."""
+    axes = {}
+    device_mesh = getattr(mesh, "device_mesh", None)
+    for i, name in enumerate(mesh.axis_names):
+        try:
+            axes[device_mesh.get_group(i).group_name] = f"axis {name}"
+        except Exception:  # noqa: BLE001 - a mesh without groups (abstract, or size 1): nothing to name
+            pass
+
+    def named(match: re.Match) -> str:
+        text = match.group(1)
+        if text in axes:
+            return f"'{axes[text]}'"
+        try:
+            return f"'a group of {group_size(text)}'"
+        except Exception:  # noqa: BLE001 - not a group's name: an argument like 'sum'
+            return match.group(0)
+
+    return "\n".join(_QUOTED.sub(named, line) if "_c10d_functional" in line else line for line in code.splitlines())
 
 
 def _hash(text: str) -> int:
