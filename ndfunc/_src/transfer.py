@@ -111,13 +111,17 @@ def _gather(x: Any) -> Any:
     if isinstance(x, torch.Tensor):
         x = x.detach()  # values, as JAX's device_get gives: gather a DTensor with .full_tensor() to differentiate
     if isinstance(x, DTensor):
-        if isinstance(x.to_local(), LocalTensor) and local_tensor_mode() is None:
+        ended = isinstance(x.to_local(), LocalTensor) and local_tensor_mode() is None
+        try:
+            with _quiet_redistribute():
+                x = x.full_tensor()
+        except RuntimeError:
+            if not ended:
+                raise
             raise RuntimeError(
                 "nf.device_get: this value lives on ranks simulated by an nf.simulate block that has ended, so its "
                 "blocks cannot be gathered any more. Call device_get inside the block (values it returns are plain "
-                "tensors that outlive it).")
-        with _quiet_redistribute():
-            x = x.full_tensor()
+                "tensors that outlive it).") from None
     if isinstance(x, LocalTensor):
         mode = local_tensor_mode()
         with mode.disable() if mode is not None else contextlib.nullcontext():
