@@ -29,7 +29,8 @@ def saved_from_4d(path: pathlib.Path):
     return tree
 
 
-@pytest.mark.parametrize("name,config", LAYOUTS, ids=[n for n, _ in LAYOUTS])
+@pytest.mark.parametrize("name,config", [pytest.param(n, c, marks=[pytest.mark.slow] if n != "fsdp4" else [])
+                                         for n, c in LAYOUTS], ids=[n for n, _ in LAYOUTS])
 def test_saved_on_4d_loads_into_another_layout_and_back_bit_identical(tmp_path, name, config):
     tree = saved_from_4d(tmp_path / "4d")
     with nf.simulate(config.total_size):
