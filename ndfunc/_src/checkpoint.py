@@ -35,8 +35,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.tensor import DTensor
 
-from ndfunc._src.runtime import is_simulated
-from ndfunc._src.torch_compat import local_tensor_mode
+from ndfunc._src.runtime import is_simulated, simulation_paused
 from ndfunc._src.transfer import device_get, device_put, sharding_of
 
 METADATA = ".metadata"  # DCP's index of a checkpoint: written last, so a complete checkpoint has it
@@ -54,9 +53,8 @@ def _distributed() -> bool:
 
 @contextlib.contextmanager
 def _outside_simulation():
-    """Plain tensors are plain inside this block, under `nf.simulate` too (DCP's own buffers)."""
-    mode = local_tensor_mode()
-    with mode.disable() if mode is not None else contextlib.nullcontext(), _quiet():
+    """DCP's own buffers plain, under `nf.simulate` too (`simulation_paused`), and quiet."""
+    with simulation_paused(), _quiet():
         yield
 
 

@@ -10,7 +10,6 @@ passes come after every transform, so what a transform adds reuses buffers too.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import warnings
 from collections.abc import Callable
@@ -29,7 +28,8 @@ from ndfunc._src.partition.program import Program
 from ndfunc._src.sharding.errors import ShardingWarning
 from ndfunc._src.sharding.mesh import Mesh
 from ndfunc._src.sharding.named_sharding import NamedSharding
-from ndfunc._src.torch_compat import FakeTensorMode, local_tensor_mode
+from ndfunc._src.runtime import simulation_paused
+from ndfunc._src.torch_compat import FakeTensorMode
 from ndfunc._src.trace import first_calls
 from ndfunc._src.transforms.base import Transform
 
@@ -236,7 +236,6 @@ def _user_lines(p: Program, ops_: list) -> dict:
     it): the function run once more on fake tensors (`p.retrace`), watched op by op."""
     if p.retrace is None:
         return {}
-    simulated = local_tensor_mode()
-    with simulated.disable() if simulated is not None else contextlib.nullcontext():
+    with simulation_paused():
         with FakeTensorMode():
             return {op: f", made {where}" for op, where in first_calls(p.retrace, ops_).items()}

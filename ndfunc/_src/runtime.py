@@ -9,6 +9,7 @@ user code runs under either; nothing here is global beyond torch.distributed's o
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 
@@ -124,6 +125,13 @@ class simulate:
 def is_simulated() -> bool:
     """Whether this code runs inside `nf.simulate`."""
     return local_tensor_mode() is not None
+
+
+def simulation_paused():
+    """A block in which tensors are plain, inside `nf.simulate` too (its mode disabled; elsewhere
+    nothing changes): fake tensors, files, whole values."""
+    mode = local_tensor_mode()
+    return mode.disable() if mode is not None else contextlib.nullcontext()
 
 
 def init(backend: str | None = None, keep_host_memory: bool = True, timeout: float | None = None) -> None:

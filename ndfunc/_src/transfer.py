@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from ndfunc._src.runtime import simulation_paused
 from ndfunc._src.sharding.errors import ShardingError, where
 from ndfunc._src.sharding.mesh import AbstractMesh, Mesh
 from ndfunc._src.sharding.named_sharding import NamedSharding, resolve_sharding
@@ -123,8 +124,7 @@ def _gather(x: Any) -> Any:
                 "blocks cannot be gathered any more. Call device_get inside the block (values it returns are plain "
                 "tensors that outlive it).") from None
     if isinstance(x, LocalTensor):
-        mode = local_tensor_mode()
-        with mode.disable() if mode is not None else contextlib.nullcontext():
+        with simulation_paused():
             x = _reconcile(x)
     return x
 

@@ -26,7 +26,6 @@ only through the functions below (no module spells a metadata key):
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
 from collections.abc import Callable, Sequence
@@ -37,7 +36,8 @@ from torch.distributed.tensor import Replicate
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from ndfunc._src.partition.planning.layout import Layout, local_shape
-from ndfunc._src.torch_compat import FakeTensorMode, local_tensor_mode
+from ndfunc._src.runtime import simulation_paused
+from ndfunc._src.torch_compat import FakeTensorMode
 
 KINDS = ("all_gather", "all_reduce", "reduce_scatter", "all_to_all", "ppermute")
 
@@ -278,8 +278,7 @@ class Program:
 
 def propagate_meta(gm: torch.fx.GraphModule, inputs: Sequence[tuple[tuple[int, ...], torch.dtype, torch.device]]) -> None:
     """Fill `meta['val']` of a local program with fake tensors of the local shapes `inputs`."""
-    simulated = local_tensor_mode()
-    with simulated.disable() if simulated is not None else contextlib.nullcontext():
+    with simulation_paused():
         mode = FakeTensorMode(allow_non_fake_inputs=True)
         with mode:
             fakes = [torch.empty(shape, dtype=dtype, device=device) for shape, dtype, device in inputs]
