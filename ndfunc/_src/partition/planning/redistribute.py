@@ -35,7 +35,6 @@ those transitions have no plan.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from collections.abc import Sequence
 
@@ -172,28 +171,9 @@ SLICE = 0.01  # a local slice copies its block: cheap, not free (values stay whe
 
 
 def cost(src: Layout, dst: Layout, shape: Sequence[int], sizes: Sequence[int], itemsize: int) -> float:
-    """What the partitioner pays for a layout change (a move between dims: as a gather and a slice).
-    The same as pricing `plan(src, dst, shape, sizes, swaps=False)`'s steps: their kinds depend on
-    the layouts only, and their sizes are the value's divided by whole numbers, so the steps are
-    worked out once per layout change (`_shape_free`) and sized for each shape."""
-    steps = _shape_free(tuple(src), tuple(dst), tuple(sizes), len(shape))
+    """What the partitioner pays for a layout change (a move between dims: as a gather and a slice)."""
+    steps = plan(src, dst, shape, sizes, swaps=False)
     if steps is None:
         return float("inf")
-    numel = math.prod(shape)
-    total = 0.0
-    for kind, n, d_in, d_out in steps:
-        s = Step(kind, 0, None, None, (numel // d_in,), (numel // d_out,), n)
-        total += s.moved_bytes(itemsize) + (ALPHA if kind in COLLECTIVES else SLICE * (numel // d_out) * itemsize)
-    return total
-
-
-@functools.cache
-def _shape_free(src: Layout, dst: Layout, sizes: tuple[int, ...], ndim: int) -> tuple | None:
-    """`plan`'s steps without swaps as (kind, ranks, what the value's size is divided by before,
-    after), planned on a shape every layout divides."""
-    unit = (math.prod(sizes),) * ndim
-    steps = plan(src, dst, unit, sizes, swaps=False)
-    if steps is None:
-        return None
-    whole = math.prod(unit)
-    return tuple((s.kind, s.size, whole // math.prod(s.in_shape), whole // math.prod(s.out_shape)) for s in steps)
+    return sum(s.moved_bytes(itemsize) + (ALPHA if s.kind in COLLECTIVES else
+                                          SLICE * math.prod(s.out_shape) * itemsize) for s in steps)
