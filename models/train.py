@@ -285,6 +285,7 @@ def train(args: argparse.Namespace, config: nf.ParallelConfig, model: torch.nn.M
     stream = data.batches(sequences, batch_size, bsharding, steps=args.steps, start=first)
     compiled_at = None  # when the first step (and its compilation) ended: rates count from there
     progress = _Progress(say, first, args.steps, quiet=nf.rank() != 0)
+    peak_flops = _peak_flops()
     for i in range(first, args.steps):
         step_start = time.perf_counter()
         batch = dict(next(stream), positions=positions)
@@ -305,8 +306,9 @@ def train(args: argparse.Namespace, config: nf.ParallelConfig, model: torch.nn.M
             compiled_at, rate = now, None
         else:
             rate = (i - first) * effective * args.seq_len / (now - compiled_at)
+        mfu = None if peak_flops is None else costs["flops"] / step_time / peak_flops  # model flops utilization
         record = {"step": i + 1, "loss": losses[-1], "step_time_s": step_time, "tokens_per_s": rate,
-                  **_memory(costs), "flops_per_rank": costs["flops"], "mfu": _mfu(costs["flops"], step_time)}
+                  **_memory(costs), "flops_per_rank": costs["flops"], "mfu": mfu}
         if evaluate is not None and ((i + 1) % args.eval_every == 0 or i + 1 == args.steps):
             record["eval_loss"] = evaluate()
         if metrics is not None:
@@ -373,13 +375,12 @@ def _memory(costs: dict) -> dict:
 PEAK_BF16_FLOPS = {"A100": 312e12, "H100": 989e12, "H200": 989e12, "B200": 2250e12}
 
 
-def _mfu(flops_per_rank: float, step_time: float) -> float | None:
-    """Model flops utilization: the step's flops per rank over the device's peak, where it is known."""
+def _peak_flops() -> float | None:
+    """This device's peak bf16 flops per second, where it is known (a GPU named in the table)."""
     if not torch.cuda.is_available():
         return None
     name = torch.cuda.get_device_name()
-    peak = next((v for k, v in PEAK_BF16_FLOPS.items() if k in name), None)
-    return None if peak is None else flops_per_rank / step_time / peak
+    return next((v for k, v in PEAK_BF16_FLOPS.items() if k in name), None)
 
 
 def _clock(seconds: float) -> str:

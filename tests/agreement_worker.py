@@ -40,7 +40,9 @@ def stopped() -> None:
     nf.init(timeout=4)
     rank = nf.rank()
     if rank == 1:
-        time.sleep(15)  # stops answering (and exits later, without joining)
+        # a hung rank: alive but silent past the others' 4 s timeout (a dead one would close its
+        # connections, and they would fail at once, not by the timeout under test)
+        time.sleep(12)
         return
     start = time.perf_counter()
     try:

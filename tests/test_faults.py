@@ -65,7 +65,7 @@ def test_a_rank_killed_mid_run_stops_the_others_and_the_run_resumes_onto_the_sam
     proc = _torchrun(*run)
     deadline = time.monotonic() + 240
     while not (ck / "step_4").is_dir() and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.2)
+        time.sleep(0.2)  # polling for the run's own file: the kill must land after step 4 is saved
     assert (ck / "step_4").is_dir(), proc.communicate()[0][-3000:]
     victims = _workers(proc.pid, "2")
     assert len(victims) == 1, victims
@@ -102,7 +102,7 @@ def test_a_process_killed_while_it_saves_leaves_the_previous_checkpoint_loadable
     partial = tmp_path / ".ck.partial"
     deadline = time.monotonic() + 120
     while not (partial.is_dir() and any(partial.iterdir())) and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.01)
+        time.sleep(0.01)  # polling: the kill must land once the save has begun writing, before it ends
     proc.kill()
     proc.wait()
     assert partial.is_dir() and not (partial / ".metadata").exists()  # killed mid-write

@@ -225,13 +225,13 @@ class Manager:
             raise ValueError(f"nf.checkpoint.Manager: keep is at least 1 (or None for all), got {self.keep}.")
 
     def path(self, step: int) -> pathlib.Path:
-        return pathlib.Path(self.directory) / f"step_{step}"
+        return self.directory / f"step_{step}"
 
     def steps(self) -> list[int]:
         """The steps with a complete checkpoint, in order."""
         found = []
-        if pathlib.Path(self.directory).is_dir():
-            for p in pathlib.Path(self.directory).iterdir():
+        if self.directory.is_dir():
+            for p in self.directory.iterdir():
                 m = _STEP.fullmatch(p.name)
                 if m and (p / METADATA).is_file():
                     found.append(int(m.group(1)))
