@@ -56,7 +56,7 @@ def worker(config_name: str, root: pathlib.Path) -> None:
     opt = nf.optim.adamw(1e-3)
     state = opt.init(params)
     tree = {"params": params, "opt": state, "step": 1}
-    flat = {".".join(map(str, p)): x for p, x in zip(*optree.tree_flatten_with_path(tree)[:2])}
+    flat = dict(nf.tree.tree_flatten_with_path(tree)[0])  # the state dict nf.checkpoint hands DCP
     local = [x.to_local() if hasattr(x, "to_local") else x for x in optree.tree_leaves(tree)]
     local_mib = sum(x.numel() * x.element_size() for x in local if isinstance(x, torch.Tensor)) / 2**20
     out = {"local_MiB": local_mib}

@@ -37,6 +37,7 @@ from torch.distributed.tensor import DTensor
 
 from ndfunc._src.runtime import is_simulated, simulation_paused
 from ndfunc._src.transfer import device_get, device_put, sharding_of
+from ndfunc.tree import tree_flatten_with_path
 
 METADATA = ".metadata"  # DCP's index of a checkpoint: written last, so a complete checkpoint has it
 
@@ -68,10 +69,10 @@ def _quiet():
 
 def _flat(tree: Any) -> tuple[dict[str, Any], Any]:
     """The tree as DCP's flat state dict (`a.b.0`: its leaves' paths) and its structure."""
-    paths, leaves, treespec = optree.tree_flatten_with_path(tree, none_is_leaf=False)
     flat = {}
-    for path, leaf in zip(paths, leaves):
-        key = ".".join(str(p) for p in path) or "_"
+    pairs, treespec = tree_flatten_with_path(tree)
+    for key, leaf in pairs:
+        key = key or "_"  # a tree that is one leaf
         if not isinstance(leaf, (torch.Tensor, int, float, bool, str)):
             raise TypeError(f"nf.checkpoint: leaf {key!r} is a {type(leaf).__name__}; a checkpoint holds tensors "
                             f"and Python scalars (int, float, bool, str).")
