@@ -19,7 +19,6 @@ import argparse
 import json
 import os
 import pathlib
-import re
 import shutil
 import statistics
 import subprocess
@@ -90,7 +89,7 @@ def worker(config_name: str, root: pathlib.Path) -> None:
     timed("nf_load", lambda: nf.checkpoint.load(root / "nf", tree))
     target = {k: torch.empty_like(v) if isinstance(v, torch.Tensor) else v for k, v in flat.items()}
     timed("dcp_load", lambda: dcp.load(target, checkpoint_id=str(root / "dcp")))
-    print("RESULT " + json.dumps({"rank": rank, **out}), flush=True)
+    (root / f"result_{rank}.json").write_text(json.dumps({"rank": rank, **out}))  # (ranks share stdout)
     nf.shutdown()
 
 
@@ -111,7 +110,7 @@ def main() -> None:
                           capture_output=True, text=True, env=env)
     if proc.returncode:
         sys.exit(proc.stdout[-3000:] + proc.stderr[-3000:])
-    rows = [json.loads(m) for m in re.findall(r"RESULT (.*)", proc.stdout)]
+    rows = [json.loads((root / f"result_{r}.json").read_text()) for r in range(args.ranks)]
     median = {k: statistics.median(r[k] for r in rows) for k in rows[0] if k != "rank"}
     size = sum(f.stat().st_size for f in (root / "nf").iterdir()) / 2**20
     print(f"llama {args.config} parameters + AdamW state on {args.ranks} gloo ranks (FSDP): "
