@@ -1,7 +1,7 @@
 """Run by tests/test_checkpoint.py under torchrun: 4 real processes over gloo.
 
-Saves the llama tiny() parameters and Adam state laid out dp_shard 2 x tp 2 (blocking, then
-asynchronously through a Manager), loads both on FSDP x4 and whole on every rank, and checks every
+Saves the llama tiny() parameters and Adam state laid out dp_shard 2 x tp 2 (blocking, with
+async_save, then asynchronously through a Manager), loads both on FSDP x4 and whole on every rank, and checks every
 value against the single-process tree the test built from the same seed. Any failure raises.
 """
 
@@ -54,13 +54,14 @@ def main(directory: str) -> None:
     tree = make_tree()
     sharded = laid_out(tree, shardings_for(tree, nf.ParallelConfig(dp_shard_size=2, tp_size=2)))
     nf.checkpoint.save(root / "blocking", sharded)
+    nf.checkpoint.async_save(root / "async", sharded).result()
     with nf.checkpoint.Manager(root / "run", keep=2) as manager:
         for step in (1, 2, 3):
             manager.save(step, sharded, blocking=False)
         manager.wait()
         assert manager.steps() == [2, 3], manager.steps()
     fsdp = shardings_for(tree, nf.ParallelConfig(dp_shard_size=4))
-    for name in ("blocking", "run/step_3"):
+    for name in ("blocking", "async", "run/step_3"):
         got = nf.checkpoint.load(root / name, laid_out(tree, fsdp))
         assert got["params"]["embed"].placements == fsdp["params"]["embed"].placements
         assert same(nf.device_get(got), tree), name

@@ -11,8 +11,10 @@ import shutil
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 from checkpoint_worker import laid_out, make_tree, same, shardings_for
 from helpers import torchrun
+from torch.distributed.tensor import DTensor
 
 import ndfunc as nf
 from ndfunc.checkpoint import CheckpointError
@@ -84,6 +86,18 @@ def test_an_async_save_copies_the_values_before_the_step_overwrites_them(tmp_pat
     assert torch.equal(nf.checkpoint.load(tmp_path / "step_1", x)["w"], torch.arange(6.0))
 
 
+def test_async_save_returns_before_the_write_and_its_future_commits_it(tmp_path):
+    tree = make_tree()
+    with nf.simulate(4):
+        sharded = laid_out(tree, shardings_for(tree, nf.ParallelConfig(dp_shard_size=4)))
+        pending = nf.checkpoint.async_save(tmp_path / "ck", sharded)
+        wq = sharded["params"]["layers"][0]["attn"]["wq"]
+        wq.to_local().add_(1.0)  # the step goes on, in place, while the write runs
+        assert pending.result() is None and (tmp_path / "ck" / ".metadata").is_file()
+        got = nf.device_get(nf.checkpoint.load(tmp_path / "ck", sharded))
+    assert same(got, tree)  # what was there when async_save returned
+
+
 def test_bad_checkpoints_are_refused_naming_the_file_and_nothing_is_loaded(tmp_path):
     tree = saved_from_4d(tmp_path / "ck")
     with pytest.raises(CheckpointError, match=re.escape(f"{tmp_path / 'nowhere'} does not exist; a checkpoint is "
@@ -106,6 +120,30 @@ def test_bad_checkpoints_are_refused_naming_the_file_and_nothing_is_loaded(tmp_p
         nf.checkpoint.save(tmp_path / "x", {"opt": object()})
 
 
+def _chunks(path: pathlib.Path) -> dict[str, list[tuple[tuple[int, ...], tuple[int, ...]]]]:
+    """Each tensor's chunks in DCP's index: (offset, size) of each block written."""
+    saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    return {k: sorted((tuple(c.offsets), tuple(c.sizes)) for c in v.chunks) for k, v in saved.items()
+            if hasattr(v, "chunks")}
+
+
+def test_simulation_writes_each_distinct_block_as_a_chunk_and_gathers_nothing(tmp_path):
+    tree = saved_from_4d(tmp_path / "ck")
+    chunks = _chunks(tmp_path / "ck")
+    # wq (64, 64): P('dp_shard'... ) on dp_shard 2 x cp 2 x tp 2 - the shardings the model declares
+    with nf.simulate(FOUR_D.total_size):
+        wq = laid_out(tree, shardings_for(tree, FOUR_D))["params"]["layers"][0]["attn"]["wq"]
+        distinct = {tuple(s.start for s in i) for i in nf.sharding_of(wq).shard_indices(wq.shape)}
+        block = tuple(wq.to_local().shape)
+    assert 1 < len(distinct) <= FOUR_D.total_size
+    assert chunks["params.layers.0.attn.wq"] == sorted((o, block) for o in distinct)
+    assert chunks["params.embed"] != [((0, 0), (256, 64))]  # not one whole chunk
+    with nf.simulate(FOUR_D.total_size), pytest.MonkeyPatch.context() as patch:
+        patch.setattr(DTensor, "full_tensor", lambda self, **kw: pytest.fail("a leaf was gathered"))
+        nf.checkpoint.save(tmp_path / "again", laid_out(tree, shardings_for(tree, FOUR_D)))
+    assert _chunks(tmp_path / "again") == chunks
+
+
 @pytest.mark.gloo
 def test_four_gloo_processes_save_their_blocks_and_simulation_reads_the_same_files(tmp_path):
     proc = torchrun(pathlib.Path(__file__).with_name("checkpoint_worker.py"), str(tmp_path))
@@ -116,4 +154,8 @@ def test_four_gloo_processes_save_their_blocks_and_simulation_reads_the_same_fil
     with nf.simulate(FOUR_D.total_size):
         got = nf.checkpoint.load(tmp_path / "blocking", laid_out(tree, shardings_for(tree, FOUR_D)))
         assert same(nf.device_get(got), tree)
+    saved_by_ranks = nf.ParallelConfig(dp_shard_size=2, tp_size=2)
+    with nf.simulate(saved_by_ranks.total_size):
+        nf.checkpoint.save(tmp_path / "simulated", laid_out(tree, shardings_for(tree, saved_by_ranks)))
+    assert _chunks(tmp_path / "simulated") == _chunks(tmp_path / "blocking")  # the blocks real ranks wrote
     assert same(nf.checkpoint.load(tmp_path / "run" / "step_3", tree), tree)

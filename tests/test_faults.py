@@ -1,6 +1,6 @@
 """Faults in real processes: a rank killed mid-run takes the others down within seconds, and the
-run resumes from its last complete checkpoint onto the losses of a run that never stopped; a
-process killed while it saves leaves the previous checkpoint loadable."""
+run resumes from its last complete checkpoint onto the losses of a run that never stopped; a rank
+killed while the ranks save leaves the previous checkpoint loadable."""
 
 import json
 import os
@@ -16,6 +16,7 @@ from helpers import REPO, outside_torchrun_env
 
 import ndfunc as nf
 from models import train
+from ndfunc.sharding import NamedSharding, P
 
 FLAGS = ["--dp-shard", "2", "--cp", "1", "--tp", "2", "--seq-len", "32", "--warmup", "2", "--micro-batch", "2",
          "--log-every", "100"]
@@ -50,19 +51,23 @@ def _descends(pid: int, ancestor: int) -> bool:
     return False
 
 
-def _torchrun(*args: str) -> subprocess.Popen:
+TRAIN = str(pathlib.Path(train.__file__))
+
+
+def _torchrun(script: str, *args: str) -> subprocess.Popen:
+    """4 gloo ranks of `script args`, running."""
     env = outside_torchrun_env()
     env["OMP_NUM_THREADS"] = "1"
     return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
-                             str(pathlib.Path(train.__file__)), *args], cwd=REPO, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+                             script, *args], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
 
 
 @pytest.mark.gloo
 def test_a_rank_killed_mid_run_stops_the_others_and_the_run_resumes_onto_the_same_losses(tmp_path):
     ck, metrics = tmp_path / "ck", tmp_path / "metrics.jsonl"
     run = [*FLAGS, "--steps", "8", "--save-every", "2", "--checkpoint-dir", str(ck), "--metrics", str(metrics)]
-    proc = _torchrun(*run)
+    proc = _torchrun(TRAIN, *run)
     deadline = time.monotonic() + 240
     while not (ck / "step_4").is_dir() and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.2)  # polling for the run's own file: the kill must land after step 4 is saved
@@ -76,7 +81,7 @@ def test_a_rank_killed_mid_run_stops_the_others_and_the_run_resumes_onto_the_sam
     assert proc.returncode != 0
     last = nf.checkpoint.Manager(ck).latest_step()
     assert last is not None and last >= 4
-    resumed = _torchrun(*run, "--resume")
+    resumed = _torchrun(TRAIN, *run, "--resume")
     out, _ = resumed.communicate(timeout=300)
     assert resumed.returncode == 0 and f"resumed from {ck / f'step_{last}'}" in out, out[-3000:]
     # the uninterrupted run, in simulation (which equals real ranks)
@@ -89,24 +94,42 @@ def test_a_rank_killed_mid_run_stops_the_others_and_the_run_resumes_onto_the_sam
 
 SAVER = """
 import sys, torch, ndfunc as nf
-big = {"w": torch.randn(6, 2**26, generator=torch.Generator().manual_seed(0))}  # 1.5 GiB: a write of seconds
-nf.checkpoint.save(sys.argv[1], big)
+from ndfunc.sharding import NamedSharding, P
+nf.init()
+mesh = nf.make_mesh(dp_shard=4)
+manager = nf.checkpoint.Manager(sys.argv[1])
+small = nf.device_put({"w": torch.arange(16.0)}, {"w": NamedSharding(mesh, P("dp_shard"))})
+manager.save(1, {**small, "step": 1})
+# 768 MiB a rank, each rank's block its own value: a write of seconds
+big = nf.make_array_from_callback((4 * 3, 2**26), NamedSharding(mesh, P("dp_shard")),
+                                  lambda index: torch.full((3, 2**26), float(index[0].start)))
+manager.save(2, {"w": big, "step": 2})
+print("saved step 2", flush=True)
 """
 
 
 @pytest.mark.gloo
-def test_a_process_killed_while_it_saves_leaves_the_previous_checkpoint_loadable(tmp_path):
-    before = {"w": torch.arange(10.0), "step": 1}
-    nf.checkpoint.save(tmp_path / "ck", before)
-    proc = subprocess.Popen([sys.executable, "-c", SAVER, str(tmp_path / "ck")], env=outside_torchrun_env())
-    partial = tmp_path / ".ck.partial"
-    deadline = time.monotonic() + 120
-    while not (partial.is_dir() and any(partial.iterdir())) and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.01)  # polling: the kill must land once the save has begun writing, before it ends
-    proc.kill()
-    proc.wait()
-    assert partial.is_dir() and not (partial / ".metadata").exists()  # killed mid-write
-    got = nf.checkpoint.load(tmp_path / "ck", before)
-    assert torch.equal(got["w"], before["w"]) and got["step"] == 1
-    nf.checkpoint.save(tmp_path / "ck", {"w": torch.ones(10), "step": 2})  # the next save clears what was left
-    assert not partial.exists() and nf.checkpoint.load(tmp_path / "ck", before)["step"] == 2
+def test_a_rank_killed_while_the_ranks_save_leaves_the_previous_checkpoint_loadable(tmp_path):
+    (tmp_path / "saver.py").write_text(SAVER)
+    ck = tmp_path / "ck"
+    proc = _torchrun(str(tmp_path / "saver.py"), str(ck))
+    victim_file = ck / ".step_2.partial" / "__2_0.distcp"
+    deadline = time.monotonic() + 240
+    while not victim_file.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)  # polling for rank 2's own data file: the kill must land while it writes
+    assert victim_file.exists(), proc.communicate()[0][-3000:]
+    victims = _workers(proc.pid, "2")
+    assert len(victims) == 1, victims
+    os.kill(victims[0], signal.SIGKILL)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode != 0 and "saved step 2" not in out, out[-3000:]
+    assert not (ck / ".step_2.partial" / ".metadata").exists() and not (ck / "step_2").exists()
+    manager = nf.checkpoint.Manager(ck)
+    assert manager.steps() == [1]
+    got = manager.restore({"w": torch.zeros(16), "step": 0})  # on one device: the blocks of 4 ranks
+    assert torch.equal(got["w"], torch.arange(16.0)) and got["step"] == 1
+    with nf.simulate(4):  # the next save of the run clears what the dead one left
+        mesh = nf.make_mesh(dp_shard=4)
+        manager.save(2, nf.device_put({"w": torch.ones(16), "step": 2}, {"w": NamedSharding(mesh, P("dp_shard")),
+                                                                         "step": None}))
+    assert manager.steps() == [1, 2] and not (ck / ".step_2.partial").exists()

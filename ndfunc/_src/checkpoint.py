@@ -7,9 +7,11 @@ the layouts of `like` (a tree of the same structure: DTensors on any mesh, plain
 each rank reading only the parts of the files that its blocks overlap - DCP's resharding. So a run
 saved on 4D loads on FSDP, on TP, on one device, and back, bit for bit.
 
-In `nf.simulate(n)` one process holds every simulated rank: it writes each leaf whole (one chunk)
-and loads whole leaves, laid out afterwards by `device_put`. The files are DCP's either way: what
-simulation writes, real ranks load, and the other way round.
+In `nf.simulate(n)` one process holds every simulated rank, and it writes what the ranks would:
+each distinct block once, as its own chunk of the leaf (`_Blocks`, DCP's protocol for a rank that
+holds several shards), nothing gathered; it loads each block of `like`'s layout from the chunks it
+overlaps. The files are DCP's either way: what simulation writes, real ranks load, and the other
+way round.
 
 A checkpoint is atomic: it is written under a hidden sibling (`.<name>.partial`) and renamed to
 `path` only when every rank's files and DCP's metadata are complete, so a crash during a save
@@ -33,10 +35,21 @@ import optree
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    MetadataIndex,
+    TensorProperties,
+)
+from torch.distributed.checkpoint.planner import (
+    TensorWriteData,
+    WriteItem,
+    WriteItemType,
+)
 from torch.distributed.tensor import DTensor
 
 from ndfunc._src.runtime import is_simulated, simulation_paused
-from ndfunc._src.transfer import device_get, device_put, sharding_of
+from ndfunc._src.torch_compat import local_blocks
+from ndfunc._src.transfer import device_get, make_array_from_callback, sharding_of
 from ndfunc.tree import tree_flatten_with_path
 
 METADATA = ".metadata"  # DCP's index of a checkpoint: written last, so a complete checkpoint has it
@@ -84,9 +97,57 @@ def _partial(path: pathlib.Path) -> pathlib.Path:
     return path.with_name(f".{path.name}.partial")
 
 
-def _staged(flat: dict[str, Any]) -> dict[str, Any]:
-    """What simulation writes: each leaf whole (a DTensor gathered from its simulated ranks)."""
-    return {k: device_get(v) if isinstance(v, DTensor) else v for k, v in flat.items()}
+class _Blocks(torch.Tensor):
+    """A leaf of global shape held as several blocks, by offset: what the simulated ranks hold of a
+    DTensor, each distinct block once. It answers DCP's protocol for local shards (the methods a
+    DTensor and torch's LocalShardsWrapper answer), so DCP writes each block as a chunk and reads
+    chunks into each block; no op ever runs on the leaf itself."""
+
+    @staticmethod
+    def __new__(cls, shape: torch.Size, blocks: dict[tuple[int, ...], torch.Tensor]) -> "_Blocks":
+        first = next(iter(blocks.values()))
+        leaf = torch.Tensor._make_wrapper_subclass(cls, shape, dtype=first.dtype, device=first.device)
+        leaf._blocks = blocks
+        return leaf
+
+    def __create_write_items__(self, fqn: str, leaf: Any) -> list[WriteItem]:
+        properties = TensorProperties.create_from_tensor(next(iter(self._blocks.values())))
+        return [WriteItem(index=MetadataIndex(fqn, torch.Size(offset)), type=WriteItemType.SHARD,
+                          tensor_data=TensorWriteData(chunk=ChunkStorageMetadata(torch.Size(offset), block.shape),
+                                                      properties=properties, size=self.shape))
+                for offset, block in self._blocks.items()]
+
+    def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
+        return [ChunkStorageMetadata(torch.Size(offset), block.shape) for offset, block in self._blocks.items()]
+
+    def __get_tensor_shard__(self, index: MetadataIndex) -> torch.Tensor:
+        return self._blocks[tuple(index.offset)]
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        raise TypeError(f"nf.checkpoint: {func} on a leaf held as blocks (only DCP's chunk protocol applies)")
+
+
+def _offset(index: tuple[slice, ...]) -> tuple[int, ...]:
+    return tuple(s.start for s in index)
+
+
+def _simulated_blocks(leaf: DTensor, copy: bool) -> _Blocks | torch.Tensor:
+    """What the simulated ranks hold of `leaf`, each distinct non-empty block once (copied, for a
+    save that writes in the background while the step goes on)."""
+    sharding = sharding_of(leaf)
+    held = local_blocks(leaf.to_local())
+    blocks = {}
+    for rank, index in enumerate(sharding.shard_indices(leaf.shape)):
+        if _offset(index) not in blocks and held[rank].numel():
+            blocks[_offset(index)] = held[rank].detach().clone() if copy else held[rank].detach()
+    return _Blocks(leaf.shape, blocks) if blocks else device_get(leaf)
+
+
+def _staged(flat: dict[str, Any], copy: bool = False) -> dict[str, Any]:
+    """What simulation writes: each DTensor as its simulated ranks' distinct blocks."""
+    with simulation_paused():
+        return {k: _simulated_blocks(v, copy) if isinstance(v, DTensor) else v for k, v in flat.items()}
 
 
 def save(path: str | os.PathLike, tree: Any) -> None:
@@ -126,6 +187,35 @@ def _write(path: pathlib.Path, flat: dict[str, Any], group, distributed: bool, t
         dist.barrier(group=group)
 
 
+def async_save(path: str | os.PathLike, tree: Any, *, group: Any = None) -> concurrent.futures.Future:
+    """Start writing `tree` to `path` and return as soon as this rank's blocks are copied aside, so
+    training goes on (and may overwrite the values: a donated step's buffers) while the write runs.
+
+    The extra memory is that copy: what this rank holds of `tree`, in host memory, freed when the
+    write ends. The checkpoint becomes visible, atomically as `save`'s, once every rank's files are
+    written; `result()` of the returned future waits for that (and raises what went wrong). Every
+    rank calls it. Over real ranks DCP's collectives go over `group`, a gloo group of its own so
+    that they never interleave with the step's: made here when not given (pass one, or use a
+    `Manager`, to reuse it across saves).
+    """
+    path = pathlib.Path(path)
+    flat, _ = _flat(tree)
+    distributed = _distributed()
+    if group is None and distributed:
+        group = dist.new_group(backend="gloo")
+    return _async_write(path, flat, group, distributed)
+
+
+def _async_write(path: pathlib.Path, flat: dict[str, Any], group, distributed: bool,
+                 then=None) -> concurrent.futures.Future:
+    staged = _staged(flat, copy=True) if is_simulated() else {
+        k: _host_copy(v) if isinstance(v, torch.Tensor) else v for k, v in flat.items()}
+    pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="nf-checkpoint")
+    pending = pool.submit(_write, path, staged, group, distributed, then, False)
+    pool.shutdown(wait=False)  # its one thread ends with the write (and the interpreter waits for it)
+    return pending
+
+
 def load(path: str | os.PathLike, like: Any) -> Any:
     """The tree saved at `path`, laid out as `like` is (same structure; each tensor leaf's shape and
     dtype as saved, its layout any: a DTensor's sharding, or a plain tensor, whole). `like` itself
@@ -140,7 +230,11 @@ def load(path: str | os.PathLike, like: Any) -> Any:
         for key, leaf in flat.items():
             if not isinstance(leaf, torch.Tensor):
                 target[key] = leaf
-            elif simulated:  # read whole, laid out below
+            elif simulated and isinstance(leaf, DTensor):  # each distinct block of its layout, read in place
+                indices = sharding_of(leaf).shard_indices(leaf.shape)
+                target[key] = _Blocks(leaf.shape, {_offset(i): torch.empty([s.stop - s.start for s in i],
+                                                                           dtype=leaf.dtype) for i in indices})
+            elif simulated:
                 target[key] = torch.empty(leaf.shape, dtype=leaf.dtype)
             else:
                 target[key] = torch.empty_like(leaf)
@@ -155,7 +249,15 @@ def load(path: str | os.PathLike, like: Any) -> Any:
     if simulated:
         for key, leaf in flat.items():
             if isinstance(leaf, DTensor):
-                target[key] = device_put(target[key], sharding_of(leaf))
+                blocks, used = target[key]._blocks, set()
+
+                def block(index, blocks=blocks, used=used):  # replicas get copies: no two ranks alias
+                    offset = _offset(index)
+                    first = offset not in used
+                    used.add(offset)
+                    return blocks[offset] if first else blocks[offset].clone()
+
+                target[key] = make_array_from_callback(leaf.shape, sharding_of(leaf), block)
     return optree.tree_unflatten(treespec, [target[k] for k in flat])
 
 
@@ -207,17 +309,15 @@ _STEP = re.compile(r"step_(\d+)")
 class Manager:
     """The checkpoints of one run in `directory`: `step_<N>` for each saved step, the last `keep`.
 
-    `save(step, tree, blocking=False)` returns once this rank's blocks are copied aside (a copy of
-    its blocks in host memory, freed when the write ends: the extra memory an asynchronous save
-    costs), and writes while training goes on; the next `save`, `wait()` or `close()` waits for it
-    and makes it visible. `latest_step()` is the last complete step, `restore(like, step=None)`
+    `save(step, tree, blocking=False)` is an `async_save` (over one gloo group the manager keeps):
+    it returns once this rank's blocks are copied aside and writes while training goes on; the
+    next `save`, `wait()` or `close()` waits for it to be written and visible. `latest_step()` is the last complete step, `restore(like, step=None)`
     loads it (the latest by default).
     """
 
     directory: str | os.PathLike
     keep: int | None = None
     _pending: concurrent.futures.Future | None = dataclasses.field(default=None, init=False, repr=False)
-    _pool: concurrent.futures.ThreadPoolExecutor | None = dataclasses.field(default=None, init=False, repr=False)
     _group: Any = dataclasses.field(default=None, init=False, repr=False)
 
     def __post_init__(self):
@@ -250,14 +350,9 @@ class Manager:
         if blocking:
             _write(path, flat if not is_simulated() else _staged(flat), None, distributed, then=self._prune)
             return
-        # copied aside now (the step may overwrite its donated inputs), written in the background
-        # over a process group of its own, so training's collectives do not interleave with DCP's
-        staged = _staged(flat) if is_simulated() else {
-            k: _host_copy(v) if isinstance(v, torch.Tensor) else v for k, v in flat.items()}
         if self._group is None and distributed:
             self._group = dist.new_group(backend="gloo")
-        self._pool = self._pool or concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="nf-checkpoint")
-        self._pending = self._pool.submit(_write, path, staged, self._group, distributed, self._prune, False)
+        self._pending = _async_write(path, flat, self._group, distributed, then=self._prune)
 
     def _prune(self) -> None:
         """Drop all but the last `keep` checkpoints (on the coordinator, after a commit)."""
@@ -281,9 +376,6 @@ class Manager:
 
     def close(self) -> None:
         self.wait()
-        if self._pool is not None:
-            self._pool.shutdown()
-            self._pool = None
 
     def __enter__(self) -> "Manager":
         return self
