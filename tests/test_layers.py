@@ -20,7 +20,7 @@ LAYERS = [
     ["_src.partition.planning", "_src.partition.program"],  # the record the planner's node marks live in
     ["_src.partition.lower", "_src.partition.passes", "_src.partition.backends"],
     ["_src.transforms", "transforms"],
-    ["_src.donation", "_src.arguments", "_src.pipeline", "_src.stages", "_src.agreement", "_src.jit"],
+    ["_src.donation", "_src.arguments", "_src.pipeline", "_src.simulated_program", "_src.stages", "_src.agreement", "_src.jit"],
     ["_src.transforms.accumulate"],  # a function transform that builds jitted programs
     [""],  # ndfunc itself
 ]

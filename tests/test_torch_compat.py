@@ -66,6 +66,17 @@ def test_local_of_and_dtensor_of_local_group_size_group_backend_flattened_functi
         assert all(torch.equal(t, whole[:2] + whole[2:]) for t in compat.local_blocks(summed).values())
 
 
+def test_process_group_ranks_and_local_reduce_are_the_simulated_modes_groups_and_sums():
+    with nf.simulate(8):
+        mesh = nf.make_mesh(dp=2, cp=2, tp=2)
+        cp = mesh.device_mesh.get_group(1).group_name  # ranks {0, 2}, {1, 3}, {4, 6}, {5, 7}
+        members, offsets = compat.process_group_ranks(cp)
+        assert members == [0, 2] and sorted(offsets) == [0, 1, 4, 5]
+    ts = [torch.tensor([1e8]), torch.tensor([1.0]), torch.tensor([-1e8])]
+    assert compat.local_reduce("sum", ts).item() == 0.0  # (1e8 + 1) - 1e8 in fp32: rank order, left to right
+    assert compat.local_reduce("avg", [torch.tensor([1.0]), torch.tensor([3.0])]).item() == 2.0
+
+
 def test_stridedshard_is_dtensors_own():
     p = compat.StridedShard(0, split_factor=2)
     assert type(p).__name__ == "_StridedShard" and (p.dim, p.split_factor) == (0, 2)

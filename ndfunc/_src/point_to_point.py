@@ -12,6 +12,14 @@ import torch.distributed as dist
 from ndfunc._src.torch_compat import FakeTensor, LocalTensor, local_blocks
 
 
+def across_ranks(fn):
+    """Mark `fn`, a function a program calls, as one that sends blocks between ranks: simulated
+    ranks call it once with all their blocks (as LocalTensors), not once per rank."""
+    fn.across_ranks = True
+    return fn
+
+
+@across_ranks
 def permute_blocks(x: torch.Tensor, pairs: Sequence[tuple[int, int]]) -> torch.Tensor:
     """Each rank's block sent to another (`pairs`: (global rank, the global rank it sends to)); a
     rank nothing is sent to gets zeros. One block per rank moves, point to point: simulated ranks
@@ -41,6 +49,7 @@ def _routes(pairs: tuple) -> tuple[dict, dict]:
     return dict(pairs), {d: s for s, d in pairs}
 
 
+@across_ranks
 def trade_blocks(x: torch.Tensor, coords: torch.Tensor, axis: int, m: int, split: int, join: int,
                  rounds: Sequence[Sequence[tuple[int, int]]]) -> torch.Tensor:
     """Two axes of sizes n and n/m trading the dims they split, in `m` rounds of `permute_blocks`.

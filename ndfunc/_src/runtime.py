@@ -21,9 +21,11 @@ from ndfunc._src.sharding.mesh import mesh_context, restore_mesh_context
 from ndfunc._src.torch_compat import (
     LocalTensor,
     LocalTensorMode,
+    current_dispatch_mode,
     fake_store,
     local_blocks,
     local_tensor_mode,
+    pop_dispatch_mode,
     pytree,
     random_rng_tracker,
     set_random_rng_tracker,
@@ -127,11 +129,22 @@ def is_simulated() -> bool:
     return local_tensor_mode() is not None
 
 
+@contextlib.contextmanager
 def simulation_paused():
-    """A block in which tensors are plain, inside `nf.simulate` too (its mode disabled; elsewhere
-    nothing changes): fake tensors, files, whole values."""
+    """A block in which tensors are plain, inside `nf.simulate` too: its mode disabled and, where
+    it is the innermost mode, off the dispatch stack (merely disabled, it would still see and pass
+    on every op, at a cost per op far above a small op's own); elsewhere nothing changes. For fake
+    tensors, files, whole values, and the ranks' blocks run op by op."""
     mode = local_tensor_mode()
-    return mode.disable() if mode is not None else contextlib.nullcontext()
+    if mode is None:
+        yield
+        return
+    with mode.disable():
+        if current_dispatch_mode() is mode:
+            with pop_dispatch_mode():
+                yield
+        else:
+            yield
 
 
 def init(backend: str | None = None, keep_host_memory: bool = True, timeout: float | None = None) -> None:

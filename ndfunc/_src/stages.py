@@ -23,12 +23,15 @@ from ndfunc._src.buffers import written_inputs
 from ndfunc._src.donation import mark_donated
 from ndfunc._src.partition.passes.analysis import as_text, cost_analysis
 from ndfunc._src.partition.program import Program, propagate_meta
+from ndfunc._src.runtime import simulation_paused
 from ndfunc._src.sharding.mesh import Mesh
+from ndfunc._src.simulated_program import rank_program, run_on_ranks
 from ndfunc._src.torch_compat import (
     DTensorSpec,
     LocalTensor,
     TensorMeta,
     bind_ops,
+    current_dispatch_mode,
     dtensor_of_local,
     local_blocks,
     local_of,
@@ -68,6 +71,7 @@ class Compiled:
     def __init__(self, program: Program, arguments: Arguments, key):
         self.program, self._arguments, self._key = program, arguments, key
         self._coords = None
+        self._rank_program = None
         self._donated = frozenset(program.donated)
         self._written = frozenset(written_inputs(program.runs)) - self._donated
         self._forward = bind_ops(program.runs)  # each op called at its C++ entry point
@@ -126,6 +130,14 @@ class Compiled:
                                             dtype=torch.int64, device=device)
         return self._coords
 
+    def _on_ranks(self, mode) -> Any:
+        """The program over the simulated ranks' blocks (`simulated_program`), written once per set
+        of ranks; None where only the mode can run it."""
+        ranks = tuple(sorted(mode.ranks))
+        if self._rank_program is None or self._rank_program[0] != ranks:
+            self._rank_program = (ranks, rank_program(self.program.runs, ranks))
+        return self._rank_program[1]
+
     def _run(self, prepared: list, original_args: tuple):
         p = self.program
         locals_ = [local_of(x) if isinstance(x, DTensor) else x for x in prepared]
@@ -141,9 +153,19 @@ class Compiled:
             written = [(plain[i], locals_[i]) for i in self._written if not isinstance(plain[i], LocalTensor)]
         device = locals_[0].device if locals_ else torch.device("cpu")
         with torch.no_grad():
-            outs = list(self._forward(*locals_, self._coords_tensor(device)))
-            for j in p.donation:  # a new tensor on the donated memory: the old object is retired
-                outs[j] = outs[j].detach()
+            inputs = [*locals_, self._coords_tensor(device)]
+            # every simulated rank's ops called directly, not through the mode; but a dispatch mode
+            # of the caller's above the simulation's (a profiler, a counter) sees every op, as before
+            direct = mode is not None and current_dispatch_mode() is mode
+            on_ranks = self._on_ranks(mode) if direct else None
+            if on_ranks is not None:
+                with simulation_paused():
+                    outs = run_on_ranks(on_ranks, sorted(mode.ranks), inputs, fresh=p.donation)
+            else:
+                outs = list(self._forward(*inputs))
+                for j in p.donation:  # a new tensor on the donated memory: the old object is retired
+                    outs[j] = outs[j].detach()
+            del inputs
             for x, copies in written:  # what every real rank holds (a replicated value): rank 0's
                 blocks = local_blocks(copies)
                 x.copy_(blocks[min(blocks)])

@@ -50,7 +50,7 @@ __all__ = [
     "current_dispatch_mode", "dtensor_of_local", "fake_store", "group_size", "group_backend", "local_blocks",
     "local_of", "local_tensor_mode", "onednn_available", "onednn_linear", "pop_dispatch_mode", "pytree", "sharding_propagator",
     "unset_fake_temporarily", "REDISTRIBUTE_LOGGER", "random_rng_tracker", "set_random_rng_tracker", "flattened",
-    "functional_collectives", "shape_only_device_mesh", "traced_as_compiling", "DataDependentOutputException",
+    "functional_collectives", "process_group_ranks", "local_reduce", "shape_only_device_mesh", "traced_as_compiling", "DataDependentOutputException",
     "DynamicOutputShapeException", "core_aten_decompositions", "decomposition_table",
 ]
 
@@ -104,6 +104,24 @@ def _process_group(group_name: str):
     from torch.distributed.distributed_c10d import _resolve_process_group
 
     return _resolve_process_group(group_name)
+
+
+def process_group_ranks(group_name: str) -> tuple[list[int], list[int]]:
+    """The ranks of the group `group_name` names, relative to its first, and the first rank of each
+    group of that shape tiling the world: how the simulated-tensor mode forms a collective's groups
+    (`_local_tensor._c10d._prepare_collective_groups`), so a collective computed outside the mode
+    reduces over the same ranks in the same order."""
+    from torch.distributed._local_tensor import _c10d
+
+    members, offsets, _ = _c10d._prepare_collective_groups(_process_group(group_name))
+    return members, offsets
+
+
+def local_reduce(reduce_op: str, tensors: list[torch.Tensor]) -> torch.Tensor:
+    """The simulated-tensor mode's reduction of the ranks' tensors (in rank order)."""
+    from torch.distributed._local_tensor import _c10d
+
+    return _c10d._local_reduce(reduce_op, tensors)
 
 
 def group_size(group_name: str) -> int:

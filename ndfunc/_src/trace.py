@@ -39,6 +39,7 @@ from torch.nn import _reduction
 
 from ndfunc._src.attention import traced_sdpa
 from ndfunc._src.constraints import decode_spec, sharding_constraint_op
+from ndfunc._src.runtime import simulation_paused
 from ndfunc._src.sharding.partition_spec import PartitionSpec
 from ndfunc._src.torch_compat import (
     DataDependentOutputException,
@@ -46,9 +47,6 @@ from ndfunc._src.torch_compat import (
     FakeTensorMode,
     LocalTensor,
     TorchDispatchMode,
-    current_dispatch_mode,
-    local_tensor_mode,
-    pop_dispatch_mode,
     traced_as_compiling,
 )
 
@@ -142,7 +140,7 @@ def trace(fn: Callable, args: Sequence[Any], kwargs: dict | None = None, *, stat
         return out_leaves
 
     trees: list = []
-    with _without_simulated_ranks():
+    with simulation_paused():
         with (fake_mode := FakeTensorMode(allow_non_fake_inputs=True)):
             fakes = [torch.empty(s.shape, dtype=s.dtype, device=d) for s, d in zip(in_specs, devices)]
         token = _tracing.set(True)
@@ -157,7 +155,7 @@ def trace(fn: Callable, args: Sequence[Any], kwargs: dict | None = None, *, stat
             _tracing.reset(token)
     name = getattr(fn, "__name__", "the step")
     if (seeded := _seeded(graph_module)) is not None:
-        with _without_simulated_ranks(), fake_mode, _Traceable():  # once more, for the line
+        with simulation_paused(), fake_mode, _Traceable():  # once more, for the line
             where = first_calls(lambda: flat_fn(*fakes), [seeded.target]).get(seeded.target, "in the step")
         raise DataDependentError(_seeded_message(name, seeded, where))
     _check_constants(graph_module, name)
@@ -314,22 +312,6 @@ def _check_constants(gm: torch.fx.GraphModule, name: str) -> None:
                 f"{list(node.meta['val'].shape)}); tracing has applied that write to it once. A traced "
                 f"step is a function of its arguments: pass the tensor as an argument and return its new "
                 f"value (donate_argnums lets the result reuse its memory).")
-
-
-@contextlib.contextmanager
-def _without_simulated_ranks():
-    """Trace with `nf.simulate`'s mode off *and off the dispatch stack*: merely disabled, it
-    would still see (and pass on) every traced op, a fifth of the tracing time."""
-    mode = local_tensor_mode()
-    if mode is None:
-        yield
-        return
-    with mode.disable():
-        if current_dispatch_mode() is mode:
-            with pop_dispatch_mode():
-                yield
-        else:
-            yield
 
 
 def _scalars_as_factories(gm: torch.fx.GraphModule) -> None:

@@ -27,7 +27,7 @@ import torch
 from ndfunc._src import attention
 from ndfunc._src.partition import program as prog
 from ndfunc._src.partition.planning.layout import local_shape
-from ndfunc._src.point_to_point import permute_blocks
+from ndfunc._src.point_to_point import across_ranks, permute_blocks
 from ndfunc._src.torch_compat import FakeTensor, LocalTensor
 from ndfunc._src.transforms.base import Transform
 
@@ -156,6 +156,7 @@ def _visible(m) -> bool:
     return bool((m if m.dtype == torch.bool else m > -math.inf).any())
 
 
+@across_ranks
 def ring_forward(q, k, v, *, mask, scale, kernel, coords, axis, size, peers, skip):
     """(out, logsumexp) of this rank's queries against every rank's keys, the keys and values
     travelling the ring. Each block by `kernel` (the device's attention kernel; no score matrix
@@ -183,6 +184,7 @@ def ring_forward(q, k, v, *, mask, scale, kernel, coords, axis, size, peers, ski
     return out.to(q.dtype), lse
 
 
+@across_ranks
 def ring_backward(grad_out, q, k, v, out, lse, *, mask, scale, kernel, coords, axis, size, peers, skip):
     """(dq, dk, dv): each block's gradients by `kernel`'s backward, given the whole output and
     log-sum-exp (so each block's softmax is the global one); dk and dv travel with their keys and

@@ -10,8 +10,8 @@ oneDNN enabled) `choose` binds the program's fp32 `mm`s, and its `bmm`s of one m
 Smaller ones stay with aten: oneDNN's call costs about 12 us against aten's 1, and the two break
 even near 128 x 128 x 128. Others (`addmm`, batched `bmm`) stay with aten too.
 
-At run time a bound matmul still runs as aten's unless its operands are plain CPU tensors (not
-simulated ranks' `LocalTensor`s), the second lies row- or column-major without overlap (oneDNN
+At run time a bound matmul still runs as aten's unless its operands are plain CPU tensors (a
+simulated rank's block is one, as `simulated_program` runs it; a `LocalTensor` is not), the second lies row- or column-major without overlap (oneDNN
 takes it as it lies), and the first is row-major or at most `ONEDNN_COPY_MAX` bytes: oneDNN reads
 it row-major, so a transposed one (a weight's gradient, `x.T @ dy`) is copied first, a transient
 `cost_analysis` does not count.
@@ -96,6 +96,7 @@ def bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 _KERNELS = {aten.mm.default: mm, aten.bmm.default: bmm}
+KERNELS = frozenset(_KERNELS.values())  # what a program may call in place of aten's
 
 
 def _worth_it(node: torch.fx.Node) -> bool:
