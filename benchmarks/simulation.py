@@ -67,7 +67,8 @@ def measure(model: str, n: int, repeats: int) -> dict:
         params = llama.init(cfg, nf.random.key(0))
         state = opt.init(params)
         sspec = nf.optim.state_shardings(state, pspec)
-        args = nf.device_put((params, state, batch), (pspec, sspec, bspec))
+        with mesh:
+            args = nf.device_put((params, state, batch), (pspec, sspec, bspec))
         jitted = nf.jit(step, mesh=mesh, in_shardings=(pspec, sspec, bspec), out_shardings=(pspec, sspec, P()))
         compiled = jitted.lower(*args).compile()
         simulated = _median(lambda: compiled(*args), repeats)
