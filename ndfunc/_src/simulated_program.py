@@ -161,14 +161,10 @@ class _Writer:
     def _collective(self, n: torch.fx.Node, names: dict) -> str:
         if n.target is c10d.wait_tensor.default:  # the collectives below complete when called
             return names[n.args[0]]
-        if n.target not in _COLLECTIVES:
-            raise _Unsupported(n.target)
-        if any(isinstance(a, torch.fx.Node) for a in n.args[1:]) or any(
-                isinstance(v, torch.fx.Node) for v in n.kwargs.values()):
-            raise _Unsupported(n.target)
+        if n.target not in _COLLECTIVES or n.kwargs or any(isinstance(a, torch.fx.Node) for a in n.args[1:]):
+            raise _Unsupported(n.target)  # as the lowering writes them: a tensor, then constants, the group last
         rest = ", ".join(self._render(a, {}) for a in n.args[1:])
-        kwargs = "".join(f", {k}={self._render(v, {})}" for k, v in n.kwargs.items())
-        return f"_collective[{self.constant(n.target)}]({names[n.args[0]]}, _ranks, _groups, {rest}{kwargs})"
+        return f"_collective[{self.constant(n.target)}]({names[n.args[0]]}, _ranks, _groups, {rest})"
 
     def _render(self, a, names: dict) -> str:
         if isinstance(a, torch.fx.Node):
@@ -199,49 +195,48 @@ def _groups(table: dict, group_name: str, ranks: tuple[int, ...]) -> list[list[i
     return found
 
 
-def _all_reduce(values: list, ranks, table, reduce_op: str, group_name: str) -> list:
-    out = [None] * len(values)
-    for group in _groups(table, group_name, ranks):
-        reduced = local_reduce(reduce_op, [values[i] for i in group])
-        for i in group:
-            out[i] = torch.empty_like(values[i]).copy_(reduced)
-    return out
+def _over_groups(collective: Callable) -> Callable:
+    """`collective(values of one group, *its arguments) -> that group's results`, run for each
+    group `group_name` (its last argument) stands for."""
+
+    def call(values: list, ranks, table, *args) -> list:
+        out = [None] * len(values)
+        for group in _groups(table, args[-1], ranks):
+            for i, result in zip(group, collective([values[i] for i in group], *args[:-1]), strict=True):
+                out[i] = result
+        return out
+
+    return call
 
 
-def _all_gather(values: list, ranks, table, group_size: int, group_name: str) -> list:
-    out = [None] * len(values)
-    for group in _groups(table, group_name, ranks):
-        gathered = torch.cat([values[i] for i in group])
-        for i in group:
-            out[i] = gathered.clone()
-    return out
+@_over_groups
+def _all_reduce(values: list, reduce_op: str) -> list:
+    reduced = local_reduce(reduce_op, values)
+    return [torch.empty_like(v).copy_(reduced) for v in values]
 
 
-def _reduce_scatter(values: list, ranks, table, reduce_op: str, group_size: int, group_name: str) -> list:
-    out = [None] * len(values)
-    for group in _groups(table, group_name, ranks):
-        reduced = local_reduce(reduce_op, [values[i] for i in group])
-        for i, block in zip(group, torch.split(reduced, reduced.size(0) // len(group))):
-            out[i] = block.clone()
-    return out
+@_over_groups
+def _all_gather(values: list, group_size: int) -> list:
+    gathered = torch.cat(values)
+    return [gathered.clone() for _ in values]
 
 
-def _all_to_all(values: list, ranks, table, output_split_sizes, input_split_sizes, group_name: str) -> list:
-    out = [None] * len(values)
-    for group in _groups(table, group_name, ranks):
-        pieces = [torch.split(values[i], list(input_split_sizes)) for i in group]
-        for k, i in enumerate(group):
-            out[i] = torch.cat([p[k] for p in pieces])
-    return out
+@_over_groups
+def _reduce_scatter(values: list, reduce_op: str, group_size: int) -> list:
+    reduced = local_reduce(reduce_op, values)
+    return [block.clone() for block in torch.split(reduced, reduced.size(0) // len(values))]
 
 
-def _shard_dim_alltoall(values: list, ranks, table, gather_dim: int, shard_dim: int, group_name: str) -> list:
-    out = [None] * len(values)
-    for group in _groups(table, group_name, ranks):
-        gathered = torch.cat([values[i] for i in group], dim=gather_dim)
-        for i, block in zip(group, torch.split(gathered, gathered.size(shard_dim) // len(group), dim=shard_dim)):
-            out[i] = block.clone()
-    return out
+@_over_groups
+def _all_to_all(values: list, output_split_sizes, input_split_sizes) -> list:
+    pieces = [torch.split(v, list(input_split_sizes)) for v in values]
+    return [torch.cat([p[k] for p in pieces]) for k in range(len(values))]
+
+
+@_over_groups
+def _shard_dim_alltoall(values: list, gather_dim: int, shard_dim: int) -> list:
+    gathered = torch.cat(values, dim=gather_dim)
+    return [block.clone() for block in torch.split(gathered, gathered.size(shard_dim) // len(values), dim=shard_dim)]
 
 
 _COLLECTIVES = {

@@ -130,13 +130,13 @@ class Compiled:
                                             dtype=torch.int64, device=device)
         return self._coords
 
-    def _on_ranks(self, mode) -> Any:
-        """The program over the simulated ranks' blocks (`simulated_program`), written once per set
-        of ranks; None where only the mode can run it."""
+    def _on_ranks(self, mode) -> tuple[tuple[int, ...], Any]:
+        """(the simulated ranks, the program over their blocks: `simulated_program`), written once
+        per set of ranks; the program is None where only the mode can run it."""
         ranks = tuple(sorted(mode.ranks))
         if self._rank_program is None or self._rank_program[0] != ranks:
             self._rank_program = (ranks, rank_program(self.program.runs, ranks))
-        return self._rank_program[1]
+        return self._rank_program
 
     def _run(self, prepared: list, original_args: tuple):
         p = self.program
@@ -157,10 +157,10 @@ class Compiled:
             # every simulated rank's ops called directly, not through the mode; but a dispatch mode
             # of the caller's above the simulation's (a profiler, a counter) sees every op, as before
             direct = mode is not None and current_dispatch_mode() is mode
-            on_ranks = self._on_ranks(mode) if direct else None
+            ranks, on_ranks = self._on_ranks(mode) if direct else (None, None)
             if on_ranks is not None:
                 with simulation_paused():
-                    outs = run_on_ranks(on_ranks, sorted(mode.ranks), inputs, fresh=p.donation)
+                    outs = run_on_ranks(on_ranks, ranks, inputs, fresh=p.donation)
             else:
                 outs = list(self._forward(*inputs))
                 for j in p.donation:  # a new tensor on the donated memory: the old object is retired
