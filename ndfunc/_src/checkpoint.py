@@ -145,7 +145,12 @@ def _simulated_blocks(leaf: DTensor, copy: bool) -> _Blocks | torch.Tensor:
 
 
 def _staged(flat: dict[str, Any], copy: bool = False) -> dict[str, Any]:
-    """What simulation writes: each DTensor as its simulated ranks' distinct blocks."""
+    """What this process writes of `flat`, taken on the caller's thread (simulation's mode is the
+    thread's): over real ranks (or none) the leaves themselves, or with `copy` a host copy of each
+    (a save that writes in the background while the step goes on); in simulation each DTensor as
+    its simulated ranks' distinct blocks (copied, with `copy`)."""
+    if not is_simulated():
+        return {k: _host_copy(v) if copy and isinstance(v, torch.Tensor) else v for k, v in flat.items()}
     with simulation_paused():
         return {k: _simulated_blocks(v, copy) if isinstance(v, DTensor) else v for k, v in flat.items()}
 
@@ -155,7 +160,7 @@ def save(path: str | os.PathLike, tree: Any) -> None:
     existing checkpoint at `path` is replaced only once the new one is complete."""
     path = pathlib.Path(path)
     flat, _ = _flat(tree)
-    _write(path, flat if not is_simulated() else _staged(flat), group=None, distributed=_distributed())
+    _write(path, _staged(flat), group=None, distributed=_distributed())
 
 
 def _write(path: pathlib.Path, flat: dict[str, Any], group, distributed: bool, then=None,
@@ -208,8 +213,7 @@ def async_save(path: str | os.PathLike, tree: Any, *, group: Any = None) -> conc
 
 def _async_write(path: pathlib.Path, flat: dict[str, Any], group, distributed: bool,
                  then=None) -> concurrent.futures.Future:
-    staged = _staged(flat, copy=True) if is_simulated() else {
-        k: _host_copy(v) if isinstance(v, torch.Tensor) else v for k, v in flat.items()}
+    staged = _staged(flat, copy=True)
     pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="nf-checkpoint")
     pending = pool.submit(_write, path, staged, group, distributed, then, False)
     pool.shutdown(wait=False)  # its one thread ends with the write (and the interpreter waits for it)
@@ -348,7 +352,7 @@ class Manager:
         flat, _ = _flat(tree)
         distributed = _distributed()
         if blocking:
-            _write(path, flat if not is_simulated() else _staged(flat), None, distributed, then=self._prune)
+            _write(path, _staged(flat), None, distributed, then=self._prune)
             return
         if self._group is None and distributed:
             self._group = dist.new_group(backend="gloo")
