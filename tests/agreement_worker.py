@@ -1,10 +1,11 @@
 """Run by tests/test_agreement.py under torchrun: 4 real processes over gloo.
 
 `disagree`: rank 2 bakes another learning rate into its step, rank 3 lays an argument out
-otherwise; every rank must raise RanksDisagreeError naming them, at once. `stopped`: rank 1 stops
-answering; the others' collective must fail within nf.init's timeout, not hang.
+otherwise; every rank must raise RanksDisagreeError naming them, at once. `stopped DIR`: rank 1 stops
+answering (until the others have reported in DIR); the others' collective must fail within nf.init's timeout, not hang.
 """
 
+import pathlib
 import sys
 import time
 
@@ -36,22 +37,27 @@ def disagree() -> None:
     nf.shutdown()
 
 
-def stopped() -> None:
+def stopped(directory: str) -> None:
     nf.init(timeout=4)
     rank = nf.rank()
+    reported = pathlib.Path(directory)
     if rank == 1:
-        # a hung rank: alive but silent past the others' 4 s timeout (a dead one would close its
-        # connections, and they would fail at once, not by the timeout under test)
-        time.sleep(12)
+        # a hung rank: alive but silent until every other rank has reported its collective failed
+        # (a dead one would close its connections, and they would fail at once, not by the
+        # timeout under test); waiting on their reports, not for a guessed time
+        deadline = time.monotonic() + 120
+        while len(list(reported.glob("failed_*"))) < 3 and time.monotonic() < deadline:
+            time.sleep(0.1)
         return
     start = time.perf_counter()
     try:
         torch.distributed.all_reduce(torch.ones(1))
     except RuntimeError as e:
         print(f"rank {rank}: failed after {time.perf_counter() - start:.1f} s: {type(e).__name__}", flush=True)
+        (reported / f"failed_{rank}").touch()
     else:
         raise AssertionError("a collective with a missing rank completed")
 
 
 if __name__ == "__main__":
-    {"disagree": disagree, "stopped": stopped}[sys.argv[1]]()
+    {"disagree": disagree, "stopped": stopped}[sys.argv[1]](*sys.argv[2:])

@@ -23,8 +23,8 @@ def test_ranks_that_would_run_different_programs_are_refused_on_every_rank_namin
 
 
 @pytest.mark.gloo
-def test_a_rank_that_stops_is_an_error_on_the_others_within_the_timeout():
-    proc = torchrun(WORKER, "stopped")
+def test_a_rank_that_stops_is_an_error_on_the_others_within_the_timeout(tmp_path):
+    proc = torchrun(WORKER, "stopped", str(tmp_path))
     failed = re.findall(r"rank (\d+): failed after ([\d.]+) s", proc.stdout)
     assert sorted(r for r, _ in failed) == ["0", "2", "3"], proc.stdout
     assert all(float(s) < 10 for _, s in failed), failed  # timeout 4 s
