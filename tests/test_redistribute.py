@@ -5,16 +5,29 @@ changes; DTensor's redistribute of each in simulation would take minutes more)."
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
 import torch
-from torch.distributed.tensor import DTensor, Partial, Replicate, distribute_tensor
+from torch.distributed.tensor import (
+    DTensor,
+    Partial,
+    Replicate,
+    Shard,
+    distribute_tensor,
+)
 
 import ndfunc as nf
 from ndfunc._src.partition import lower
 from ndfunc._src.partition.planning import redistribute
-from ndfunc._src.partition.planning.layout import all_layouts, describe
+from ndfunc._src.partition.planning.layout import (
+    MANUAL,
+    all_layouts,
+    describe,
+    fits,
+    replicated,
+)
 from ndfunc._src.partition.planning.solve import Plan
 from ndfunc._src.partition.planning.strategies import Strategy
 from ndfunc._src.torch_compat import (
@@ -112,3 +125,25 @@ def test_every_layout_change_on_a_2x2x2_mesh_moves_what_dtensor_moves():
     ran, wrong = check_every_pair({"a": 2, "b": 2, "c": 2}, against_redistribute=False)
     assert ran == 13 ** 3
     assert not wrong, "\n".join(wrong)
+
+
+@pytest.mark.parametrize("sizes", [(2, 2, 2), (4, 2), (2, 3, 4)])
+def test_the_cost_the_partitioner_reads_is_the_sum_over_the_plans_steps(sizes):
+    """`cost` walks `plan`'s steps on ints: for every pair of layouts (avg partials included) it is
+    the steps' bytes plus a collective's fixed cost or a slice's copy, summed in step order, the
+    same float; and impossible where `plan` has no steps."""
+    shape, itemsize = (24, 12, 48), 2
+    per_axis = [Replicate(), Partial("sum"), Partial("avg"), Shard(0), Shard(1), Shard(2)]
+    layouts = [lay for lay in itertools.product(per_axis, repeat=len(sizes)) if fits(lay, shape, sizes)]
+    assert len(layouts) > 6 ** len(sizes) // 2  # the shape fits most layouts
+    for src in layouts:
+        for dst in layouts:
+            steps = redistribute.plan(src, dst, shape, sizes, swaps=False)
+            if steps is None:
+                assert redistribute.cost(src, dst, shape, sizes, itemsize) == float("inf")
+                continue
+            expected = sum(s.moved_bytes(itemsize) + (
+                redistribute.ALPHA if s.kind in redistribute.COLLECTIVES
+                else redistribute.SLICE * math.prod(s.out_shape) * itemsize) for s in steps)
+            assert redistribute.cost(src, dst, shape, sizes, itemsize) == expected, (src, dst)
+    assert redistribute.cost(MANUAL, replicated(len(sizes)), shape, sizes, itemsize) == float("inf")

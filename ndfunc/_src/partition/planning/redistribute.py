@@ -171,9 +171,83 @@ SLICE = 0.01  # a local slice copies its block: cheap, not free (values stay whe
 
 
 def cost(src: Layout, dst: Layout, shape: Sequence[int], sizes: Sequence[int], itemsize: int) -> float:
-    """What the partitioner pays for a layout change (a move between dims: as a gather and a slice)."""
-    steps = plan(src, dst, shape, sizes, swaps=False)
-    if steps is None:
+    """What the partitioner pays for a layout change (a move between dims: as a gather and a slice):
+    the steps of `plan(src, dst, shape, sizes, swaps=False)`, each its bytes moved plus `ALPHA` (a
+    collective) or `SLICE` of its block (a slice), summed in order."""
+    return coded_cost(codes(src), codes(dst), shape, sizes, itemsize)
+
+
+_REPLICATE = -1
+_PARTIALS = {op: -2 - i for i, op in enumerate(("sum", "avg", "max", "min", "product"))}
+
+
+def codes(layout: Layout) -> tuple[int, ...] | None:
+    """`layout` as small ints, what `coded_cost` reads: a split's dim, -1 replicated, -2 and below
+    a pending reduction by its op; None for a layout no plan reaches (manual, or a placement
+    outside programs)."""
+    out = []
+    for p in layout:
+        if type(p) is Shard:
+            out.append(p.dim)
+        elif type(p) is Replicate:
+            out.append(_REPLICATE)
+        elif isinstance(p, Partial) and p.reduce_op in _PARTIALS:
+            out.append(_PARTIALS[p.reduce_op])
+        else:
+            return None
+    return tuple(out)
+
+
+def coded_cost(src: tuple[int, ...] | None, dst: tuple[int, ...] | None, shape: Sequence[int],
+               sizes: Sequence[int], itemsize: int) -> float:
+    """`cost` over `codes`: `plan`'s steps without swaps, walked on ints (the partitioner prices
+    hundreds of thousands of layout pairs), the same sum in the same order. `tests/test_redistribute`
+    holds it to `plan`."""
+    if src == dst:
+        return 0
+    if src is None or dst is None:
         return float("inf")
-    return sum(s.moved_bytes(itemsize) + (ALPHA if s.kind in COLLECTIVES else
-                                          SLICE * math.prod(s.out_shape) * itemsize) for s in steps)
+    k = len(src)
+    for s, d in zip(src, dst):
+        if d <= -2 and s != d:
+            return float("inf")  # a pending sum is made by the op, not by a move
+    cur = list(src)
+    gather = [cur[m] >= 0 and dst[m] != cur[m] for m in range(k)]
+    grown = True
+    while grown:  # an axis that gathers, or newly splits, a dim first has every later axis on it gathered
+        grown = False
+        for m in range(k):
+            dims = ()
+            if gather[m]:
+                dims += (cur[m],)
+            if dst[m] >= 0 and cur[m] != dst[m]:
+                dims += (dst[m],)
+            if not dims:
+                continue
+            for later in range(m + 1, k):
+                if not gather[later] and cur[later] >= 0 and cur[later] in dims:
+                    gather[later] = True
+                    grown = True
+    now = [s // math.prod(n for c, n in zip(cur, sizes) if c == d) for d, s in enumerate(shape)]
+    total = 0
+    for m in range(k - 1, -1, -1):
+        if gather[m]:
+            n = sizes[m]
+            now[cur[m]] *= n
+            total += (n - 1) / n * math.prod(now) * itemsize + ALPHA
+            cur[m] = _REPLICATE
+    for m in range(k):
+        c, d = cur[m], dst[m]
+        if c == d:
+            continue
+        n = sizes[m]
+        if c <= -2:  # a pending sum, finished
+            if d == _REPLICATE:
+                total += 2 * (n - 1) / n * math.prod(now) * itemsize + ALPHA
+            else:
+                total += (n - 1) / n * math.prod(now) * itemsize + ALPHA
+                now[d] //= n
+        else:  # Replicate -> Shard: a local slice
+            now[d] //= n
+            total += 0.0 + SLICE * math.prod(now) * itemsize
+    return total

@@ -84,6 +84,7 @@ class Problem:
         self.final: dict[int, list[int | None]] = {}  # value id -> requested layout ids (None: free)
         self.layouts: list[Layout] = []
         self.layout_ids: dict[Layout, int] = {}
+        self.codes: list[tuple[int, ...] | None] = []  # layout id -> redistribute.codes (what costs read)
         self._costs: dict = {}
         self._as_ids: dict = {}  # id(candidate list) -> (the list, c_ins, c_outs, by_ins, work by flops)
         self._best: dict = {}  # a node's situation -> its best candidate (see `best`)
@@ -119,6 +120,7 @@ class Problem:
         if i is None:
             i = self.layout_ids[lay] = len(self.layouts)
             self.layouts.append(lay)
+            self.codes.append(redistribute.codes(lay))
         return i
 
     def _value(self, v: Value, node_ids) -> int:
@@ -175,10 +177,11 @@ class Problem:
         c = self._costs.get(key)
         if c is None:
             shape, itemsize = self.value_meta[v]
-            full = (shape, itemsize, self.layouts[a], self.layouts[b], self.sizes)
+            ca, cb = self.codes[a], self.codes[b]
+            full = (shape, itemsize, ca, cb, self.sizes)
             c = _TRANSITIONS.get(full)
             if c is None:
-                c = _TRANSITIONS[full] = redistribute.cost(self.layouts[a], self.layouts[b], shape, self.sizes, itemsize)
+                c = _TRANSITIONS[full] = redistribute.coded_cost(ca, cb, shape, self.sizes, itemsize)
             self._costs[key] = c
         return c
 
@@ -246,6 +249,69 @@ class Problem:
                 total += self.output_cost(v, lay)
         return total
 
+    def local_costs(self, n: int, options, choice: list, forward: bool = False) -> dict[int, float]:
+        """`local_cost(n, i, choice, forward)` for each candidate `i` of `options`, the same sums in
+        the same order, with each input's and output's terms found once per layout: candidates
+        differ in few of their layouts (a 4-axis op has hundreds of candidates, a slot a dozen
+        layouts)."""
+        if self.repeated[n]:  # which slots pay for a value shared between them depends on them all
+            return {i: self.local_cost(n, i, choice, forward) for i in options}
+        c_ins, c_outs, work = self.c_ins[n], self.c_outs[n], self.c_work[n]
+        slots = []  # per input slot: (slot, its terms by the layout wanted)
+        for slot, v in enumerate(self.inputs[n]):
+            p, j = self.values[v]
+            if choice[p] >= 0:
+                slots.append((slot, self._input_terms(v, self.c_outs[p][choice[p]][j], n, choice, forward)))
+        outs = [(j, self._output_terms(v, choice, forward)) for j, v in enumerate(self.out_ids[n]) if v is not None]
+        costs = {}
+        for i in options:
+            total = work[i]
+            ins = c_ins[i]
+            for slot, terms in slots:
+                for t in terms(ins[slot]):
+                    total += t
+            lays = c_outs[i]
+            for j, terms in outs:
+                if lays[j] is not None:
+                    for t in terms(lays[j]):
+                        total += t
+            costs[i] = total
+        return costs
+
+    def _input_terms(self, v: int, have: int, n: int, choice: list, forward: bool):
+        """want -> what `local_cost` adds for input `v` (made in `have`) wanted as `want` by `n`."""
+        paid = () if forward else self.demands(v, choice, skip=n)
+        memo: dict = {}
+
+        def terms(want: int) -> tuple:
+            t = memo.get(want)
+            if t is None:
+                if want in paid or want == have:
+                    t = ()
+                elif self.wary:
+                    t = (self.tcost(v, have, want), self.tcost(v, want, self.finish(have)))
+                else:
+                    t = (self.tcost(v, have, want),)
+                memo[want] = t
+            return t
+        return terms
+
+    def _output_terms(self, v: int, choice: list, forward: bool):
+        """layout -> what `local_cost` adds for output `v` made in it."""
+        wants = self.fixed_wants[v] if forward else self.demands(v, choice)
+        final = v in self.final
+        memo: dict = {}
+
+        def terms(lay: int) -> tuple:
+            t = memo.get(lay)
+            if t is None:
+                t = tuple(self.tcost(v, lay, want) for want in wants if want != lay)
+                if final:
+                    t += (self.output_cost(v, lay),)
+                memo[lay] = t
+            return t
+        return terms
+
     def best(self, n: int, choice: list, forward: bool = False) -> int:
         """The candidate of node `n` with the least `local_cost`, keeping the current one on ties.
 
@@ -296,7 +362,7 @@ class Problem:
             following = self.by_ins[n].get(tuple(have))
             if following:
                 options = following if current < 0 or current in following else following + [current]
-        costs = {i: self.local_cost(n, i, choice, forward) for i in options}
+        costs = self.local_costs(n, options, choice, forward)
         best = min(options, key=costs.__getitem__)
         if current >= 0 and costs[current] <= costs[best] + EPS:
             return current  # keep on ties: the search only moves downhill
