@@ -36,16 +36,22 @@ def local_shape(shape: Sequence[int], layout: Layout, sizes: Sequence[int]) -> t
 
 def fits(layout: Layout, shape: Sequence[int], sizes: Sequence[int]) -> bool:
     """Whether `layout` can hold a value of `shape`: every sharded dim exists and divides evenly."""
-    for p in layout:
-        if type(p) is Shard:
+    blocks = [1] * len(shape)
+    for i, p in enumerate(layout):
+        kind = type(p)  # exact types first: isinstance on placements is slow, and this runs per candidate
+        if kind is Shard:
             if not 0 <= p.dim < len(shape):
                 return False
+            if i < len(sizes):
+                blocks[p.dim] *= sizes[i]
+        elif kind is Replicate:
+            continue
         elif isinstance(p, Partial):
             if p.reduce_op not in PARTIAL_OPS:
                 return False
         elif not isinstance(p, Replicate):
             return False  # _StridedShard and friends stay outside programs
-    return all(s % split(layout, sizes, d) == 0 for d, s in enumerate(shape))
+    return all(s % b == 0 for s, b in zip(shape, blocks))
 
 
 def all_layouts(shape: Sequence[int], sizes: Sequence[int], partial: bool = True) -> list[Layout]:

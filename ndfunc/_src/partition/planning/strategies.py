@@ -139,12 +139,11 @@ def from_op_strategy(node, ins, outs, sizes) -> list[Strategy]:
     Ask once per layout of each input, the others replicated, and pool the answers."""
     found: list[Strategy] = []
     errors = []
+    asking = _Asking(node, sizes)
     for i, a in enumerate(ins):
         for lay in all_layouts(tuple(a.meta["val"].shape), sizes):
-            given = [replicated(len(sizes))] * len(ins)
-            given[i] = lay
             try:
-                found += _ask(node, given, len(outs), sizes)
+                found += asking.ask(i, lay, len(outs))
             except Exception as e:  # noqa: BLE001 - a layout the rule rejects has no strategy
                 errors.append(e)
     if not found:
@@ -152,35 +151,57 @@ def from_op_strategy(node, ins, outs, sizes) -> list[Strategy]:
     return found
 
 
-def _ask(node, given: list[Layout], n_outs: int, sizes) -> list[Strategy]:
-    mesh = planning_mesh(sizes)
-    layouts = iter(given)
+class _Asking:
+    """One node's arguments as DTensor's rule reads them, built once: each question changes one
+    input's layout (the others replicated), so only that input's spec is made anew."""
 
-    def strategy_for(a: torch.fx.Node):
-        return OpStrategy([OpSpec(DTensorSpec(mesh, next(layouts), tensor_meta=_meta(a.meta["val"])))])
+    def __init__(self, node: torch.fx.Node, sizes: tuple[int, ...]):
+        self.node, self.mesh = node, planning_mesh(sizes)
+        self.leaves, self.spec = pytree.tree_flatten((node.args, node.kwargs))
+        self.slots = []  # leaf index of each tensor input, in order
+        self.metas = []
+        for k, a in enumerate(self.leaves):
+            if not isinstance(a, torch.fx.Node):
+                continue
+            v = a.meta.get("val")
+            if isinstance(v, torch.Tensor):
+                self.slots.append(k)
+                self.metas.append(_meta(v))
+                self.leaves[k] = self._strategy(len(self.metas) - 1, replicated(len(sizes)))
+            else:
+                self.leaves[k] = v
+        self.info = propagator().op_to_schema_info.get(node.target)
+        self.rule = propagator().op_strategy_funcs[node.target]
 
-    args, kwargs = pytree.tree_map_only(torch.fx.Node, lambda a: strategy_for(a) if isinstance(
-        a.meta.get("val"), torch.Tensor) else a.meta.get("val"), (node.args, node.kwargs))
+    def _strategy(self, i: int, layout: Layout) -> OpStrategy:
+        return OpStrategy([OpSpec(DTensorSpec(self.mesh, layout, tensor_meta=self.metas[i]))])
 
-    def tuples(a):  # a list of tensors is one TupleStrategy, as DTensor's rules expect
-        if isinstance(a, (list, tuple)) and a and all(isinstance(x, OpStrategy) for x in a):
-            return TupleStrategy(tuple(a))
-        return a
+    def ask(self, i: int, layout: Layout, n_outs: int) -> list[Strategy]:
+        """DTensor's strategies with input `i` in `layout`, every other input replicated."""
+        leaves = list(self.leaves)
+        leaves[self.slots[i]] = self._strategy(i, layout)
+        args, kwargs = pytree.tree_unflatten(leaves, self.spec)
+        schema = OpSchema(self.node.target, tuple(_tuples(a) for a in args),
+                          {k: _tuples(v) for k, v in kwargs.items()}, schema_info=self.info)
+        result = self.rule(schema)
+        if not isinstance(result, OpStrategy):
+            raise NoStrategy(self.node.target)
+        found = []
+        n_ins = len(self.slots)
+        for spec in result.strategies:
+            out_specs = spec.output_specs
+            out_specs = out_specs if isinstance(out_specs, (tuple, list)) else (out_specs,) * max(n_outs, 1)
+            out_lays = tuple(None if s is None else tuple(s.placements) for s in out_specs)[:n_outs]
+            in_specs = spec.input_specs if spec.input_specs is not None else (spec.output_spec,) * n_ins
+            found.append(Strategy(out_lays, tuple(tuple(s.placements) for s in in_specs)))
+        return found
 
-    schema = OpSchema(node.target, tuple(tuples(a) for a in args), {k: tuples(v) for k, v in kwargs.items()},
-                      schema_info=propagator().op_to_schema_info.get(node.target))
-    result = propagator().op_strategy_funcs[node.target](schema)
-    if not isinstance(result, OpStrategy):
-        raise NoStrategy(node.target)
-    found = []
-    n_ins = len(given)
-    for spec in result.strategies:
-        out_specs = spec.output_specs
-        out_specs = out_specs if isinstance(out_specs, (tuple, list)) else (out_specs,) * max(n_outs, 1)
-        out_lays = tuple(None if s is None else tuple(s.placements) for s in out_specs)[:n_outs]
-        in_specs = spec.input_specs if spec.input_specs is not None else (spec.output_spec,) * n_ins
-        found.append(Strategy(out_lays, tuple(tuple(s.placements) for s in in_specs)))
-    return found
+
+def _tuples(a):
+    """A list of tensors' strategies is one TupleStrategy, as DTensor's rules expect."""
+    if isinstance(a, (list, tuple)) and a and all(isinstance(x, OpStrategy) for x in a):
+        return TupleStrategy(tuple(a))
+    return a
 
 
 def needs_local_args(op) -> bool:
