@@ -250,32 +250,47 @@ class Problem:
         return total
 
     def local_costs(self, n: int, options, choice: list, forward: bool = False) -> dict[int, float]:
-        """`local_cost(n, i, choice, forward)` for each candidate `i` of `options`, the same sums in
-        the same order, with each input's and output's terms found once per layout: candidates
-        differ in few of their layouts (a 4-axis op has hundreds of candidates, a slot a dozen
-        layouts)."""
+        """`local_cost(n, i, choice, forward)` for the candidates `i` of `options` that can be the
+        cheapest, the same sums in the same order, with each input's and output's terms found once
+        per layout (a 4-axis op has hundreds of candidates). Every term is a cost, so a candidate
+        whose work alone exceeds a cost already found is left out: it cannot be the least, and the
+        current candidate is always priced."""
+        work = self.c_work[n]
         if self.repeated[n]:  # which slots pay for a value shared between them depends on them all
-            return {i: self.local_cost(n, i, choice, forward) for i in options}
-        c_ins, c_outs, work = self.c_ins[n], self.c_outs[n], self.c_work[n]
-        slots = []  # per input slot: (slot, its terms by the layout wanted)
-        for slot, v in enumerate(self.inputs[n]):
-            p, j = self.values[v]
-            if choice[p] >= 0:
-                slots.append((slot, self._input_terms(v, self.c_outs[p][choice[p]][j], n, choice, forward)))
-        outs = [(j, self._output_terms(v, choice, forward)) for j, v in enumerate(self.out_ids[n]) if v is not None]
-        costs = {}
-        for i in options:
-            total = work[i]
-            ins = c_ins[i]
-            for slot, terms in slots:
-                for t in terms(ins[slot]):
-                    total += t
-            lays = c_outs[i]
-            for j, terms in outs:
-                if lays[j] is not None:
-                    for t in terms(lays[j]):
+            def cost_of(i):
+                return self.local_cost(n, i, choice, forward)
+        else:
+            c_ins, c_outs = self.c_ins[n], self.c_outs[n]
+            slots = []  # per input slot: (slot, its terms by the layout wanted)
+            for slot, v in enumerate(self.inputs[n]):
+                p, j = self.values[v]
+                if choice[p] >= 0:
+                    slots.append((slot, self._input_terms(v, self.c_outs[p][choice[p]][j], n, choice, forward)))
+            outs = [(j, self._output_terms(v, choice, forward)) for j, v in enumerate(self.out_ids[n]) if v is not None]
+
+            def cost_of(i):
+                total = work[i]
+                ins = c_ins[i]
+                for slot, terms in slots:
+                    for t in terms(ins[slot]):
                         total += t
-            costs[i] = total
+                lays = c_outs[i]
+                for j, terms in outs:
+                    if lays[j] is not None:
+                        for t in terms(lays[j]):
+                            total += t
+                return total
+        costs = {}
+        current = choice[n]
+        bound = math.inf
+        for i in ([current] if current >= 0 else []) + [min(options, key=work.__getitem__)]:
+            costs[i] = cost_of(i)
+            bound = min(bound, costs[i])
+        for i in options:
+            if i not in costs and work[i] <= bound:
+                c = costs[i] = cost_of(i)
+                if c < bound:
+                    bound = c
         return costs
 
     def _input_terms(self, v: int, have: int, n: int, choice: list, forward: bool):
@@ -363,7 +378,7 @@ class Problem:
             if following:
                 options = following if current < 0 or current in following else following + [current]
         costs = self.local_costs(n, options, choice, forward)
-        best = min(options, key=costs.__getitem__)
+        best = min((i for i in options if i in costs), key=costs.__getitem__)  # in order: the first least
         if current >= 0 and costs[current] <= costs[best] + EPS:
             return current  # keep on ties: the search only moves downhill
         return best
