@@ -168,6 +168,11 @@ def candidates(node: torch.fx.Node, sizes: tuple[int, ...]) -> list[Strategy]:
     return cache[sig]
 
 
+def strategy_key(node: torch.fx.Node) -> tuple:
+    """Everything `candidates(node, sizes)` depends on besides the sizes: equal keys, equal lists."""
+    return (_sig(node), prog.is_manual(node))
+
+
 def _sig(node: torch.fx.Node) -> tuple:
     layouts = (prog.constraint_layout(node), *(prog.constraint_layout(a) for a in tensor_inputs(node)))
     return (signature(node), repr(prog.kept_split(node)), repr(layouts))
