@@ -1,0 +1,68 @@
+"""The partitioner's plans for the llama train step stay what they were: every node's strategy on
+three 4-axis layouts, against a table written by the partitioner before its search was made fast
+(commit d7e5c1e; `python tests/test_plan_pins.py` writes the table anew, for a change that means
+to change plans). A plan given back for a graph planned before is the same as a fresh search's."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import sys
+
+import pytest
+import torch
+
+import ndfunc as nf
+from models import llama, train
+from ndfunc._src.partition.planning import solve
+from ndfunc.sharding import P
+
+pytestmark = pytest.mark.slow  # three lowerings of the 4-axis llama step: about a minute
+
+TABLE = pathlib.Path(__file__).parent / "data" / "plans" / "llama_tiny.json"
+LAYOUTS = {"fsdp+tp": (1, 4, 1, 2), "hsdp+tp": (2, 2, 1, 2), "4d": (1, 2, 2, 2)}  # (dp_replicate, dp_shard, cp, tp)
+
+
+def lowered(sizes: tuple[int, ...]):
+    cfg = llama.LlamaConfig.tiny()
+    config = nf.ParallelConfig(*sizes)
+    with nf.simulate(config.total_size):
+        opt = nf.optim.adamw(1e-3, weight_decay=0.1)
+        pspec = nf.sharding.logical_to_mesh(llama.param_axes(cfg), config.rules)
+        params = llama.init(cfg, nf.random.key(0))
+        state = opt.init(params)
+        sspec = nf.optim.state_shardings(state, pspec)
+        n, seq = 2 * config.dp_world_size, 64
+        batch = {"tokens": torch.zeros(n, seq, dtype=torch.long), "targets": torch.zeros(n, seq, dtype=torch.long),
+                 "positions": torch.arange(seq).expand(n, seq).contiguous()}
+        bspec = {k: config.batch_spec for k in batch}
+        step = nf.jit(train.make_step(cfg, opt, config.rules), mesh=config.build_mesh(),
+                      in_shardings=(pspec, sspec, bspec), out_shardings=(pspec, sspec, P()))
+        return step.lower(params, state, batch).program
+
+
+def table(plan) -> dict:
+    return {"strategies": [[str(node), repr(s)] for node, s in plan.strategy.items()],
+            "outputs": [[str(v[0]), v[1], repr(lay)] for v, lay in plan.outputs]}
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_the_plan_is_the_one_the_partitioner_made_before(name):
+    expected = json.loads(TABLE.read_text())[name]
+    program = lowered(LAYOUTS[name])
+    fresh = solve.Problem(program.traced.graph, program.sizes, program.in_layouts, program.out_layouts).solve()
+    assert table(fresh) == expected
+    assert table(program.plan) == expected  # what the step lowered with (a fresh or a remembered plan)
+    again = lowered(LAYOUTS[name])  # the same graph traced anew: its plan is given back, node by node
+    assert table(again.plan) == expected
+    assert all(node.graph is again.traced.graph for node in again.plan.strategy)
+
+
+if __name__ == "__main__":
+    TABLE.parent.mkdir(parents=True, exist_ok=True)
+    out = {}
+    for name, sizes in LAYOUTS.items():
+        p = lowered(sizes)
+        out[name] = table(solve.Problem(p.traced.graph, p.sizes, p.in_layouts, p.out_layouts).solve())
+        print(name, len(out[name]["strategies"]), file=sys.stderr)
+    TABLE.write_text(json.dumps(out, indent=0))
