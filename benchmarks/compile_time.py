@@ -1,86 +1,101 @@
-"""How long nf.jit takes to trace, partition and lower the llama train step, by depth.
+"""How long nf.jit takes to lower the llama train step, by depth and by mesh size.
 
-    python benchmarks/compile_time.py [--layers 2 8 32] [--mesh dp=2,tp=2]
+    python benchmarks/compile_time.py [--layers 2 8 32 80] [--meshes 1,2,2,2 2,2,2,2 ...]
+                                      [--config tiny] [--json OUT]
 
-Runs in simulation (the program does not depend on how ranks are made). The arguments are laid out
-before `lower` (as a training loop holds them), and that is timed apart. Prints seconds per stage
-and per layer: the total should grow linearly with depth.
+Each row lowers the step of `models.train` (AdamW, the ParallelConfig's rules on activations) over
+simulated ranks, with the arguments laid out first (as a training loop holds them; placing data is
+not compiling), and prints the seconds of `Jitted.lower` and of its parts: tracing, the
+partitioner's candidate strategies (DTensor's rules asked), its search, and the passes after it.
+Every row starts from cold caches (no candidate, layout change or plan remembered from a row
+before), as a fresh process would. Depth rows use `--depth-mesh`; mesh rows use `--mesh-layers`.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import time
 
 import torch
 
 import ndfunc as nf
-from models import llama
-from ndfunc._src.partition import lower as lowering
-from ndfunc._src.partition.planning.solve import partition
-from ndfunc._src.trace import trace
+from models import llama, train
+from ndfunc._src.partition.planning import ops, solve
 from ndfunc.sharding import P
 
-RULES = [("batch", "dp"), ("heads", "tp"), ("kv_heads", "tp"), ("mlp", "tp"), ("vocab", "tp")]
+MESHES = ["1,2,1,2", "1,2,2,2", "2,2,2,2", "2,4,2,4", "2,8,4,4"]  # dp_replicate, dp_shard, cp, tp: 4 to 256
 
 
-def stages(n_layers: int, mesh_axes: dict) -> dict:
-    cfg = dataclasses.replace(llama.LlamaConfig.tiny(), n_layers=n_layers)
-    params = llama.init(cfg, nf.random.key(0))
-    opt = nf.optim.adamw(1e-3)
+def cold() -> None:
+    """Forget what the partitioner remembers between programs."""
+    ops._CACHE.clear()
+    ops._WHOLE.clear()
+    solve._TRANSITIONS.clear()
+    solve._PLANS.clear()
+
+
+def row(cfg: llama.LlamaConfig, sizes: tuple[int, ...], seq: int = 64) -> dict:
+    config = nf.ParallelConfig(*sizes)
+    opt = nf.optim.adamw(1e-3, weight_decay=0.1)
+    params = llama.init(cfg, nf.random.key(0))  # whole, on this process: only the layout is simulated
     state = opt.init(params)
-    batch = {"tokens": torch.zeros(8, 32, dtype=torch.long), "targets": torch.zeros(8, 32, dtype=torch.long)}
-
-    def step(params, state, batch):
-        loss, grads = nf.value_and_grad(llama.loss)(params, batch, cfg)
-        updates, state = opt.update(grads, state, params)
-        return nf.optim.apply_updates(params, updates), state, loss
-
-    mesh = nf.make_mesh(**mesh_axes)
-    rules = [(name, axis) for name, axis in RULES if axis in mesh_axes]
-    pspec = nf.sharding.logical_to_mesh(llama.param_axes(cfg), rules)
-    bspec = nf.sharding.logical_to_mesh(("batch", None), rules)
-    sspec = nf.optim.state_shardings(state, pspec)
-    jitted = nf.jit(step, mesh=mesh, in_shardings=(pspec, sspec, bspec), out_shardings=(pspec, sspec, P()))
-    # the arguments laid out first, as a training loop holds them: placing data is not compiling
-    with mesh:
+    n = config.dp_world_size
+    batch = {"tokens": torch.zeros(n, seq * config.cp_size, dtype=torch.long),
+             "targets": torch.zeros(n, seq * config.cp_size, dtype=torch.long),
+             "positions": torch.arange(seq * config.cp_size).expand(n, -1).contiguous()}
+    with nf.simulate(config.total_size):
+        mesh = config.build_mesh()
+        pspec = nf.sharding.logical_to_mesh(llama.param_axes(cfg), config.rules)
+        sspec = nf.optim.state_shardings(state, pspec)
+        bspec = {k: config.batch_spec for k in batch}
+        with mesh:
+            args = nf.device_put((params, state, batch), (pspec, sspec, bspec))
+        step = nf.jit(train.make_step(cfg, opt, config.rules), mesh=mesh, in_shardings=(pspec, sspec, bspec),
+                      out_shardings=(pspec, sspec, P()))
+        cold()
         t0 = time.perf_counter()
-        params, state, batch = nf.device_put((params, state, batch), (pspec, sspec, bspec))
-        place = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    lowered = jitted.lower(params, state, batch)
-    total = time.perf_counter() - t0
-    # the same stages again, separately, for the breakdown
-    program = lowered.program
-    t0 = time.perf_counter()
-    traced = trace(step, (params, state, batch))
-    t1 = time.perf_counter()
-    plan = partition(traced.graph, program.sizes, program.in_layouts, program.out_layouts)
-    t2 = time.perf_counter()
-    groups = [mesh.device_mesh.get_group(i).group_name for i in program.axes]
-    lowering.lower(traced.graph, plan, program.axis_names, groups)
-    t3 = time.perf_counter()
-    return {"layers": n_layers, "nodes": len(traced.graph.nodes), "trace_s": t1 - t0, "partition_s": t2 - t1,
-            "lower_s": t3 - t2, "total_s": total, "place_s": place}
+        lowered = step.lower(*args)
+        total = time.perf_counter() - t0
+        # the parts, again, from cold caches: the search's own time apart from the candidates'
+        program = lowered.program
+        cold()
+        graph = program.traced.graph
+        t0 = time.perf_counter()
+        problem = solve.Problem(graph, program.sizes, program.in_layouts, program.out_layouts)
+        t1 = time.perf_counter()
+        problem.solve()
+        t2 = time.perf_counter()
+    return {"layers": cfg.n_layers, "mesh": list(sizes), "ranks": config.total_size, "nodes": len(graph.nodes),
+            "lower_s": total, "candidates_s": t1 - t0, "search_s": t2 - t1,
+            "rest_s": total - (t2 - t0)}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--layers", type=int, nargs="+", default=[2, 8, 32])
-    parser.add_argument("--mesh", default="dp=2,tp=2", help="axis=size,... (simulated ranks: their product)")
+    parser.add_argument("--config", choices=["tiny", "small"], default="tiny")
+    parser.add_argument("--layers", type=int, nargs="*", default=[2, 8, 32, 80])
+    parser.add_argument("--depth-mesh", default="1,2,2,2", help="dp_replicate,dp_shard,cp,tp of the depth rows")
+    parser.add_argument("--meshes", nargs="*", default=MESHES, help="dp_replicate,dp_shard,cp,tp per mesh row")
+    parser.add_argument("--mesh-layers", type=int, default=2)
+    parser.add_argument("--json", help="also write the rows to this file")
     args = parser.parse_args()
-    axes = {k: int(v) for k, v in (kv.split("=") for kv in args.mesh.split(","))}
-    n = 1
-    for v in axes.values():
-        n *= v
-    with nf.simulate(n):
-        print(f"mesh {axes}")
-        for layers in args.layers:
-            r = stages(layers, axes)
-            print(f"{r['layers']:3d} layers {r['nodes']:6d} nodes: trace {r['trace_s']:.2f} s, partition "
-                  f"{r['partition_s']:.2f} s, lower {r['lower_s']:.2f} s; nf.jit lower {r['total_s']:.2f} s "
-                  f"({r['total_s'] / layers:.2f} s/layer; placing the arguments before: {r['place_s']:.2f} s)")
+    base = getattr(llama.LlamaConfig, args.config)()
+    sizes_of = lambda text: tuple(int(x) for x in text.split(","))  # noqa: E731
+    jobs = [(layers, sizes_of(args.depth_mesh)) for layers in args.layers]
+    jobs += [(args.mesh_layers, sizes_of(m)) for m in args.meshes]
+    rows = []
+    print(f"{'layers':>6} {'mesh':>12} {'ranks':>5} {'nodes':>6} {'lower s':>8} {'cands s':>8} {'search s':>8} "
+          f"{'rest s':>7}")
+    for layers, sizes in jobs:
+        r = row(dataclasses.replace(base, n_layers=layers), sizes)
+        rows.append(r)
+        print(f"{layers:6d} {'x'.join(map(str, sizes)):>12} {r['ranks']:5d} {r['nodes']:6d} {r['lower_s']:8.2f} "
+              f"{r['candidates_s']:8.2f} {r['search_s']:8.2f} {r['rest_s']:7.2f}", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
 
 
 if __name__ == "__main__":

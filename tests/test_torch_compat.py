@@ -144,3 +144,53 @@ def test_core_aten_decompositions_decomposition_table_datadependentoutputexcepti
             fake.sum().item()
         with pytest.raises(compat.DynamicOutputShapeException):
             torch.nonzero(fake)
+
+
+def test_view_rule_gives_the_strategies_dtensors_reshape_rule_gives_per_input_layout():
+    """The view path of the partitioner's candidates (`view_rule`) against asking DTensor's rule
+    itself, one layout at a time, on every view-like node of a small program and two meshes."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from ndfunc._src.partition.planning import strategies
+
+    gm = make_fx(lambda x: x.view(4, 6, 2).permute(2, 0, 1).unsqueeze(0).expand(3, 2, 4, 6).squeeze(0)
+                 .transpose(1, 2).reshape(3, 12, 4))(torch.ones(48))
+    views = [n for n in gm.graph.nodes if n.op == "call_function" and compat.view_rule(n.target) is not None]
+    assert {n.target for n in views} >= {torch.ops.aten.view.default, torch.ops.aten.permute.default,
+                                         torch.ops.aten.unsqueeze.default, torch.ops.aten.expand.default}
+    assert compat.view_rule(torch.ops.aten.mm.default) is None
+    for sizes in [(2, 2, 2), (2, 4)]:
+        for node in views:
+            ins, outs = strategies.tensor_inputs(node), strategies.tensor_outputs(node)
+            asked = strategies.from_op_strategy(node, ins, outs, sizes)
+            assert strategies._from_view_rule(node, outs, sizes, *compat.view_rule(node.target)) == asked
+
+
+def test_rules_without_costs_zeroes_dtensors_redistribute_cost_on_this_thread_only():
+    import threading
+
+    from torch.distributed.tensor._ops import utils
+
+    mesh = compat.shape_only_device_mesh((4,))
+    meta = compat.TensorMeta(torch.Size([64, 64]), (64, 1), torch.float32)
+    src = compat.DTensorSpec(mesh, (Shard(0),), tensor_meta=meta)
+    dst = compat.DTensorSpec(mesh, (Replicate(),), tensor_meta=meta)
+    before = utils.redistribute_cost(src, dst)
+    assert before > 0
+    elsewhere = []
+    with compat.rules_without_costs():
+        assert utils.redistribute_cost(src, dst) == 0.0
+        t = threading.Thread(target=lambda: elsewhere.append(utils.redistribute_cost(src, dst)))
+        t.start()
+        t.join()
+    assert elsewhere == [before] and utils.redistribute_cost(src, dst) == before
+
+
+def test_no_dispatch_modes_runs_ops_on_plain_tensors_inside_a_simulation():
+    with nf.simulate(2):
+        x = torch.ones(3)
+        assert isinstance(x, compat.LocalTensor)
+        with compat.no_dispatch_modes():
+            y = torch.ones(3) + 1
+        assert type(y) is torch.Tensor and y.tolist() == [2.0, 2.0, 2.0]
+        assert isinstance(torch.ones(3), compat.LocalTensor)

@@ -25,10 +25,10 @@ from ndfunc._src.partition.backends import gloo as algorithms
 from ndfunc._src.partition.passes import bucket, inplace, schedule
 from ndfunc._src.partition.planning import ops, solve
 from ndfunc._src.partition.program import Program
+from ndfunc._src.runtime import simulation_paused
 from ndfunc._src.sharding.errors import ShardingWarning
 from ndfunc._src.sharding.mesh import Mesh
 from ndfunc._src.sharding.named_sharding import NamedSharding
-from ndfunc._src.runtime import simulation_paused
 from ndfunc._src.torch_compat import FakeTensorMode
 from ndfunc._src.trace import first_calls
 from ndfunc._src.transforms.base import Transform

@@ -27,7 +27,12 @@ import torch
 import torch.fx
 
 from ndfunc._src.partition.backends.cpu_kernels import KERNELS
-from ndfunc._src.torch_compat import LocalTensor, local_blocks, local_reduce, process_group_ranks
+from ndfunc._src.torch_compat import (
+    LocalTensor,
+    local_blocks,
+    local_reduce,
+    process_group_ranks,
+)
 
 c10d = torch.ops._c10d_functional
 

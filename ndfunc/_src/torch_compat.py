@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import re
+import threading
 from collections.abc import Callable
 
 import torch
@@ -40,6 +41,7 @@ from torch.fx._lazy_graph_module import _LazyGraphModule as LazyGraphModule
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import (
     TorchDispatchMode,
+    _disable_current_modes,
     _get_current_dispatch_mode,
     _pop_mode_temporarily,
 )
@@ -49,14 +51,64 @@ __all__ = [
     "OpSpec", "OpStrategy", "StridedShard", "TensorMeta", "TorchDispatchMode", "TupleStrategy", "bind_ops",
     "current_dispatch_mode", "dtensor_of_local", "fake_store", "group_size", "group_backend", "local_blocks",
     "local_of", "local_tensor_mode", "onednn_available", "onednn_linear", "pop_dispatch_mode", "pytree", "sharding_propagator",
-    "unset_fake_temporarily", "REDISTRIBUTE_LOGGER", "random_rng_tracker", "set_random_rng_tracker", "flattened",
+    "unset_fake_temporarily", "view_rule", "no_dispatch_modes", "rules_without_costs", "REDISTRIBUTE_LOGGER", "random_rng_tracker", "set_random_rng_tracker", "flattened",
     "functional_collectives", "process_group_ranks", "local_reduce", "shape_only_device_mesh", "traced_as_compiling", "DataDependentOutputException",
     "DynamicOutputShapeException", "core_aten_decompositions", "decomposition_table",
 ]
 
 current_dispatch_mode = _get_current_dispatch_mode
 pop_dispatch_mode = _pop_mode_temporarily
+no_dispatch_modes = _disable_current_modes  # a block where no Python dispatch mode sees an op (the
+# simulation's, fake tensors', a user's): the compiler's own arithmetic on plain tensors
 REDISTRIBUTE_LOGGER = "torch.distributed.tensor._redistribute"  # DTensor's redistribute warnings
+
+
+_WITHOUT_COSTS: set[int] = set()  # threads asking DTensor's rules for strategies only
+
+
+@contextlib.contextmanager
+def rules_without_costs():
+    """A block in which DTensor's op rules, asked on this thread, skip the redistribute cost they
+    work out for every strategy (ndfunc's partitioner prices layout changes itself; for `cat`
+    on four mesh axes that work is most of the rule's time): it reads as 0. Other threads get
+    DTensor's costs as ever."""
+    from torch.distributed.tensor._ops import utils
+
+    if getattr(utils.redistribute_cost, "__wrapped__", None) is None:
+        original = utils.redistribute_cost
+
+        @functools.wraps(original)
+        def redistribute_cost(*args, **kwargs):
+            if threading.get_ident() in _WITHOUT_COSTS:
+                return 0.0
+            return original(*args, **kwargs)
+
+        utils.redistribute_cost = redistribute_cost
+    me = threading.get_ident()
+    nested = me in _WITHOUT_COSTS
+    _WITHOUT_COSTS.add(me)
+    try:
+        yield
+    finally:
+        if not nested:
+            _WITHOUT_COSTS.discard(me)
+
+
+def view_rule(op) -> tuple | None:
+    """`(dim_map, strict_view, propagate)` of DTensor's rule for a view-like op (view, reshape,
+    permute, squeeze, unsqueeze, expand, transpose...: the ops its `reshape_strategy` serves), else
+    None. `propagate(placements, shape, dim_map(*args), mesh_shape, strict_view)` gives the input
+    layout the rule asks for and the output's, which is all the rule does per input layout, less
+    the specs and redistribute costs it builds around that."""
+    from torch.distributed.tensor._ops import _view_ops
+
+    fn = sharding_propagator().op_strategy_funcs.get(op)
+    if fn is None or getattr(fn, "__name__", None) != "reshape_strategy" or fn.__closure__ is None:
+        return None
+    cells = dict(zip(fn.__code__.co_freevars, (c.cell_contents for c in fn.__closure__)))
+    if set(cells) != {"dim_map", "strict_view"}:
+        return None
+    return cells["dim_map"], cells["strict_view"], _view_ops.propagate_shape_and_sharding
 
 
 def sharding_propagator():

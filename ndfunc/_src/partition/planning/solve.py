@@ -15,6 +15,13 @@ or change its producer - each followed by choosing again everything downstream t
 another strategy, kept if the total fell. Inputs and `with_sharding_constraint` nodes have one
 candidate; requested output layouts are extra consumers; an output left to the partitioner only
 has to end without a pending sum.
+
+What makes it fast enough, without changing a plan (`tests/test_plan_pins.py`): layouts are ints
+and a layout change is priced on ints (`redistribute.coded_cost`), each pair once per process; a
+node's answer is remembered by everything it depends on (`best`), so identical layers are answered
+once; a node's candidates are priced with each input's and output's terms found once per layout,
+as float64 columns where there are many (the same sums in the same order), leaving out those whose
+work alone exceeds a cost found; a graph equal to one planned before gets its plan back (`partition`).
 """
 
 from __future__ import annotations
@@ -39,6 +46,7 @@ from ndfunc._src.partition.planning.strategies import (
     tensor_outputs,
     value_of,
 )
+from ndfunc._src.torch_compat import no_dispatch_modes
 
 Value = tuple  # (producing node, output index)
 FLOPS_PER_BYTE = 100.0  # floating-point work worth one byte sent (CPU-like; GPUs compute more per byte)
@@ -301,7 +309,13 @@ class Problem:
     def _vector_costs(self, n: int, choice: list, forward: bool) -> list[float]:
         """`local_costs` of every candidate of `n` as float64 columns: the work, then each input's
         terms, then each output's, added in `local_cost`'s order (a missing term adds 0.0, which
-        changes no sum), so each total is the same float."""
+        changes no sum), so each total is the same float. Torch's arithmetic, on plain CPU tensors
+        whatever mode the step is lowered in (under `nf.simulate` each op would otherwise run once
+        per simulated rank)."""
+        with no_dispatch_modes():
+            return self._vector_costs_here(n, choice, forward)
+
+    def _vector_costs_here(self, n: int, choice: list, forward: bool) -> list[float]:
         ins, outs = self._layout_columns(n)
         total = self._work_column(n).clone()
         for slot, v in enumerate(self.inputs[n]):
@@ -320,9 +334,9 @@ class Problem:
         known = self._columns.get(id(c_ins))
         if known is None or known[0] is not c_ins:
             c_outs = self.c_outs[n]
-            ins = torch.tensor(c_ins, dtype=torch.int64).reshape(len(c_ins), -1)
+            ins = torch.tensor(c_ins, dtype=torch.int64, device="cpu").reshape(len(c_ins), -1)
             outs = torch.tensor([[-1 if lay is None else lay for lay in o] for o in c_outs],
-                                dtype=torch.int64).reshape(len(c_outs), -1)
+                                dtype=torch.int64, device="cpu").reshape(len(c_outs), -1)
             known = self._columns[id(c_ins)] = (c_ins, ins, outs)
         return known[1], known[2]
 
@@ -330,7 +344,7 @@ class Problem:
         work = self.c_work[n]
         known = self._columns.get(id(work))
         if known is None or known[0] is not work:
-            known = self._columns[id(work)] = (work, torch.tensor(work, dtype=torch.float64))
+            known = self._columns[id(work)] = (work, torch.tensor(work, dtype=torch.float64, device="cpu"))
         return known[1]
 
     def _input_terms(self, v: int, have: int, n: int, choice: list, forward: bool):
@@ -637,7 +651,7 @@ def _add_terms(total: torch.Tensor, column: torch.Tensor, terms) -> None:
     rows = [() if lay < 0 else terms(lay) for lay in layouts.tolist()]
     width = max(map(len, rows), default=0)
     if width:
-        table = torch.tensor([r + (0.0,) * (width - len(r)) for r in rows], dtype=torch.float64)
+        table = torch.tensor([r + (0.0,) * (width - len(r)) for r in rows], dtype=torch.float64, device="cpu")
         for k in range(width):
             total += table[which, k]
 

@@ -29,7 +29,9 @@ from ndfunc._src.torch_compat import (
     TensorMeta,
     TupleStrategy,
     pytree,
+    rules_without_costs,
     shape_only_device_mesh,
+    view_rule,
 )
 from ndfunc._src.torch_compat import sharding_propagator as propagator
 
@@ -101,6 +103,8 @@ def from_dtensor(node: torch.fx.Node, ins: list, outs: list, sizes: tuple[int, .
         return [Strategy(tuple(None if o is None else replicated(len(sizes)) for o in outs), ())]
     if op in propagator().op_single_dim_strategy_funcs:
         return _from_single_dim(node, ins, outs, sizes)
+    if len(ins) == 1 and (view := view_rule(op)) is not None:
+        return _from_view_rule(node, outs, sizes, *view)
     if op in propagator().op_strategy_funcs:
         return from_op_strategy(node, ins, outs, sizes)
     return None
@@ -140,14 +144,38 @@ def from_op_strategy(node, ins, outs, sizes) -> list[Strategy]:
     found: list[Strategy] = []
     errors = []
     asking = _Asking(node, sizes)
-    for i, a in enumerate(ins):
-        for lay in all_layouts(tuple(a.meta["val"].shape), sizes):
-            try:
-                found += asking.ask(i, lay, len(outs))
-            except Exception as e:  # noqa: BLE001 - a layout the rule rejects has no strategy
-                errors.append(e)
+    with rules_without_costs():  # the strategies only: the solver prices layout changes itself
+        for i, a in enumerate(ins):
+            for lay in all_layouts(tuple(a.meta["val"].shape), sizes):
+                try:
+                    found += asking.ask(i, lay, len(outs))
+                except Exception as e:  # noqa: BLE001 - a layout the rule rejects has no strategy
+                    errors.append(e)
     if not found:
         raise NoStrategy(node.target) from (errors[0] if errors else None)
+    return found
+
+
+def _from_view_rule(node, outs, sizes, dim_map, strict_view, propagate) -> list[Strategy]:
+    """`from_op_strategy` for a view-like op, by the function DTensor's rule applies per input
+    layout: the same strategies in the same order, without a spec or a cost built per question."""
+    asking = _Asking(node, sizes)
+    args, kwargs = pytree.tree_unflatten(asking.leaves, asking.spec)
+    try:
+        rules = dim_map(*args, **kwargs)
+    except Exception as e:  # noqa: BLE001 - arguments the rule cannot map have no strategy
+        raise NoStrategy(node.target) from e
+    shape = tuple(asking.metas[0].shape)
+    mesh_shape = asking.mesh.shape
+    found = []
+    for lay in all_layouts(shape, sizes):
+        try:
+            ins, out = propagate(lay, shape, rules, mesh_shape, strict_view)
+        except Exception:  # noqa: BLE001, S112 - a layout the rule rejects has no strategy
+            continue
+        found.append(Strategy(((tuple(out),) * max(len(outs), 1))[:len(outs)], (tuple(ins),)))
+    if not found:
+        raise NoStrategy(node.target)
     return found
 
 
