@@ -115,9 +115,13 @@ class _Emitter:
         sent = tuple(step.in_shape)
         if not val.is_contiguous() or (step.kind == "reduce_scatter" and d != 0):
             if step.kind == "reduce_scatter" and d != 0:  # blocks along d, stacked on dim 0
-                x = self.call(aten.cat.default, [self.call(operator.getitem, self.call(
-                    aten.split.Tensor, x, step.in_shape[d] // n, d), i) for i in range(n)], 0)
+                # one copy whatever n (not n slices and a cat: n nodes per collective); splitting
+                # one dim is a view of any strides
+                shape = list(step.in_shape)
+                blocks = self.call(aten.view.default, x, shape[:d] + [n, shape[d] // n] + shape[d + 1:])
+                order = list(range(len(shape) + 1))
                 sent = (sent[0] * n, *sent[1:d], sent[d] // n, *sent[d + 1:])
+                x = self._copied(self.call(aten.permute.default, blocks, [d] + order[:d] + order[d + 1:]), sent)
             else:
                 x = self.call(aten.clone.default, x, memory_format=torch.contiguous_format)
         if step.kind == "all_reduce":
@@ -130,10 +134,17 @@ class _Emitter:
         out = self.call(c10d.wait_tensor.default, comm)
         if step.reduce_op == "avg":
             out = self.call(aten.div.Tensor, out, n)
-        if step.kind == "all_gather" and d != 0:  # rank blocks arrive stacked on dim 0
-            parts = self.call(aten.split.Tensor, out, step.in_shape[0], 0)
-            out = self.call(aten.cat.default, [self.call(operator.getitem, parts, i) for i in range(n)], d)
+        if step.kind == "all_gather" and d != 0:  # rank blocks arrive stacked on dim 0: put them along d
+            shape = list(step.in_shape)
+            blocks = self.call(aten.view.default, out, [n] + shape)
+            order = list(range(1, len(shape) + 1))
+            out = self._copied(self.call(aten.permute.default, blocks, order[:d] + [0] + order[d:]), step.out_shape)
         return out
+
+    def _copied(self, x: torch.fx.Node, shape) -> torch.fx.Node:
+        """`x` copied into a buffer of its own, in its order, and viewed as `shape`."""
+        copy = self.call(aten.clone.default, x, memory_format=torch.contiguous_format)
+        return self.call(aten.view.default, copy, list(shape))
 
     def permute(self, step: redistribute.Step, x: torch.fx.Node, val: torch.Tensor) -> torch.fx.Node:
         """Two axes trading their dims. Of one size: the block at (.., i, .., j, ..) goes to
