@@ -76,6 +76,20 @@ class LlamaConfig:
         return cls(vocab_size=32000, dim=768, n_layers=12, n_heads=12, n_kv_heads=4, ffn_dim=2048,
                    tie_embeddings=True, max_seq_len=2048)
 
+    @classmethod
+    def llama3_8b(cls, **changes) -> "LlamaConfig":
+        """Llama 3 8B's shape (Meta's params.json: 32 layers, dim 4096, GQA 32/8, ffn 14336,
+        vocabulary 128256), for planning with stand-ins; 8.03e9 parameters."""
+        return cls(**{**dict(vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336,
+                             rope_theta=500000.0, max_seq_len=8192), **changes})
+
+    @classmethod
+    def llama3_70b(cls, **changes) -> "LlamaConfig":
+        """Llama 3 70B's shape (80 layers, dim 8192, GQA 64/8, ffn 28672, vocabulary 128256);
+        70.6e9 parameters."""
+        return cls(**{**dict(vocab_size=128256, dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim=28672,
+                             rope_theta=500000.0, max_seq_len=8192), **changes})
+
     def num_params(self) -> int:
         return sum(shape.numel() for shape in optree.tree_leaves(param_shapes(self)))
 
@@ -95,6 +109,24 @@ def param_shapes(cfg: LlamaConfig) -> dict:
     if not cfg.tie_embeddings:
         shapes["lm_head"] = S((D, V))
     return shapes
+
+
+def abstract_params(cfg: LlamaConfig, shardings=None, dtype: torch.dtype = torch.float32) -> dict:
+    """The parameters as `nf.ShapeDtypeStruct` stand-ins, each laid out by `shardings` (a tree of
+    NamedShardings like `init`'s, or None): what `nf.jit(...).lower` plans a step over on any
+    mesh, with nothing allocated.
+
+    Example:
+        >>> params = abstract_params(LlamaConfig.llama3_70b())
+        >>> params['layers'][0]['mlp']['w1']
+        ShapeDtypeStruct(shape=(8192, 28672), dtype=float32)
+    """
+    shapes = param_shapes(cfg)
+    is_shape = lambda x: isinstance(x, torch.Size)  # noqa: E731
+    if shardings is None:
+        return optree.tree_map(lambda s: nf.ShapeDtypeStruct(s, dtype), shapes, is_leaf=is_shape)
+    return optree.tree_map(lambda s, sharding: nf.ShapeDtypeStruct(s, dtype, sharding=sharding), shapes, shardings,
+                           is_leaf=is_shape)
 
 
 def param_axes(cfg: LlamaConfig) -> dict:

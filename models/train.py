@@ -52,6 +52,14 @@ def make_step(cfg: llama.LlamaConfig, opt: nf.optim.GradientTransformation, rule
     return make_loss_step(lambda params, batch: llama.loss(params, batch, cfg), opt, rules)
 
 
+def abstract_batch(config: nf.ParallelConfig, mesh, batch_size: int, seq_len: int) -> dict:
+    """A batch of `batch_size` sequences of `seq_len` tokens as `nf.ShapeDtypeStruct` stand-ins,
+    laid out as the job lays its batches out (over the data-parallel axes, the sequence over `cp`)."""
+    sharding = NamedSharding(mesh, config.batch_spec)
+    return {k: nf.ShapeDtypeStruct((batch_size, seq_len), torch.long, sharding=sharding)
+            for k in ("tokens", "targets", "positions")}
+
+
 def make_loss_step(loss, opt: nf.optim.GradientTransformation, rules=None):
     """One optimizer step of `loss(params, batch)`; `rules` lay out the activations it names."""
     @nf.sharding.axis_rules(rules)

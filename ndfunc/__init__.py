@@ -26,6 +26,8 @@ from ndfunc._src.runtime import shutdown as shutdown
 from ndfunc._src.runtime import simulate as simulate
 from ndfunc._src.runtime import world_size as world_size
 from ndfunc._src.shard_map import shard_map as shard_map
+from ndfunc._src.sharding.shape_dtype import ShapeDtypeStruct as ShapeDtypeStruct
+from ndfunc._src.sharding.shape_dtype import eval_shape as eval_shape
 from ndfunc._src.sharding.mesh import get_mesh as get_mesh
 from ndfunc._src.sharding.mesh import make_mesh as make_mesh
 from ndfunc._src.sharding.mesh import set_mesh as set_mesh
@@ -46,7 +48,8 @@ from ndfunc.transforms import zigzag as zigzag
 __version__ = "0.1.0"
 
 __all__ = [
-    "DataDependentError", "ParallelConfig", "RanksDisagreeError", "accumulate", "checkpoint", "device_get", "device_put", "fsdp", "get_mesh", "grad",
+    "DataDependentError", "ParallelConfig", "RanksDisagreeError", "ShapeDtypeStruct", "accumulate", "checkpoint", "device_get",
+    "device_put", "eval_shape", "fsdp", "get_mesh", "grad",
     "init", "is_simulated", "jit", "lax", "mixed_precision", "nn", "optim", "random", "remat", "ring_attention",
     "unzigzag", "value_and_grad", "vmap", "zigzag",
     "make_array_from_callback", "make_mesh", "rank", "set_mesh", "shard_map", "sharding", "sharding_of", "shutdown",

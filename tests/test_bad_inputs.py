@@ -14,7 +14,7 @@ import torch
 import ndfunc as nf
 from models import safetensors_io, train
 from ndfunc.checkpoint import CheckpointError
-from ndfunc.sharding import P
+from ndfunc.sharding import NamedSharding, P
 
 # --- the train job's flags: (argv, what argparse prints after "error: ") ----------------------
 CLI = [
@@ -193,6 +193,20 @@ API = [
     ("a key from a string", lambda: nf.random.key("x"), TypeError, "key expects an integer seed, got 'x' of type str"),
     ("a logical rule of another shape", lambda: nf.sharding.logical_to_mesh(("batch",), [("batch", 3)]),
      nf.sharding.ShardingError, "logical rule 0 is ('batch', 3); a rule is (logical name, mesh axis or tuple"),
+    ("a stand-in's shape of another kind", lambda: nf.ShapeDtypeStruct(4, torch.float32), TypeError,
+     "ShapeDtypeStruct: shape is a sequence of sizes >= 0, like (4096, 1024), got 4."),
+    ("a stand-in's dtype as a string", lambda: nf.ShapeDtypeStruct((4,), "float32"), TypeError,
+     "ShapeDtypeStruct: dtype is a torch.dtype (torch.bfloat16, ...), got 'float32'."),
+    ("a stand-in's sharding as a bare spec", lambda: nf.ShapeDtypeStruct((4,), torch.float32, sharding=P("dp")),
+     TypeError, "ShapeDtypeStruct: sharding is a NamedSharding(mesh, P(...)) or None, got P('dp') of type "
+     "PartitionSpec; a bare P needs its mesh: NamedSharding(mesh, spec)."),
+    ("a stand-in its sharding cannot split", lambda: nf.ShapeDtypeStruct(
+        (5,), torch.float32, sharding=NamedSharding(nf.sharding.AbstractMesh({"dp": 2}), P("dp"))),
+     nf.sharding.IndivisibleError, "ShapeDtypeStruct: dim 0 of shape (5,) has size 5"),
+    ("stand-in state and bare specs with no mesh", lambda: nf.optim.state_shardings(
+        nf.optim.sgd(0.1, momentum=0.9).init({"w": nf.ShapeDtypeStruct((4,), torch.float32)}), {"w": P("dp")}),
+     ValueError, "nf.optim.state_shardings: the state is stand-ins (ShapeDtypeStruct) and the shardings bare "
+     "P('dp')s, with no mesh to bind them to; give NamedSharding(mesh, spec)s, or call it under `with mesh:`."),
     ("a sequence that zigzag cannot cut", lambda: nf.zigzag({"tokens": torch.zeros(2, 7, dtype=torch.long)}, 2),
      ValueError, "zigzag: a sequence of 7 tokens does not cut into 2 x 2 equal chunks; use a length divisible by 4"),
 ]
@@ -223,7 +237,8 @@ IN_A_WORLD = [
     ("a mesh bigger than the world", lambda mesh: nf.make_mesh(dp=3), nf.sharding.ShardingError,
      "mesh dp=3 has 3 ranks but the world has 2; choose axis sizes whose product is 2"),
     ("a list as a jitted argument", lambda mesh: nf.jit(lambda x: x, mesh=mesh)([1, 2]), TypeError,
-     "argument leaf '0.0' is a int (1); jitted arguments are tensors. Make it a tensor, or mark its argument static"),
+     "argument leaf '0.0' is a int (1); jitted arguments are tensors (or nf.ShapeDtypeStruct stand-ins, to lower). "
+     "Make it a tensor, or mark its argument static"),
     ("a step returning a number", lambda mesh: nf.jit(lambda x: 3, mesh=mesh)(torch.ones(2)), TypeError,
      "<lambda> returned a int (3) at output leaf 0; a traced step returns tensors only"),
     ("a constraint on an axis the mesh lacks", lambda mesh: nf.jit(

@@ -15,9 +15,10 @@ import torch
 from torch.distributed.tensor import DTensor, Replicate
 
 from ndfunc._src.sharding.errors import ShardingError, where
-from ndfunc._src.sharding.mesh import Mesh, get_mesh
+from ndfunc._src.sharding.mesh import AbstractMesh, Mesh, get_mesh
 from ndfunc._src.sharding.named_sharding import NamedSharding
 from ndfunc._src.sharding.partition_spec import PartitionSpec
+from ndfunc._src.sharding.shape_dtype import ShapeDtypeStruct
 from ndfunc._src.torch_compat import StridedShard
 from ndfunc._src.transfer import device_put, sharding_of
 from ndfunc.tree import keystr, tree_broadcast_prefix
@@ -100,9 +101,17 @@ class Arguments:
         prepared = []
         for path, x, spec in zip(paths, leaves, spec_leaves):
             name = keystr(path[1:])
+            if isinstance(x, torch.Tensor) and isinstance(mesh, AbstractMesh) and mesh.size > 1:
+                # an abstract mesh has no ranks to hold blocks: the tensor is planned for, as its stand-in
+                x = ShapeDtypeStruct(tuple(x.shape), x.dtype, device=x.device,
+                                     sharding=sharding_of(x) if isinstance(x, DTensor) else None)
+            if isinstance(x, ShapeDtypeStruct):
+                prepared.append(self._place_stand_in(name, x, spec, mesh))
+                continue
             if not isinstance(x, torch.Tensor):
                 raise TypeError(f"argument leaf {name!r} is a {type(x).__name__} ({x!r}); jitted arguments are "
-                                f"tensors. Make it a tensor, or mark its argument static (static_argnums).")
+                                f"tensors (or nf.ShapeDtypeStruct stand-ins, to lower). Make it a tensor, or mark "
+                                f"its argument static (static_argnums).")
             prepared.append(self._place(name, x, spec, mesh))
         statics = tuple((i, args[i]) for i in sorted(static))
         try:
@@ -137,6 +146,20 @@ class Arguments:
                                                for p in x.placements])
         return x
 
+    def _place_stand_in(self, name: str, x: ShapeDtypeStruct, spec, mesh) -> ShapeDtypeStruct:
+        """A stand-in laid out as `spec` says (else as it says itself): on the step's mesh."""
+        sharding = self._resolve(spec, mesh)[0] if spec is not None else x.sharding
+        if sharding is None:
+            return x
+        if mesh is not None and sharding.mesh != mesh:
+            raise ShardingError(f"{where(name)}the stand-in is laid out on {sharding.mesh!r}, but the function runs "
+                                f"on {mesh!r}; use one mesh for every argument.")
+        try:
+            sharding.check(tuple(x.shape), name)
+        except ShardingError as e:
+            raise type(e)(f"argument {e}") from None
+        return x.with_sharding(sharding)
+
     def _resolve(self, spec, mesh: Mesh | None) -> tuple[NamedSharding, tuple]:
         """`spec` as a NamedSharding on `mesh`, with its placements (once per spec and mesh)."""
         key = (id(mesh), spec)
@@ -145,21 +168,28 @@ class Arguments:
             self._resolved[key] = (mesh, sharding, sharding.placements)  # holds mesh: its id stays its own
         return self._resolved[key][1:]
 
-    def find_mesh(self, args, kwargs) -> Mesh | None:
+    def find_mesh(self, args, kwargs) -> Mesh | AbstractMesh | None:
         if self.mesh is not None:
             return self.mesh
-        for s in optree.tree_leaves((self.in_shardings, self.out_shardings),
-                                    is_leaf=lambda x: isinstance(x, (NamedSharding, PartitionSpec))):
-            if isinstance(s, NamedSharding) and isinstance(s.mesh, Mesh):
+        named = [s for s in optree.tree_leaves((self.in_shardings, self.out_shardings),
+                                               is_leaf=lambda x: isinstance(x, (NamedSharding, PartitionSpec)))
+                 if isinstance(s, NamedSharding)]
+        for s in named:
+            if isinstance(s.mesh, Mesh):
                 return s.mesh
-        for x in optree.tree_leaves((args, kwargs)):
+        stand_ins = [x for x in optree.tree_leaves((args, kwargs)) if isinstance(x, ShapeDtypeStruct)]
+        for x in stand_ins:
+            if x.sharding is not None:
+                return x.sharding.mesh
+        if named and (stand_ins or not any(isinstance(x, DTensor) for x in optree.tree_leaves((args, kwargs)))):
+            return named[0].mesh  # an AbstractMesh: planned, not run
             if isinstance(x, DTensor):  # its Mesh, built once per DeviceMesh
                 known = self._meshes.get(id(x.device_mesh))
                 if known is None or known.device_mesh is not x.device_mesh:
                     known = self._meshes[id(x.device_mesh)] = sharding_of(x).mesh
                 return known
         mesh = get_mesh()
-        if isinstance(mesh, Mesh):
+        if isinstance(mesh, Mesh) or (isinstance(mesh, AbstractMesh) and stand_ins):
             return mesh
         has_specs = any(isinstance(s, PartitionSpec) for s in optree.tree_leaves(
             (self.in_shardings, self.out_shardings), is_leaf=lambda x: isinstance(x, PartitionSpec)))
@@ -187,6 +217,8 @@ def _leaf_key(x: torch.Tensor) -> tuple:
     (the replicated global value) does: the program is the same, so a step whose replicated results
     feed its next call is not traced again."""
     placements = tuple(x.placements) if isinstance(x, DTensor) else None
+    if isinstance(x, ShapeDtypeStruct):
+        placements = None if x.sharding is None else tuple(x.sharding.placements)
     if placements is not None and all(isinstance(p, Replicate) for p in placements):
         placements = None
     return (tuple(x.shape), x.dtype, x.device.type, placements)

@@ -16,7 +16,7 @@ import dataclasses
 import math
 import os
 
-from ndfunc._src.sharding.mesh import Mesh, make_mesh
+from ndfunc._src.sharding.mesh import AbstractMesh, Mesh, make_mesh
 from ndfunc._src.sharding.partition_spec import PartitionSpec
 from ndfunc._src.sharding.rules import LogicalRules
 
@@ -126,6 +126,17 @@ class ParallelConfig:
     def build_mesh(self) -> Mesh:
         """The four-axis mesh `('dp_replicate', 'dp_shard', 'cp', 'tp')` over the current ranks."""
         return make_mesh(self.resolve().sizes)
+
+    def build_abstract_mesh(self) -> AbstractMesh:
+        """The same four axes as names and sizes only (every size given: nothing to resolve against),
+        for planning a step on ranks this process does not have (`nf.ShapeDtypeStruct`).
+
+        Example:
+            >>> nf.ParallelConfig(dp_replicate_size=2, dp_shard_size=64, tp_size=8).build_abstract_mesh()
+            AbstractMesh({'dp_replicate': 2, 'dp_shard': 64, 'cp': 1, 'tp': 8})
+        """
+        self._require_resolved("build_abstract_mesh")
+        return AbstractMesh(self.sizes)
 
     @property
     def rules(self) -> LogicalRules:

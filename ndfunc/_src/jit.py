@@ -27,6 +27,7 @@ from ndfunc._src.arguments import Arguments, Bounded, arg_index, output_placemen
 from ndfunc._src.partition.planning.ops import decompositions
 from ndfunc._src.partition.program import Program
 from ndfunc._src.sharding.mesh import AbstractMesh, Mesh, get_mesh
+from ndfunc._src.sharding.shape_dtype import ShapeDtypeStruct
 from ndfunc._src.stages import Lowered
 from ndfunc._src.trace import trace
 from ndfunc._src.transforms.base import check_transforms
@@ -125,6 +126,11 @@ class Jitted:
                 # the meshes whose ids the key holds stay alive with it, so no other takes their id
                 meshes = (get_mesh(), *(x.device_mesh for x in leaves if isinstance(x, DTensor)))
                 self._seen[quick] = (mesh, key, meshes)
+        if any(isinstance(x, ShapeDtypeStruct) for x in prepared):
+            raise TypeError(f"{self.__name__} was called with nf.ShapeDtypeStruct stand-ins (or on an abstract mesh), "
+                            f"which have shapes but no data: lower them to read the plan "
+                            f"({self.__name__}.lower(*args).cost_analysis() / .memory_analysis()), and call it "
+                            f"with tensors to run it.")
         if key not in self._cache:
             self._cache[key] = self._lowered(mesh, prepared, key)
         lowered = self._cache[key]
@@ -171,7 +177,12 @@ def _program(name: str, traced, mesh, prepared: list, out_shardings, **fields) -
     program = Program(name=name, traced=traced, mesh=mesh, axes=axes, sizes=tuple(mesh.axis_sizes[i] for i in axes),
                       in_layouts=[], out_layouts=[], **fields)
     for x in prepared:
-        placements = tuple(x.placements) if isinstance(x, DTensor) else (Replicate(),) * len(mesh.axis_names)
+        if isinstance(x, ShapeDtypeStruct) and x.sharding is not None:
+            placements = tuple(x.sharding.placements)
+        elif isinstance(x, DTensor):
+            placements = tuple(x.placements)
+        else:
+            placements = (Replicate(),) * len(mesh.axis_names)
         program.in_layouts.append(program.layout_of(placements))
     program.out_placements = output_placements(name, traced, mesh, out_shardings)
     program.out_layouts = [None if p is None else program.layout_of(p) for p in program.out_placements]

@@ -34,6 +34,7 @@ from ndfunc._src.trace import first_calls
 from ndfunc._src.transforms.base import Transform
 
 Pass = Callable[[Program], Program]
+ABSTRACT_GROUP = "abstract:"  # the prefix of an abstract mesh axis's group name
 
 
 def _on_local(rewrite: Callable[[torch.fx.GraphModule], Any], doc: str) -> Pass:
@@ -89,7 +90,10 @@ def transforms_partitioned(p: Program) -> Program:
 def lower(p: Program) -> Program:
     """The local program: each op on local blocks, each layout change as its collectives."""
     mesh = p.mesh
-    group_names = [mesh.device_mesh.get_group(i).group_name for i in p.axes] if p.axes else []
+    if isinstance(mesh, Mesh):
+        group_names = [mesh.device_mesh.get_group(i).group_name for i in p.axes]
+    else:  # no process group behind an abstract mesh: the program names its axes, to be read, not run
+        group_names = [f"{ABSTRACT_GROUP}{mesh.axis_names[i]}" for i in p.axes]
     p.local = lowering.lower(p.traced.graph, p.plan, p.axis_names, group_names,
                              dict(zip(mesh.axis_names, mesh.axis_sizes)))
     return p

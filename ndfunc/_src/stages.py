@@ -21,7 +21,7 @@ from ndfunc._src import pipeline
 from ndfunc._src.arguments import Arguments
 from ndfunc._src.buffers import written_inputs
 from ndfunc._src.donation import mark_donated
-from ndfunc._src.partition.passes.analysis import as_text, cost_analysis
+from ndfunc._src.partition.passes.analysis import MemoryAnalysis, as_text, cost_analysis, memory_analysis
 from ndfunc._src.partition.program import Program, propagate_meta
 from ndfunc._src.runtime import simulation_paused
 from ndfunc._src.sharding.mesh import Mesh
@@ -57,7 +57,16 @@ class Lowered:
         kind), `peak_memory_bytes` (from liveness in the local program, inputs included)."""
         return cost_analysis(self.program)
 
+    def memory_analysis(self) -> MemoryAnalysis:
+        """Per rank: bytes of the arguments, outputs (and those in donated buffers), temporaries and
+        the peak of one run, from liveness in the local program."""
+        return memory_analysis(self.program)
+
     def compile(self) -> "Compiled":
+        if not isinstance(self.program.mesh, Mesh) and self.program.axes:
+            raise TypeError(f"{self.name} was lowered on {self.program.mesh!r}, an abstract mesh (names and sizes, "
+                            f"no ranks): read it (as_text, cost_analysis, memory_analysis); to run it, lower it "
+                            f"on a Mesh (nf.make_mesh under nf.init or nf.simulate).")
         return self.compiled
 
     @functools.cached_property
@@ -99,6 +108,10 @@ class Compiled:
     def cost_analysis(self) -> dict:
         """As `Lowered.cost_analysis`, of the program as it runs here."""
         return cost_analysis(self.program, self._runs())
+
+    def memory_analysis(self) -> MemoryAnalysis:
+        """As `Lowered.memory_analysis`, of the program as it runs here."""
+        return memory_analysis(self.program, self._runs())
 
     def _runs(self) -> torch.fx.GraphModule:
         if not self._runs_meta and self.program.runs is not self.program.local:

@@ -41,6 +41,7 @@ from ndfunc._src.attention import traced_sdpa
 from ndfunc._src.constraints import decode_spec, sharding_constraint_op
 from ndfunc._src.runtime import simulation_paused
 from ndfunc._src.sharding.partition_spec import PartitionSpec
+from ndfunc._src.sharding.shape_dtype import ShapeDtypeStruct
 from ndfunc._src.torch_compat import (
     DataDependentOutputException,
     DynamicOutputShapeException,
@@ -343,7 +344,7 @@ def _flatten(tree) -> tuple[list[tuple[str, torch.Tensor]], optree.PyTreeSpec]:
     out = []
     for path, leaf in zip(paths, leaves):
         name = keystr(path[1:])  # (0, i, ...) for argument i, (1, key, ...) for a keyword
-        if not isinstance(leaf, torch.Tensor):
+        if not isinstance(leaf, (torch.Tensor, ShapeDtypeStruct)):
             raise TypeError(
                 f"argument leaf {name!r} is a {type(leaf).__name__} ({leaf!r}); traced arguments are "
                 f"tensors. Make it a tensor, or mark its argument static (static_argnums)."

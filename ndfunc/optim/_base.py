@@ -13,6 +13,8 @@ from typing import Any, NamedTuple, Protocol
 import optree
 import torch
 
+from ndfunc._src.sharding.shape_dtype import eval_shape, has_stand_ins, is_stand_in
+
 PyTree = Any
 Params = PyTree
 Updates = PyTree
@@ -30,9 +32,18 @@ class TransformUpdateFn(Protocol):
                  ) -> tuple[Updates, OptState]: ...
 
 
-class GradientTransformation(NamedTuple):
+class _Transformation(NamedTuple):
+    init: TransformInitFn
+    update: TransformUpdateFn
+
+
+class GradientTransformation(_Transformation):
     """A gradient transformation: `init(params) -> state`, `update(updates, state, params=None)
     -> (updates, state)`. Both are pure.
+
+    `init` over `nf.ShapeDtypeStruct` stand-ins returns the state as stand-ins (nothing allocated),
+    each part shaped like the parameters laid out as they are (`state_shardings`), every other
+    leaf replicated on their mesh: what `nf.jit(...).lower` plans a step over.
 
     Example:
         >>> from ndfunc import optim
@@ -44,8 +55,31 @@ class GradientTransformation(NamedTuple):
         {'w': tensor([0.9000, 0.9000])}
     """
 
-    init: TransformInitFn
-    update: TransformUpdateFn
+    __slots__ = ()
+
+    def __new__(cls, init: TransformInitFn, update: TransformUpdateFn):
+        return super().__new__(cls, _over_stand_ins(init), update)
+
+
+def _over_stand_ins(init: TransformInitFn) -> TransformInitFn:
+    """`init`, which over stand-ins runs on fake tensors and lays the state out like the params."""
+    if getattr(init, "_over_stand_ins", False):
+        return init
+
+    def over_stand_ins(params):
+        if not has_stand_ins(params):
+            return init(params)
+        from ndfunc.optim._shardings import state_shardings
+
+        state = eval_shape(init, params)
+        shardings = [x.sharding for x in optree.tree_leaves(params) if is_stand_in(x)]
+        if not shardings or any(s is None for s in shardings):
+            return state  # a parameter without a layout: the state's is for in_shardings to say
+        return state_shardings(state, optree.tree_map(lambda x: x.sharding, params))
+
+    over_stand_ins._over_stand_ins = True
+    over_stand_ins.__wrapped__ = init
+    return over_stand_ins
 
 
 class EmptyState(NamedTuple):

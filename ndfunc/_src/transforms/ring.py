@@ -63,7 +63,9 @@ class ring_attention(Transform):  # noqa: N801 - a transform is named like the f
         if live is None:
             return  # a size-1 axis: nothing is split, nothing to do
         dim = program.mesh.axis_names.index(self.axis)
-        grid = program.mesh.device_mesh.mesh  # global ranks by coordinate
+        mesh = program.mesh  # global ranks by coordinate (row-major on an abstract mesh, as on a Mesh)
+        grid = mesh.device_mesh.mesh if hasattr(mesh, "device_mesh") else \
+            torch.arange(mesh.size).reshape(mesh.axis_sizes)
         # each rank's next along the axis, its other coordinates the same
         peers = tuple(zip(grid.flatten().tolist(), grid.roll(-1, dim).flatten().tolist()))
         ring = _Ring(live=live, axis=self.axis, size=grid.shape[dim], peers=peers, skip=self.load_balance == "zigzag")

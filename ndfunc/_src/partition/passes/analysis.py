@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 import types
 
@@ -84,6 +85,41 @@ def cost_analysis(program, gm: torch.fx.GraphModule | None = None) -> dict:
         "collectives": counts,
         "peak_memory_bytes": peak_memory(gm),
     }
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryAnalysis:
+    """What one run of the local program holds per rank, in bytes (JAX's `memory_analysis()`
+    names): its arguments (each rank's blocks), its results, the part of the results written into
+    donated arguments' buffers (`alias`), what lives in between (`temp`: the peak beyond arguments
+    and results), and the peak itself (from liveness: fx frees a value after its last use)."""
+
+    argument_size_in_bytes: int
+    output_size_in_bytes: int
+    alias_size_in_bytes: int
+    temp_size_in_bytes: int
+    peak_memory_in_bytes: int
+
+    def __str__(self) -> str:
+        def gib(b: int) -> str:
+            return f"{b / 2**30:.2f} GiB" if b >= 2**30 else f"{b / 2**20:.2f} MiB"
+
+        return (f"arguments {gib(self.argument_size_in_bytes)}, outputs {gib(self.output_size_in_bytes)} "
+                f"({gib(self.alias_size_in_bytes)} in donated buffers), temporaries "
+                f"{gib(self.temp_size_in_bytes)}, peak {gib(self.peak_memory_in_bytes)} per rank")
+
+
+def memory_analysis(program, gm: torch.fx.GraphModule | None = None) -> MemoryAnalysis:
+    """Per-rank bytes of the local program (or `gm`, as `as_text`): arguments, outputs, temporaries, peak."""
+    program.ensure_meta()
+    gm = program.local if gm is None else gm
+    inputs = [n for n in gm.graph.nodes if n.op == "placeholder"][:-1]  # coords last: not an argument
+    outputs = gm.graph.find_nodes(op="output")[0].args[0]
+    arguments = sum(_bytes(n.meta.get("val")) for n in inputs)
+    results = [_bytes(o.meta.get("val")) if isinstance(o, torch.fx.Node) else 0 for o in outputs]
+    alias = sum(results[j] for j in program.donation)
+    peak = peak_memory(gm)
+    return MemoryAnalysis(arguments, sum(results), alias, max(0, peak - arguments - sum(results) + alias), peak)
 
 
 def _bytes(val) -> int:
