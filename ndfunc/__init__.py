@@ -8,6 +8,7 @@ from ndfunc import checkpoint as checkpoint
 from ndfunc import lax as lax
 from ndfunc import nn as nn
 from ndfunc import optim as optim
+from ndfunc import plan as plan
 from ndfunc import random as random
 from ndfunc import sharding as sharding
 from ndfunc import tree as tree
@@ -50,7 +51,7 @@ __version__ = "0.1.0"
 __all__ = [
     "DataDependentError", "ParallelConfig", "RanksDisagreeError", "ShapeDtypeStruct", "accumulate", "checkpoint", "device_get",
     "device_put", "eval_shape", "fsdp", "get_mesh", "grad",
-    "init", "is_simulated", "jit", "lax", "mixed_precision", "nn", "optim", "random", "remat", "ring_attention",
+    "init", "is_simulated", "jit", "lax", "mixed_precision", "nn", "optim", "plan", "random", "remat", "ring_attention",
     "unzigzag", "value_and_grad", "vmap", "zigzag",
     "make_array_from_callback", "make_mesh", "rank", "set_mesh", "shard_map", "sharding", "sharding_of", "shutdown",
     "simulate", "tree", "visualize_sharding", "with_logical_constraint", "with_sharding_constraint", "world_size",

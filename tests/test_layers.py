@@ -12,8 +12,8 @@ PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "ndfunc"
 # low to high; a module may import its own layer and the ones before it
 LAYERS = [
     ["_src.torch_compat"],
-    ["tree", "_src.sharding", "optim", "random", "_src.buffers"],
-    ["_src.host_memory", "_src.runtime", "_src.point_to_point", "_src.transfer", "_src.config", "_src.visualize", "sharding", "_src.module",
+    ["tree", "_src.sharding", "optim", "random", "_src.buffers", "_src.planner"],
+    ["_src.host_memory", "_src.runtime", "_src.point_to_point", "_src.transfer", "_src.config", "_src.visualize", "sharding", "_src.module", "plan",
      "_src.attention",
      "nn", "_src.checkpoint", "checkpoint"],
     ["_src.autodiff", "_src.constraints", "_src.manual", "_src.trace", "lax", "_src.shard_map"],
@@ -83,7 +83,7 @@ def test_the_named_rules(module, forbidden):
 
 
 def test_internal_modules_are_private():
-    public = {"", "tree", "lax", "nn", "checkpoint", "sharding", "optim", "random", "transforms"}
+    public = {"", "tree", "lax", "nn", "checkpoint", "sharding", "optim", "random", "transforms", "plan"}
     for name, _ in modules():
         top = name.split(".")[0]
         assert top in public or top.startswith("_"), f"ndfunc.{name} is an internal module outside _src"

@@ -9,7 +9,7 @@ import types
 import pytest
 
 NAMESPACES = ["ndfunc", "ndfunc.sharding", "ndfunc.optim", "ndfunc.random", "ndfunc.lax", "ndfunc.transforms",
-              "ndfunc.tree", "ndfunc.nn", "ndfunc.checkpoint"]
+              "ndfunc.tree", "ndfunc.nn", "ndfunc.checkpoint", "ndfunc.plan"]
 # public constants, each named in its module's docstring or beside it with what it is for
 CONSTANTS = {"ndfunc.random": {"CHUNK", "COMPILE_CHUNK"}}
 # type aliases: documented where they are defined, not callables of their own

@@ -1,0 +1,69 @@
+"""`python -m ndfunc.plan`: rank the layouts of a built-in model on a built-in cluster, print a table.
+
+Bad input is an argparse error (exit code 2) that says what was expected, what came and what to do.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from ndfunc._src.planner.cluster import Cluster, gpu_names
+from ndfunc._src.planner.estimate import Efficiency
+from ndfunc._src.planner.model import TransformerShape, model_names
+from ndfunc._src.planner.search import plan
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m ndfunc.plan",
+        description="Rank ND-parallel layouts (dp_replicate x dp_shard x cp x tp) of a Llama-shaped model by "
+                    "predicted step time; layouts that do not fit memory are dropped.",
+    )
+    p.add_argument("--model", default="llama3-8b", help=f"one of: {', '.join(model_names())}")
+    p.add_argument("--gpus", type=int, required=True, help="number of GPUs")
+    p.add_argument("--gpus-per-node", type=int, default=8)
+    p.add_argument("--gpu", default="h100", help=f"one of: {', '.join(gpu_names())}")
+    p.add_argument("--global-batch", type=int, required=True, help="sequences per optimizer step")
+    p.add_argument("--seq-len", type=int, required=True, help="tokens per sequence")
+    p.add_argument("--efficiency", type=float, default=Efficiency().matmul,
+                   help="fraction of peak matmul flops reached (default %(default)s)")
+    p.add_argument("--attention-efficiency", type=float, default=Efficiency().attention,
+                   help="fraction of bf16 peak reached by attention kernels (default %(default)s)")
+    p.add_argument("--float8", action="store_true", help="layer linears in fp8 (H100 and later)")
+    p.add_argument("--top", type=int, default=10, help="rows to print")
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Parse `argv` (default `sys.argv[1:]`), plan, print the table."""
+    p = parser()
+    args = p.parse_args(argv)
+    if args.model.lower() not in model_names():
+        p.error(f"--model {args.model!r} is not a built-in model; expected one of {', '.join(model_names())} "
+                f"(for another shape call ndfunc.plan.plan with TransformerShape.from_config(cfg)).")
+    if args.gpu.lower() not in gpu_names():
+        p.error(f"--gpu {args.gpu!r} is not a built-in GPU; expected one of {', '.join(gpu_names())} "
+                f"(for other hardware call ndfunc.plan.plan with your own Cluster(...)).")
+    for flag, value in (("--gpus", args.gpus), ("--gpus-per-node", args.gpus_per_node),
+                        ("--global-batch", args.global_batch), ("--seq-len", args.seq_len), ("--top", args.top)):
+        if value < 1:
+            p.error(f"{flag} must be >= 1, got {value}.")
+    if args.gpus > args.gpus_per_node and args.gpus % args.gpus_per_node:
+        p.error(f"--gpus {args.gpus} is not a whole number of nodes of --gpus-per-node {args.gpus_per_node}; "
+                f"use a multiple of {args.gpus_per_node} or change --gpus-per-node.")
+    try:
+        efficiency = Efficiency(args.efficiency, args.attention_efficiency)
+        cluster = Cluster.of(args.gpu, args.gpus, args.gpus_per_node)
+        result = plan(TransformerShape.named(args.model), cluster=cluster, global_batch=args.global_batch,
+                      seq_len=args.seq_len, float8=args.float8, efficiency=efficiency)
+    except ValueError as err:
+        p.error(str(err))
+    import rich.console
+
+    console = rich.console.Console(file=sys.stdout)
+    if not console.is_terminal:  # a pipe or a file: wide enough that no column is cut
+        console = rich.console.Console(file=sys.stdout, width=200)
+    console.print(result.table(args.top))
+    if not result.rows:
+        console.print("No layout fits in memory: add GPUs, lower --seq-len, or lower --global-batch per GPU.")

@@ -1,0 +1,210 @@
+"""Devices, links and clusters: the hardware numbers the planner prices a layout with.
+
+Every figure is a vendor datasheet number (dense bf16, no 2:4 sparsity) unless it says otherwise.
+Bandwidths are stored **per GPU, per direction**, in bytes/s: a ring collective sends to one
+neighbour while it receives from the other, so each rank's traffic uses one direction of its link,
+and the alpha-beta costs below divide bytes by that figure. NVLink datasheet numbers are total
+bidirectional per GPU (H100: 900 GB/s = 450 GB/s each way); InfiniBand is quoted per port and per
+direction in bits (NDR 400 Gb/s = 50 GB/s each way, one port per GPU on DGX/HGX nodes).
+
+HBM sizes are the datasheet "GB", which for HBM stacks are binary (an 80 GB H100 shows 81,559 MiB
+in nvidia-smi), so they are stored as GiB; what the driver keeps back is in the planner's fixed
+framework allowance (`estimate.OVERHEAD_BYTES`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+GiB = 2**30
+GB = 10**9
+TFLOPS = 10**12
+
+
+@dataclasses.dataclass(frozen=True)
+class Device:
+    """One accelerator: memory, peak dense matmul rates and HBM bandwidth.
+
+    Args:
+        name: a label for tables.
+        memory_bytes: HBM capacity.
+        peak_bf16_flops: dense bf16 tensor-core peak, flop/s.
+        peak_fp8_flops: dense fp8 peak, flop/s; `None` where the device has no fp8 tensor cores
+            (A100), so a float8 layout cannot be priced on it.
+        memory_bandwidth: HBM bytes/s; prices the memory-bound optimizer step.
+
+    Example:
+        >>> Device.cpu(memory_bytes=64 * GiB, peak_flops=2e12, memory_bandwidth=100e9).name
+        'cpu'
+    """
+
+    name: str
+    memory_bytes: float
+    peak_bf16_flops: float
+    peak_fp8_flops: float | None
+    memory_bandwidth: float
+
+    def __post_init__(self) -> None:
+        for field in ("memory_bytes", "peak_bf16_flops", "memory_bandwidth"):
+            if not getattr(self, field) > 0:
+                raise ValueError(f"Device.{field} must be > 0, got {getattr(self, field)!r}.")
+
+    @classmethod
+    def cpu(cls, *, memory_bytes: float, peak_flops: float, memory_bandwidth: float) -> Device:
+        """A CPU "device" whose numbers the caller measured (no vendor figure fits every CPU)."""
+        return cls("cpu", memory_bytes, peak_flops, None, memory_bandwidth)
+
+
+@dataclasses.dataclass(frozen=True)
+class Link:
+    """One level of the network, per GPU: `bandwidth` bytes/s each way and `latency` s per hop.
+
+    Ring costs follow the alpha-beta model (Thakur, Rabenseifner and Gropp 2005, "Optimization
+    of Collective Communication Operations in MPICH"): an all-gather or reduce-scatter of a
+    `size`-byte full buffer over `n` ranks takes `n - 1` steps, each moving `size / n` bytes,
+    so `(n - 1) * latency + size * (n - 1) / n / bandwidth`; an all-reduce is a reduce-scatter
+    then an all-gather, twice that. Over one rank every collective is the identity and costs 0.
+
+    Example:
+        >>> link = Link(bandwidth=100e9, latency=1e-6)
+        >>> round(link.all_gather(4, 400e6), 6)   # 3 steps of 1 us + 300 MB at 100 GB/s
+        0.003003
+        >>> link.all_reduce(4, 400e6) == 2 * link.all_gather(4, 400e6), link.all_gather(1, 400e6)
+        (True, 0.0)
+    """
+
+    bandwidth: float
+    latency: float
+
+    def all_gather(self, n: int, size: float) -> float:
+        """Seconds to all-gather a `size`-byte result (each rank contributes `size / n`)."""
+        if n <= 1:
+            return 0.0
+        return (n - 1) * self.latency + size * (n - 1) / n / self.bandwidth
+
+    def reduce_scatter(self, n: int, size: float) -> float:
+        """Seconds to reduce-scatter a `size`-byte input; the ring mirrors the all-gather."""
+        return self.all_gather(n, size)
+
+    def all_reduce(self, n: int, size: float) -> float:
+        """Seconds to all-reduce `size` bytes: reduce-scatter, then all-gather."""
+        return 2 * self.all_gather(n, size)
+
+    def send(self, size: float) -> float:
+        """Seconds for one point-to-point hop of `size` bytes (a ring-attention step)."""
+        return self.latency + size / self.bandwidth
+
+
+@dataclasses.dataclass(frozen=True)
+class Cluster:
+    """`num_gpus` devices, `gpus_per_node` to a node; NVLink-class links inside, a fabric between.
+
+    Bandwidths are per GPU and per direction (see the module docstring); latencies per ring hop.
+
+    Example:
+        >>> c = Cluster.of("h100", 16)
+        >>> c.num_nodes, c.intra.bandwidth / 1e9, c.inter.bandwidth / 1e9
+        (2, 450.0, 50.0)
+    """
+
+    num_gpus: int
+    gpus_per_node: int
+    device: Device
+    intra_bandwidth: float
+    intra_latency: float
+    inter_bandwidth: float
+    inter_latency: float
+
+    def __post_init__(self) -> None:
+        for field in ("num_gpus", "gpus_per_node"):
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"Cluster.{field} must be an int >= 1, got {value!r}.")
+        if self.num_gpus > self.gpus_per_node and self.num_gpus % self.gpus_per_node:
+            raise ValueError(
+                f"Cluster of {self.num_gpus} GPUs with {self.gpus_per_node} per node: more than one node needs "
+                f"whole nodes; use a multiple of {self.gpus_per_node} GPUs or set gpus_per_node."
+            )
+
+    @property
+    def num_nodes(self) -> int:
+        return -(-self.num_gpus // self.gpus_per_node)
+
+    @property
+    def intra(self) -> Link:
+        return Link(self.intra_bandwidth, self.intra_latency)
+
+    @property
+    def inter(self) -> Link:
+        return Link(self.inter_bandwidth, self.inter_latency)
+
+    def link(self, size: int, stride: int) -> Link:
+        """The link a mesh axis of `size` ranks, `stride` apart, crosses.
+
+        Ranks lie row-major on the mesh, so an axis's group is `r, r + stride, ...`; it stays
+        inside one node when `size * stride` ranks tile a node evenly. A group spanning nodes runs
+        at the fabric's per-GPU rate (NCCL drives every GPU's own NIC, so the slowest hop sets
+        the ring's pace).
+        """
+        return self.inter if self.crosses_nodes(size, stride) else self.intra
+
+    def crosses_nodes(self, size: int, stride: int) -> bool:
+        """Whether a group of `size` ranks, `stride` apart, spans more than one node."""
+        span = size * stride
+        return size > 1 and not (span <= self.gpus_per_node and self.gpus_per_node % span == 0)
+
+    @classmethod
+    def of(cls, gpu: str | Device, num_gpus: int, gpus_per_node: int = 8) -> Cluster:
+        """A cluster of a built-in GPU (`gpu_names()`) or of your own `Device`, with its links."""
+        if isinstance(gpu, Device):
+            if gpu.name in _LINKS:
+                return cls(num_gpus, gpus_per_node, gpu, *_LINKS[gpu.name])
+            raise ValueError(f"Cluster.of has no link figures for device {gpu.name!r}; build Cluster(...) with them.")
+        key = gpu.lower()
+        if key == "cpu":
+            raise ValueError(
+                "Cluster.of('cpu'): CPUs have no vendor figures; measure them and build "
+                "Cluster(num_gpus, gpus_per_node, Device.cpu(...), intra_bandwidth, intra_latency, "
+                "inter_bandwidth, inter_latency)."
+            )
+        if key not in _DEVICES:
+            raise ValueError(f"unknown GPU {gpu!r}: expected one of {', '.join(gpu_names())}.")
+        return cls(num_gpus, gpus_per_node, _DEVICES[key], *_LINKS[key])
+
+
+def gpu_names() -> tuple[str, ...]:
+    """The built-in GPUs `Cluster.of` knows."""
+    return tuple(_DEVICES)
+
+
+def device(name: str) -> Device:
+    """A built-in GPU by name (`gpu_names()`)."""
+    if name.lower() not in _DEVICES:
+        raise ValueError(f"unknown GPU {name!r}: expected one of {', '.join(gpu_names())}.")
+    return _DEVICES[name.lower()]
+
+
+# Datasheets: NVIDIA A100 Tensor Core GPU (SXM4 80GB: 312 TFLOPS bf16 dense, 2,039 GB/s, no FP8);
+# H100 Tensor Core GPU (SXM5: 989 TFLOPS bf16 and 1,979 TFLOPS FP8 dense, 80 GB, 3.35 TB/s);
+# H200 (SXM: same tensor cores as H100, 141 GB HBM3e, 4.8 TB/s); DGX B200 (per GPU: 2.25 PFLOPS
+# bf16 and 4.5 PFLOPS FP8 dense, 1,440 GB for 8 GPUs = 180 GB each, 8 TB/s).
+_DEVICES = {
+    "a100": Device("A100-SXM-80GB", 80 * GiB, 312 * TFLOPS, None, 2039 * GB),
+    "h100": Device("H100-SXM-80GB", 80 * GiB, 989 * TFLOPS, 1979 * TFLOPS, 3350 * GB),
+    "h200": Device("H200-SXM-141GB", 141 * GB, 989 * TFLOPS, 1979 * TFLOPS, 4800 * GB),
+    "b200": Device("B200-180GB", 180 * GB, 2250 * TFLOPS, 4500 * TFLOPS, 8000 * GB),
+}
+
+# (intra bandwidth, intra latency, inter bandwidth, inter latency), per GPU and per direction.
+# NVLink 3/4/5: 600/900/900/1,800 GB/s total bidirectional per GPU -> half each way. One NIC per
+# GPU: HDR 200 Gb/s (A100 nodes), NDR 400 Gb/s (H100/H200/B200 nodes) -> /8 bytes each way.
+# Latencies are per ring hop and an assumption of this model, the order of NCCL's own tuning
+# constants (about a microsecond over NVLink, ten through a NIC and a switch).
+_NVLINK_LATENCY, _IB_LATENCY = 1e-6, 10e-6
+_LINKS = {
+    "a100": (300 * GB, _NVLINK_LATENCY, 25 * GB, _IB_LATENCY),
+    "h100": (450 * GB, _NVLINK_LATENCY, 50 * GB, _IB_LATENCY),
+    "h200": (450 * GB, _NVLINK_LATENCY, 50 * GB, _IB_LATENCY),
+    "b200": (900 * GB, _NVLINK_LATENCY, 50 * GB, _IB_LATENCY),
+}
+_LINKS.update({d.name: _LINKS[k] for k, d in _DEVICES.items()})

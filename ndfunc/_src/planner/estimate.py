@@ -1,0 +1,203 @@
+"""The predicted step of one layout: compute, each collective on its link, what overlap hides.
+
+`estimate` is a pure function of numbers. Its model, per rank and per optimizer step:
+
+- compute = executed matmul flops / (peak x `Efficiency.matmul`) + executed attention flops /
+  (bf16 peak x `Efficiency.attention`) (`TransformerShape.executed_flops_per_token`), the work
+  of `global_batch * seq_len / dp_size` tokens split over `cp x tp` ranks;
+- TP (Megatron with sequence parallelism): per layer an all-gather before and a reduce-scatter
+  after attention and after the MLP, the same in backward and again in a full remat's recompute,
+  each of `micro_batch * seq_len / cp * dim * 2 B`, plus one pair for embedding and output in
+  each direction; on the compute stream's critical path, never overlapped;
+- CP (ring attention): `cp - 1` hops of the local K and V (`2 * tokens * kv_dim / tp * 2 B`) per
+  layer forward, twice that in backward (K, V and their gradients), again under full remat;
+  overlapped with the attention it feeds, so only what exceeds the attention time shows;
+- FSDP over `dp_shard x cp`: all-gather of bf16 weights in forward, again in backward when
+  resharded after forward, reduce-scatter of fp32 gradients (torchtitan's default reduce dtype),
+  every micro-batch; prefetched behind compute except the first gather and the last reduce (the
+  embedding's and one layer's); without prefetch every all-gather waits;
+- HSDP: an fp32 all-reduce of each gradient shard over `dp_replicate`, behind compute like the
+  reduce-scatter; plain DP (no sharding): one fp32 all-reduce per step behind the last backward;
+- the optimizer: AdamW reads weight, gradient and two moments and writes three (28 B per local
+  parameter) at HBM bandwidth.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from ndfunc._src.planner.cluster import GiB, Cluster
+from ndfunc._src.planner.layout import Layout, Options
+from ndfunc._src.planner.memory import Memory, memory_per_rank
+from ndfunc._src.planner.model import BF16, TransformerShape
+
+FP32 = 4
+ADAM_BYTES_PER_PARAM = 28  # read p, g, m, v (4 x 4 B), write p, m, v (3 x 4 B)
+
+
+@dataclasses.dataclass(frozen=True)
+class Efficiency:
+    """Fractions of peak the kernels reach; one setting for every layout and every row.
+
+    `matmul` 0.40: a round figure for what a training step's GEMMs sustain of datasheet peak on
+    H100-class parts, once the small ones, launches and stragglers are counted (torchtitan reports
+    33-39% MFU for Llama 3 8B on power-capped H100s, MFU that includes slower attention).
+    `attention` 0.20 of bf16 peak per *executed* (causal) flop: FlashAttention-2, what PyTorch's
+    SDPA runs, reaches at best 35% of H100's peak in its forward pass (Shah et al. 2024,
+    "FlashAttention-3", sec. 1); backward, causal tiles and ring attention's per-block merges are
+    slower. Both are single constants for every layout and every validation row, not fitted per
+    row; the attention figure is pinned mostly by the long-sequence rows of
+    benchmarks/plan_validation.py, the only published rows attention dominates.
+
+    Example:
+        >>> Efficiency()
+        Efficiency(matmul=0.4, attention=0.2)
+    """
+
+    matmul: float = 0.40
+    attention: float = 0.20
+
+    def __post_init__(self) -> None:
+        for field in ("matmul", "attention"):
+            if not 0 < getattr(self, field) <= 1:
+                raise ValueError(f"Efficiency.{field} must be in (0, 1], got {getattr(self, field)!r}.")
+
+
+@dataclasses.dataclass(frozen=True)
+class StepTime:
+    """Seconds per optimizer step: compute plus what each kind of communication leaves exposed."""
+
+    compute: float
+    tp: float
+    cp: float
+    fsdp: float
+    dp: float
+    optimizer: float
+
+    @property
+    def total(self) -> float:
+        return sum(dataclasses.astuple(self))
+
+    def __str__(self) -> str:
+        parts = ", ".join(f"{f.name} {getattr(self, f.name):.3f}" for f in dataclasses.fields(self))
+        return f"{self.total:.3f} s ({parts})"
+
+
+@dataclasses.dataclass(frozen=True)
+class Estimate:
+    """One layout with its options, priced: memory per rank, step time, throughput, traffic.
+
+    `intra_bytes` / `inter_bytes` are what each rank sends per step over NVLink / the fabric;
+    `mfu` uses the model-flops convention (`TransformerShape.model_flops_per_token`) over the
+    device's dense bf16 peak, as torchtitan reports it.
+    """
+
+    layout: Layout
+    options: Options
+    memory: Memory
+    time: StepTime
+    tokens_per_s_per_gpu: float
+    mfu: float
+    intra_bytes: float
+    inter_bytes: float
+    fits: bool
+
+    def __str__(self) -> str:
+        return (
+            f"{self.layout} [{self.options}]: {self.memory.total / GiB:.1f} GiB/rank, {self.time.total:.3f} s/step, "
+            f"{self.tokens_per_s_per_gpu:,.0f} tok/s/GPU, MFU {self.mfu:.1%}"
+        )
+
+
+def estimate(
+    model: TransformerShape, layout: Layout, options: Options, *, cluster: Cluster, global_batch: int,
+    seq_len: int, efficiency: Efficiency = Efficiency(),
+) -> Estimate:
+    """Price `layout` with `options` for `global_batch` sequences of `seq_len` tokens per step.
+
+    Example:
+        >>> m, c = TransformerShape.named("llama3-8b"), Cluster.of("h100", 8)
+        >>> e = estimate(m, Layout(dp_shard=8), Options("selective", micro_batch=1), cluster=c,
+        ...              global_batch=8, seq_len=8192)
+        >>> e.fits, e.time.tp, e.inter_bytes
+        (True, 0.0, 0.0)
+    """
+    layout.check(model, cluster, global_batch, seq_len)
+    local = global_batch // layout.dp_size
+    if options.micro_batch * options.grad_accum != local:
+        raise ValueError(
+            f"micro_batch {options.micro_batch} x grad_accum {options.grad_accum} must equal the per-rank batch "
+            f"{local} (global batch {global_batch} / dp_replicate x dp_shard {layout.dp_size})."
+        )
+    dev, accum = cluster.device, options.grad_accum
+    if options.float8 and dev.peak_fp8_flops is None:
+        raise ValueError(f"{dev.name} has no fp8 tensor cores; price this layout with float8=False.")
+    traffic = {"intra": 0.0, "inter": 0.0}
+
+    def level(axis: str) -> str:
+        return "inter" if layout.crosses_nodes(axis, cluster) else "intra"
+
+    # compute: this rank's share of the batch's executed flops
+    work = local * seq_len / (layout.cp * layout.tp)
+    layers, output, attention = model.executed_flops_per_token(seq_len, options.remat)
+    mm_peak = dev.peak_fp8_flops if options.float8 else dev.peak_bf16_flops
+    attention_time = work * attention / (dev.peak_bf16_flops * efficiency.attention)
+    compute = work * (layers / mm_peak + output / dev.peak_bf16_flops) / efficiency.matmul + attention_time
+
+    # TP: all-gather + reduce-scatter pairs (an all-reduce's cost) on the critical path
+    tokens = options.micro_batch * seq_len / layout.cp
+    tp_time = 0.0
+    if layout.tp > 1:
+        pairs = model.n_layers * (6 if options.remat == "full" else 4) + 2
+        size = tokens * model.dim * BF16
+        tp_time = accum * pairs * layout.link("tp", cluster).all_reduce(layout.tp, size)
+        traffic[level("tp")] += accum * pairs * 2 * size * (layout.tp - 1) / layout.tp
+
+    # CP: ring hops of K and V, hidden behind the attention they feed
+    cp_time = 0.0
+    if layout.cp > 1:
+        hops = (layout.cp - 1) * (4 if options.remat == "full" else 3) * model.n_layers * accum
+        size = 2 * tokens * model.kv_dim / layout.tp * BF16
+        cp_time = max(0.0, hops * layout.link("cp", cluster).send(size) - attention_time)
+        traffic[level("cp")] += hops * size
+
+    # FSDP (and HSDP's all-reduce of the shards), hidden behind compute where prefetch allows
+    fsdp_time = dp_time = 0.0
+    params = model.num_params / layout.tp
+    if layout.fsdp_size > 1:
+        n, link = layout.fsdp_size, layout.link("fsdp", cluster)
+        gathers = 2 if options.reshard_after_forward else 1
+        gather, reduce = link.all_gather(n, params * BF16), link.reduce_scatter(n, params * FP32)
+        # the first units gathered and the last reduced (the embedding's and one layer's) have no
+        # compute to hide behind; without prefetch no all-gather has
+        edge = (model.embedding_params + model.layer_params) / layout.tp
+        first, last = link.all_gather(n, edge * BF16), link.reduce_scatter(n, edge * FP32)
+        if options.prefetch:
+            exposed, hidden = first + last, gathers * gather + reduce - first - last
+        else:
+            exposed, hidden = gathers * gather + last, reduce - last
+        fsdp_time = accum * exposed + max(0.0, accum * hidden - compute)
+        traffic[level("fsdp")] += accum * (gathers * params * BF16 + params * FP32) * (n - 1) / n
+        if layout.dp_replicate > 1:  # HSDP: all-reduce each fp32 gradient shard across replicas
+            size = params / n * FP32
+            rep = layout.link("dp_replicate", cluster)
+            budget = max(0.0, compute - accum * hidden)
+            dp_time = max(0.0, accum * rep.all_reduce(layout.dp_replicate, size) - budget)
+            traffic[level("dp_replicate")] += accum * 2 * size * (layout.dp_replicate - 1) / layout.dp_replicate
+    elif layout.dp_replicate > 1:  # DDP: one all-reduce per step, behind the last backward
+        rep, r = layout.link("dp_replicate", cluster), layout.dp_replicate
+        last_backward = compute / accum * 2 / 3
+        tail = rep.all_reduce(r, model.layer_params / layout.tp * FP32)
+        dp_time = tail + max(0.0, rep.all_reduce(r, params * FP32) - last_backward)
+        traffic[level("dp_replicate")] += 2 * params * FP32 * (r - 1) / r
+
+    local_params = model.num_params / (layout.fsdp_size * layout.tp)
+    optimizer = local_params * ADAM_BYTES_PER_PARAM / dev.memory_bandwidth
+    time = StepTime(compute, tp_time, cp_time, fsdp_time, dp_time, optimizer)
+    memory = memory_per_rank(model, layout, options, seq_len)
+    tps = global_batch * seq_len / time.total / layout.num_gpus
+    return Estimate(
+        layout=layout, options=options, memory=memory, time=time, tokens_per_s_per_gpu=tps,
+        mfu=model.model_flops_per_token(seq_len) * tps / dev.peak_bf16_flops,
+        intra_bytes=traffic["intra"], inter_bytes=traffic["inter"], fits=memory.total <= dev.memory_bytes,
+    )

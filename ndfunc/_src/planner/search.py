@@ -1,0 +1,158 @@
+"""The search: every ND layout of a cluster with the options that matter, priced and ranked.
+
+Enumeration: every factorization `num_gpus = dp_replicate x dp_shard x cp x tp` with tp inside a
+node and dividing `n_kv_heads`, cp dividing `seq_len`, and the global batch divisible by
+`dp_replicate x dp_shard`; for each, every remat policy and, where FSDP runs, reshard-after-forward
+and prefetch on and off. Micro-batches are not enumerated one by one: in this cost model a larger
+micro-batch does the same compute with fewer collectives (FSDP runs once per micro-batch, TP and CP
+pay latency per call), so the largest one that fits memory dominates and is the one kept.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+from ndfunc._src.planner.cluster import GB, GiB, Cluster
+from ndfunc._src.planner.estimate import Efficiency, Estimate, estimate
+from ndfunc._src.planner.layout import Layout, Options
+from ndfunc._src.planner.memory import memory_per_rank
+from ndfunc._src.planner.model import REMAT_POLICIES, TransformerShape, check_remat
+
+COLUMNS = ("#", "layout", "options", "GiB/rank", "step s", "tok/s/GPU", "MFU", "exposed comm s",
+           "NVLink GB", "fabric GB")
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """The layouts that fit, fastest first (ties: less memory, then less traffic), and what the search
+    left out.
+
+    `considered` counts (layout, remat, FSDP option) candidates; `dropped` those with no micro-batch
+    that fits memory. `table(top)` renders a `rich` table, each layout once with its best options;
+    `str(plan)` the same in plain text.
+    """
+
+    model: TransformerShape
+    cluster: Cluster
+    global_batch: int
+    seq_len: int
+    efficiency: Efficiency
+    rows: tuple[Estimate, ...]
+    considered: int
+    dropped: int
+
+    @property
+    def best(self) -> Estimate:
+        if not self.rows:
+            raise ValueError(f"no layout fits: {self.title()}; add GPUs, shorten sequences or allow full remat.")
+        return self.rows[0]
+
+    def title(self) -> str:
+        c = self.cluster
+        return (
+            f"{self.model.name} on {c.num_gpus} x {c.device.name} ({c.gpus_per_node}/node), global batch "
+            f"{self.global_batch} x {self.seq_len} tokens: {len(self.rows)} fit of {self.considered} "
+            f"({self.dropped} dropped for memory); GB = what each rank sends per step"
+        )
+
+    def shown(self, top: int = 10, distinct: bool = True) -> list[Estimate]:
+        """The `top` rows a table shows; with `distinct`, each layout once, with its best options
+        (the rest differ in flags that cost time or memory and would crowd the table)."""
+        out, seen = [], set()
+        for e in self.rows:
+            if len(out) == top:
+                break
+            if not (distinct and e.layout in seen):
+                out.append(e)
+                seen.add(e.layout)
+        return out
+
+    def cells(self, top: int = 10, distinct: bool = True) -> list[tuple[str, ...]]:
+        """The table's rows as strings, `COLUMNS` order."""
+        out = []
+        for i, e in enumerate(self.shown(top, distinct), 1):
+            t = e.time
+            out.append((
+                str(i), str(e.layout), str(e.options), f"{e.memory.total / GiB:.1f}", f"{t.total:.3f}",
+                f"{e.tokens_per_s_per_gpu:,.0f}", f"{e.mfu:.1%}", f"{t.tp + t.cp + t.fsdp + t.dp:.3f}",
+                f"{e.intra_bytes / GB:.1f}", f"{e.inter_bytes / GB:.1f}",
+            ))
+        return out
+
+    def table(self, top: int = 10, distinct: bool = True):
+        """A `rich.table.Table` of the `top` rows (print it with `rich.print` or a Console)."""
+        import rich.table  # only for rendering: planning needs no terminal library
+
+        table = rich.table.Table(title=self.title())
+        for name in COLUMNS:
+            table.add_column(name, justify="left" if name in ("layout", "options") else "right")
+        for row in self.cells(top, distinct):
+            table.add_row(*row)
+        return table
+
+    def __str__(self) -> str:
+        rows = [COLUMNS, *self.cells()]
+        widths = [max(len(r[i]) for r in rows) for i in range(len(COLUMNS))]
+        lines = ["  ".join(c.ljust(w) if i in (1, 2) else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
+                 for r in rows]
+        return "\n".join([self.title(), *lines])
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def layouts(model: TransformerShape, cluster: Cluster, global_batch: int, seq_len: int) -> list[Layout]:
+    """Every layout `Layout.check` accepts, in a fixed order."""
+    g, out = cluster.num_gpus, []
+    for tp in divisors(g):
+        if tp > cluster.gpus_per_node or model.n_kv_heads % tp:
+            continue
+        for cp in divisors(g // tp):
+            if seq_len % cp:
+                continue
+            for dp_shard in divisors(g // (tp * cp)):
+                dp_replicate = g // (tp * cp * dp_shard)
+                if global_batch % (dp_replicate * dp_shard) == 0:
+                    out.append(Layout(dp_replicate, dp_shard, cp, tp))
+    return out
+
+
+def plan(
+    model: TransformerShape, *, cluster: Cluster, global_batch: int, seq_len: int,
+    remat: tuple[str, ...] = REMAT_POLICIES, float8: bool = False, efficiency: Efficiency = Efficiency(),
+) -> Plan:
+    """Rank every layout of `cluster` for `model` at `global_batch` sequences of `seq_len` tokens.
+
+    Example:
+        >>> p = plan(TransformerShape.named("llama3-8b"), cluster=Cluster.of("h100", 16), global_batch=64,
+        ...          seq_len=4096)
+        >>> p.best.layout.tp <= 8 and p.rows == tuple(sorted(p.rows, key=lambda e: e.time.total))
+        True
+    """
+    for name, value in (("global_batch", global_batch), ("seq_len", seq_len)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"plan: {name} must be an int >= 1, got {value!r}.")
+    for r in remat:
+        check_remat(r)
+    if float8 and cluster.device.peak_fp8_flops is None:
+        raise ValueError(f"plan: {cluster.device.name} has no fp8 tensor cores; plan with float8=False.")
+    rows, considered, dropped = [], 0, 0
+    for layout in layouts(model, cluster, global_batch, seq_len):
+        local = global_batch // layout.dp_size
+        sharded = layout.fsdp_size > 1
+        flags = itertools.product((True, False), repeat=2) if sharded else [(True, True)]
+        for policy, (reshard, prefetch) in itertools.product(remat, list(flags)):
+            considered += 1
+            for mb in reversed(divisors(local)):
+                options = Options(policy, mb, local // mb, reshard, prefetch, float8)
+                if memory_per_rank(model, layout, options, seq_len).total <= cluster.device.memory_bytes:
+                    rows.append(estimate(model, layout, options, cluster=cluster, global_batch=global_batch,
+                                         seq_len=seq_len, efficiency=efficiency))
+                    break
+            else:
+                dropped += 1
+    # ties (CP hidden behind attention prices like more data parallelism): less memory, then less traffic
+    rows.sort(key=lambda e: (round(e.time.total, 9), e.memory.total, e.inter_bytes, e.intra_bytes))
+    return Plan(model, cluster, global_batch, seq_len, efficiency, tuple(rows), considered, dropped)

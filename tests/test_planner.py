@@ -1,0 +1,215 @@
+"""nf.plan, the analytic layout planner: its closed forms against hand-computed numbers, its search
+against cases whose answer is clear, its command line, and torchtitan's published rows."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import pathlib
+import sys
+import time
+
+import pytest
+
+from models.llama import LlamaConfig
+from ndfunc import plan as nfplan
+from ndfunc._src.planner.cli import main
+from ndfunc._src.planner.cluster import GiB, device
+from ndfunc._src.planner.search import layouts
+from ndfunc.plan import (Cluster, Device, Efficiency, Layout, Link, Options, TransformerShape, estimate,
+                         memory_per_rank, plan)
+
+LLAMA_8B = TransformerShape.named("llama3-8b")
+LLAMA_70B = TransformerShape.named("llama3-70b")
+REL = 1e-12  # the closed forms are float sums of a few terms: equal to rounding
+
+
+def test_every_public_name_is_documented():
+    for name in nfplan.__all__:
+        obj = getattr(nfplan, name)
+        assert callable(obj) and obj.__doc__, name
+
+
+@pytest.mark.parametrize("name, published", [("llama3-8b", 8.03e9), ("llama3-70b", 70.6e9), ("llama3-405b", 405.9e9)])
+def test_param_counts_match_metas_figures(name, published):
+    # Meta's model cards round to three significant figures
+    assert TransformerShape.named(name).num_params == pytest.approx(published, rel=1e-3)
+
+
+def test_param_count_by_hand():
+    # 8B: embedding and output 128256 x 4096 each; a layer 2*4096^2 + 2*4096*1024 + 3*4096*14336 + 2*4096
+    layer = 2 * 4096**2 + 2 * 4096 * 1024 + 3 * 4096 * 14336 + 2 * 4096
+    assert LLAMA_8B.num_params == 2 * 128256 * 4096 + 32 * layer + 4096 == 8_030_261_248
+    tied = dataclasses.replace(LLAMA_8B, tie_embeddings=True)
+    assert LLAMA_8B.num_params - tied.num_params == 128256 * 4096
+
+
+def test_model_flops_follow_torchtitans_formula():
+    # 6 * (params - embedding) + 12 * layers * heads * head_dim * seq
+    s = 8192
+    assert LLAMA_8B.model_flops_per_token(s) == 6 * (8_030_261_248 - 128256 * 4096) + 12 * 32 * 32 * 128 * s
+
+
+def test_from_config_reads_the_repos_llama_config():
+    cfg = LlamaConfig(vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336)
+    assert dataclasses.replace(TransformerShape.from_config(cfg), name="llama3-8b") == LLAMA_8B
+    with pytest.raises(TypeError, match=r"lacks \['vocab_size'"):
+        TransformerShape.from_config(object())
+
+
+def test_ring_costs_by_hand():
+    link = Link(bandwidth=50e9, latency=10e-6)
+    # 8 ranks, 1 GB: 7 hops of 10 us + 7/8 GB at 50 GB/s
+    assert link.all_gather(8, 1e9) == pytest.approx(7 * 10e-6 + 0.875e9 / 50e9, rel=REL)
+    assert link.reduce_scatter(8, 1e9) == link.all_gather(8, 1e9)
+    assert link.all_reduce(8, 1e9) == pytest.approx(2 * link.all_gather(8, 1e9), rel=REL)
+    assert link.all_reduce(1, 1e9) == 0.0  # a size-1 axis: the collective is the identity
+
+
+def test_axes_pick_their_link_by_the_ranks_they_span():
+    c = Cluster.of("h100", 64)
+    lay = Layout(dp_replicate=2, dp_shard=4, cp=2, tp=4)
+    assert [lay.stride(a) for a in ("dp_replicate", "dp_shard", "cp", "tp")] == [32, 8, 4, 1]
+    assert not lay.crosses_nodes("tp", c) and not lay.crosses_nodes("cp", c)  # 4 and 2 x 4 ranks: one node
+    assert lay.crosses_nodes("dp_shard", c) and lay.crosses_nodes("fsdp", c) and lay.crosses_nodes("dp_replicate", c)
+    assert lay.link("tp", c) == c.intra and lay.link("fsdp", c) == c.inter
+
+
+def test_fsdp_state_is_16_bytes_per_param_over_the_shards():
+    lay = Layout(dp_shard=4, cp=2, tp=2)  # FSDP over dp_shard x cp, and TP: 16 shards
+    mem = memory_per_rank(LLAMA_8B, lay, Options("full"), 8192)
+    assert mem.params + mem.grads + mem.optimizer == pytest.approx(16 * LLAMA_8B.num_params / 16, rel=REL)
+    replicated = memory_per_rank(LLAMA_8B, Layout(dp_replicate=16), Options("full"), 8192)
+    assert replicated.params + replicated.grads + replicated.optimizer == 16 * LLAMA_8B.num_params
+    assert replicated.gathered == 0  # no FSDP, nothing gathered
+
+
+def test_activation_bytes_by_policy():
+    d, k, f = 4096, 1024, 14336
+    assert LLAMA_8B.activation_bytes_per_token("none") == 2 * (6 * d + 2 * k + 4 * f)
+    assert LLAMA_8B.activation_bytes_per_token("selective") == 2 * (4 * d + 2 * k + 2 * f)
+    assert LLAMA_8B.activation_bytes_per_token("full") == 2 * d
+    # TP with sequence parallelism and CP divide them: tokens by cp, every tensor by tp
+    one = memory_per_rank(LLAMA_8B, Layout(dp_shard=8), Options("selective"), 8192)
+    split = memory_per_rank(LLAMA_8B, Layout(cp=2, tp=4), Options("selective"), 8192)
+    assert split.activations == pytest.approx(one.activations / 8, rel=REL)
+    with pytest.raises(ValueError, match="unknown remat policy 'save_all': expected one of none, selective, full"):
+        LLAMA_8B.activation_bytes_per_token("save_all")
+
+
+def test_tp_comm_per_layer_by_hand():
+    c = Cluster.of("h100", 8)
+    e = estimate(LLAMA_8B, Layout(tp=8), Options("selective", micro_batch=2), cluster=c, global_batch=2, seq_len=4096)
+    # per layer 2 all-gather + reduce-scatter pairs forward and 2 backward, + 2 for embedding/output,
+    # each over the full activation 2 x 4096 tokens x 4096 dim x 2 bytes
+    size, pairs = 2 * 4096 * 4096 * 2, 4 * 32 + 2
+    assert e.time.tp == pytest.approx(pairs * c.intra.all_reduce(8, size), rel=REL)
+    assert e.intra_bytes == pytest.approx(pairs * 2 * size * 7 / 8, rel=REL) and e.inter_bytes == 0
+    full = estimate(LLAMA_8B, Layout(tp=8), Options("full", micro_batch=2), cluster=c, global_batch=2, seq_len=4096)
+    assert full.time.tp == pytest.approx((6 * 32 + 2) * c.intra.all_reduce(8, size), rel=REL)  # recompute
+
+
+def test_fsdp_comm_hides_behind_compute_but_its_edges():
+    c = Cluster.of("h100", 8)
+    e = estimate(LLAMA_8B, Layout(dp_shard=8), Options("selective", 2), cluster=c, global_batch=16, seq_len=8192)
+    edge = (LLAMA_8B.embedding_params + LLAMA_8B.layer_params)
+    assert e.time.fsdp == pytest.approx(c.intra.all_gather(8, edge * 2) + c.intra.reduce_scatter(8, edge * 4), rel=REL)
+    # bytes each rank sends: bf16 gathers forward and backward, fp32 reduce-scatter, 7/8 of each
+    assert e.intra_bytes == pytest.approx((2 * 2 + 4) * LLAMA_8B.num_params * 7 / 8, rel=REL)
+    waits = estimate(LLAMA_8B, Layout(dp_shard=8), Options("selective", 2, prefetch=False), cluster=c,
+                     global_batch=16, seq_len=8192)
+    assert waits.time.fsdp > e.time.fsdp and waits.memory.gathered < e.memory.gathered
+
+
+def test_70b_on_8_h100s_fits_no_layout():
+    p = plan(LLAMA_70B, cluster=Cluster.of("h100", 8), global_batch=8, seq_len=8192)
+    assert p.rows == () and p.dropped == p.considered > 0
+    replicated = memory_per_rank(LLAMA_70B, Layout(dp_replicate=8), Options("full"), 8192)
+    assert replicated.total > 1000 * GiB  # 16 B x 70.6e9 on every rank
+    with pytest.raises(ValueError, match="no layout fits"):
+        p.best
+
+
+def test_fsdp_beats_pure_dp_for_a_model_that_does_not_fit_replicated():
+    p = plan(LLAMA_8B, cluster=Cluster.of("h100", 8), global_batch=16, seq_len=8192)
+    assert p.best.layout.fsdp_size > 1
+    assert all(e.layout != Layout(dp_replicate=8) for e in p.rows)  # 128 GB of state per rank: dropped
+
+
+def test_tp_stays_in_a_node_and_a_slow_fabric_moves_traffic_onto_nvlink():
+    slow = Cluster(16, 8, device("h100"), 450e9, 1e-6, 1e9, 10e-6)  # 1 GB/s between nodes
+    assert all(lay.tp <= 8 for lay in layouts(LLAMA_8B, slow, 32, 4096))
+    p = plan(LLAMA_8B, cluster=slow, global_batch=32, seq_len=4096)
+    flat = estimate(LLAMA_8B, Layout(dp_shard=16), Options("selective", 2), cluster=slow, global_batch=32,
+                    seq_len=4096)
+    assert p.best.time.total < flat.time.total / 2  # FSDP over both nodes at 1 GB/s is far slower
+    fast = plan(LLAMA_8B, cluster=Cluster.of("h100", 16), global_batch=32, seq_len=4096)
+    assert p.best.inter_bytes < fast.best.inter_bytes
+
+
+def test_rows_are_ranked_by_step_time_and_fit():
+    p = plan(LLAMA_8B, cluster=Cluster.of("h100", 16), global_batch=64, seq_len=4096)
+    times = [e.time.total for e in p.rows]
+    assert times == sorted(times) and all(e.fits for e in p.rows)
+    assert len({e.layout for e in p.shown(10)}) == len(p.shown(10))  # one line per layout
+    assert "tok/s/GPU" in str(p) and p.table(3).row_count == 3
+
+
+def test_enumeration_is_fast_at_1024_gpus():
+    start = time.perf_counter()
+    p = plan(LLAMA_70B, cluster=Cluster.of("h100", 1024), global_batch=2048, seq_len=8192)
+    assert time.perf_counter() - start < 2.0 and p.rows  # about 0.4 s on one slow core; 2 s is the margin
+
+
+def test_bad_inputs_say_what_to_do():
+    with pytest.raises(ValueError, match="unknown GPU 'v100': expected one of a100, h100, h200, b200"):
+        Cluster.of("v100", 8)
+    with pytest.raises(ValueError, match=r"CPUs have no vendor figures; measure them"):
+        Cluster.of("cpu", 8)
+    with pytest.raises(ValueError, match="use a multiple of 8 GPUs"):
+        Cluster.of("h100", 12)
+    with pytest.raises(ValueError, match=r"tp 16 must divide n_kv_heads 8"):
+        estimate(LLAMA_8B, Layout(tp=16), Options(), cluster=Cluster.of("h100", 16), global_batch=1, seq_len=128)
+    with pytest.raises(ValueError, match=r"micro_batch 1 x grad_accum 1 must equal the per-rank batch 2"):
+        estimate(LLAMA_8B, Layout(dp_shard=8), Options(), cluster=Cluster.of("h100", 8), global_batch=16, seq_len=128)
+    with pytest.raises(ValueError, match="A100-SXM-80GB has no fp8 tensor cores"):
+        plan(LLAMA_8B, cluster=Cluster.of("a100", 8), global_batch=8, seq_len=128, float8=True)
+    cpu = Device.cpu(memory_bytes=64 * GiB, peak_flops=1e12, memory_bandwidth=50e9)
+    assert Cluster(2, 2, cpu, 10e9, 5e-6, 1e9, 50e-6).device.peak_fp8_flops is None
+    with pytest.raises(ValueError, match="Efficiency.matmul must be in"):
+        Efficiency(matmul=1.5)
+
+
+def test_cli_prints_the_table(capsys):
+    main(["--model", "llama3-8b", "--gpus", "16", "--gpu", "h100", "--global-batch", "32", "--seq-len", "4096",
+          "--top", "3"])
+    out = capsys.readouterr().out
+    assert "llama3-8b on 16 x H100-SXM-80GB" in out
+    for column in ("layout", "GiB/rank", "step s", "tok/s/GPU", "MFU", "NVLink GB", "fabric GB"):
+        assert column in out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--gpu", "v100"], "--gpu 'v100' is not a built-in GPU; expected one of a100, h100, h200, b200"),
+    (["--model", "gpt2"], "--model 'gpt2' is not a built-in model; expected one of llama3-8b, llama3-70b"),
+    (["--gpus", "12"], "--gpus 12 is not a whole number of nodes of --gpus-per-node 8; use a multiple of 8"),
+])
+def test_cli_errors(capsys, argv, message):
+    base = {"--gpus": "16", "--global-batch": "32", "--seq-len": "4096"}
+    base.update(dict(zip(argv[::2], argv[1::2])))
+    with pytest.raises(SystemExit) as exit_:
+        main([x for kv in base.items() for x in kv])
+    assert exit_.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_torchtitans_published_rows_within_20_percent_and_in_order(monkeypatch):
+    path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "plan_validation.py"
+    spec = importlib.util.spec_from_file_location("plan_validation", path)
+    validation = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "plan_validation", validation)  # its dataclasses look their module up
+    spec.loader.exec_module(validation)
+    predicted = [validation.predict(row).tokens_per_s_per_gpu for row in validation.ROWS]
+    published = [row.published_tps for row in validation.ROWS]
+    assert all(abs(p / q - 1) <= validation.GOAL for p, q in zip(predicted, published)), list(zip(predicted, published))
+    assert validation.same_order(published, predicted)
