@@ -111,7 +111,7 @@ def plan(src: Layout, dst: Layout, shape: Sequence[int], sizes: Sequence[int], s
         out = now[:d] + (now[d] * sizes[m],) + now[d + 1:]
         steps.append(Step("all_gather", m, d, None, now, out, sizes[m]))
         cur[m], now = Replicate(), out
-    for m in range(k):
+    for m in _finishing_order(cur, dst):
         if cur[m] == dst[m]:
             continue
         if m in swap:
@@ -136,6 +136,16 @@ def plan(src: Layout, dst: Layout, shape: Sequence[int], sizes: Sequence[int], s
             now = out
         cur[m] = dst[m]
     return steps
+
+
+def _finishing_order(cur: Sequence, dst: Sequence) -> list[int]:
+    """The axes in the order their last steps run: mesh order, but a pending sum that ends
+    replicated (an all-reduce) after every step that shrinks the block. HSDP's gradient is
+    reduce-scattered over `dp_shard` first and its shard all-reduced over `dp_replicate`, not
+    all-reduced whole and then scattered: the same sum, on a block `dp_shard` times smaller.
+    (A reduction commutes with slicing on other axes; splits of one dim still nest in mesh order.)"""
+    late = [m for m in range(len(cur)) if isinstance(cur[m], Partial) and isinstance(dst[m], Replicate)]
+    return [m for m in range(len(cur)) if m not in late] + late
 
 
 def _traded(src: Layout, dst: Layout, shape: Sequence[int], sizes: Sequence[int]) -> tuple[int, int] | None:
@@ -236,7 +246,8 @@ def coded_cost(src: tuple[int, ...] | None, dst: tuple[int, ...] | None, shape: 
             now[cur[m]] *= n
             total += (n - 1) / n * math.prod(now) * itemsize + ALPHA
             cur[m] = _REPLICATE
-    for m in range(k):
+    late = [m for m in range(k) if cur[m] <= -2 and dst[m] == _REPLICATE]  # `_finishing_order`'s
+    for m in [m for m in range(k) if m not in late] + late:
         c, d = cur[m], dst[m]
         if c == d:
             continue
