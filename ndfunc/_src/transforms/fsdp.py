@@ -148,20 +148,24 @@ def _only_user(node: torch.fx.Node) -> torch.fx.Node | None:
     return next(iter(node.users)) if len(node.users) == 1 else None
 
 
+_OFF_DIM_0 = (aten.view.default, aten.permute.default, aten.clone.default, aten.view.default)
+
+
 def _finish(gather: torch.fx.Node, chain: list) -> torch.fx.Node:
-    """Follow `gather` to the whole value: its wait, then (a gather off dim 0) the split, its
-    getitems and their cat; append them to `chain` and return the last."""
-    value = gather
-    while (user := _only_user(value)) is not None and user.target in (c10d.wait_tensor.default, aten.split.Tensor):
-        chain.append(user)
-        value = user
-    if value.target is aten.split.Tensor:
-        items = list(value.users)
-        cats = {u for i in items for u in i.users}
-        if len(cats) == 1:
-            chain += items + [cats.pop()]
-            value = chain[-1]
-    return value
+    """Follow `gather` to the whole value: its wait, then (a gather off dim 0) the blocks put
+    along their dim as the lowering writes it (`_OFF_DIM_0`: a view, a permute, the copy, a view);
+    append them to `chain` and return the last."""
+    value = _only_user(gather)
+    assert value is not None and value.target is c10d.wait_tensor.default, value
+    chain.append(value)
+    follow, user = [], value
+    for op in _OFF_DIM_0:
+        user = _only_user(user)
+        if user is None or user.target is not op:
+            return value
+        follow.append(user)
+    chain += follow
+    return follow[-1]
 
 
 def _first_reads(gathers: list[_Gather], index: dict, module: dict) -> list[tuple]:

@@ -149,17 +149,16 @@ def _reduced(graph, piece, member, n):
 
 
 def _gathered(graph, piece, member, n):
-    """A parameter gathered along a dim other than 0 is cut back into its ranks' blocks (`split` along
-    dim 0, then `cat` along its dim): take the blocks as views of the bucket instead, so the `cat` is its
-    only copy (stacking them on dim 0 first would be a second)."""
-    shape = member.comm.sent
-    (split,) = member.wait.users if len(member.wait.users) == 1 else (None,)
-    by_rank = ((shape[0],), (shape[0], 0))
-    if split is None or split.target is not aten.split.Tensor or tuple(split.args[1:]) not in by_rank:
+    """A parameter gathered along a dim other than 0 is viewed as its ranks' blocks (`[n, *block]`)
+    and copied with them put along its dim (`lower`'s all-gather): view the blocks in the bucket
+    instead, so that copy is its only one (the gathered parameter laid end to end first would be
+    a second)."""
+    shape = list(member.comm.sent)
+    (blocks,) = member.wait.users if len(member.wait.users) == 1 else (None,)
+    if blocks is None or blocks.target is not aten.view.default or list(blocks.args[1]) != [n, *shape]:
         return _received(graph, piece, member, n)
-    blocks = graph.call_function(aten.unbind.int, (graph.call_function(aten.reshape.default, (piece, [n, *shape])), 0))
-    split.replace_all_uses_with(blocks)
-    graph.erase_node(split)
+    blocks.replace_all_uses_with(graph.call_function(aten.reshape.default, (piece, [n, *shape])))
+    graph.erase_node(blocks)
     return None
 
 
