@@ -3,7 +3,9 @@ three 4-axis layouts, against a table written by the partitioner before its sear
 (commit d7e5c1e; `python tests/test_plan_pins.py` writes the table anew, for a change that means
 to change plans: hsdp+tp's was written again when a pending sum over dp_replicate and dp_shard
 came to be reduce-scattered first and its shard all-reduced, the same sum on a smaller block, so
-the gradients' views stay pending on both axes until then). A plan given back for a graph planned before is the same as a fresh search's."""
+the gradients' views stay pending on both axes until then; and all three when the loss came to be
+traced vocabulary-parallel, its log-softmax as a max, a sum of exponentials and a log, and its
+target pick as a masked sum, which adds nodes to the graph). A plan given back for a graph planned before is the same as a fresh search's."""
 
 from __future__ import annotations
 

@@ -14,6 +14,9 @@ every rank ignores as many targets; as a sum and a count, both are summed over t
 the division, so a sharded step's loss is the single device's. (Half-precision scores keep the op:
 their sum could overflow before the division. The partitioner then brings the scores together for
 it, since its sharded rule is that average; cast them to float32 first, as `models.llama` does.)
+Scores of shape (N, C) without class weights go further: each target's score is picked as a sum
+over the classes masked by `class == target`, and its gradient is written the same way, so the
+scores can stay split over the classes (vocabulary-parallel, as Megatron's cross-entropy).
 
 A tensor the step closes over is a constant of the program, the same on every rank. One made
 under `nf.simulate` (a value per simulated rank) or one the step writes into is refused: pass it
@@ -170,18 +173,57 @@ def trace(fn: Callable, args: Sequence[Any], kwargs: dict | None = None, *, stat
 
 def _mean_as_sum_over_count(op):
     """`op` (an `nll_loss` forward) with reduction 'mean' as its 'sum' over its total weight (what
-    the mean divides by, and what its backward reads); other reductions as they are."""
+    the mean divides by, and what its backward reads); other reductions as they are. Scores of
+    shape (N, C) with no class weights are picked as a masked sum (`_picked`)."""
     def decomposed(x, target, weight, reduction, ignore_index):
-        if reduction != _reduction.get_enum("mean") or x.dtype not in (torch.float32, torch.float64):
+        if reduction not in _SUMMED or x.dtype not in (torch.float32, torch.float64):
             return NotImplemented
-        summed, weight_total = op(x, target, weight, _reduction.get_enum("sum"), ignore_index)
-        return summed / weight_total, weight_total
+        if reduction != _reduction.get_enum("mean") and not _picks(x, weight, op):
+            return NotImplemented  # the op as it is (and what the mean below calls)
+        if _picks(x, weight, op):
+            hit = _hits(x, target, ignore_index)
+            summed = -torch.where(hit, x, 0).sum()  # every ignored target matches no class
+            weight_total = (target != ignore_index).sum().to(x.dtype)
+        else:
+            summed, weight_total = op(x, target, weight, _reduction.get_enum("sum"), ignore_index)
+        if reduction == _reduction.get_enum("mean"):
+            return summed / weight_total, weight_total
+        return summed, weight_total
 
     return decomposed
 
 
+def _nll_backward(grad, x, target, weight, reduction, ignore_index, weight_total):
+    """The gradient of `_mean_as_sum_over_count`'s masked sum: -grad (over the total weight, for
+    the mean) at each target's class, 0 elsewhere."""
+    op = torch.ops.aten.nll_loss_forward.default
+    if reduction not in _SUMMED or x.dtype not in (torch.float32, torch.float64) or not _picks(x, weight, op):
+        return NotImplemented
+    scale = -grad / weight_total if reduction == _reduction.get_enum("mean") else -grad
+    return torch.where(_hits(x, target, ignore_index), scale.to(x.dtype), 0)
+
+
+_SUMMED = (_reduction.get_enum("mean"), _reduction.get_enum("sum"))
+
+
+def _picks(x, weight, op) -> bool:
+    """Whether a cross-entropy's target scores are picked as a masked sum: (N, C) scores without
+    class weights. ATen's kernel reads the class of each target by index, and no sharding rule
+    splits that over the classes; compared with every class and summed, the scores stay split
+    where they are made, as Megatron's vocabulary-parallel cross-entropy keeps the logits (each
+    rank picks the targets in its slice of the vocabulary, and one all-reduce of a scalar adds them)."""
+    return op is torch.ops.aten.nll_loss_forward.default and weight is None and x.dim() == 2
+
+
+def _hits(x, target, ignore_index):
+    """(N, C): whether class c is sample n's target (and the target is not ignored)."""
+    classes = torch.arange(x.shape[1], device=x.device)
+    return (target.unsqueeze(1) == classes) & (target != ignore_index).unsqueeze(1)
+
+
 _DECOMPOSITIONS = {op: _mean_as_sum_over_count(op)
                    for op in (torch.ops.aten.nll_loss_forward.default, torch.ops.aten.nll_loss2d_forward.default)}
+_DECOMPOSITIONS[torch.ops.aten.nll_loss_backward.default] = _nll_backward
 
 
 def _one_hot(labels: torch.Tensor, num_classes: int = -1) -> torch.Tensor:

@@ -22,7 +22,7 @@ import torch
 from ndfunc._src.buffers import buffer_of
 from ndfunc._src.partition import program as prog
 from ndfunc._src.partition.planning import redistribute
-from ndfunc._src.partition.planning.layout import Layout, local_shape
+from ndfunc._src.partition.planning.layout import EXTREMA, Layout, local_shape
 from ndfunc._src.partition.planning.ops import rule_of
 from ndfunc._src.partition.planning.solve import Plan
 from ndfunc._src.partition.planning.strategies import (
@@ -124,8 +124,8 @@ class _Emitter:
                 x = self._copied(self.call(aten.permute.default, blocks, [d] + order[:d] + order[d + 1:]), sent)
             else:
                 x = self.call(aten.clone.default, x, memory_format=torch.contiguous_format)
-        if step.kind == "all_reduce":
-            comm = self.call(c10d.all_reduce.default, x, "sum", group)
+        if step.kind == "all_reduce":  # a mean as a sum, divided below
+            comm = self.call(c10d.all_reduce.default, x, step.reduce_op if step.reduce_op in EXTREMA else "sum", group)
         elif step.kind == "all_gather":
             comm = self.call(c10d.all_gather_into_tensor.default, x, n, group)
         else:

@@ -18,7 +18,8 @@ Layout = tuple  # of placements, one per partitioned mesh axis
 
 R = Replicate()
 MANUAL: Layout = ("manual",)  # a value inside a shard_map region: already this rank's own block
-PARTIAL_OPS = ("sum", "avg")  # reductions the lowering knows how to finish
+PARTIAL_OPS = ("sum", "avg", "max", "min")  # reductions the lowering knows how to finish
+EXTREMA = ("max", "min")  # finished by an all-reduce only (a reduce-scatter by max is not every backend's)
 
 
 def replicated(k: int) -> Layout:

@@ -131,7 +131,10 @@ def _var_mean(x, dim=None, *, correction=1, keepdim=False):
 # every rank). Decomposed, the statistics are sums over the batch, which split like any other sum
 # (a partial sum per rank, then one all-reduce of the channels' sums), and the running statistics
 # are written by `copy_`.
-DECOMPOSED = (aten.native_batch_norm.default, aten.native_batch_norm_backward.default)
+DECOMPOSED = (aten.native_batch_norm.default, aten.native_batch_norm_backward.default,
+              # a max, a sum of exponentials and their log: each splits over the classes (a pending
+              # max or sum per rank), so a cross-entropy's logits stay split over the vocabulary
+              aten._log_softmax.default, aten._log_softmax_backward_data.default)
 
 
 def _takes_tensors(op) -> bool:
@@ -371,6 +374,90 @@ def _cumsum(emitter, node, locals_):
     return prog.note_local(out, shape, val.dtype)
 
 
+def _vocab_parallel_rule(node, sizes) -> list[Strategy]:
+    """DTensor's strategies for an embedding lookup (or its backward), and on each axis where one
+    keeps the table, the indices and the lookup whole: the table split by rows (the vocabulary)
+    instead, each rank looking up the rows it holds and zeros for the rest, a pending sum
+    (Megatron's vocabulary-parallel embedding; DTensor's masked partial). In the backward the
+    gradient's rows are split the same way: each rank's rows from the tokens that fall in them.
+    Not for `scale_grad_by_freq` (it counts tokens over the whole table)."""
+    found = from_dtensor(node, tensor_inputs(node), tensor_outputs(node), sizes)
+    if found is None:
+        found = from_op_strategy(node, tensor_inputs(node), tensor_outputs(node), sizes)
+    forward = node.target is aten.embedding.default
+    if _embedding_args(node)[3]:
+        return found
+    table_shape = tuple((node.args[0] if forward else node).meta["val"].shape)
+    extra = []
+    for s in found:
+        table = s.ins[0] if forward else s.outs[0]
+        if any(p == Shard(0) for p in table):
+            continue
+        for m in range(len(sizes)):
+            if not all(isinstance(lay[m], Replicate) for lay in (*s.ins, s.outs[0])):
+                continue
+            if local_shape(table_shape, table, sizes)[0] % sizes[m]:
+                continue
+            if forward:  # the table's rows split, the lookup a pending sum
+                extra.append(Strategy((_with(s.outs[0], m, Partial()),), (_with(table, m, Shard(0)), *s.ins[1:])))
+            else:  # the gradient's rows split, from the whole incoming gradient and indices
+                extra.append(Strategy((_with(s.outs[0], m, Shard(0)),), s.ins))
+    return found + extra
+
+
+def _with(layout, m, placement):
+    return tuple(placement if i == m else p for i, p in enumerate(layout))
+
+
+def _embedding_args(node) -> tuple:
+    """(padding_idx, num_weights or None, the indices' position, scale_grad_by_freq) of an
+    embedding lookup or its backward."""
+    if node.target is aten.embedding.default:
+        padding = node.args[2] if len(node.args) > 2 else node.kwargs.get("padding_idx", -1)
+        freq = node.args[3] if len(node.args) > 3 else node.kwargs.get("scale_grad_by_freq", False)
+        return padding, None, 1, freq
+    _, _, num_weights, padding, freq = node.args
+    return padding, num_weights, 1, freq
+
+
+def _vocab_parallel(emitter, node, locals_):
+    """The local lookup: the op on blocks where no axis splits the table's rows; else each rank's
+    rows looked up with the indices moved into its range (others read row 0), and what fell
+    outside zeroed: in the forward the lookup (a pending sum over the axis), in the backward the
+    incoming gradient (and a padding token's: its row gets none) before it is added into this
+    rank's rows."""
+    s = emitter.plan.strategy[node]
+    forward = node.target is aten.embedding.default
+    padding, _, _, freq = _embedding_args(node)
+    table = s.ins[0] if forward else s.outs[0]
+    table_shape = tuple((node.args[0] if forward else node).meta["val"].shape)
+    local_rows = local_shape(table_shape, table, emitter.sizes)[0]
+    val = node.meta["val"]
+    shape = local_shape(tuple(val.shape), s.outs[0], emitter.sizes)
+    first, indices = locals_
+    axes = [emitter.axis_names[m] for m, p in enumerate(table) if p == Shard(0)]
+    if not axes:
+        if forward:
+            out = emitter.call(aten.embedding.default, first, indices, *node.args[2:], **node.kwargs)
+        else:
+            out = emitter.call(aten.embedding_dense_backward.default, first, indices, local_rows, padding, freq)
+        return prog.note_local(out, shape, val.dtype)
+    start = emitter.call(aten.mul.Tensor, emitter.axis_index(axes), local_rows)
+    moved = emitter.call(aten.sub.Tensor, indices, start)
+    inside = emitter.call(aten.bitwise_and.Tensor, emitter.call(aten.ge.Scalar, moved, 0),
+                          emitter.call(aten.lt.Scalar, moved, local_rows))
+    if not forward and padding >= 0:
+        inside = emitter.call(aten.bitwise_and.Tensor, inside, emitter.call(aten.ne.Scalar, indices, padding))
+    index = emitter.call(aten.where.ScalarOther, inside, moved, 0)
+    keep = emitter.call(aten.unsqueeze.default, inside, -1)
+    if forward:
+        out = emitter.call(aten.where.ScalarOther, keep, emitter.call(aten.embedding.default, first, index), 0.0)
+    else:
+        grad = emitter.call(aten.where.ScalarOther, keep, first, 0.0)
+        out = emitter.call(aten.embedding_dense_backward.default, grad, index, local_rows, -1, freq)
+    return prog.note_local(out, shape, val.dtype)
+
+
 def _same_value(emitter, node, locals_):
     """A constraint or region boundary: the layouts were the point; the value is its input's."""
     return locals_[0]
@@ -426,6 +513,8 @@ register(attention.attention_op, strategies=_attention_rule, flops=_attention_fl
 register(attention.attention_backward_op, strategies=_attention_rule, flops=_attention_backward_flops,
          local=_attention_kernel)
 register(aten.nll_loss_forward.default, strategies=_mean_loss_rule)
+register(aten.embedding.default, strategies=_vocab_parallel_rule, lower=_vocab_parallel)
+register(aten.embedding_dense_backward.default, strategies=_vocab_parallel_rule, lower=_vocab_parallel)
 register(aten.nll_loss2d_forward.default, strategies=_mean_loss_rule)
 register(random_block_op, strategies=_random_rule, lower=_random_block, flops=_random_flops)  # each its own block
 register(sharding_constraint_op, strategies=_constraint_rule, lower=_same_value)

@@ -40,7 +40,7 @@ from collections.abc import Sequence
 
 from torch.distributed.tensor import Partial, Replicate, Shard
 
-from ndfunc._src.partition.planning.layout import MANUAL, Layout, local_shape
+from ndfunc._src.partition.planning.layout import EXTREMA, MANUAL, Layout, local_shape
 
 COLLECTIVES = ("all_gather", "all_reduce", "reduce_scatter", "all_to_all")
 
@@ -122,8 +122,13 @@ def plan(src: Layout, dst: Layout, shape: Sequence[int], sizes: Sequence[int], s
             now = tuple(out)
         elif isinstance(cur[m], Partial):
             op = cur[m].reduce_op
-            if isinstance(dst[m], Replicate):
+            if isinstance(dst[m], Replicate) or op in EXTREMA:  # an extremum: all-reduced, then sliced
                 steps.append(Step("all_reduce", m, None, op, now, now, sizes[m]))
+                if isinstance(dst[m], Shard):
+                    d = dst[m].dim
+                    out = now[:d] + (now[d] // sizes[m],) + now[d + 1:]
+                    steps.append(Step("slice", m, d, None, now, out, sizes[m]))
+                    now = out
             else:
                 d = dst[m].dim
                 out = now[:d] + (now[d] // sizes[m],) + now[d + 1:]
@@ -189,6 +194,7 @@ def cost(src: Layout, dst: Layout, shape: Sequence[int], sizes: Sequence[int], i
 
 _REPLICATE = -1
 _PARTIALS = {op: -2 - i for i, op in enumerate(("sum", "avg", "max", "min", "product"))}
+_EXTREMA = tuple(_PARTIALS[op] for op in EXTREMA)
 
 
 def codes(layout: Layout) -> tuple[int, ...] | None:
@@ -255,6 +261,10 @@ def coded_cost(src: tuple[int, ...] | None, dst: tuple[int, ...] | None, shape: 
         if c <= -2:  # a pending sum, finished
             if d == _REPLICATE:
                 total += 2 * (n - 1) / n * math.prod(now) * itemsize + ALPHA
+            elif c in _EXTREMA:  # all-reduced, then sliced
+                total += 2 * (n - 1) / n * math.prod(now) * itemsize + ALPHA
+                now[d] //= n
+                total += 0.0 + SLICE * math.prod(now) * itemsize
             else:
                 total += (n - 1) / n * math.prod(now) * itemsize + ALPHA
                 now[d] //= n
