@@ -49,7 +49,8 @@ ALL_REDUCE_COPIES_MAX = 4 * 2**20
 
 
 def for_backend(gm: torch.fx.GraphModule, backend_of) -> torch.fx.GraphModule:
-    """A copy of `gm` whose sum and mean reductions and gathers (up to the bounds above) over groups
+    """A copy of `gm` whose reductions (sums and means; all-reduces by max or min too) and gathers
+    (up to the bounds above) over groups
     whose backend (`backend_of(group_name)`) is gloo run as all-to-alls; `gm` itself if none does.
     Shapes come from what each collective sends (its `Comm`), so the program does no shape work."""
     graph = torch.fx.Graph()
@@ -81,7 +82,7 @@ def for_backend(gm: torch.fx.GraphModule, backend_of) -> torch.fx.GraphModule:
         elif node.target is c10d.all_reduce.default:
             x, op, group = node.args
             n = _group_size(group)
-            if op in ("sum", "avg") and dtype.is_floating_point and size * n <= ALL_REDUCE_COPIES_MAX:
+            if op in _LOCAL_REDUCTIONS and dtype.is_floating_point and size * n <= ALL_REDUCE_COPIES_MAX:
                 numel = math.prod(shape)
                 with graph.inserting_before(node):
                     copies = graph.call_function(aten.repeat.default, (
@@ -93,7 +94,7 @@ def for_backend(gm: torch.fx.GraphModule, backend_of) -> torch.fx.GraphModule:
 
 def _sum_what_comes(graph, node, wait, x, n: int, group, op: str, sent: tuple, result: tuple | None = None) -> None:
     """Replace the reduction `node` (and its `wait`) by an all-to-all of `x`'s (shape `sent`) n row
-    blocks and, once waited for, the sum (`op` 'avg': the mean) of the n blocks that arrive,
+    blocks and, once waited for, the reduction by `op` (`_LOCAL_REDUCTIONS`) of the n blocks that arrive,
     shaped `result` (a block's if None)."""
     k = sent[0] // n
     with graph.inserting_before(node):
@@ -102,12 +103,18 @@ def _sum_what_comes(graph, node, wait, x, n: int, group, op: str, sent: tuple, r
     with graph.inserting_before(wait):
         arrived = graph.call_function(c10d.wait_tensor.default, (swapped,))
         blocks = graph.call_function(aten.reshape.default, (arrived, [n, k, *sent[1:]]))
-        out = graph.call_function(aten.sum.dim_IntList if op == "sum" else aten.mean.dim, (blocks, [0]))
+        out = graph.call_function(_LOCAL_REDUCTIONS[op], (blocks, [0]))
         if result is not None:
             out = graph.call_function(aten.reshape.default, (out, list(result)))
     wait.replace_all_uses_with(out)
     graph.erase_node(wait)
     graph.erase_node(node)
+
+
+# how the blocks that arrive are reduced: an all-reduce's by any of these (a vocabulary-parallel
+# softmax's max per token too), a reduce-scatter's by a sum or mean
+_LOCAL_REDUCTIONS = {"sum": aten.sum.dim_IntList, "avg": aten.mean.dim, "max": aten.amax.default,
+                     "min": aten.amin.default}
 
 
 def _exchange(node: torch.fx.Node, was: Comm, sent: tuple, n: int) -> None:
