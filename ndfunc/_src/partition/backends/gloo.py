@@ -50,8 +50,8 @@ ALL_REDUCE_COPIES_MAX = 4 * 2**20
 
 def for_backend(gm: torch.fx.GraphModule, backend_of) -> torch.fx.GraphModule:
     """A copy of `gm` whose reductions (sums and means; all-reduces by max or min too) and gathers
-    (up to the bounds above) over groups
-    whose backend (`backend_of(group_name)`) is gloo run as all-to-alls; `gm` itself if none does.
+    (up to the bounds above) over groups whose backend (`backend_of(group_name)`) is gloo run as
+    all-to-alls; `gm` itself if none does.
     Shapes come from what each collective sends (its `Comm`), so the program does no shape work."""
     graph = torch.fx.Graph()
     graph.output(graph.graph_copy(gm.graph, {}))
