@@ -594,8 +594,10 @@ class Problem:
                     n, by_layout[outs[j]], choice, True):
                 by_layout[outs[j]] = i
         demands = self.demands(v, choice)
-        ranked = sorted(((sum(self.tcost(v, lay, w) for w in demands) + self.output_cost(v, lay), lay, i)
-                         for lay, i in by_layout.items()))
+        # a consumer taking a pending sum cannot take another layout's value as it is, but is
+        # chosen again after the move (`_settle`): such demands rank nothing out
+        ranked = sorted(((sum(c for w in demands if (c := self.tcost(v, lay, w)) != math.inf)
+                          + self.output_cost(v, lay), lay, i) for lay, i in by_layout.items()))
         moves = []
         for reach, _, i in ranked[:len(self.sizes) + 2]:
             if below is not None and reach >= below:
