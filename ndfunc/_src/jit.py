@@ -163,7 +163,7 @@ class Jitted:
         treespec, statics, leaves = key
 
         def retrace():
-            fakes = [torch.empty(s, dtype=d) for s, d, _, _ in leaves]
+            fakes = [torch.empty(s, dtype=d, device=t) for s, d, t, _ in leaves]
             dyn_args, kwargs = optree.tree_unflatten(treespec, fakes)
             static = dict(statics)
             self.fn(*[static[i] if i in static else a for i, a in enumerate(dyn_args)], **kwargs)

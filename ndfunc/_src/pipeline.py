@@ -165,7 +165,11 @@ def backend_collectives(p: Program) -> Program:
 
 def cpu_kernels(p: Program) -> Program:
     """Big fp32 matmuls of a CPU program by the faster kernel where it differs (`kernels`)."""
-    p.runs = kernels.choose(p.runs, p.mesh.device_type if isinstance(p.mesh, Mesh) else None)
+    # where the blocks are (an accelerator's if any is), else the mesh's: CUDA blocks on simulated
+    # ranks, or with no mesh, make a CUDA program
+    devices = {device.type for _, _, device in p.local_inputs()} - {"cpu"}
+    device_type = min(devices) if devices else p.mesh.device_type if isinstance(p.mesh, Mesh) else None
+    p.runs = kernels.choose(p.runs, device_type)
     return p
 
 

@@ -168,14 +168,16 @@ def init(backend: str | None = None, keep_host_memory: bool = True, timeout: flo
     backend = backend or ("nccl" if cuda else "gloo")
     if cpu_backend(backend) == "gloo" and keep_host_memory:
         keep_freed_memory()
-    if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     timeout = timeout if timeout is not None else _seconds(os.environ.get("NDFUNC_TIMEOUT"))
-    wait = {} if timeout is None else {"timeout": datetime.timedelta(seconds=timeout)}
+    options = {} if timeout is None else {"timeout": datetime.timedelta(seconds=timeout)}
+    if backend == "nccl":  # this process's GPU, named to the group too (its barriers need it)
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+        options["device_id"] = device
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        dist.init_process_group(backend, init_method="env://", **wait)
+        dist.init_process_group(backend, init_method="env://", **options)
     else:
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, **wait)
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, **options)
 
 
 def _seconds(text: str | None) -> float | None:
