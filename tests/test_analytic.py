@@ -2,6 +2,7 @@
 (computed here from shapes and mesh sizes, not by the partitioner), on abstract meshes of the
 sizes users plan for: nothing is simulated or allocated."""
 
+import optree
 import pytest
 import torch
 
@@ -58,3 +59,54 @@ def test_hsdp_gathers_an_output_head_rather_than_reduce_its_logits():
     assert moved["all_gather"] == pytest.approx(3 / 4 * head)
     assert moved["reduce_scatter"] == pytest.approx(3 / 4 * head)
     assert moved["all_reduce"] == pytest.approx(2 * 1 / 2 * head / 4, rel=1e-3)  # and two scalars
+
+
+def _llama_step(base, sizes, seq=8192):
+    """Llama 3's step (two of its layers: every figure below is per layer, or the embedding's) over
+    stand-ins on an abstract mesh of `sizes` (dp_replicate, dp_shard, cp, tp), the train job's
+    layouts, results laid out as the arguments were."""
+    from models import llama, train
+
+    cfg, config = base(n_layers=2), nf.ParallelConfig(*sizes)
+    mesh = config.build_abstract_mesh()
+    specs = nf.sharding.logical_to_mesh(llama.param_axes(cfg), config.rules)
+    params = llama.abstract_params(cfg, optree.tree_map(lambda s: NamedSharding(mesh, s), specs))
+    opt = nf.optim.adamw(3e-4)
+    state = opt.init(params)
+    laid_out = lambda tree: optree.tree_map(lambda x: x.sharding, tree)  # noqa: E731
+    step = nf.jit(train.make_step(cfg, opt, config.rules), mesh=mesh,
+                  out_shardings=(laid_out(params), laid_out(state), P()))
+    lowered = step.lower(params, state, train.abstract_batch(config, mesh, config.dp_world_size, seq))
+    moved: dict = {}
+    for _, c in collectives(lowered.program.local):
+        moved[(c.kind, c.axes)] = moved.get((c.kind, c.axes), 0) + c.moved
+    return cfg, lowered, moved
+
+
+SHAPES = ["llama3_8b", "llama3_70b"]
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("shards,tp", [(8, 1), (4, 2)], ids=["fsdp8", "fsdp4_tp2"])
+def test_fsdp_and_fsdp_tp_move_the_closed_forms(shape, shards, tp):
+    # FSDP (Zhao et al. 2023; ZeRO-3): each weight gathered for the step and its gradient
+    # reduce-scattered, (n-1)/n of its bytes each; under TP the weights FSDP moves are 1/tp of them,
+    # and TP adds Megatron's 4 all-reduces per layer and 2 more (embedding, output head) of the
+    # (B, S, D) activations. The embedding table is looked up where it lies (each rank its slice of
+    # the width, the tokens exchanged: an all-to-all of activations), so it is not gathered.
+    from models import llama
+
+    cfg, lowered, moved = _llama_step(getattr(llama.LlamaConfig, shape), (1, shards, 1, tp))
+    params = cfg.num_params()
+    table = cfg.vocab_size * cfg.dim
+    weights = (params - table) * F32 / tp
+    ring = (shards - 1) / shards
+    assert moved[("all_gather", ("dp_shard",))] == pytest.approx(ring * weights, rel=0.05)
+    assert moved[("reduce_scatter", ("dp_shard",))] == pytest.approx(ring * weights, rel=0.05)
+    if tp > 1:
+        activations = 8192 * cfg.dim * F32
+        expected = (4 * cfg.n_layers + 2) * 2 * (tp - 1) / tp * activations
+        assert moved[("all_reduce", ("tp",))] == pytest.approx(expected, rel=0.05)
+    # held per rank: weights and Adam's two moments, 12 bytes a parameter over all the ranks
+    memory = lowered.memory_analysis()
+    assert memory.argument_size_in_bytes == pytest.approx(3 * F32 * params / (shards * tp), rel=0.01)
