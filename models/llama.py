@@ -197,14 +197,16 @@ def attention(layer: dict, x_BLD: torch.Tensor, cos, sin, cfg: LlamaConfig, mask
     k_BLGK = torch.einsum("bld,dgk->blgk", x_BLD, layer["wk"])
     v_BLGK = torch.einsum("bld,dgk->blgk", x_BLD, layer["wv"])
     q_BLHK, k_BLGK = apply_rope(q_BLHK, cos, sin), apply_rope(k_BLGK, cos, sin)
-    r = cfg.n_heads // cfg.n_kv_heads  # key/value head g serves query heads g*R .. g*R + R-1
-    k_BHLK = einops.repeat(k_BLGK, "b l g k -> b (g r) l k", r=r)
-    v_BHLK = einops.repeat(v_BLGK, "b l g k -> b (g r) l k", r=r)
+    # key/value head g serves query heads g*R .. g*R + R-1 (R = H // G): attention reads the G
+    # heads as they are (`enable_gqa`), so a ring passes, and remat keeps, G heads, not H copies
+    k_BGLK = einops.rearrange(k_BLGK, "b l g k -> b g l k")
+    v_BGLK = einops.rearrange(v_BLGK, "b l g k -> b g l k")
     q_BHLK = einops.rearrange(q_BLHK, "b l h k -> b h l k")
+    gqa = cfg.n_heads != cfg.n_kv_heads
     if mask_BLL is None:
-        o_BHLK = F.scaled_dot_product_attention(q_BHLK, k_BHLK, v_BHLK, is_causal=True)
+        o_BHLK = F.scaled_dot_product_attention(q_BHLK, k_BGLK, v_BGLK, is_causal=True, enable_gqa=gqa)
     else:
-        o_BHLK = F.scaled_dot_product_attention(q_BHLK, k_BHLK, v_BHLK, attn_mask=mask_BLL[:, None])
+        o_BHLK = F.scaled_dot_product_attention(q_BHLK, k_BGLK, v_BGLK, attn_mask=mask_BLL[:, None], enable_gqa=gqa)
     return torch.einsum("bhlk,hkd->bld", o_BHLK, layer["wo"])
 
 

@@ -110,3 +110,27 @@ def test_fsdp_and_fsdp_tp_move_the_closed_forms(shape, shards, tp):
     # held per rank: weights and Adam's two moments, 12 bytes a parameter over all the ranks
     memory = lowered.memory_analysis()
     assert memory.argument_size_in_bytes == pytest.approx(3 * F32 * params / (shards * tp), rel=0.01)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_ring_attention_passes_the_key_value_heads_around_the_ring(shape):
+    # context parallelism with ring attention (Liu et al. 2023): forward, cp - 1 hops of each rank's
+    # keys and values; backward, cp - 1 hops of them with their gradients, and one more that brings
+    # the gradients home. Of the G key/value heads (grouped-query attention reads them as they
+    # are), not the H query heads' copies; the weights are FSDP-sharded over cp, as torchtitan does
+    from models import llama
+
+    cp, seq = 4, 8192
+    cfg = getattr(llama.LlamaConfig, shape)(n_layers=2)
+    config = nf.ParallelConfig(cp_size=cp)
+    mesh = config.build_abstract_mesh()
+    specs = nf.sharding.logical_to_mesh(llama.param_axes(cfg), config.rules)
+    from models import train
+
+    params = llama.abstract_params(cfg, optree.tree_map(lambda s: NamedSharding(mesh, s), specs))
+    opt = nf.optim.adamw(3e-4)
+    step = nf.jit(train.make_step(cfg, opt, config.rules), mesh=mesh, transforms=[nf.ring_attention("cp")])
+    lowered = step.lower(params, opt.init(params), train.abstract_batch(config, mesh, 1, seq * cp))
+    kv = 2 * seq * cfg.n_kv_heads * cfg.head_dim * F32  # a rank's keys and values, one layer
+    moved = lowered.cost_analysis()["comm_bytes"]
+    assert moved["ppermute"] == pytest.approx(cfg.n_layers * kv * (3 * (cp - 1) + 1), rel=0.05)

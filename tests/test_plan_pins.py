@@ -5,7 +5,8 @@ to change plans: hsdp+tp's was written again when a pending sum over dp_replicat
 came to be reduce-scattered first and its shard all-reduced, the same sum on a smaller block, so
 the gradients' views stay pending on both axes until then; and all three when the loss came to be
 traced vocabulary-parallel, its log-softmax as a max, a sum of exponentials and a log, and its
-target pick as a masked sum, which adds nodes to the graph). A plan given back for a graph planned before is the same as a fresh search's."""
+target pick as a masked sum, which adds nodes to the graph; and again when the model's attention
+came to read its grouped key/value heads as they are, not repeated). A plan given back for a graph planned before is the same as a fresh search's."""
 
 from __future__ import annotations
 
