@@ -86,6 +86,7 @@ def _llama_step(base, sizes, seq=8192):
 SHAPES = ["llama3_8b", "llama3_70b"]
 
 
+@pytest.mark.slow  # a Llama-3-shaped step lowered per case: seconds each
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("shards,tp", [(8, 1), (4, 2)], ids=["fsdp8", "fsdp4_tp2"])
 def test_fsdp_and_fsdp_tp_move_the_closed_forms(shape, shards, tp):
@@ -112,6 +113,7 @@ def test_fsdp_and_fsdp_tp_move_the_closed_forms(shape, shards, tp):
     assert memory.argument_size_in_bytes == pytest.approx(3 * F32 * params / (shards * tp), rel=0.01)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shape", SHAPES)
 def test_ring_attention_passes_the_key_value_heads_around_the_ring(shape):
     # context parallelism with ring attention (Liu et al. 2023): forward, cp - 1 hops of each rank's

@@ -68,6 +68,7 @@ def test_a_cross_entropy_over_logits_split_by_class_equals_the_whole_logits(igno
     assert moved and all(kind == "all_reduce" and math.prod(sent) <= N for kind, sent in moved), moved
 
 
+@pytest.mark.slow  # two Llama-3-shaped steps lowered
 def test_tensor_parallel_llama_moves_megatrons_activations_and_nothing_else():
     # Megatron-LM's tensor parallelism (Shoeybi et al. 2019, sec. 3): per layer two all-reduces of
     # the (B, S, D) activations forward and two backward, one for the vocabulary-parallel embedding's
