@@ -4,8 +4,8 @@
                                       [--config tiny] [--json OUT]
 
 Each row lowers the step of `models.train` (AdamW, the ParallelConfig's rules on activations) over
-simulated ranks, with the arguments laid out first (as a training loop holds them; placing data is
-not compiling), and prints the seconds of `Jitted.lower` and of its parts: tracing, the
+`nf.ShapeDtypeStruct` stand-ins on an `AbstractMesh` (the program simulated or real ranks get, with
+nothing laid out or allocated: placing data is not compiling), and prints the seconds of `Jitted.lower` and of its parts: tracing, the
 partitioner's candidate strategies (DTensor's rules asked), its search, and the passes after it.
 Every row starts from cold caches (no candidate, layout change or plan remembered from a row
 before), as a fresh process would. Depth rows use `--depth-mesh`; mesh rows use `--mesh-layers`.
@@ -18,14 +18,14 @@ import dataclasses
 import json
 import time
 
-import torch
+import optree
 
 import ndfunc as nf
 from models import llama, train
 from ndfunc._src.partition.planning import ops, solve
-from ndfunc.sharding import P
+from ndfunc.sharding import NamedSharding, P
 
-MESHES = ["1,2,1,2", "1,2,2,2", "2,2,2,2", "2,4,2,4", "2,8,4,4"]  # dp_replicate, dp_shard, cp, tp: 4 to 256
+MESHES = ["1,2,1,2", "1,2,2,2", "2,2,2,2", "2,4,2,4", "2,8,4,4", "2,32,2,8"]  # dp_replicate, dp_shard, cp, tp: 4 to 1,024
 
 
 def cold() -> None:
@@ -39,34 +39,29 @@ def cold() -> None:
 def row(cfg: llama.LlamaConfig, sizes: tuple[int, ...], seq: int = 64) -> dict:
     config = nf.ParallelConfig(*sizes)
     opt = nf.optim.adamw(1e-3, weight_decay=0.1)
-    params = llama.init(cfg, nf.random.key(0))  # whole, on this process: only the layout is simulated
+    # stand-ins on an abstract mesh: a 1,024-rank row costs what a 4-rank one does to set up, and
+    # the program is the one simulated or real ranks get (tests/test_shape_only.py)
+    mesh = config.build_abstract_mesh()
+    pspec = nf.sharding.logical_to_mesh(llama.param_axes(cfg), config.rules)
+    params = llama.abstract_params(cfg, optree.tree_map(lambda s: NamedSharding(mesh, s), pspec))
     state = opt.init(params)
-    n = config.dp_world_size
-    batch = {"tokens": torch.zeros(n, seq * config.cp_size, dtype=torch.long),
-             "targets": torch.zeros(n, seq * config.cp_size, dtype=torch.long),
-             "positions": torch.arange(seq * config.cp_size).expand(n, -1).contiguous()}
-    with nf.simulate(config.total_size):
-        mesh = config.build_mesh()
-        pspec = nf.sharding.logical_to_mesh(llama.param_axes(cfg), config.rules)
-        sspec = nf.optim.state_shardings(state, pspec)
-        bspec = {k: config.batch_spec for k in batch}
-        with mesh:
-            args = nf.device_put((params, state, batch), (pspec, sspec, bspec))
-        step = nf.jit(train.make_step(cfg, opt, config.rules), mesh=mesh, in_shardings=(pspec, sspec, bspec),
-                      out_shardings=(pspec, sspec, P()))
-        cold()
-        t0 = time.perf_counter()
-        lowered = step.lower(*args)
-        total = time.perf_counter() - t0
-        # the parts, again, from cold caches: the search's own time apart from the candidates'
-        program = lowered.program
-        cold()
-        graph = program.traced.graph
-        t0 = time.perf_counter()
-        problem = solve.Problem(graph, program.sizes, program.in_layouts, program.out_layouts)
-        t1 = time.perf_counter()
-        problem.solve()
-        t2 = time.perf_counter()
+    batch = train.abstract_batch(config, mesh, config.dp_world_size, seq * config.cp_size)
+    laid_out = lambda tree: optree.tree_map(lambda x: x.sharding, tree)  # noqa: E731
+    step = nf.jit(train.make_step(cfg, opt, config.rules), mesh=mesh,
+                  out_shardings=(laid_out(params), laid_out(state), P()))
+    cold()
+    t0 = time.perf_counter()
+    lowered = step.lower(params, state, batch)
+    total = time.perf_counter() - t0
+    # the parts, again, from cold caches: the search's own time apart from the candidates'
+    program = lowered.program
+    cold()
+    graph = program.traced.graph
+    t0 = time.perf_counter()
+    problem = solve.Problem(graph, program.sizes, program.in_layouts, program.out_layouts)
+    t1 = time.perf_counter()
+    problem.solve()
+    t2 = time.perf_counter()
     return {"layers": cfg.n_layers, "mesh": list(sizes), "ranks": config.total_size, "nodes": len(graph.nodes),
             "lower_s": total, "candidates_s": t1 - t0, "search_s": t2 - t1,
             "rest_s": total - (t2 - t0)}
@@ -74,7 +69,7 @@ def row(cfg: llama.LlamaConfig, sizes: tuple[int, ...], seq: int = 64) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--config", choices=["tiny", "small"], default="tiny")
+    parser.add_argument("--config", choices=["tiny", "small", "llama3_8b", "llama3_70b"], default="tiny")
     parser.add_argument("--layers", type=int, nargs="*", default=[2, 8, 32, 80])
     parser.add_argument("--depth-mesh", default="1,2,2,2", help="dp_replicate,dp_shard,cp,tp of the depth rows")
     parser.add_argument("--meshes", nargs="*", default=MESHES, help="dp_replicate,dp_shard,cp,tp per mesh row")
