@@ -125,13 +125,7 @@ class Arguments:
     def _place(self, name: str, x: torch.Tensor, spec, mesh: Mesh | None) -> torch.Tensor:
         if spec is not None:
             sharding, placements = self._resolve(spec, mesh)
-            if mesh is not None and sharding.mesh != mesh:
-                raise ShardingError(f"{where(name)}in_shardings uses {sharding.mesh!r}, but the function runs on "
-                                    f"{mesh!r}; use one mesh for every argument.")
-            try:
-                sharding.check(tuple(x.shape), name)
-            except ShardingError as e:
-                raise type(e)(f"argument {e}") from None
+            _check(name, sharding, tuple(x.shape), mesh, "in_shardings uses")
             if isinstance(x, DTensor):
                 # the common case, every step: already laid out so (no Mesh rebuilt to find out)
                 laid_out = x.device_mesh is getattr(sharding.mesh, "device_mesh", None) and tuple(x.placements) == placements
@@ -151,13 +145,7 @@ class Arguments:
         sharding = self._resolve(spec, mesh)[0] if spec is not None else x.sharding
         if sharding is None:
             return x
-        if mesh is not None and sharding.mesh != mesh:
-            raise ShardingError(f"{where(name)}the stand-in is laid out on {sharding.mesh!r}, but the function runs "
-                                f"on {mesh!r}; use one mesh for every argument.")
-        try:
-            sharding.check(tuple(x.shape), name)
-        except ShardingError as e:
-            raise type(e)(f"argument {e}") from None
+        _check(name, sharding, tuple(x.shape), mesh, "the stand-in is laid out on")
         return x.with_sharding(sharding)
 
     def _resolve(self, spec, mesh: Mesh | None) -> tuple[NamedSharding, tuple]:
@@ -199,6 +187,17 @@ class Arguments:
                 f"call it under `with mesh:` (or nf.set_mesh(mesh)), or give NamedSharding(mesh, spec)."
             )
         return None
+
+
+def _check(name: str, sharding: NamedSharding, shape: tuple, mesh, whose: str) -> None:
+    """Refuse a sharding on another mesh than the step's, or one that does not fit `shape`."""
+    if mesh is not None and sharding.mesh != mesh:
+        raise ShardingError(f"{where(name)}{whose} {sharding.mesh!r}, but the function runs on {mesh!r}; use one "
+                            f"mesh for every argument.")
+    try:
+        sharding.check(shape, name)
+    except ShardingError as e:
+        raise type(e)(f"argument {e}") from None
 
 
 def arg_index(treespec, leaf_index: int):
