@@ -27,7 +27,10 @@ TRANSFORMS = {
     "mixed_precision": ([nf.mixed_precision(torch.bfloat16, torch.float32)], None, dict(rtol=1e-2, atol=1e-3)),
     # the same ops, recomputed
     "remat": ([], "full", dict(rtol=1e-12, atol=1e-12)),
-    "remat_save_dots": ([], "save_dots", dict(rtol=1e-12, atol=1e-12)),
+    # the same ops, but the graph with its recomputation is partitioned on its own, and where its
+    # plan differs (since the loss is vocabulary-parallel, it does) the model's fp32 norms, rotary
+    # angles and loss are summed in another order: fp32 ulps, times the learning rate, as the ring's
+    "remat_save_dots": ([], "save_dots", dict(rtol=1e-6, atol=1e-8)),
 }
 
 
