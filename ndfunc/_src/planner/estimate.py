@@ -29,7 +29,7 @@ import dataclasses
 from ndfunc._src.planner.cluster import GiB, Cluster
 from ndfunc._src.planner.layout import Layout, Options
 from ndfunc._src.planner.memory import Memory, memory_per_rank
-from ndfunc._src.planner.model import BF16, TransformerShape
+from ndfunc._src.planner.model import TransformerShape
 
 FP32 = 4
 ADAM_BYTES_PER_PARAM = 28  # read p, g, m, v (4 x 4 B), write p, m, v (3 x 4 B)
@@ -149,7 +149,7 @@ def estimate(
     tp_time = 0.0
     if layout.tp > 1:
         pairs = model.n_layers * (6 if options.remat == "full" else 4) + 2
-        size = tokens * model.dim * BF16
+        size = tokens * model.dim * options.compute_bytes
         tp_time = accum * pairs * layout.link("tp", cluster).all_reduce(layout.tp, size)
         traffic[level("tp")] += accum * pairs * 2 * size * (layout.tp - 1) / layout.tp
 
@@ -157,7 +157,7 @@ def estimate(
     cp_time = 0.0
     if layout.cp > 1:
         hops = (layout.cp - 1) * (4 if options.remat == "full" else 3) * model.n_layers * accum
-        size = 2 * tokens * model.kv_dim / layout.tp * BF16
+        size = 2 * tokens * model.kv_dim / layout.tp * options.compute_bytes
         cp_time = max(0.0, hops * layout.link("cp", cluster).send(size) - attention_time)
         traffic[level("cp")] += hops * size
 
@@ -167,17 +167,17 @@ def estimate(
     if layout.fsdp_size > 1:
         n, link = layout.fsdp_size, layout.link("fsdp", cluster)
         gathers = 2 if options.reshard_after_forward else 1
-        gather, reduce = link.all_gather(n, params * BF16), link.reduce_scatter(n, params * FP32)
+        gather, reduce = link.all_gather(n, params * options.compute_bytes), link.reduce_scatter(n, params * FP32)
         # the first units gathered and the last reduced (the embedding's and one layer's) have no
         # compute to hide behind; without prefetch no all-gather has
         edge = (model.embedding_params + model.layer_params) / layout.tp
-        first, last = link.all_gather(n, edge * BF16), link.reduce_scatter(n, edge * FP32)
+        first, last = link.all_gather(n, edge * options.compute_bytes), link.reduce_scatter(n, edge * FP32)
         if options.prefetch:
             exposed, hidden = first + last, gathers * gather + reduce - first - last
         else:
             exposed, hidden = gathers * gather + last, reduce - last
         fsdp_time = accum * exposed + max(0.0, accum * hidden - compute)
-        traffic[level("fsdp")] += accum * (gathers * params * BF16 + params * FP32) * (n - 1) / n
+        traffic[level("fsdp")] += accum * (gathers * params * options.compute_bytes + params * FP32) * (n - 1) / n
         if layout.dp_replicate > 1:  # HSDP: all-reduce each fp32 gradient shard across replicas
             size = params / n * FP32
             rep = layout.link("dp_replicate", cluster)

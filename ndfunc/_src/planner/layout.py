@@ -112,10 +112,12 @@ class Options:
             without it every all-gather waits.
         float8: layer linears run in fp8 (torchao's float8 training; the output projection stays
             bf16, as torchtitan leaves it).
+        compute_bytes: bytes of an element of the compute dtype, what gathered weights and
+            activations move and occupy: 2 under bf16 mixed precision, 4 in fp32 throughout.
 
     Example:
         >>> Options("full", micro_batch=1)
-        Options(remat='full', micro_batch=1, grad_accum=1, reshard_after_forward=True, prefetch=True, float8=False)
+        Options(remat='full', micro_batch=1, grad_accum=1, reshard_after_forward=True, prefetch=True, float8=False, compute_bytes=2)
     """
 
     remat: str = "selective"
@@ -124,9 +126,12 @@ class Options:
     reshard_after_forward: bool = True
     prefetch: bool = True
     float8: bool = False
+    compute_bytes: int = 2
 
     def __post_init__(self) -> None:
         check_remat(self.remat)
+        if self.compute_bytes not in (2, 4):
+            raise ValueError(f"Options.compute_bytes is 2 (bf16) or 4 (fp32), got {self.compute_bytes!r}.")
         for field in ("micro_batch", "grad_accum"):
             value = getattr(self, field)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:

@@ -72,14 +72,15 @@ def memory_per_rank(model: TransformerShape, layout: Layout, options: Options, s
     gathered = 0.0
     if layout.fsdp_size > 1:
         unit = max(model.layer_params, model.embedding_params) / layout.tp
-        gathered = (2 if options.prefetch else 1) * unit * BF16 + model.layer_params / layout.tp * (BF16 + 4)
+        gathered = (2 if options.prefetch else 1) * unit * options.compute_bytes + \
+            model.layer_params / layout.tp * (options.compute_bytes + 4)
         if not options.reshard_after_forward:
-            gathered += model.n_layers * model.layer_params / layout.tp * BF16
+            gathered += model.n_layers * model.layer_params / layout.tp * options.compute_bytes
     tokens = options.micro_batch * seq_len / layout.cp
-    per_layer = model.activation_bytes_per_token(options.remat)
+    per_layer = model.activation_bytes_per_token(options.remat, options.compute_bytes)
     activations = tokens * model.n_layers * per_layer / layout.tp
     if options.remat == "full":
-        activations += tokens * model.activation_bytes_per_token("none") / layout.tp
+        activations += tokens * model.activation_bytes_per_token("none", options.compute_bytes) / layout.tp
     logits = tokens * model.vocab_size / layout.tp * LOGIT_BYTES
     return Memory(
         params=4 * p, grads=4 * p, optimizer=(STATE_BYTES_PER_PARAM - 8) * p, gathered=gathered,

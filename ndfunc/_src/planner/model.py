@@ -119,8 +119,9 @@ class TransformerShape:
         attention = 2 * self.n_layers * self.dim * seq_len * (3 + r)
         return float(layers), float(output), float(attention)
 
-    def activation_bytes_per_token(self, remat: str) -> float:
-        """Bytes one layer keeps per token for backward, unsharded (bf16, flash attention).
+    def activation_bytes_per_token(self, remat: str, element_bytes: int = BF16) -> float:
+        """Bytes one layer keeps per token for backward, unsharded (bf16 unless `element_bytes`
+        says otherwise; flash attention).
 
         Counted the way Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large
         Transformer Models", sec. 4) count GPT's `34 * h` bytes, for a Llama layer (D = dim,
@@ -140,7 +141,7 @@ class TransformerShape:
         check_remat(remat)
         d, k, f = self.dim, self.kv_dim, self.ffn_dim
         elements = {"none": 6 * d + 2 * k + 4 * f, "selective": 4 * d + 2 * k + 2 * f, "full": d}[remat]
-        return float(BF16 * elements)
+        return float(element_bytes * elements)
 
 
 def check_remat(remat: str) -> None:
