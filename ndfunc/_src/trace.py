@@ -174,18 +174,17 @@ def trace(fn: Callable, args: Sequence[Any], kwargs: dict | None = None, *, stat
 def _mean_as_sum_over_count(op):
     """`op` (an `nll_loss` forward) with reduction 'mean' as its 'sum' over its total weight (what
     the mean divides by, and what its backward reads); other reductions as they are. Scores of
-    shape (N, C) with no class weights are picked as a masked sum (`_picked`)."""
+    shape (N, C) with no class weights, summed or averaged, are picked as a masked sum (`_picks`)."""
     def decomposed(x, target, weight, reduction, ignore_index):
         if reduction not in _SUMMED or x.dtype not in (torch.float32, torch.float64):
             return NotImplemented
-        if reduction != _reduction.get_enum("mean") and not _picks(x, weight, op):
-            return NotImplemented  # the op as it is (and what the mean below calls)
         if _picks(x, weight, op):
-            hit = _hits(x, target, ignore_index)
-            summed = -torch.where(hit, x, 0).sum()  # every ignored target matches no class
+            summed = -torch.where(_hits(x, target, ignore_index), x, 0).sum()  # an ignored target matches no class
             weight_total = (target != ignore_index).sum().to(x.dtype)
-        else:
+        elif reduction == _reduction.get_enum("mean"):
             summed, weight_total = op(x, target, weight, _reduction.get_enum("sum"), ignore_index)
+        else:
+            return NotImplemented  # a sum the op makes as it is (and what the mean above calls)
         if reduction == _reduction.get_enum("mean"):
             return summed / weight_total, weight_total
         return summed, weight_total

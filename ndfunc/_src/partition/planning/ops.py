@@ -385,7 +385,7 @@ def _vocab_parallel_rule(node, sizes) -> list[Strategy]:
     if found is None:
         found = from_op_strategy(node, tensor_inputs(node), tensor_outputs(node), sizes)
     forward = node.target is aten.embedding.default
-    if _embedding_args(node)[3]:
+    if _embedding_args(node)[1]:
         return found
     table_shape = tuple((node.args[0] if forward else node).meta["val"].shape)
     extra = []
@@ -409,15 +409,13 @@ def _with(layout, m, placement):
     return tuple(placement if i == m else p for i, p in enumerate(layout))
 
 
-def _embedding_args(node) -> tuple:
-    """(padding_idx, num_weights or None, the indices' position, scale_grad_by_freq) of an
-    embedding lookup or its backward."""
+def _embedding_args(node) -> tuple[int, bool]:
+    """(padding_idx, scale_grad_by_freq) of an embedding lookup or its backward."""
     if node.target is aten.embedding.default:
         padding = node.args[2] if len(node.args) > 2 else node.kwargs.get("padding_idx", -1)
         freq = node.args[3] if len(node.args) > 3 else node.kwargs.get("scale_grad_by_freq", False)
-        return padding, None, 1, freq
-    _, _, num_weights, padding, freq = node.args
-    return padding, num_weights, 1, freq
+        return padding, freq
+    return node.args[3], node.args[4]
 
 
 def _vocab_parallel(emitter, node, locals_):
@@ -428,7 +426,7 @@ def _vocab_parallel(emitter, node, locals_):
     rank's rows."""
     s = emitter.plan.strategy[node]
     forward = node.target is aten.embedding.default
-    padding, _, _, freq = _embedding_args(node)
+    padding, freq = _embedding_args(node)
     table = s.ins[0] if forward else s.outs[0]
     table_shape = tuple((node.args[0] if forward else node).meta["val"].shape)
     local_rows = local_shape(table_shape, table, emitter.sizes)[0]
