@@ -107,3 +107,15 @@ def test_a_step_called_with_stand_ins_says_to_lower_it():
     with pytest.raises(TypeError, match=re.escape(
             "<lambda> was lowered on AbstractMesh({'dp': 2}), an abstract mesh (names and sizes, no ranks): read it")):
         step.lower(x).compile()
+
+
+def test_a_step_given_no_mesh_runs_on_its_dtensor_arguments_mesh():
+    # the mesh is found in the arguments when neither nf.jit nor a context names it (as before
+    # stand-ins were taken: finding theirs must not lose it)
+    x = torch.arange(8.0).reshape(4, 2)
+    with nf.simulate(2):
+        mesh = nf.make_mesh(dp=2)
+        placed = nf.device_put(x, NamedSharding(mesh, P("dp")))
+        out = nf.jit(lambda x: x * 2)(placed)
+        assert nf.sharding_of(out).mesh == mesh
+        assert torch.equal(nf.device_get(out), x * 2)

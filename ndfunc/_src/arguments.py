@@ -165,17 +165,20 @@ class Arguments:
         for s in named:
             if isinstance(s.mesh, Mesh):
                 return s.mesh
-        stand_ins = [x for x in optree.tree_leaves((args, kwargs)) if isinstance(x, ShapeDtypeStruct)]
+        leaves = optree.tree_leaves((args, kwargs))
+        stand_ins = [x for x in leaves if isinstance(x, ShapeDtypeStruct)]
         for x in stand_ins:
             if x.sharding is not None:
                 return x.sharding.mesh
-        if named and (stand_ins or not any(isinstance(x, DTensor) for x in optree.tree_leaves((args, kwargs)))):
+        dtensors = [x for x in leaves if isinstance(x, DTensor)]
+        if named and (stand_ins or not dtensors):
             return named[0].mesh  # an AbstractMesh: planned, not run
-            if isinstance(x, DTensor):  # its Mesh, built once per DeviceMesh
-                known = self._meshes.get(id(x.device_mesh))
-                if known is None or known.device_mesh is not x.device_mesh:
-                    known = self._meshes[id(x.device_mesh)] = sharding_of(x).mesh
-                return known
+        if dtensors:  # the first's Mesh, built once per DeviceMesh
+            device_mesh = dtensors[0].device_mesh
+            known = self._meshes.get(id(device_mesh))
+            if known is None or known.device_mesh is not device_mesh:
+                known = self._meshes[id(device_mesh)] = sharding_of(dtensors[0]).mesh
+            return known
         mesh = get_mesh()
         if isinstance(mesh, Mesh) or (isinstance(mesh, AbstractMesh) and stand_ins):
             return mesh
