@@ -122,15 +122,17 @@ class Jitted:
         else:
             self._check_donated(args)
             mesh, prepared, key = self.arguments.prepare(args, kwargs)
+            # (a stand-in is never a step's remembered leaf: `quick` takes tensors only, and a
+            # tensor on an abstract mesh is prepared as a stand-in, so this is not asked per step)
+            if any(isinstance(x, ShapeDtypeStruct) for x in prepared):
+                raise TypeError(f"{self.__name__} was called with nf.ShapeDtypeStruct stand-ins (or on an abstract "
+                                f"mesh), which have shapes but no data: lower them to read the plan "
+                                f"({self.__name__}.lower(*args).cost_analysis() / .memory_analysis()), and call it "
+                                f"with tensors to run it.")
             if quick is not None and all(p is x for p, x in zip(prepared, leaves)):
                 # the meshes whose ids the key holds stay alive with it, so no other takes their id
                 meshes = (get_mesh(), *(x.device_mesh for x in leaves if isinstance(x, DTensor)))
                 self._seen[quick] = (mesh, key, meshes)
-        if any(isinstance(x, ShapeDtypeStruct) for x in prepared):
-            raise TypeError(f"{self.__name__} was called with nf.ShapeDtypeStruct stand-ins (or on an abstract mesh), "
-                            f"which have shapes but no data: lower them to read the plan "
-                            f"({self.__name__}.lower(*args).cost_analysis() / .memory_analysis()), and call it "
-                            f"with tensors to run it.")
         if key not in self._cache:
             self._cache[key] = self._lowered(mesh, prepared, key)
         lowered = self._cache[key]
