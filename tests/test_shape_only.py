@@ -119,3 +119,11 @@ def test_a_step_given_no_mesh_runs_on_its_dtensor_arguments_mesh():
         out = nf.jit(lambda x: x * 2)(placed)
         assert nf.sharding_of(out).mesh == mesh
         assert torch.equal(nf.device_get(out), x * 2)
+
+
+def test_opt_init_over_stand_ins_and_tensors_gives_stand_ins_laid_out_by_nobody():
+    mesh = AbstractMesh({"dp": 2})
+    params = {"w": nf.ShapeDtypeStruct((4, 2), torch.float32, sharding=NamedSharding(mesh, P("dp"))),
+              "b": torch.zeros(2)}
+    state = nf.optim.adam(1e-3).init(params)
+    assert state[0].mu == {"w": nf.ShapeDtypeStruct((4, 2), torch.float32), "b": nf.ShapeDtypeStruct((2,), torch.float32)}

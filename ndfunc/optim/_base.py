@@ -72,10 +72,10 @@ def _over_stand_ins(init: TransformInitFn) -> TransformInitFn:
         from ndfunc.optim._shardings import state_shardings
 
         state = eval_shape(init, params)
-        shardings = [x.sharding for x in optree.tree_leaves(params) if is_stand_in(x)]
-        if not shardings or any(s is None for s in shardings):
-            return state  # a parameter without a layout: the state's is for in_shardings to say
-        return state_shardings(state, optree.tree_map(lambda x: x.sharding, params))
+        shardings = optree.tree_map(lambda x: x.sharding if is_stand_in(x) else None, params, none_is_leaf=True)
+        if any(s is None for s in optree.tree_leaves(shardings, none_is_leaf=True)):
+            return state  # a parameter without a layout (or a tensor): the state's is for in_shardings to say
+        return state_shardings(state, shardings)
 
     over_stand_ins._over_stand_ins = True
     over_stand_ins.__wrapped__ = init
