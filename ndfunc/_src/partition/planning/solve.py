@@ -90,6 +90,7 @@ class Problem:
         self.values: list[tuple[int, int]] = []  # value id -> (node id, output index)
         self.value_ids: dict[tuple[int, int], int] = {}
         self.value_meta: list[tuple] = []  # value id -> (shape, itemsize)
+        self.priced_as: list[tuple] = []  # value id -> what a layout change's cost reads of it (`_priced_as`)
         self.consumers: list[list[tuple[int, int]]] = []  # value id -> (node id, slot)
         self.final: dict[int, list[int | None]] = {}  # value id -> requested layout ids (None: free)
         self.layouts: list[Layout] = []
@@ -99,6 +100,7 @@ class Problem:
         self._as_ids: dict = {}  # id(candidate list) -> (the list, c_ins, c_outs, by_ins, work by flops)
         self._best: dict = {}  # a node's situation -> its best candidate (see `best`)
         self._columns: dict = {}  # id(candidate list) -> (the list, its layout ids / work as tensors)
+        self._priced_columns: dict = {}  # (value's size, id(layouts), term, layout) -> (layouts, costs)
         self.wary = False
         node_ids: dict[torch.fx.Node, int] = {}
         placeholders = iter(input_layouts)
@@ -167,6 +169,7 @@ class Problem:
                 v = self.value_ids[(n, j)] = len(self.values)
                 self.values.append((n, j))
                 self.value_meta.append((tuple(t.shape), t.element_size()))
+                self.priced_as.append(_priced_as(tuple(t.shape), t.element_size()))
                 self.consumers.append([])
 
     def _work(self, s: Strategy, flops: int) -> float:
@@ -189,7 +192,7 @@ class Problem:
         if c is None:
             shape, itemsize = self.value_meta[v]
             ca, cb = self.codes[a], self.codes[b]
-            full = (shape, itemsize, ca, cb, self.sizes)
+            full = (self.priced_as[v], ca, cb, self.sizes)
             c = _TRANSITIONS.get(full)
             if c is None:
                 c = _TRANSITIONS[full] = redistribute.coded_cost(ca, cb, shape, self.sizes, itemsize)
@@ -316,29 +319,84 @@ class Problem:
             return self._vector_costs_here(n, choice, forward)
 
     def _vector_costs_here(self, n: int, choice: list, forward: bool) -> list[float]:
-        ins, outs = self._layout_columns(n)
+        columns = self._term_columns(n)
         total = self._work_column(n).clone()
         for slot, v in enumerate(self.inputs[n]):
             p, j = self.values[v]
             if choice[p] >= 0:
-                _add_terms(total, ins[:, slot], self._input_terms(v, self.c_outs[p][choice[p]][j], n, choice, forward))
+                lays, which = columns[0][slot]
+                have = self.c_outs[p][choice[p]][j]
+                paid = () if forward else self.demands(v, choice, skip=n)
+                total += self._from_column(v, have, lays, paid)[which]
+                if self.wary:  # and what undoing it would cost
+                    total += self._back_column(v, have, lays, paid)[which]
         for j, v in enumerate(self.out_ids[n]):
-            if v is not None:
-                _add_terms(total, outs[:, j], self._output_terms(v, choice, forward))
+            if v is None:
+                continue
+            lays, which = columns[1][j]
+            for want in (self.fixed_wants[v] if forward else self.demands(v, choice)):
+                total += self._to_column(v, want, lays)[which]
+            if v in self.final:
+                total += torch.tensor([0.0 if lay < 0 else self.output_cost(v, lay) for lay in lays],
+                                      dtype=torch.float64, device="cpu")[which]
         return total.tolist()
 
-    def _layout_columns(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The layout ids each candidate of `n` takes its inputs in and makes its outputs in (-1:
-        no tensor), shared by nodes that share a candidate list."""
+    def _term_columns(self, n: int) -> tuple[list, list]:
+        """Per input slot and per output of `n`'s candidates: the distinct layout ids there (-1: no
+        tensor), as a tuple, and each candidate's index into it; shared by nodes that share a
+        candidate list. A term is then priced once per distinct layout and gathered."""
         c_ins = self.c_ins[n]
         known = self._columns.get(id(c_ins))
         if known is None or known[0] is not c_ins:
-            c_outs = self.c_outs[n]
-            ins = torch.tensor(c_ins, dtype=torch.int64, device="cpu").reshape(len(c_ins), -1)
-            outs = torch.tensor([[-1 if lay is None else lay for lay in o] for o in c_outs],
-                                dtype=torch.int64, device="cpu").reshape(len(c_outs), -1)
-            known = self._columns[id(c_ins)] = (c_ins, ins, outs)
-        return known[1], known[2]
+            def split(rows) -> list:
+                table = torch.tensor(rows, dtype=torch.int64, device="cpu").reshape(len(rows), -1)
+                out = []
+                for k in range(table.shape[1]):
+                    lays, which = torch.unique(table[:, k], return_inverse=True)
+                    out.append((tuple(lays.tolist()), which))
+                return out
+            outs = [[-1 if lay is None else lay for lay in o] for o in self.c_outs[n]]
+            known = self._columns[id(c_ins)] = (c_ins, (split(c_ins), split(outs)))
+        return known[1]
+
+    def _from_column(self, v: int, have: int, lays: tuple, paid) -> torch.Tensor:
+        """What `local_cost` adds for input `v`, made in `have`, wanted in each of `lays` (0 where
+        another consumer already pays for that layout)."""
+        return self._unpaid(self._priced(v, lays, "from", have), lays, paid)
+
+    def _back_column(self, v: int, have: int, lays: tuple, paid) -> torch.Tensor:
+        """The wary search's second input term: undoing each of `lays` back to `have` finished
+        (nothing where it is `have`)."""
+        return self._unpaid(self._priced(v, lays, "back", have), lays, {*paid, have})
+
+    def _to_column(self, v: int, want: int, lays: tuple) -> torch.Tensor:
+        """Each of `lays` changed to `want`."""
+        return self._priced(v, lays, "to", want)
+
+    def _priced(self, v: int, lays: tuple, term: str, lay: int) -> torch.Tensor:
+        """Layout changes of value `v` between `lay` and each of `lays` (0 for -1, no tensor), as a
+        float64 column of `tcost`'s floats: "from" `lay` to each, each "to" `lay`, or each "back"
+        to `lay` finished. Remembered by what the cost reads of the value (`_priced_as`), so equal
+        values share it."""
+        key = (self.priced_as[v], id(lays), term, lay)
+        known = self._priced_columns.get(key)
+        if known is None or known[0] is not lays:
+            if term == "from":
+                costs = [0.0 if x < 0 else self.tcost(v, lay, x) for x in lays]
+            else:
+                there = lay if term == "to" else self.finish(lay)
+                costs = [0.0 if x < 0 else self.tcost(v, x, there) for x in lays]
+            known = self._priced_columns[key] = (lays, torch.tensor(costs, dtype=torch.float64, device="cpu"))
+        return known[1]
+
+    @staticmethod
+    def _unpaid(column: torch.Tensor, lays: tuple, paid) -> torch.Tensor:
+        hits = [k for k, lay in enumerate(lays) if lay in paid] if paid else ()
+        if not hits:
+            return column
+        column = column.clone()
+        column[list(hits)] = 0.0
+        return column
 
     def _work_column(self, n: int) -> torch.Tensor:
         work = self.c_work[n]
@@ -646,16 +704,13 @@ class Problem:
         return after - before, new
 
 
-def _add_terms(total: torch.Tensor, column: torch.Tensor, terms) -> None:
-    """Add to each candidate's total the terms (`terms(layout)`, a tuple) of the layout it has in
-    `column`, one term position at a time."""
-    layouts, which = torch.unique(column, return_inverse=True)
-    rows = [() if lay < 0 else terms(lay) for lay in layouts.tolist()]
-    width = max(map(len, rows), default=0)
-    if width:
-        table = torch.tensor([r + (0.0,) * (width - len(r)) for r in rows], dtype=torch.float64, device="cpu")
-        for k in range(width):
-            total += table[which, k]
+def _priced_as(shape: tuple[int, ...], itemsize: int) -> tuple[int, int, int]:
+    """What `redistribute.coded_cost` reads of a value: every layout the search prices fits the
+    value (`ops.candidates` keeps only those, and finishing a sum keeps the fit), so each block on
+    the way is the whole divided exactly by the splits then in place, and the cost reads the shape
+    only as its element count (and its rank, which the layouts' dims index): the same floats, found
+    once for a value and its transposes."""
+    return (math.prod(shape), len(shape), itemsize)
 
 
 def partition(graph: torch.fx.Graph, sizes: tuple[int, ...], input_layouts: list[Layout],
