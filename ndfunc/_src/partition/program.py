@@ -277,9 +277,53 @@ class Program:
 
 
 def propagate_meta(gm: torch.fx.GraphModule, inputs: Sequence[tuple[tuple[int, ...], torch.dtype, torch.device]]) -> None:
-    """Fill `meta['val']` of a local program with fake tensors of the local shapes `inputs`."""
+    """Fill `meta['val']` of a local program with fake tensors of the local shapes `inputs`.
+
+    Again on a program filled before, only what changed is run: a node whose op and arguments are
+    the ones its `val` was found from (the same objects: a pass that rewires a node gives it new
+    arguments), and whose inputs' shapes, dtypes and strides are as then, keeps its `val`. A pass
+    that adds a few collectives to a 70B program then costs what they do, not another run of
+    every op."""
     with simulation_paused():
-        mode = FakeTensorMode(allow_non_fake_inputs=True)
+        mode = gm.meta.get(_FAKE_MODE)
+        if mode is None:
+            mode = gm.meta[_FAKE_MODE] = FakeTensorMode(allow_non_fake_inputs=True)
         with mode:
             fakes = [torch.empty(shape, dtype=dtype, device=device) for shape, dtype, device in inputs]
-        FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*fakes)
+        _Propagation(gm, mode).propagate_dont_convert_inputs(*fakes)
+
+
+_FAKE_MODE = "ndfunc_fake_mode"  # gm.meta: the mode every `val` of the program was made in
+_FOUND_FROM = "ndfunc_val_from"  # node.meta: (op, args, kwargs) its `val` was found from
+
+
+class _Propagation(FakeTensorProp):
+    """`FakeTensorProp` that keeps the `val` of a node nothing it reads has changed for."""
+
+    def __init__(self, gm: torch.fx.GraphModule, mode):
+        super().__init__(gm, mode)
+        self.changed: set = set()  # nodes whose `val` is not what it was
+
+    def run_node(self, n: torch.fx.Node) -> Any:
+        old = n.meta.get("val")
+        found_from = n.meta.get(_FOUND_FROM)
+        if (n.op not in ("placeholder", "output") and old is not None and found_from is not None
+                and found_from[0] is n.target and found_from[1] is n.args and found_from[2] is n.kwargs
+                and not any(a in self.changed for a in n.all_input_nodes)):
+            return old
+        result = super().run_node(n)
+        n.meta[_FOUND_FROM] = (n.target, n.args, n.kwargs)
+        if not _same_meta(old, n.meta.get("val")):
+            self.changed.add(n)
+        return result
+
+
+def _same_meta(a, b) -> bool:
+    """Whether two `val`s describe the same values (shape, dtype, strides, device), fake or not."""
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return a.shape == b.shape and a.dtype == b.dtype and a.stride() == b.stride() and a.device == b.device
+    if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
+        return len(a) == len(b) and all(map(_same_meta, a, b))
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return False
+    return type(a) is type(b) and a == b
