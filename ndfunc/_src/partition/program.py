@@ -303,6 +303,7 @@ class _Propagation(FakeTensorProp):
     def __init__(self, gm: torch.fx.GraphModule, mode):
         super().__init__(gm, mode)
         self.changed: set = set()  # nodes whose `val` is not what it was
+        self.made: dict = {}  # (op, arguments' metadata) -> the `val` it made
 
     def run_node(self, n: torch.fx.Node) -> Any:
         old = n.meta.get("val")
@@ -311,11 +312,55 @@ class _Propagation(FakeTensorProp):
                 and found_from[0] is n.target and found_from[1] is n.args and found_from[2] is n.kwargs
                 and not any(a in self.changed for a in n.all_input_nodes)):
             return old
-        result = super().run_node(n)
+        # the layers of a model repeat their ops on values like the last layer's: each is run once
+        key = _op_key(n) if n.op == "call_function" else None
+        known = self.made.get(key) if key is not None else None
+        if known is not None:
+            n.meta["val"] = result = known
+        else:
+            result = super().run_node(n)
+            if key is not None and _plain(n.meta.get("val")):
+                self.made[key] = n.meta["val"]
         n.meta[_FOUND_FROM] = (n.target, n.args, n.kwargs)
         if not _same_meta(old, n.meta.get("val")):
             self.changed.add(n)
         return result
+
+
+def _op_key(n: torch.fx.Node) -> tuple | None:
+    """What an op's result metadata depends on: the op, its inputs' metadata and its other
+    arguments (typed: 2 and 2.0 promote differently); None where an argument cannot be keyed."""
+    def key(a):
+        if isinstance(a, torch.fx.Node):
+            v = a.meta.get("val")
+            if not isinstance(v, torch.Tensor) or a.op == "get_attr":
+                raise _Unkeyed
+            return (v.shape, v.dtype, v.stride(), v.device)
+        if isinstance(a, (tuple, list)):
+            return (type(a).__name__, *map(key, a))
+        if isinstance(a, dict):
+            return tuple((k, key(x)) for k, x in a.items())
+        if a is None or isinstance(a, (bool, int, float, str, torch.dtype, torch.device, torch.layout,
+                                       torch.memory_format)):
+            return (type(a).__name__, a)
+        raise _Unkeyed
+    try:
+        return (n.target, key(n.args), key(n.kwargs))
+    except _Unkeyed:
+        return None
+
+
+class _Unkeyed(Exception):
+    pass
+
+
+def _plain(val) -> bool:
+    """A result of fixed-size tensors (no symbolic sizes), which any op like it would make."""
+    if isinstance(val, torch.Tensor):
+        return not any(isinstance(d, torch.SymInt) for d in (*val.shape, *val.stride()))
+    if isinstance(val, (tuple, list)):
+        return bool(val) and all(map(_plain, val))
+    return False
 
 
 def _same_meta(a, b) -> bool:
