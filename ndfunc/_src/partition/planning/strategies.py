@@ -14,6 +14,7 @@ import dataclasses
 import functools
 import itertools
 import operator
+import weakref
 from collections.abc import Sequence
 
 import torch
@@ -56,8 +57,34 @@ def planning_mesh(sizes: tuple[int, ...]) -> DeviceMesh:
 
 def tensor_inputs(node: torch.fx.Node) -> list[torch.fx.Node]:
     """The node's tensor-valued inputs, in the order DTensor's OpSchema lists them."""
-    leaves = pytree.tree_leaves((node.args, node.kwargs))
-    return [a for a in leaves if isinstance(a, torch.fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)]
+    return list(_read(node)[0])
+
+
+def _read(node: torch.fx.Node) -> tuple[tuple, tuple]:
+    """(`tensor_inputs`, `signature`) of `node`, remembered while its arguments and their values
+    are the objects they were (the partitioner and the lowering ask each node's many times)."""
+    known = _READ.get(node)
+    if known is not None and known[0] is node.args and known[1] is node.kwargs and all(
+            a.meta.get("val") is v for a, v in known[2]):
+        return known[3]
+    leaves, spec = pytree.tree_flatten((node.args, node.kwargs))
+    ins, key = [], []
+    for a in leaves:
+        if isinstance(a, torch.fx.Node):
+            v = a.meta.get("val")
+            if isinstance(v, torch.Tensor):
+                ins.append(a)
+                key.append((tuple(v.shape), v.dtype))
+            else:
+                key.append(("N", repr(v)))
+        else:
+            key.append(a if isinstance(a, (int, float, bool, str, type(None))) else repr(a))
+    read = (tuple(ins), (node.target, str(spec), tuple(key)))
+    _READ[node] = (node.args, node.kwargs, [(a, a.meta.get("val")) for a in node.all_input_nodes], read)
+    return read
+
+
+_READ: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def value_of(arg: torch.fx.Node) -> tuple:
@@ -84,15 +111,7 @@ def _meta(t: torch.Tensor) -> TensorMeta:
 
 def signature(node: torch.fx.Node) -> tuple:
     """What a node's strategies depend on: its op, its tensors' shapes and dtypes, other args."""
-    leaves, spec = pytree.tree_flatten((node.args, node.kwargs))
-    key = []
-    for a in leaves:
-        if isinstance(a, torch.fx.Node):
-            v = a.meta.get("val")
-            key.append((tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else ("N", repr(v)))
-        else:
-            key.append(a if isinstance(a, (int, float, bool, str, type(None))) else repr(a))
-    return (node.target, str(spec), tuple(key))
+    return _read(node)[1]
 
 
 def from_dtensor(node: torch.fx.Node, ins: list, outs: list, sizes: tuple[int, ...]) -> list[Strategy] | None:
