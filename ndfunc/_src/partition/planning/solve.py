@@ -96,7 +96,8 @@ class Problem:
         self.layouts: list[Layout] = []
         self.layout_ids: dict[Layout, int] = {}
         self.codes: list[tuple[int, ...] | None] = []  # layout id -> redistribute.codes (what costs read)
-        self._costs: dict = {}
+        self._sized: dict = {}  # `_priced_as` -> (a << 32 | b) -> the cost of a change from layout a to b
+        self._size_costs: list[dict] = []  # value id -> its size's entry of `_sized`
         self._as_ids: dict = {}  # id(candidate list) -> (the list, c_ins, c_outs, by_ins, work by flops)
         self._best: dict = {}  # a node's situation -> its best candidate (see `best`)
         self._columns: dict = {}  # id(candidate list) -> (the list, its layout ids / work as tensors)
@@ -170,6 +171,7 @@ class Problem:
                 self.values.append((n, j))
                 self.value_meta.append((tuple(t.shape), t.element_size()))
                 self.priced_as.append(_priced_as(tuple(t.shape), t.element_size()))
+                self._size_costs.append(self._sized.setdefault(self.priced_as[-1], {}))
                 self.consumers.append([])
 
     def _work(self, s: Strategy, flops: int) -> float:
@@ -185,10 +187,13 @@ class Problem:
 
     # --- costs ---------------------------------------------------------------------------------
     def tcost(self, v: int, a: int, b: int) -> float:
+        """What changing value `v` from layout `a` to `b` costs (`redistribute.coded_cost`),
+        remembered per value size (`_priced_as`) and, across problems, in `_TRANSITIONS`."""
         if a == b:
             return 0.0
-        key = (v, a, b)
-        c = self._costs.get(key)
+        costs = self._size_costs[v]
+        key = a << 32 | b
+        c = costs.get(key)
         if c is None:
             shape, itemsize = self.value_meta[v]
             ca, cb = self.codes[a], self.codes[b]
@@ -196,7 +201,7 @@ class Problem:
             c = _TRANSITIONS.get(full)
             if c is None:
                 c = _TRANSITIONS[full] = redistribute.coded_cost(ca, cb, shape, self.sizes, itemsize)
-            self._costs[key] = c
+            costs[key] = c
         return c
 
     def finish(self, lay: int) -> int:
@@ -308,6 +313,13 @@ class Problem:
                 costs[i] = cost_of(i)
                 bound = min(bound, costs[i])
         return costs
+
+    def _every_local_cost(self, n: int, choice: list) -> list[float]:
+        """`local_cost(n, i, choice, forward=True)` of every candidate `i`, as columns where there
+        are many (the same floats)."""
+        if not self.repeated[n] and len(self.c_ins[n]) >= VECTOR_MIN:
+            return self._vector_costs(n, choice, True)
+        return [self.local_cost(n, i, choice, True) for i in range(len(self.c_ins[n]))]
 
     def _vector_costs(self, n: int, choice: list, forward: bool) -> list[float]:
         """`local_costs` of every candidate of `n` as float64 columns: the work, then each input's
@@ -645,11 +657,11 @@ class Problem:
             return []
         by_layout: dict[int, int] = {}
         current = self.c_outs[n][choice[n]][j]
+        costs = self._every_local_cost(n, choice)
         for i, outs in enumerate(self.c_outs[n]):
             if outs[j] is None or outs[j] == current:
                 continue
-            if outs[j] not in by_layout or self.local_cost(n, i, choice, True) < self.local_cost(
-                    n, by_layout[outs[j]], choice, True):
+            if outs[j] not in by_layout or costs[i] < costs[by_layout[outs[j]]]:
                 by_layout[outs[j]] = i
         demands = self.demands(v, choice)
         # a consumer taking a pending sum cannot take another layout's value as it is, but is
