@@ -100,6 +100,8 @@ class Problem:
         self._size_costs: list[dict] = []  # value id -> its size's entry of `_sized`
         self._as_ids: dict = {}  # id(candidate list) -> (the list, c_ins, c_outs, by_ins, work by flops)
         self._best: dict = {}  # a node's situation -> its best candidate (see `best`)
+        self._every: dict = {}  # a node's situation -> every candidate's cost (`_every_local_cost`)
+        self._by_slot: dict = {}  # (id(candidate list), slot) -> (the list, layout -> candidates taking it)
         self._columns: dict = {}  # id(candidate list) -> (the list, its layout ids / work as tensors)
         self._priced_columns: dict = {}  # (value's size, id(layouts), term, layout) -> (layouts, costs)
         self.wary = False
@@ -316,10 +318,17 @@ class Problem:
 
     def _every_local_cost(self, n: int, choice: list) -> list[float]:
         """`local_cost(n, i, choice, forward=True)` of every candidate `i`, as columns where there
-        are many (the same floats)."""
-        if not self.repeated[n] and len(self.c_ins[n]) >= VECTOR_MIN:
-            return self._vector_costs(n, choice, True)
-        return [self.local_cost(n, i, choice, True) for i in range(len(self.c_ins[n]))]
+        are many (the same floats); remembered by what they read (`_situation`), so a move tried
+        in one of identical layers is priced once."""
+        key = self._situation(n, choice, True)
+        costs = self._every.get(key)
+        if costs is None:
+            if not self.repeated[n] and len(self.c_ins[n]) >= VECTOR_MIN:
+                costs = self._vector_costs(n, choice, True)
+            else:
+                costs = [self.local_cost(n, i, choice, True) for i in range(len(self.c_ins[n]))]
+            self._every[key] = costs
+        return costs
 
     def _vector_costs(self, n: int, choice: list, forward: bool) -> list[float]:
         """`local_costs` of every candidate of `n` as float64 columns: the work, then each input's
@@ -639,14 +648,27 @@ class Problem:
         for m, slot in self.consumers[v]:
             if len(self.c_ins[m]) == 1 or self.c_ins[m][choice[m]][slot] == lay:
                 continue
-            options = [i for i, ins in enumerate(self.c_ins[m]) if ins[slot] == lay]
+            options = self._taking(m, slot).get(lay)
             if not options:
                 continue
             old.setdefault(m, choice[m])
-            choice[m] = min(options, key=lambda i: self.local_cost(m, i, choice, forward=True))
+            costs = self._every_local_cost(m, choice)
+            choice[m] = min(options, key=costs.__getitem__)
         if not old:
             return 0.0, None
         return self._settle(old, choice)
+
+    def _taking(self, m: int, slot: int) -> dict[int, list[int]]:
+        """Layout -> the candidates of node `m` that take input `slot` in it, in order (shared by
+        nodes that share a candidate list)."""
+        c_ins = self.c_ins[m]
+        known = self._by_slot.get((id(c_ins), slot))
+        if known is None or known[0] is not c_ins:
+            by_layout: dict[int, list[int]] = {}
+            for i, ins in enumerate(c_ins):
+                by_layout.setdefault(ins[slot], []).append(i)
+            known = self._by_slot[(id(c_ins), slot)] = (c_ins, by_layout)
+        return known[1]
 
     def _producer_moves(self, v: int, choice: list, below: float | None = None) -> list:
         """Change the producer of `v` to make it in another layout (the best candidate per layout);
