@@ -19,9 +19,11 @@ has to end without a pending sum.
 What makes it fast enough, without changing a plan (`tests/test_plan_pins.py`): layouts are ints
 and a layout change is priced on ints (`redistribute.coded_cost`), each pair once per process; a
 node's answer is remembered by everything it depends on (`best`), so identical layers are answered
-once; a node's candidates are priced with each input's and output's terms found once per layout,
-as float64 columns where there are many (the same sums in the same order), leaving out those whose
-work alone exceeds a cost found; a graph equal to one planned before gets its plan back (`partition`).
+once, and so is the price of a move at a node (`_every_local_cost`); a node's candidates are priced
+with each input's and output's terms found once per distinct layout, as float64 columns gathered to
+every candidate where there are many (the same sums in the same order), leaving out those whose
+work alone exceeds a cost found; a layout change is priced once per value size (`_priced_as`); a
+graph equal to one planned before gets its plan back (`partition`).
 """
 
 from __future__ import annotations
