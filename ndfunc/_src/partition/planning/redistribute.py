@@ -10,8 +10,9 @@ lowering (which emits each step as a functional collective). Steps, per mesh axi
 - `slice`        Replicate -> Shard(d)                   local, free
 - `permute`      two axes trading dims                   moves one block, point to point
 
-An axis that moves its split from one dim to another, where no other axis splits either dim,
-exchanges blocks in one all-to-all, as XLA's partitioner and DTensor do: a gather and a slice
+An axis that moves its split from one dim to another, where it is the innermost split of both
+(any other axis splitting either comes earlier in the mesh and stays), exchanges blocks in one
+all-to-all, as XLA's partitioner and DTensor do: a gather and a slice
 would move n times the bytes to keep a 1/n of them. The partitioner still prices such a move as
 the gather and the slice (`cost`): priced at its own bytes, a split would hop between dims
 wherever activations are smaller than weights, and a data-parallel step given FSDP's specs would
@@ -89,7 +90,7 @@ def plan(src: Layout, dst: Layout, shape: Sequence[int], sizes: Sequence[int], s
         return [Step("permute", pair[0], None, None, local_shape(shape, tuple(src), sizes),
                      local_shape(shape, tuple(dst), sizes), sizes[pair[0]], joined=pair[1])]
     cur = list(src)
-    swap = {m for m in range(k) if swaps and _swaps_alone(src, dst, m)}
+    swap = {m for m in range(k) if swaps and _swaps_inside(src, dst, m)}
     gather = {m for m in range(k) if isinstance(cur[m], Shard) and dst[m] != cur[m] and m not in swap}
     grown = True
     while grown:
@@ -172,13 +173,17 @@ def _traded(src: Layout, dst: Layout, shape: Sequence[int], sizes: Sequence[int]
     return (a, b) if local_shape(shape, tuple(src), sizes)[src[b].dim] % pieces == 0 else None
 
 
-def _swaps_alone(src: Layout, dst: Layout, m: int) -> bool:
-    """Whether axis `m` moves its split between two dims that no other axis splits, before or after."""
+def _swaps_inside(src: Layout, dst: Layout, m: int) -> bool:
+    """Whether axis `m` moves its split between two dims where it is the innermost split of both:
+    every other axis splitting either dim, before or after, splits it alike before and after and
+    comes earlier in the mesh (splits of one dim nest in mesh order, so the blocks `m` exchanges
+    lie inside the others': HSDP's batch, over `('dp_replicate', 'dp_shard')`, trades `dp_shard`
+    with the embedding's width in one all-to-all per replica)."""
     if not (type(src[m]) is Shard and type(dst[m]) is Shard and src[m].dim != dst[m].dim):
         return False
     dims = {src[m].dim, dst[m].dim}
-    return not any(isinstance(p, Shard) and p.dim in dims
-                   for j in range(len(src)) if j != m for p in (src[j], dst[j]))
+    return all(j < m and src[j] == dst[j] for j in range(len(src)) if j != m
+               if any(isinstance(p, Shard) and p.dim in dims for p in (src[j], dst[j])))
 
 
 ALPHA = 4096.0  # a collective's fixed cost, in bytes-worth: between plans moving about as much, fewer calls
