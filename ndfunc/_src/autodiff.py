@@ -25,6 +25,7 @@ ArgNums = int | tuple[int, ...]
 
 
 FORWARD = "ndfunc_forward"  # the mark on the ops of a differentiated function, when traced
+DIFFERENTIATED = "ndfunc_differentiated"  # the mark on its ops and on those of its backward
 
 # The dtype differentiated float arguments are cast to before `fn` runs (`nf.mixed_precision`
 # sets it while a jitted step is traced); None: as they are.
@@ -123,8 +124,9 @@ def value_and_grad(fn: Callable[..., Any], argnums: ArgNums = 0, has_aux: bool =
             aux_box.append((aux_leaves, aux_spec))
             return _check_loss(out[0], fn), [x for x in aux_leaves if isinstance(x, torch.Tensor)]
 
-        grads, out = torch.func.grad_and_value(
-            flat_fn, argnums=tuple(range(len(indices))), has_aux=has_aux)(*flat, [args[i] for i in others], kwargs)
+        with fx_traceback.annotate({DIFFERENTIATED: True}):  # memory_analysis tells gradients by it
+            grads, out = torch.func.grad_and_value(
+                flat_fn, argnums=tuple(range(len(indices))), has_aux=has_aux)(*flat, [args[i] for i in others], kwargs)
         grads = tuple(optree.tree_unflatten(spec, g) for spec, g in zip(specs, grads))
         grads = grads[0] if single else grads
         if not has_aux:

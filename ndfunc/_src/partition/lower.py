@@ -199,6 +199,14 @@ class _Emitter:
         return self.call(aten.reshape.default, arrived, list(step.out_shape))
 
 
+def _carry_marks(since: torch.fx.Node, traced: torch.fx.Node) -> None:
+    """Mark the local nodes after `since` (those lowered from `traced`) with its annotations."""
+    node = since.next
+    while node.op != "root":
+        prog.carry_marks(node, traced)
+        node = node.next
+
+
 def lower(graph: torch.fx.Graph, plan: Plan, axis_names: Sequence[str], group_names: Sequence[str],
           mesh_sizes: dict[str, int] | None = None) -> torch.fx.GraphModule:
     """The local program of `graph` under `plan`: inputs are the local blocks of the original
@@ -225,9 +233,11 @@ def lower(graph: torch.fx.Graph, plan: Plan, axis_names: Sequence[str], group_na
         s = plan.strategy[node]
         args = tensor_inputs(node)
         locals_ = [e.local(value_of(a), lay, a.meta["val"]) for a, lay in zip(args, s.ins)]
+        since = next(reversed(e.graph.nodes))  # what comes after it is `node`'s own
         rule = rule_of(node.target)
         if rule is not None and rule.lower is not None:  # not the op on blocks (ndfunc._src.partition.planning.ops)
             e.produced[(node, 0)] = rule.lower(e, node, locals_)
+            _carry_marks(since, node)
             continue
         if prog.is_manual(node):  # already per rank, as the user wrote it
             op, a, kw = node.target, node.args, node.kwargs
@@ -259,6 +269,7 @@ def lower(graph: torch.fx.Graph, plan: Plan, axis_names: Sequence[str], group_na
             if isinstance(val, torch.Tensor):  # shape and dtype here, for passes before metadata
                 shape = tuple(val.shape) if prog.is_manual(node) else local_shape(tuple(val.shape), s.outs[0], plan.sizes)
                 prog.note_local(out, shape, val.dtype)
+        _carry_marks(since, node)
     results = [e.local(v, lay, _val(v)) for v, lay in plan.outputs]
     # a constant the step returns (or a block of one) leaves as a copy: the caller may write into
     # a result, or donate it, and the constant serves every later call

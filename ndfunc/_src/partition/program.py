@@ -104,9 +104,9 @@ def received_shape(kind: str, sent: Sequence[int], n: int) -> tuple[int, ...]:
 
 # --- node metadata, through these functions only -------------------------------------------------
 
-_COMM, _LOCAL, _LAYOUT, _MANUAL, _LOCAL_OP, _SPLIT, _IN_FLIGHT = (
+_COMM, _LOCAL, _LAYOUT, _MANUAL, _LOCAL_OP, _SPLIT, _IN_FLIGHT, _MARKS = (
     "ndfunc_comm", "ndfunc_local", "ndfunc_layout", "ndfunc_manual", "ndfunc_local_op", "ndfunc_kept_split",
-    "ndfunc_in_flight")
+    "ndfunc_in_flight", "ndfunc_marks")
 
 
 def comm(node: torch.fx.Node) -> Comm | None:
@@ -140,6 +140,17 @@ def local_note(node: torch.fx.Node) -> tuple | None:
 def note_local(node: torch.fx.Node, shape: Sequence[int], dtype: torch.dtype) -> torch.fx.Node:
     node.meta[_LOCAL] = (tuple(shape), dtype)
     return node
+
+
+def marks(node: torch.fx.Node) -> dict | None:
+    """The annotations (`torch.fx.traceback.annotate`: forward, differentiated) of the traced op a
+    local node was lowered from; None for what the partitioner and the passes added (collectives,
+    their waits and reshapes)."""
+    return node.meta.get(_MARKS)
+
+
+def carry_marks(node: torch.fx.Node, traced: torch.fx.Node) -> None:
+    node.meta[_MARKS] = traced.meta.get("custom") or {}
 
 
 def constraint_layout(node: torch.fx.Node) -> Layout | None:

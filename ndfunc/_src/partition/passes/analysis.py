@@ -9,6 +9,7 @@ import types
 import torch
 
 from ndfunc._src.buffers import lifetimes
+from ndfunc._src.partition.passes.breakdown import MemoryBreakdown, breakdown, value_bytes
 from ndfunc._src.partition.planning.layout import describe
 from ndfunc._src.partition.program import collectives, comm
 
@@ -92,13 +93,16 @@ class MemoryAnalysis:
     """What one run of the local program holds per rank, in bytes (JAX's `memory_analysis()`
     names): its arguments (each rank's blocks), its results, the part of the results written into
     donated arguments' buffers (`alias`), what lives in between (`temp`: the peak beyond arguments
-    and results), and the peak itself (from liveness: fx frees a value after its last use)."""
+    and results), and the peak itself (from liveness: fx frees a value after its last use).
+    `breakdown`: the same by kind (parameters, optimizer state, gradients, gathered parameters,
+    activations), the figures FSDP's and Megatron's closed forms give."""
 
     argument_size_in_bytes: int
     output_size_in_bytes: int
     alias_size_in_bytes: int
     temp_size_in_bytes: int
     peak_memory_in_bytes: int
+    breakdown: MemoryBreakdown | None = None
 
     def __str__(self) -> str:
         def gib(b: int) -> str:
@@ -115,21 +119,12 @@ def memory_analysis(program, gm: torch.fx.GraphModule | None = None) -> MemoryAn
     gm = program.local if gm is None else gm
     inputs = [n for n in gm.graph.nodes if n.op == "placeholder"][:-1]  # coords last: not an argument
     outputs = gm.graph.find_nodes(op="output")[0].args[0]
-    arguments = sum(_bytes(n.meta.get("val")) for n in inputs)
-    results = [_bytes(o.meta.get("val")) if isinstance(o, torch.fx.Node) else 0 for o in outputs]
+    arguments = sum(value_bytes(n.meta.get("val")) for n in inputs)
+    results = [value_bytes(o.meta.get("val")) if isinstance(o, torch.fx.Node) else 0 for o in outputs]
     alias = sum(results[j] for j in program.donation)
     peak = peak_memory(gm)
-    return MemoryAnalysis(arguments, sum(results), alias, max(0, peak - arguments - sum(results) + alias), peak)
-
-
-def _bytes(val) -> int:
-    if isinstance(val, torch.Tensor):
-        return val.numel() * val.element_size()
-    if isinstance(val, (tuple, list)):
-        return sum(_bytes(v) for v in val)
-    return 0
-
-
+    return MemoryAnalysis(arguments, sum(results), alias, max(0, peak - arguments - sum(results) + alias), peak,
+                          breakdown(program, gm))
 
 
 def peak_memory(gm: torch.fx.GraphModule) -> int:
@@ -146,7 +141,7 @@ def live_bytes(nodes: list[torch.fx.Node]) -> tuple[dict, dict]:
     sizes: dict = {}
     for i, n in enumerate(nodes):
         if root.get(n) is n:
-            size = _bytes(n.meta.get("val"))
+            size = value_bytes(n.meta.get("val"))
             change[i] += size
             change[last[n] + 1] -= size
             if last[n] < len(nodes):
