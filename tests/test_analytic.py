@@ -37,6 +37,31 @@ def test_hsdp_reduce_scatters_the_gradient_then_all_reduces_its_shard(replicas, 
     assert order.index(("reduce_scatter", ("dp_shard",))) < order.index(("all_reduce", ("dp_replicate",)))
 
 
+def test_memory_breakdown_of_an_fsdp_step_names_each_part():
+    # a two-layer MLP under FSDP over 4 ranks, signSGD (a gradient cannot be scaled before its
+    # reduction there): each rank holds a quarter of the weights and of their gradients, the two
+    # gathered weights at once (one computing, the next prefetched), and keeps for backward the
+    # one activation ReLU's and the second matmul's backward read, its output on the rank's rows
+    mesh = AbstractMesh({"dp_shard": 4})
+    d, rows = 256, 1024
+
+    def step(ws, x):
+        grads = nf.grad(lambda ws: (torch.relu(x @ ws[0]) @ ws[1]).square().mean())(ws)
+        return [w - 0.1 * g.sign() for w, g in zip(ws, grads)]
+
+    w = [nf.ShapeDtypeStruct((d, d), torch.float32, sharding=NamedSharding(mesh, P("dp_shard"))) for _ in range(2)]
+    x = nf.ShapeDtypeStruct((rows, d), torch.float32, sharding=NamedSharding(mesh, P("dp_shard")))
+    lowered = nf.jit(step, mesh=mesh, out_shardings=P("dp_shard"), transforms=[nf.fsdp("dp_shard")]).lower(w, x)
+    memory = lowered.memory_analysis()
+    parts, weight = memory.breakdown, d * d * F32
+    assert parts.arguments == {"0": 2 * weight / 4, "1": rows * d * F32 / 4}
+    assert parts.gradients == 2 * weight / 4
+    assert parts.gathered == 2 * weight
+    assert parts.activations == pytest.approx(rows // 4 * d * F32, abs=F32)  # and the loss, a scalar
+    assert sum(parts.at_peak.values()) == memory.peak_memory_in_bytes
+    assert "gathered at most 0.00 GiB at once" in str(parts)
+
+
 def test_hsdp_gathers_an_output_head_rather_than_reduce_its_logits():
     # a Llama 3 sized output head (4096 x 128256) under HSDP 2 x 4, 8192 tokens per rank: FSDP's
     # plan gathers the head over dp_shard (1.5 GB a rank), reduce-scatters its gradient and
@@ -61,22 +86,23 @@ def test_hsdp_gathers_an_output_head_rather_than_reduce_its_logits():
     assert moved["all_reduce"] == pytest.approx(2 * 1 / 2 * head / 4, rel=1e-3)  # and two scalars
 
 
-def _llama_step(base, sizes, seq=8192):
+def _llama_step(base, sizes, seq=8192, remat=None, transforms=()):
     """Llama 3's step (two of its layers: every figure below is per layer, or the embedding's) over
     stand-ins on an abstract mesh of `sizes` (dp_replicate, dp_shard, cp, tp), the train job's
-    layouts, results laid out as the arguments were."""
+    layouts, results laid out as the arguments were; each rank a sequence of `seq` tokens."""
     from models import llama, train
 
-    cfg, config = base(n_layers=2), nf.ParallelConfig(*sizes)
+    cfg, config = base(n_layers=2, remat=remat), nf.ParallelConfig(*sizes)
     mesh = config.build_abstract_mesh()
     specs = nf.sharding.logical_to_mesh(llama.param_axes(cfg), config.rules)
     params = llama.abstract_params(cfg, optree.tree_map(lambda s: NamedSharding(mesh, s), specs))
     opt = nf.optim.adamw(3e-4)
     state = opt.init(params)
     laid_out = lambda tree: optree.tree_map(lambda x: x.sharding, tree)  # noqa: E731
-    step = nf.jit(train.make_step(cfg, opt, config.rules), mesh=mesh,
+    step = nf.jit(train.make_step(cfg, opt, config.rules), mesh=mesh, transforms=list(transforms),
                   out_shardings=(laid_out(params), laid_out(state), P()))
-    lowered = step.lower(params, state, train.abstract_batch(config, mesh, config.dp_world_size, seq))
+    batch = train.abstract_batch(config, mesh, config.dp_world_size, seq * config.cp_size)
+    lowered = step.lower(params, state, batch)
     moved: dict = {}
     for _, c in collectives(lowered.program.local):
         moved[(c.kind, c.axes)] = moved.get((c.kind, c.axes), 0) + c.moved
@@ -123,16 +149,98 @@ def test_ring_attention_passes_the_key_value_heads_around_the_ring(shape):
     from models import llama
 
     cp, seq = 4, 8192
-    cfg = getattr(llama.LlamaConfig, shape)(n_layers=2)
-    config = nf.ParallelConfig(cp_size=cp)
-    mesh = config.build_abstract_mesh()
-    specs = nf.sharding.logical_to_mesh(llama.param_axes(cfg), config.rules)
-    from models import train
-
-    params = llama.abstract_params(cfg, optree.tree_map(lambda s: NamedSharding(mesh, s), specs))
-    opt = nf.optim.adamw(3e-4)
-    step = nf.jit(train.make_step(cfg, opt, config.rules), mesh=mesh, transforms=[nf.ring_attention("cp")])
-    lowered = step.lower(params, opt.init(params), train.abstract_batch(config, mesh, 1, seq * cp))
+    cfg, lowered, _ = _llama_step(getattr(llama.LlamaConfig, shape), (1, 1, cp, 1), seq,
+                                  transforms=[nf.ring_attention("cp")])
     kv = 2 * seq * cfg.n_kv_heads * cfg.head_dim * F32  # a rank's keys and values, one layer
     moved = lowered.cost_analysis()["comm_bytes"]
     assert moved["ppermute"] == pytest.approx(cfg.n_layers * kv * (3 * (cp - 1) + 1), rel=0.05)
+
+
+STRATEGIES = {  # (dp_replicate, dp_shard, cp, tp), as the Hugging Face ND-parallel guide names them
+    "fsdp8": (1, 8, 1, 1), "tp8": (1, 1, 1, 8), "fsdp4_tp2": (1, 4, 1, 2), "hsdp2x4": (2, 4, 1, 1), "cp4": (1, 1, 4, 1)}
+
+
+def closed_forms(cfg, sizes, seq: int) -> dict[str, float]:
+    """Per rank, in bytes, Llama's train step under FSDP2's schedule (nf.fsdp: reshard after
+    forward, one unit prefetched) with every layer recomputed in backward (full activation
+    checkpointing), on a mesh of `sizes` (dp_replicate, dp_shard, cp, tp), `seq` tokens a rank:
+
+    - parameters, gradients and AdamW's two moments: 4 + 4 + 8 bytes a parameter over the ranks
+      that shard it (dp_shard and cp: FSDP over both, as torchtitan does; tp);
+    - gathered: two units at once (the one computing, the one prefetched), the largest pair being
+      the output head and a layer;
+    - activations: with full recomputation each layer keeps only its input, b x s x h (Korthikanti
+      et al. 2022, "Reducing Activation Recomputation in Large Transformer Models"; whole under
+      Megatron TP without sequence parallelism, 1/cp of the sequence under CP), and the head keeps
+      three more (the final norm's input and its normalized and weighted outputs), beside the
+      causal mask the model builds from positions (b x s x s_global bools) and the rotary tables;
+    - FSDP2's traffic: weights gathered for forward, again for backward (bar the head and the last
+      layer, whose backward follows at once: torchtitan keeps them too), gradients
+      reduce-scattered, (n-1)/n of each; the embedding is looked up where it lies (not gathered);
+    - HSDP: each gradient shard (the embedding's too) all-reduced over the replicas;
+    - Megatron TP: per layer 2 all-reduces of b x s x h forward, 2 backward and 1 more where the
+      layer is recomputed (the attention block's output, which the MLP's backward reads; the layer's
+      own output is not read again), and the embedding's and the head's: (5L + 2) of them;
+    - CP's ring: per layer cp - 1 hops of the keys and values forward, as many again recomputing
+      it, and 3(cp - 1) + 1 backward (`test_ring_attention_...`): 4(cp - 1) + 1 of them."""
+    from models import llama
+
+    replicas, shards, cp, tp = sizes
+    ranks = shards * cp * tp  # those a parameter is split over
+    params = cfg.num_params()
+    shapes = llama.param_shapes(cfg)
+    count = lambda tree: sum(s.numel() for s in optree.tree_leaves(tree))  # noqa: E731
+    head, layer = count([shapes["lm_head"], shapes["norm"]]), count(shapes["layers"][0])
+    bsh = seq * cfg.dim * F32
+    out = {
+        "parameters": F32 * params / ranks,  # the norms are whole over tp: a 1e-4 part
+        "adam": 2 * F32 * params / ranks,
+        "gradients": F32 * params / ranks,
+        "gathered": F32 * (head + layer) / tp if shards * cp > 1 else 0.0,
+        "activations": (cfg.n_layers + 3) * bsh + seq * seq * cp + 2 * seq * cfg.head_dim * F32,
+    }
+    if shards * cp > 1 and tp == 1:
+        weights = F32 * (params - count(shapes["embed"]))
+        ring = (shards * cp - 1) / (shards * cp)
+        out["all_gather"] = ring * (2 * weights - F32 * (head + layer))
+        out["reduce_scatter"] = ring * weights
+    if tp > 1:
+        out["all_reduce tp"] = (5 * cfg.n_layers + 2) * 2 * (tp - 1) / tp * bsh
+    if cp > 1:
+        out["ppermute cp"] = cfg.n_layers * 2 * seq * cfg.n_kv_heads * cfg.head_dim * F32 * (4 * (cp - 1) + 1)
+    if replicas > 1:
+        out["all_reduce dp_replicate"] = 2 * (replicas - 1) / replicas * F32 * params / shards
+    return out
+
+
+def lowered_figures(sizes, shape: str, seq: int) -> tuple[dict[str, float], dict[str, float]]:
+    """(what `memory_analysis` and `cost_analysis` read of the step `closed_forms` describes, the
+    closed forms), on an abstract mesh of `sizes`."""
+    from models import llama
+
+    replicas, shards, cp, tp = sizes
+    fsdp_axes = tuple(a for a, n in (("dp_shard", shards), ("cp", cp)) if n > 1)
+    transforms = [nf.fsdp(fsdp_axes)] if fsdp_axes else []
+    if cp > 1:
+        transforms.append(nf.ring_attention("cp"))
+    cfg, lowered, moved = _llama_step(getattr(llama.LlamaConfig, shape), sizes, seq, "full", transforms)
+    parts = lowered.memory_analysis().breakdown
+    got = {"parameters": parts.arguments["0"], "adam": parts.arguments["1"], "gradients": parts.gradients,
+           "gathered": parts.gathered, "activations": parts.activations,
+           "all_gather": moved.get(("all_gather", fsdp_axes), 0.0),
+           "reduce_scatter": moved.get(("reduce_scatter", fsdp_axes), 0.0),
+           "all_reduce dp_replicate": moved.get(("all_reduce", ("dp_replicate",)), 0.0),
+           "all_reduce tp": moved.get(("all_reduce", ("tp",)), 0.0), "ppermute cp": moved.get(("ppermute", ("cp",)), 0.0)}
+    expected = closed_forms(cfg, sizes, seq)
+    return {k: got[k] for k in expected}, expected
+
+
+@pytest.mark.slow  # a Llama-3-shaped step lowered per case: seconds each
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_memory_by_part_and_fsdp2_traffic_land_on_the_closed_forms(shape, strategy):
+    got, expected = lowered_figures(STRATEGIES[strategy], shape, seq=8192)
+    for part in ("parameters", "adam", "gradients"):
+        assert got[part] == pytest.approx(expected[part], rel=0.01), part
+    for part in expected.keys() - {"parameters", "adam", "gradients"}:
+        assert got[part] == pytest.approx(expected[part], rel=0.05), part
