@@ -97,6 +97,7 @@ class Problem:
         self.final: dict[int, list[int | None]] = {}  # value id -> requested layout ids (None: free)
         self.layouts: list[Layout] = []
         self.layout_ids: dict[Layout, int] = {}
+        self._layout_by_id: dict[int, tuple[Layout, int]] = {}  # id(layout) -> (it, its id)
         self.codes: list[tuple[int, ...] | None] = []  # layout id -> redistribute.codes (what costs read)
         self._sized: dict = {}  # `_priced_as` -> (a << 32 | b) -> the cost of a change from layout a to b
         self._size_costs: list[dict] = []  # value id -> its size's entry of `_sized`
@@ -134,11 +135,15 @@ class Problem:
                             for v in range(len(self.values))]
 
     def _layout(self, lay: Layout) -> int:
+        seen = self._layout_by_id.get(id(lay))  # by identity first: placements hash slowly
+        if seen is not None and seen[0] is lay:
+            return seen[1]
         i = self.layout_ids.get(lay)
         if i is None:
             i = self.layout_ids[lay] = len(self.layouts)
             self.layouts.append(lay)
             self.codes.append(redistribute.codes(lay))
+        self._layout_by_id[id(lay)] = (lay, i)
         return i
 
     def _value(self, v: Value, node_ids) -> int:

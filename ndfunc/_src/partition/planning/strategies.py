@@ -21,7 +21,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Partial, Replicate, Shard
 
-from ndfunc._src.partition.planning.layout import Layout, all_layouts, replicated
+from ndfunc._src.partition.planning.layout import Layout, all_layouts, fits, replicated
 from ndfunc._src.torch_compat import (
     DTensorSpec,
     OpSchema,
@@ -148,13 +148,50 @@ def _from_single_dim(node, ins, outs, sizes) -> list[Strategy]:
     all_replicate = [None if o is None else Replicate() for o in outs] + [Replicate()] * len(ins)
     if all_replicate not in rules:
         rules.insert(0, all_replicate)
-    found = []
-    for combo in itertools.product(rules, repeat=len(sizes)):
-        cols = list(zip(*combo))  # per tensor: its placement on each mesh axis
-        out_lays = tuple(None if o is None else tuple(cols[i]) for i, o in enumerate(outs))
-        in_lays = tuple(tuple(c) for c in cols[len(outs):])
+    # one rule per mesh axis, in every combination; only those whose layouts fit the shapes are
+    # made (`fits`, asked here on ints: a 4-axis mesh makes thousands of combinations, most of
+    # them repeats of a rule or cuts of a dim that does not divide). The order is the product's.
+    shapes = [None if o is None else tuple(o.shape) for o in outs] + [tuple(a.meta["val"].shape) for a in ins]
+    rules = list({tuple(r): None for r in rules})  # a repeated rule only repeats strategies
+    rules = [r for r in rules if all(shp is None or _holds(p, shp) for p, shp in zip(r, shapes))]
+    cut = [[(t, p.dim) for t, p in enumerate(r) if type(p) is Shard and shapes[t] is not None] for r in rules]
+    # each distinct placement as an int, each distinct layout made once: the partitioner numbers
+    # layouts by identity first (`Problem._layout`), and a 4-axis op has thousands
+    placements: dict = {}
+    codes = [[placements.setdefault(p, len(placements)) for p in r] for r in rules]
+    made: dict = {}
+    every = list(placements)
+
+    def layout(combo, t):
+        key = tuple(codes[r][t] for r in combo)
+        lay = made.get(key)
+        if lay is None:
+            lay = made[key] = tuple(every[c] for c in key)
+        return lay
+
+    found = Fitted()
+    for combo in itertools.product(range(len(rules)), repeat=len(sizes)):
+        blocks: dict = {}
+        for axis, r in enumerate(combo):
+            for key in cut[r]:
+                blocks[key] = blocks.get(key, 1) * sizes[axis]
+        if any(shapes[t][d] % n for (t, d), n in blocks.items()):
+            continue
+        out_lays = tuple(None if o is None else layout(combo, i) for i, o in enumerate(outs))
+        in_lays = tuple(layout(combo, t) for t in range(len(outs), width))
         found.append(Strategy(out_lays, in_lays))
     return found
+
+
+class Fitted(list):
+    """Strategies already known to fit their values' shapes, each once."""
+
+
+def _holds(p, shape: tuple[int, ...]) -> bool:
+    """Whether placement `p` can be one axis's part of a layout that `fits` a value of `shape`."""
+    if type(p) is Shard:
+        return 0 <= p.dim < len(shape)
+    return fits((p,), shape, (1,))
 
 
 def from_op_strategy(node, ins, outs, sizes) -> list[Strategy]:
