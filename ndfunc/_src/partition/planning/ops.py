@@ -45,6 +45,7 @@ from ndfunc._src.partition.planning.layout import (
     replicated,
 )
 from ndfunc._src.partition.planning.strategies import (
+    Fitted,
     NoStrategy,
     Strategy,
     from_dtensor,
@@ -197,6 +198,10 @@ def _candidates(node: torch.fx.Node, sizes: tuple[int, ...]) -> list[Strategy]:
         found = rule.strategies(node, sizes)
     elif (found := from_dtensor(node, ins, outs, sizes)) is None:
         raise NoStrategy(op)
+    if isinstance(found, Fitted):
+        if not found:
+            raise NoStrategy(op)
+        return list(found)
     shapes_in = [tuple(a.meta["val"].shape) for a in ins]
     shapes_out = [None if o is None else tuple(o.shape) for o in outs]
     kept, seen = [], set()
@@ -333,6 +338,19 @@ def _random_block(emitter, node, locals_):
     out = emitter.call(random_block_at_op, locals_[0], kernel, list(shape), list(starts), block, emitter.coords,
                        [w for row in weights for w in row], out_dtype, tensors, kernel_dtype)
     return prog.note_local(out, tuple(block), out_dtype)
+
+
+def _cat_rule(node, sizes) -> list[Strategy]:
+    """Concatenation: the inputs and the result alike, in every layout of the result that does not
+    split the joined dim (a pending sum too: it is linear), in `all_layouts`' order. That is what
+    DTensor's rule gives, pooled over its inputs' layouts (`from_op_strategy`), without asking it
+    thousands of times on a 4-axis mesh. Inputs of another rank (legacy empty tensors): DTensor's."""
+    ins, out = tensor_inputs(node), node.meta["val"]
+    if any(a.meta["val"].ndim != out.ndim for a in ins):
+        return from_op_strategy(node, ins, tensor_outputs(node), sizes)
+    d = (node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)) % out.ndim
+    return [Strategy((lay,), (lay,) * len(ins)) for lay in all_layouts(tuple(out.shape), sizes)
+            if Shard(d) not in lay]
 
 
 def _cumsum_rule(node, sizes) -> list[Strategy]:
@@ -520,6 +538,7 @@ register(manual.enter_op, lower=_same_value)  # strategies: the region's (`candi
 register(manual.exit_op, lower=_same_value)
 register(manual.axis_index_op, lower=_axis_index)
 register(manual.ppermute_op, lower=_ppermute)
+register(aten.cat.default, strategies=_cat_rule)
 register(aten.cumsum.default, strategies=_cumsum_rule, lower=_cumsum)  # a scan along a split dim  # strategies: the region's (`candidates`)
 for _dot in (aten.mm.default, aten.bmm.default, aten.addmm.default, aten.baddbmm.default):
     register(_dot, saved_by_remat=True)
