@@ -161,14 +161,6 @@ def _from_single_dim(node, ins, outs, sizes) -> list[Strategy]:
     codes = [[placements.setdefault(p, len(placements)) for p in r] for r in rules]
     made: dict = {}
     every = list(placements)
-
-    def layout(combo, t):
-        key = tuple(codes[r][t] for r in combo)
-        lay = made.get(key)
-        if lay is None:
-            lay = made[key] = tuple(every[c] for c in key)
-        return lay
-
     found = Fitted()
     for combo in itertools.product(range(len(rules)), repeat=len(sizes)):
         blocks: dict = {}
@@ -177,9 +169,14 @@ def _from_single_dim(node, ins, outs, sizes) -> list[Strategy]:
                 blocks[key] = blocks.get(key, 1) * sizes[axis]
         if any(shapes[t][d] % n for (t, d), n in blocks.items()):
             continue
-        out_lays = tuple(None if o is None else layout(combo, i) for i, o in enumerate(outs))
-        in_lays = tuple(layout(combo, t) for t in range(len(outs), width))
-        found.append(Strategy(out_lays, in_lays))
+        lays = []
+        for key in zip(*(codes[r] for r in combo)):  # per tensor: its placement on each mesh axis
+            lay = made.get(key)
+            if lay is None:
+                lay = made[key] = tuple(every[c] for c in key)
+            lays.append(lay)
+        out_lays = tuple(None if o is None else lays[i] for i, o in enumerate(outs))
+        found.append(Strategy(out_lays, tuple(lays[len(outs):])))
     return found
 
 
