@@ -221,17 +221,26 @@ def codes(layout: Layout) -> tuple[int, ...] | None:
 
 def coded_cost(src: tuple[int, ...] | None, dst: tuple[int, ...] | None, shape: Sequence[int],
                sizes: Sequence[int], itemsize: int) -> float:
-    """`cost` over `codes`: `plan`'s steps without swaps, walked on ints (the partitioner prices
-    hundreds of thousands of layout pairs), the same sum in the same order. `tests/test_redistribute`
-    holds it to `plan`."""
+    """`cost` over `codes`, for layouts that fit `shape`: `plan`'s steps without swaps, walked on
+    ints (`coded_steps`) and priced for the value (`priced`), the same sum in the same order.
+    `tests/test_redistribute` holds it to `plan`."""
+    return priced(coded_steps(src, dst, sizes), math.prod(shape), itemsize)
+
+
+def coded_steps(src: tuple[int, ...] | None, dst: tuple[int, ...] | None,
+                sizes: Sequence[int]) -> tuple[tuple[float, int, float], ...] | None:
+    """The steps from `src` to `dst` (codes) as `priced` reads them, whatever the value: each its
+    bytes per byte of the block it moves (that block being the whole divided by `div`: layouts that
+    fit divide exactly) and its fixed cost; None where no plan exists. The partitioner walks each
+    pair of layouts once and prices it for every value size."""
     if src == dst:
-        return 0
+        return ()
     if src is None or dst is None:
-        return float("inf")
+        return None
     k = len(src)
     for s, d in zip(src, dst):
         if d <= -2 and s != d:
-            return float("inf")  # a pending sum is made by the op, not by a move
+            return None  # a pending sum is made by the op, not by a move
     cur = list(src)
     gather = [cur[m] >= 0 and dst[m] != cur[m] for m in range(k)]
     grown = True
@@ -249,13 +258,13 @@ def coded_cost(src: tuple[int, ...] | None, dst: tuple[int, ...] | None, shape: 
                 if not gather[later] and cur[later] >= 0 and cur[later] in dims:
                     gather[later] = True
                     grown = True
-    now = [s // math.prod(n for c, n in zip(cur, sizes) if c == d) for d, s in enumerate(shape)]
-    total = 0
+    div = math.prod(n for c, n in zip(cur, sizes) if c >= 0)
+    steps = []
     for m in range(k - 1, -1, -1):
         if gather[m]:
             n = sizes[m]
-            now[cur[m]] *= n
-            total += (n - 1) / n * math.prod(now) * itemsize + ALPHA
+            div //= n
+            steps.append(((n - 1) / n, div, ALPHA))
             cur[m] = _REPLICATE
     late = [m for m in range(k) if cur[m] <= -2 and dst[m] == _REPLICATE]  # `_finishing_order`'s
     for m in [m for m in range(k) if m not in late] + late:
@@ -265,15 +274,25 @@ def coded_cost(src: tuple[int, ...] | None, dst: tuple[int, ...] | None, shape: 
         n = sizes[m]
         if c <= -2:  # a pending sum, finished
             if d == _REPLICATE:
-                total += 2 * (n - 1) / n * math.prod(now) * itemsize + ALPHA
+                steps.append((2 * (n - 1) / n, div, ALPHA))
             elif c in _EXTREMA:  # all-reduced, then sliced
-                total += 2 * (n - 1) / n * math.prod(now) * itemsize + ALPHA
-                now[d] //= n
-                total += 0.0 + SLICE * math.prod(now) * itemsize
+                steps.append((2 * (n - 1) / n, div, ALPHA))
+                div *= n
+                steps.append((SLICE, div, 0.0))
             else:
-                total += (n - 1) / n * math.prod(now) * itemsize + ALPHA
-                now[d] //= n
+                steps.append(((n - 1) / n, div, ALPHA))
+                div *= n
         else:  # Replicate -> Shard: a local slice
-            now[d] //= n
-            total += 0.0 + SLICE * math.prod(now) * itemsize
+            div *= n
+            steps.append((SLICE, div, 0.0))
+    return tuple(steps)
+
+
+def priced(steps: tuple[tuple[float, int, float], ...] | None, numel: int, itemsize: int) -> float:
+    """What `coded_steps` cost for a value of `numel` elements of `itemsize` bytes."""
+    if steps is None:
+        return float("inf")
+    total = 0
+    for weight, div, fixed in steps:
+        total += weight * (numel // div) * itemsize + fixed
     return total

@@ -17,12 +17,12 @@ candidate; requested output layouts are extra consumers; an output left to the p
 has to end without a pending sum.
 
 What makes it fast enough, without changing a plan (`tests/test_plan_pins.py`): layouts are ints
-and a layout change is priced on ints (`redistribute.coded_cost`), each pair once per process; a
+and a layout change is walked on ints (`redistribute.coded_steps`), each pair once per process; a
 node's answer is remembered by everything it depends on (`best`), so identical layers are answered
 once, and so is the price of a move at a node (`_every_local_cost`); a node's candidates are priced
 with each input's and output's terms found once per distinct layout, as float64 columns gathered to
 every candidate where there are many (the same sums in the same order), leaving out those whose
-work alone exceeds a cost found; a layout change is priced once per value size (`_priced_as`); a
+work alone exceeds a cost found; a walked change is priced once per value size (`_priced_as`); a
 graph equal to one planned before gets its plan back (`partition`).
 """
 
@@ -72,7 +72,7 @@ class Plan:
         return self.strategy[v[0]].outs[v[1]]
 
 
-_TRANSITIONS: dict = {}  # (shape, itemsize, src, dst, sizes) -> cost, shared by every problem
+_TRANSITIONS: dict = {}  # (src codes, dst codes, sizes) -> `redistribute.coded_steps`, shared by every problem
 
 
 class Problem:
@@ -101,6 +101,7 @@ class Problem:
         self.codes: list[tuple[int, ...] | None] = []  # layout id -> redistribute.codes (what costs read)
         self._sized: dict = {}  # `_priced_as` -> (a << 32 | b) -> the cost of a change from layout a to b
         self._size_costs: list[dict] = []  # value id -> its size's entry of `_sized`
+        self._steps: dict = {}  # (a << 32 | b) -> `redistribute.coded_steps` from layout a to b
         self._as_ids: dict = {}  # id(candidate list) -> (the list, c_ins, c_outs, by_ins, work by flops)
         self._best: dict = {}  # a node's situation -> its best candidate (see `best`)
         self._every: dict = {}  # a node's situation -> every candidate's cost (`_every_local_cost`)
@@ -196,21 +197,24 @@ class Problem:
 
     # --- costs ---------------------------------------------------------------------------------
     def tcost(self, v: int, a: int, b: int) -> float:
-        """What changing value `v` from layout `a` to `b` costs (`redistribute.coded_cost`),
-        remembered per value size (`_priced_as`) and, across problems, in `_TRANSITIONS`."""
+        """What changing value `v` from layout `a` to `b` costs (`redistribute.coded_cost`): the
+        steps walked once per pair of layouts (`_steps`; across problems, `_TRANSITIONS`), priced
+        once per value size (`_priced_as`)."""
         if a == b:
             return 0.0
         costs = self._size_costs[v]
         key = a << 32 | b
         c = costs.get(key)
         if c is None:
-            shape, itemsize = self.value_meta[v]
-            ca, cb = self.codes[a], self.codes[b]
-            full = (self.priced_as[v], ca, cb, self.sizes)
-            c = _TRANSITIONS.get(full)
-            if c is None:
-                c = _TRANSITIONS[full] = redistribute.coded_cost(ca, cb, shape, self.sizes, itemsize)
-            costs[key] = c
+            steps = self._steps.get(key)
+            if steps is None:
+                full = (self.codes[a], self.codes[b], self.sizes)
+                steps = _TRANSITIONS.get(full)
+                if steps is None:
+                    steps = _TRANSITIONS[full] = redistribute.coded_steps(*full)
+                self._steps[key] = steps
+            numel, _, itemsize = self.priced_as[v]
+            c = costs[key] = redistribute.priced(steps, numel, itemsize)
         return c
 
     def finish(self, lay: int) -> int:
@@ -746,7 +750,7 @@ class Problem:
 
 
 def _priced_as(shape: tuple[int, ...], itemsize: int) -> tuple[int, int, int]:
-    """What `redistribute.coded_cost` reads of a value: every layout the search prices fits the
+    """What `redistribute.priced` reads of a value: every layout the search prices fits the
     value (`ops.candidates` keeps only those, and finishing a sum keeps the fit), so each block on
     the way is the whole divided exactly by the splits then in place, and the cost reads the shape
     only as its element count (and its rank, which the layouts' dims index): the same floats, found
