@@ -14,7 +14,9 @@ Every buffer of the local program is given a kind by the node that makes it:
 
 A collective, its wait and the reshapes the lowering adds carry no op of the user's: they take the
 kind of what they move. `gradients` are the `backward` buffers that the rest of the step (the
-optimizer) or its results read: the gradients as each rank holds them once reduced.
+optimizer) or its results read: the gradients as each rank holds them once reduced (or, where the
+partitioner moved a linear op of the optimizer, a scale, ahead of the reduction, the pending sum
+that op reads).
 """
 
 from __future__ import annotations
@@ -40,10 +42,11 @@ _PASS_THROUGH = frozenset({  # ops that leave a stored input what it is: a view,
 @dataclasses.dataclass(frozen=True)
 class MemoryBreakdown:
     """Per rank, in bytes: `arguments` (each argument's blocks, by its position or keyword: a train
-    step's parameters, optimizer state, batch), `gradients` (as the optimizer reads them, reduced),
-    `gathered` (the most bytes of gathered parameters alive at once: FSDP's units, prefetch
-    included), `activations` (what the forward keeps for the backward: alive when its last op is done),
-    and `at_peak` (what is alive at the peak, by kind; it adds up to the peak)."""
+    step's parameters, optimizer state, batch), `gradients` (as the optimizer first reads them:
+    reduced, see the module), `gathered` (the most bytes of gathered parameters alive at once:
+    FSDP's units, prefetch included), `activations` (what the forward keeps for the backward: alive
+    when its last op is done), and `at_peak` (what is alive at the peak, by kind; it adds up to the
+    peak)."""
 
     arguments: dict[str, int]
     gradients: int
@@ -101,7 +104,7 @@ def _kinds(nodes: list[torch.fx.Node]) -> dict[torch.fx.Node, str]:
         if n.op == "placeholder":
             kind[n] = "arguments"
         elif n.op != "call_function":
-            kind[n] = "other"  # constants (the output node is given none: nothing is made there)
+            kind[n] = "other"  # constants, and the output node (which makes no buffer)
         elif (marks := prog.marks(n)) is not None:  # lowered from a traced op
             kind[n] = ("activations" if marks.get(FORWARD) else "backward" if marks.get(DIFFERENTIATED) else "other")
         elif n.target is _GATHER and _stored(n.args[0], kind):
