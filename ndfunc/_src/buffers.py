@@ -8,6 +8,7 @@ share this one account.
 
 from __future__ import annotations
 
+import functools
 import operator
 
 import torch
@@ -25,7 +26,22 @@ def aliased(node: torch.fx.Node) -> torch.fx.Node | None:
     if node.target in _ALIASES:
         base = node.args[0] if node.args else None
         return base if isinstance(base, torch.fx.Node) else None
-    schema = getattr(node.target, "_schema", None)
+    slot = _aliased_slot(node.target)
+    if slot is None:
+        return None
+    i, name, kwarg_only = slot
+    if name in node.kwargs:
+        base = node.kwargs[name]
+    else:
+        base = node.args[i] if i < len(node.args) and not kwarg_only else None
+    return base if isinstance(base, torch.fx.Node) else None
+
+
+@functools.cache
+def _aliased_slot(target) -> tuple[int, str, bool] | None:
+    """Which argument an op's result aliases, read from its schema once per op: (position, name,
+    keyword-only), or None where it makes a buffer of its own."""
+    schema = getattr(target, "_schema", None)
     if schema is None or not any(r.alias_info is not None for r in schema.returns):
         return None
     sets = {a for r in schema.returns if r.alias_info is not None for a in r.alias_info.before_set}
@@ -35,11 +51,7 @@ def aliased(node: torch.fx.Node) -> torch.fx.Node | None:
     if not matched:
         return None
     i, arg = matched[0]
-    if arg.name in node.kwargs:
-        base = node.kwargs[arg.name]
-    else:
-        base = node.args[i] if i < len(node.args) and not arg.kwarg_only else None
-    return base if isinstance(base, torch.fx.Node) else None
+    return i, arg.name, arg.kwarg_only
 
 
 def buffer_of(node: torch.fx.Node) -> torch.fx.Node:
@@ -49,10 +61,21 @@ def buffer_of(node: torch.fx.Node) -> torch.fx.Node:
     return node
 
 
+def buffer_roots(graph: torch.fx.Graph) -> dict[torch.fx.Node, torch.fx.Node]:
+    """`buffer_of` of every node, in one pass (a base comes before its views): a chain of in-place
+    updates is walked once, not once per link."""
+    root: dict = {}
+    for n in graph.nodes:
+        base = aliased(n)
+        root[n] = n if base is None else root.get(base, base)
+    return root
+
+
 def written_inputs(gm: torch.fx.GraphModule) -> list[int]:
     """The positions of `gm`'s inputs that it writes into (an in-place op or `out=` on them or a view,
     BatchNorm's running statistics)."""
     placeholders = {n: i for i, n in enumerate(gm.graph.find_nodes(op="placeholder"))}
+    root = buffer_roots(gm.graph)
     written = set()
     for n in gm.graph.nodes:
         schema = getattr(n.target, "_schema", None) if n.op == "call_function" else None
@@ -62,7 +85,7 @@ def written_inputs(gm: torch.fx.GraphModule) -> list[int]:
             value = n.args[j] if j < len(n.args) else n.kwargs.get(arg.name)
             writes = (arg.alias_info is not None and arg.alias_info.is_write) or (
                 j in _UNDECLARED_WRITES.get(n.target, ()) and n.args[5])
-            if writes and isinstance(value, torch.fx.Node) and (i := placeholders.get(buffer_of(value))) is not None:
+            if writes and isinstance(value, torch.fx.Node) and (i := placeholders.get(root[value])) is not None:
                 written.add(i)
     return sorted(written)
 

@@ -337,7 +337,7 @@ def _seeded_message(name: str, node: torch.fx.Node, where: str) -> str:
 
 def _check_constants(gm: torch.fx.GraphModule, name: str) -> None:
     """Refuse the tensors a step closes over that cannot be constants of the program."""
-    from ndfunc._src.buffers import buffer_of
+    from ndfunc._src.buffers import buffer_roots
 
     for node in gm.graph.find_nodes(op="get_attr"):
         value = getattr(gm, node.target, None)
@@ -346,9 +346,10 @@ def _check_constants(gm: torch.fx.GraphModule, name: str) -> None:
                 f"{name} closes over a tensor made under nf.simulate: it holds a value per simulated rank, "
                 f"and a tensor a step closes over is a constant, the same on every rank. Pass it to the "
                 f"step as an argument (with the sharding its values have).")
+    root = buffer_roots(gm.graph)
     for node in gm.graph.nodes:
         schema = getattr(node.target, "_schema", None) if node.op == "call_function" else None
-        if schema is not None and schema.is_mutable and buffer_of(node).op == "get_attr":
+        if schema is not None and schema.is_mutable and root[node].op == "get_attr":
             raise TypeError(
                 f"{name} writes in place ({node.target}) into a tensor it closes over (shape "
                 f"{list(node.meta['val'].shape)}); tracing has applied that write to it once. A traced "
