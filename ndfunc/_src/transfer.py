@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from ndfunc._src.runtime import simulation_paused
 from ndfunc._src.sharding.errors import ShardingError, where
@@ -24,6 +24,7 @@ from ndfunc._src.sharding.partition_spec import PartitionSpec
 from ndfunc._src.torch_compat import (
     REDISTRIBUTE_LOGGER,
     LocalTensor,
+    StridedShard,
     local_blocks,
     local_tensor_mode,
 )
@@ -40,7 +41,7 @@ def sharding_of(x: torch.Tensor) -> NamedSharding | None:
     names = device_mesh.mesh_dim_names
     if names is None:
         raise ShardingError("a DTensor on a DeviceMesh without mesh_dim_names has no named sharding.")
-    mesh = Mesh(AbstractMesh(tuple(zip(names, device_mesh.mesh.shape))), device_mesh)
+    mesh = Mesh(AbstractMesh(tuple(zip(names, device_mesh.shape))), device_mesh)
     return NamedSharding.from_placements(mesh, x.placements, x.ndim)
 
 
@@ -111,6 +112,8 @@ def device_get(tree: PyTree) -> PyTree:
 def _gather(x: Any) -> Any:
     if isinstance(x, torch.Tensor):
         x = x.detach()  # values, as JAX's device_get gives: gather a DTensor with .full_tensor() to differentiate
+    if isinstance(x, DTensor) and (whole := _placed_together(x)) is not None:
+        return whole
     if isinstance(x, DTensor):
         ended = isinstance(x.to_local(), LocalTensor) and local_tensor_mode() is None
         try:
@@ -129,16 +132,47 @@ def _gather(x: Any) -> Any:
     return x
 
 
+def _placed_together(x: DTensor) -> torch.Tensor | None:
+    """In simulation, the whole value of a split or replicated DTensor put together from its
+    ranks' blocks where they lie (what gathering it would give, without running the collectives
+    rank by rank); None where that does not apply (real ranks, a pending sum, an ended block).
+    Ranks holding the same block must hold the same values, as `_reconcile` asks."""
+    local = x.to_local()
+    if not isinstance(local, LocalTensor) or local_tensor_mode() is None or any(
+            not isinstance(p, (Shard, StridedShard, Replicate)) for p in x.placements):
+        return None
+    indices = sharding_of(x).shard_indices(tuple(x.shape))
+    blocks = local_blocks(local)
+    with simulation_paused():
+        whole = torch.empty(x.shape, dtype=x.dtype, device=blocks[0].device)
+        first: dict = {}
+        for rank, index in enumerate(indices):
+            block = blocks[rank]
+            key = tuple((i.start, i.stop) for i in index)
+            if key in first:
+                _reconcile_pair(first[key], block)
+                continue
+            if tuple(whole[index].shape) != tuple(block.shape):
+                return None  # a layout whose blocks the index math does not describe: gather it
+            whole[index] = block
+            first[key] = block
+    return whole
+
+
+def _reconcile_pair(a: torch.Tensor, b: torch.Tensor) -> None:
+    same = (torch.allclose(a, b, rtol=0, atol=0, equal_nan=True)
+            if a.is_floating_point() or a.is_complex() else torch.equal(a, b))
+    if not same:
+        raise AssertionError("the simulated ranks hold different values for a tensor that is the same on "
+                             "every rank (replicated): there is no single value to return")
+
+
 def _reconcile(x: LocalTensor) -> torch.Tensor:
     """The one value every simulated rank holds. NaN counts as equal to NaN: a replicated loss over
     targets that are all ignored is NaN on every rank, as one device's is."""
     blocks = list(local_blocks(x).values())
     for other in blocks[1:]:
-        same = (torch.allclose(blocks[0], other, rtol=0, atol=0, equal_nan=True)
-                if blocks[0].is_floating_point() or blocks[0].is_complex() else torch.equal(blocks[0], other))
-        if not same:
-            raise AssertionError("the simulated ranks hold different values for a tensor that is the same on "
-                                 "every rank (replicated): there is no single value to return")
+        _reconcile_pair(blocks[0], other)
     return blocks[0].clone()
 
 
@@ -154,8 +188,9 @@ def _assemble(
     device_mesh = sharding.mesh.device_mesh
     mode = local_tensor_mode()
     if mode is not None:
-        with mode.disable():
+        with simulation_paused():  # each block is made as one rank would: plain ops, at plain speed
             blocks = {r: _checked(_on_rank(block(r, indices[r]), r), expected, r, path) for r in sorted(mode.ranks)}
+        with mode.disable():
             dtypes = {b.dtype for b in blocks.values()}
             if len(dtypes) > 1:
                 raise ShardingError(

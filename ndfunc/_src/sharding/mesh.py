@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextvars
 import math
 import numbers
+import weakref
 from collections.abc import Mapping, Sequence
 
 from ndfunc._src.sharding.errors import ShardingError, UnknownAxisError
@@ -119,14 +120,14 @@ class Mesh:
 
     def __init__(self, abstract: AbstractMesh, device_mesh):
         if tuple(device_mesh.mesh_dim_names or ()) != abstract.axis_names or tuple(
-            device_mesh.mesh.shape
+            device_mesh.shape
         ) != abstract.axis_sizes:
             raise ShardingError(
-                f"DeviceMesh of shape {tuple(device_mesh.mesh.shape)} with dims "
+                f"DeviceMesh of shape {tuple(device_mesh.shape)} with dims "
                 f"{device_mesh.mesh_dim_names} does not match {abstract!r}; build meshes with "
                 f"nf.make_mesh, which keeps the two in step."
             )
-        if device_mesh.mesh.flatten().tolist() != list(range(abstract.size)):
+        if _ranks_of(device_mesh) != list(range(abstract.size)):
             raise ShardingError(
                 f"a Mesh must hold ranks 0..{abstract.size - 1} in row-major order, but this "
                 f"DeviceMesh holds {device_mesh.mesh.tolist()} (a slice of a larger mesh?); build "
@@ -194,6 +195,22 @@ class Mesh:
         entered = _entered.get()
         _entered.set(entered[:-1])
         entered[-1].__exit__(*exc)
+
+
+def _ranks_of(device_mesh) -> list[int]:
+    """The ranks a DeviceMesh holds, in row-major order, read once per DeviceMesh (each `.mesh`
+    builds the tensor anew) off its plain CPU tensor with no dispatch mode in the way (under
+    `nf.simulate` each element read would pass through it)."""
+    ranks = _RANKS.get(device_mesh)
+    if ranks is None:
+        from ndfunc._src.torch_compat import no_dispatch_modes
+
+        with no_dispatch_modes():
+            ranks = _RANKS[device_mesh] = device_mesh.mesh.flatten().tolist()
+    return ranks
+
+
+_RANKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _default_group():
