@@ -1,10 +1,20 @@
 """Names the docstring examples in ndfunc/ use, so they run as written under --doctest-modules."""
 
+import os
+
 import pytest
 import torch
 
 import ndfunc as nf
 from ndfunc.sharding import AbstractMesh, NamedSharding, P
+
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # pytest-xdist runs one worker per core: each keeps to one thread, and so do the processes it
+    # starts, or a worker's multi-threaded small ops wait on a core the other worker holds
+    # (two orders of magnitude slower on a 2-core machine)
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
 
 
 @pytest.fixture(autouse=True)
