@@ -155,11 +155,15 @@ def test_view_rule_gives_the_strategies_dtensors_reshape_rule_gives_per_input_la
 
     gm = make_fx(lambda x: x.view(4, 6, 2).permute(2, 0, 1).unsqueeze(0).expand(3, 2, 4, 6).squeeze(0)
                  .transpose(1, 2).reshape(3, 12, 4))(torch.ones(48))
-    views = [n for n in gm.graph.nodes if n.op == "call_function" and compat.view_rule(n.target) is not None]
+    # flattening and splitting sharded dims (the rule's _StridedShard cases), on four axes too
+    split = make_fx(lambda x: x.reshape(2, 8, 4, 6).flatten(1, 2).unflatten(2, (2, 3)).movedim(1, 3)
+                    .reshape(-1))(torch.ones(16, 24))
+    views = [n for g in (gm, split) for n in g.graph.nodes
+             if n.op == "call_function" and compat.view_rule(n.target) is not None]
     assert {n.target for n in views} >= {torch.ops.aten.view.default, torch.ops.aten.permute.default,
                                          torch.ops.aten.unsqueeze.default, torch.ops.aten.expand.default}
     assert compat.view_rule(torch.ops.aten.mm.default) is None
-    for sizes in [(2, 2, 2), (2, 4)]:
+    for sizes in [(2, 2, 2), (2, 4), (2, 2, 2, 2)]:
         for node in views:
             ins, outs = strategies.tensor_inputs(node), strategies.tensor_outputs(node)
             asked = strategies.from_op_strategy(node, ins, outs, sizes)

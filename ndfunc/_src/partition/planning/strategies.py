@@ -21,7 +21,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Partial, Replicate, Shard
 
-from ndfunc._src.partition.planning.layout import Layout, all_layouts, fits, replicated
+from ndfunc._src.partition.planning.layout import R, Layout, all_layouts, fits, replicated
 from ndfunc._src.torch_compat import (
     DTensorSpec,
     OpSchema,
@@ -221,12 +221,24 @@ def _from_view_rule(node, outs, sizes, dim_map, strict_view, propagate) -> list[
     shape = tuple(asking.metas[0].shape)
     mesh_shape = asking.mesh.shape
     found = []
+    # The rule moves shards only: a pending sum passes a view as it is, where Replicate would
+    # (a view is linear, and neither changes a block's shape). So each layout is asked with its
+    # sums as Replicate, once per such layout, and the sums are put back on both sides.
+    answers: dict = {}
     for lay in all_layouts(shape, sizes):
-        try:
-            ins, out = propagate(lay, shape, rules, mesh_shape, strict_view)
-        except Exception:  # noqa: BLE001, S112 - a layout the rule rejects has no strategy
+        sums = [i for i, p in enumerate(lay) if type(p) is Partial]
+        asked = tuple(R if type(p) is Partial else p for p in lay) if sums else lay
+        if asked not in answers:
+            try:
+                answers[asked] = propagate(asked, shape, rules, mesh_shape, strict_view)
+            except Exception:  # noqa: BLE001 - a layout the rule rejects has no strategy
+                answers[asked] = None
+        if answers[asked] is None:
             continue
-        found.append(Strategy(((tuple(out),) * max(len(outs), 1))[:len(outs)], (tuple(ins),)))
+        ins, out = (tuple(side) for side in answers[asked])
+        if sums:
+            ins, out = (tuple(lay[i] if i in sums else p for i, p in enumerate(side)) for side in (ins, out))
+        found.append(Strategy(((out,) * max(len(outs), 1))[:len(outs)], (ins,)))
     if not found:
         raise NoStrategy(node.target)
     return found
