@@ -38,7 +38,7 @@ from collections import deque
 import torch
 from torch.distributed.tensor import Partial, Replicate
 
-from ndfunc._src.partition.planning import redistribute
+from ndfunc._src.partition.planning import plan_cache, redistribute
 from ndfunc._src.partition.planning.flops import node_flops
 from ndfunc._src.partition.planning.layout import MANUAL, Layout, replicated
 from ndfunc._src.partition.planning.ops import candidates, strategy_key
@@ -766,13 +766,18 @@ def partition(graph: torch.fx.Graph, sizes: tuple[int, ...], input_layouts: list
     The search is a pure function of what `Problem` reads (each node's op, arguments, shapes,
     marks and inputs, the sizes, the boundary layouts), so a graph equal to one planned before in
     all of that gets that plan again, node by node, without a search: a step jitted afresh on the
-    same model and mesh (a notebook's re-run, a test suite) plans once."""
+    same model and mesh (a notebook's re-run, a test suite) plans once; with
+    `NDFUNC_PLAN_CACHE_DIR` set, once across processes too (`plan_cache`)."""
     nodes, key = _problem_key(graph, sizes, input_layouts, output_layouts)
     known = _PLANS.get(key)
     if known is None:
-        plan = Problem(graph, sizes, input_layouts, output_layouts).solve()
-        at = {n: i for i, n in enumerate(nodes)}
-        known = ([plan.strategy.get(n) for n in nodes], [(at[v[0]], v[1], lay) for v, lay in plan.outputs], plan.cost)
+        known = plan_cache.load(key, len(nodes))  # a plan another process made (NDFUNC_PLAN_CACHE_DIR)
+        if known is None:
+            plan = Problem(graph, sizes, input_layouts, output_layouts).solve()
+            at = {n: i for i, n in enumerate(nodes)}
+            known = ([plan.strategy.get(n) for n in nodes], [(at[v[0]], v[1], lay) for v, lay in plan.outputs],
+                     plan.cost)
+            plan_cache.store(key, known)
         _PLANS[key] = known
         while len(_PLANS) > 64:
             _PLANS.popitem(last=False)

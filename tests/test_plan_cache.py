@@ -1,0 +1,84 @@
+"""Plans kept on disk (`NDFUNC_PLAN_CACHE_DIR`): a plan searched in one process is the plan another
+process lowers without searching; an unreadable entry is searched again, with a warning."""
+
+import re
+import subprocess
+import sys
+
+import optree
+import pytest
+
+import ndfunc as nf
+from models import llama, train
+from ndfunc._src.partition.planning import plan_cache, solve
+from ndfunc.sharding import NamedSharding
+from tests.helpers import REPO, outside_torchrun_env
+
+LOWER = """
+import sys, optree, ndfunc as nf
+from models import llama, train
+from ndfunc.sharding import NamedSharding
+config = nf.ParallelConfig(dp_shard_size=2, tp_size=2)
+cfg, opt = llama.LlamaConfig.tiny(), nf.optim.adamw(1e-3)
+mesh = config.build_abstract_mesh()
+specs = nf.sharding.logical_to_mesh(llama.param_axes(cfg), config.rules)
+params = llama.abstract_params(cfg, optree.tree_map(lambda s: NamedSharding(mesh, s), specs))
+step = nf.jit(train.make_step(cfg, opt, config.rules), mesh=mesh)
+sys.stdout.write(step.lower(params, opt.init(params), train.abstract_batch(config, mesh, 2, 32)).as_text())
+"""
+
+
+def _lower_here():
+    config = nf.ParallelConfig(dp_shard_size=2, tp_size=2)
+    cfg, opt = llama.LlamaConfig.tiny(), nf.optim.adamw(1e-3)
+    mesh = config.build_abstract_mesh()
+    specs = nf.sharding.logical_to_mesh(llama.param_axes(cfg), config.rules)
+    params = llama.abstract_params(cfg, optree.tree_map(lambda s: NamedSharding(mesh, s), specs))
+    step = nf.jit(train.make_step(cfg, opt, config.rules), mesh=mesh)
+    return step.lower(params, opt.init(params), train.abstract_batch(config, mesh, 2, 32)).as_text()
+
+
+def _program(text: str) -> str:
+    return re.sub(r"0x[0-9a-f]+", "ADDR", text.split("\n", 1)[1])  # less the header line
+
+
+@pytest.mark.slow
+def test_a_plan_searched_in_one_process_is_lowered_in_another_without_a_search(tmp_path, monkeypatch):
+    cache = tmp_path / "plans"
+    env = {**outside_torchrun_env(), plan_cache.ENV: str(cache)}
+    searched = subprocess.run([sys.executable, "-c", LOWER], capture_output=True, text=True, env=env, cwd=REPO,
+                              timeout=300)
+    assert searched.returncode == 0, searched.stderr[-3000:]
+    entries = sorted(cache.glob("*.plan"))
+    assert entries, "the searching process kept no plan"
+
+    monkeypatch.setenv(plan_cache.ENV, str(cache))
+    monkeypatch.setattr(solve, "_PLANS", type(solve._PLANS)())  # nothing remembered in this process
+
+    def no_search(self):
+        raise AssertionError("searched, where the kept plan should have been read")
+
+    with monkeypatch.context() as m:
+        m.setattr(solve.Problem, "solve", no_search)
+        assert _program(_lower_here()) == _program(searched.stdout)
+
+    # an entry cut short (a disk filled mid-write by another tool) is searched again and rewritten
+    for entry in entries:
+        entry.write_bytes(entry.read_bytes()[:100])
+    monkeypatch.setattr(solve, "_PLANS", type(solve._PLANS)())
+    with pytest.warns(RuntimeWarning, match=r"the plan cache entry .*\.plan cannot be read \(.*\); planning "
+                                            r"again and rewriting it\."):
+        assert _program(_lower_here()) == _program(searched.stdout)
+    with monkeypatch.context() as m:
+        m.setattr(solve.Problem, "solve", no_search)
+        monkeypatch.setattr(solve, "_PLANS", type(solve._PLANS)())
+        assert _program(_lower_here()) == _program(searched.stdout)
+
+
+def test_without_the_variable_no_plan_is_kept(tmp_path, monkeypatch):
+    monkeypatch.delenv(plan_cache.ENV, raising=False)
+    monkeypatch.chdir(tmp_path)
+    assert plan_cache.directory() is None
+    plan_cache.store(("a key",), ([], [], 0.0))
+    assert plan_cache.load(("a key",), 0) is None
+    assert list(tmp_path.iterdir()) == []
