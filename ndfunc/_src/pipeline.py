@@ -23,7 +23,7 @@ from ndfunc._src.partition import program as prog
 from ndfunc._src.partition.backends import cpu_kernels as kernels
 from ndfunc._src.partition.backends import gloo as algorithms
 from ndfunc._src.partition.passes import bucket, inplace, schedule
-from ndfunc._src.partition.planning import ops, solve
+from ndfunc._src.partition.planning import solve
 from ndfunc._src.partition.program import Program
 from ndfunc._src.runtime import simulation_paused
 from ndfunc._src.sharding.errors import ShardingWarning
@@ -74,7 +74,7 @@ def partition(p: Program) -> Program:
     """One strategy per node, chosen for the whole graph by the bytes it moves (`solve`); an op with
     no sharding rule runs whole, and the program warns once, naming it (`ShardingWarning`)."""
     p.plan = solve.partition(p.traced.graph, p.sizes, p.in_layouts, p.out_layouts)
-    whole = list(dict.fromkeys(n.target for n in p.traced.graph.nodes if ops.runs_whole(n, p.sizes)))
+    whole = list(dict.fromkeys(n.target for n in p.plan.whole))
     if whole:
         warnings.warn(_runs_whole_message(p, whole), ShardingWarning, stacklevel=_user_stacklevel())
     return p

@@ -41,7 +41,7 @@ from torch.distributed.tensor import Partial, Replicate
 from ndfunc._src.partition.planning import plan_cache, redistribute
 from ndfunc._src.partition.planning.flops import node_flops
 from ndfunc._src.partition.planning.layout import MANUAL, Layout, replicated
-from ndfunc._src.partition.planning.ops import candidates, strategy_key
+from ndfunc._src.partition.planning.ops import candidates, runs_whole, strategy_key
 from ndfunc._src.partition.planning.strategies import (
     Strategy,
     tensor_inputs,
@@ -67,6 +67,7 @@ class Plan:
     strategy: dict  # node -> Strategy
     outputs: list  # per graph output leaf: (Value, final layout)
     cost: float
+    whole: list = dataclasses.field(default_factory=list)  # nodes that run whole for want of a rule (`ops.runs_whole`)
 
     def out_layout(self, v: Value) -> Layout:
         return self.strategy[v[0]].outs[v[1]]
@@ -775,16 +776,18 @@ def partition(graph: torch.fx.Graph, sizes: tuple[int, ...], input_layouts: list
         if known is None:
             plan = Problem(graph, sizes, input_layouts, output_layouts).solve()
             at = {n: i for i, n in enumerate(nodes)}
+            # which nodes run whole is kept with the plan: a plan read back asks for no candidates
+            whole = [i for i, n in enumerate(nodes) if runs_whole(n, sizes)]
             known = ([plan.strategy.get(n) for n in nodes], [(at[v[0]], v[1], lay) for v, lay in plan.outputs],
-                     plan.cost)
+                     plan.cost, whole)
             plan_cache.store(key, known)
         _PLANS[key] = known
         while len(_PLANS) > 64:
             _PLANS.popitem(last=False)
     _PLANS.move_to_end(key)
-    strategies, outputs, cost = known
+    strategies, outputs, cost, whole = known
     return Plan(sizes, {n: s for n, s in zip(nodes, strategies) if s is not None},
-                [((nodes[i], j), lay) for i, j, lay in outputs], cost)
+                [((nodes[i], j), lay) for i, j, lay in outputs], cost, [nodes[i] for i in whole])
 
 
 _PLANS: collections.OrderedDict = collections.OrderedDict()  # problem key -> plan by node position
