@@ -14,21 +14,11 @@ from ndfunc._src.partition.planning import plan_cache, solve
 from ndfunc.sharding import NamedSharding
 from tests.helpers import REPO, outside_torchrun_env
 
-LOWER = """
-import sys, optree, ndfunc as nf
-from models import llama, train
-from ndfunc.sharding import NamedSharding
-config = nf.ParallelConfig(dp_shard_size=2, tp_size=2)
-cfg, opt = llama.LlamaConfig.tiny(), nf.optim.adamw(1e-3)
-mesh = config.build_abstract_mesh()
-specs = nf.sharding.logical_to_mesh(llama.param_axes(cfg), config.rules)
-params = llama.abstract_params(cfg, optree.tree_map(lambda s: NamedSharding(mesh, s), specs))
-step = nf.jit(train.make_step(cfg, opt, config.rules), mesh=mesh)
-sys.stdout.write(step.lower(params, opt.init(params), train.abstract_batch(config, mesh, 2, 32)).as_text())
-"""
+LOWER = "import sys; from tests.test_plan_cache import lower_here; sys.stdout.write(lower_here())"
 
 
-def _lower_here():
+def lower_here() -> str:
+    """The tiny llama's train step lowered on an abstract dp_shard 2 x tp 2 mesh, as text."""
     config = nf.ParallelConfig(dp_shard_size=2, tp_size=2)
     cfg, opt = llama.LlamaConfig.tiny(), nf.optim.adamw(1e-3)
     mesh = config.build_abstract_mesh()
@@ -60,7 +50,7 @@ def test_a_plan_searched_in_one_process_is_lowered_in_another_without_a_search(t
 
     with monkeypatch.context() as m:
         m.setattr(solve.Problem, "solve", no_search)
-        assert _program(_lower_here()) == _program(searched.stdout)
+        assert _program(lower_here()) == _program(searched.stdout)
 
     # an entry cut short (a disk filled mid-write by another tool) is searched again and rewritten
     for entry in entries:
@@ -68,11 +58,11 @@ def test_a_plan_searched_in_one_process_is_lowered_in_another_without_a_search(t
     monkeypatch.setattr(solve, "_PLANS", type(solve._PLANS)())
     with pytest.warns(RuntimeWarning, match=r"the plan cache entry .*\.plan cannot be read \(.*\); planning "
                                             r"again and rewriting it\."):
-        assert _program(_lower_here()) == _program(searched.stdout)
+        assert _program(lower_here()) == _program(searched.stdout)
     with monkeypatch.context() as m:
         m.setattr(solve.Problem, "solve", no_search)
         monkeypatch.setattr(solve, "_PLANS", type(solve._PLANS)())
-        assert _program(_lower_here()) == _program(searched.stdout)
+        assert _program(lower_here()) == _program(searched.stdout)
 
 
 def test_without_the_variable_no_plan_is_kept(tmp_path, monkeypatch):
