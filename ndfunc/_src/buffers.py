@@ -61,13 +61,16 @@ def buffer_of(node: torch.fx.Node) -> torch.fx.Node:
     return node
 
 
-def buffer_roots(graph: torch.fx.Graph) -> dict[torch.fx.Node, torch.fx.Node]:
-    """`buffer_of` of every node, in one pass (a base comes before its views): a chain of in-place
-    updates is walked once, not once per link."""
+def buffer_roots(nodes) -> dict[torch.fx.Node, torch.fx.Node]:
+    """`buffer_of` of every node of `nodes` (a graph's, in order), in one pass (a base comes before
+    its views): a chain of in-place updates is walked once, not once per link. The output node
+    makes no buffer and has none."""
     root: dict = {}
-    for n in graph.nodes:
+    for n in nodes:
+        if n.op == "output":
+            continue
         base = aliased(n)
-        root[n] = n if base is None else root.get(base, base)
+        root[n] = n if base is None else root[base]
     return root
 
 
@@ -75,7 +78,7 @@ def written_inputs(gm: torch.fx.GraphModule) -> list[int]:
     """The positions of `gm`'s inputs that it writes into (an in-place op or `out=` on them or a view,
     BatchNorm's running statistics)."""
     placeholders = {n: i for i, n in enumerate(gm.graph.find_nodes(op="placeholder"))}
-    root = buffer_roots(gm.graph)
+    root = buffer_roots(gm.graph.nodes)
     written = set()
     for n in gm.graph.nodes:
         schema = getattr(n.target, "_schema", None) if n.op == "call_function" else None
@@ -101,19 +104,17 @@ def lifetimes(nodes: list[torch.fx.Node]) -> tuple[dict, dict]:
     collective reads its inputs until its wait: it may run in the background from where it is
     issued (gloo's gathers and all-to-alls do; the functional all-reduce copies its input first:
     this is the safe side)."""
-    root: dict = {}
+    root = buffer_roots(nodes)
     last: dict = {}
     for i, n in enumerate(nodes):
         if n.op == "output":
             for a in n.all_input_nodes:
                 last[root[a]] = len(nodes)
             continue
-        base = aliased(n)
-        root[n] = root[base] if base is not None else n
         last.setdefault(root[n], len(nodes) if n.op in ("placeholder", "get_attr") else i)
         reads = n.all_input_nodes
-        if n.target is _WAIT and isinstance(base, torch.fx.Node):
-            reads = [*reads, *base.all_input_nodes]
+        if n.target is _WAIT and n.args and isinstance(n.args[0], torch.fx.Node):  # the collective's inputs
+            reads = [*reads, *n.args[0].all_input_nodes]
         for a in reads:
             last[root[a]] = max(last[root[a]], i)
     return root, last

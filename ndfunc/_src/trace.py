@@ -346,7 +346,7 @@ def _check_constants(gm: torch.fx.GraphModule, name: str) -> None:
                 f"{name} closes over a tensor made under nf.simulate: it holds a value per simulated rank, "
                 f"and a tensor a step closes over is a constant, the same on every rank. Pass it to the "
                 f"step as an argument (with the sharding its values have).")
-    root = buffer_roots(gm.graph)
+    root = buffer_roots(gm.graph.nodes)
     for node in gm.graph.nodes:
         schema = getattr(node.target, "_schema", None) if node.op == "call_function" else None
         if schema is not None and schema.is_mutable and root[node].op == "get_attr":
