@@ -127,7 +127,7 @@ class Mesh:
                 f"{device_mesh.mesh_dim_names} does not match {abstract!r}; build meshes with "
                 f"nf.make_mesh, which keeps the two in step."
             )
-        if _ranks_of(device_mesh) != list(range(abstract.size)):
+        if _ranks_of(device_mesh) != tuple(range(abstract.size)):
             raise ShardingError(
                 f"a Mesh must hold ranks 0..{abstract.size - 1} in row-major order, but this "
                 f"DeviceMesh holds {device_mesh.mesh.tolist()} (a slice of a larger mesh?); build "
@@ -197,7 +197,7 @@ class Mesh:
         entered[-1].__exit__(*exc)
 
 
-def _ranks_of(device_mesh) -> list[int]:
+def _ranks_of(device_mesh) -> tuple[int, ...]:
     """The ranks a DeviceMesh holds, in row-major order, read once per DeviceMesh (each `.mesh`
     builds the tensor anew) off its plain CPU tensor with no dispatch mode in the way (under
     `nf.simulate` each element read would pass through it)."""
@@ -206,7 +206,7 @@ def _ranks_of(device_mesh) -> list[int]:
         from ndfunc._src.torch_compat import no_dispatch_modes
 
         with no_dispatch_modes():
-            ranks = _RANKS[device_mesh] = device_mesh.mesh.flatten().tolist()
+            ranks = _RANKS[device_mesh] = tuple(device_mesh.mesh.flatten().tolist())
     return ranks
 
 
