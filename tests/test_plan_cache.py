@@ -68,7 +68,7 @@ def test_a_plan_searched_in_one_process_is_lowered_in_another_without_a_search(t
 def test_without_the_variable_no_plan_is_kept(tmp_path, monkeypatch):
     monkeypatch.delenv(plan_cache.ENV, raising=False)
     monkeypatch.chdir(tmp_path)
-    assert plan_cache.directory() is None
-    plan_cache.store(("a key",), ([], [], 0.0))
-    assert plan_cache.load(("a key",), 0) is None
+    assert plan_cache.directory() is None and plan_cache.entry(("a key",)) is None
+    plan_cache.store(plan_cache.entry(("a key",)), ([], [], 0.0, []))
+    assert plan_cache.load(plan_cache.entry(("a key",)), 0) is None
     assert list(tmp_path.iterdir()) == []

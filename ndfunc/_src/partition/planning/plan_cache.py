@@ -32,12 +32,22 @@ def directory() -> pathlib.Path | None:
     return pathlib.Path(where) if where else None
 
 
-def load(key: tuple, num_nodes: int) -> tuple | None:
-    """The plan kept for `key` (`solve.partition`'s by-position form), or None."""
+def entry(key: tuple) -> tuple[pathlib.Path, str] | None:
+    """Where the plan for `key` is kept, and the key as text (what the entry is checked against),
+    made once per problem; None without `NDFUNC_PLAN_CACHE_DIR`."""
     where = directory()
     if where is None:
         return None
-    path = where / f"{_digest(key)}.plan"
+    text = repr(key)
+    digest = hashlib.sha256(f"{_code_version()}\n{text}".encode()).hexdigest()[:40]
+    return where / f"{digest}.plan", text
+
+
+def load(at: tuple[pathlib.Path, str] | None, num_nodes: int) -> tuple | None:
+    """The plan kept at `at` (`entry`; `solve.partition`'s by-position form), or None."""
+    if at is None:
+        return None
+    path, text = at
     try:
         with open(path, "rb") as f:
             stored_key, plan = pickle.load(f)
@@ -47,24 +57,20 @@ def load(key: tuple, num_nodes: int) -> tuple | None:
         warnings.warn(f"ndfunc: the plan cache entry {path} cannot be read ({type(e).__name__}: {e}); "
                       f"planning again and rewriting it.", RuntimeWarning, stacklevel=3)
         return None
-    if stored_key != repr(key) or len(plan[0]) != num_nodes:
+    if stored_key != text or len(plan[0]) != num_nodes:
         return None  # another problem under the same digest: as good as absent
     return plan
 
 
-def store(key: tuple, plan: tuple) -> None:
-    """Keep `plan` for `key`, atomically."""
-    where = directory()
-    if where is None:
+def store(at: tuple[pathlib.Path, str] | None, plan: tuple) -> None:
+    """Keep `plan` at `at` (`entry`), atomically."""
+    if at is None:
         return
-    where.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile(dir=where, suffix=".partial", delete=False) as f:
-        pickle.dump((repr(key), plan), f, protocol=pickle.HIGHEST_PROTOCOL)
-    os.replace(f.name, where / f"{_digest(key)}.plan")
-
-
-def _digest(key: tuple) -> str:
-    return hashlib.sha256(f"{_code_version()}\n{key!r}".encode()).hexdigest()[:40]
+    path, text = at
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile(dir=path.parent, suffix=".partial", delete=False) as f:
+        pickle.dump((text, plan), f, protocol=pickle.HIGHEST_PROTOCOL)
+    os.replace(f.name, path)
 
 
 @functools.cache

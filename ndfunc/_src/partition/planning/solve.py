@@ -772,7 +772,8 @@ def partition(graph: torch.fx.Graph, sizes: tuple[int, ...], input_layouts: list
     nodes, key = _problem_key(graph, sizes, input_layouts, output_layouts)
     known = _PLANS.get(key)
     if known is None:
-        known = plan_cache.load(key, len(nodes))  # a plan another process made (NDFUNC_PLAN_CACHE_DIR)
+        kept = plan_cache.entry(key)
+        known = plan_cache.load(kept, len(nodes))  # a plan another process made (NDFUNC_PLAN_CACHE_DIR)
         if known is None:
             plan = Problem(graph, sizes, input_layouts, output_layouts).solve()
             at = {n: i for i, n in enumerate(nodes)}
@@ -780,7 +781,7 @@ def partition(graph: torch.fx.Graph, sizes: tuple[int, ...], input_layouts: list
             whole = [i for i, n in enumerate(nodes) if runs_whole(n, sizes)]
             known = ([plan.strategy.get(n) for n in nodes], [(at[v[0]], v[1], lay) for v, lay in plan.outputs],
                      plan.cost, whole)
-            plan_cache.store(key, known)
+            plan_cache.store(kept, known)
         _PLANS[key] = known
         while len(_PLANS) > 64:
             _PLANS.popitem(last=False)
