@@ -110,14 +110,17 @@ def test_errors_name_the_argument():
         trace(lambda x: (x, "done"), (torch.ones(2),))
 
 
-def test_init_traces_to_one_random_node_per_matrix():
-    from ndfunc.random._op import random_block_op
+def test_init_traces_to_one_random_node_per_matrix_and_one_hash_per_key():
+    from ndfunc.random._op import random_block_op, threefry_op
 
     key = random.key(5)
     traced = trace(llama.init, (CFG, key), static_argnums=(0,))
     samplers = [n for n in traced.graph.nodes if n.target is random_block_op]
     matrices = [x for x in leaves(llama.param_shapes(CFG)) if len(x) > 1]
     assert len(samplers) == len(matrices)
+    # each matrix's key is folded in by one node, not threefry's ~150 ops
+    assert sum(n.target is threefry_op for n in traced.graph.nodes) == len(matrices)
+    assert sum(n.op == "call_function" for n in traced.graph.nodes) < 16 * len(matrices)
     for a, b in zip(leaves(traced(CFG, key)), leaves(llama.init(CFG, key))):
         assert torch.equal(a, b)
 

@@ -1,4 +1,5 @@
-"""A sampler in a traced program is one node: `ndfunc.random_block(key, kernel, shape, starts, stops, ...)`.
+"""A sampler in a traced program is one node: `ndfunc.random_block(key, kernel, shape, starts, stops, ...)`;
+so is each key derived in it (`fold_in`, `split`): `ndfunc.threefry2x32(k0, k1, x0, x1)`.
 
 Tracing the kernel itself would put one chunk's ~300 ops in the graph and, run whole, hold some 30
 times the block's bytes at once. As one node, the program computes the block chunk by chunk (the
@@ -57,13 +58,33 @@ def _meta_at(key, kernel, shape, offset, block, coords, weights, out_dtype, tens
     return torch.empty(list(block), dtype=out_dtype, device=key.device)
 
 
+# The hash itself, for keys: traced op by op, its 20 rounds would be ~150 nodes on a few words per
+# `fold_in` or `split`, each planned by the partitioner (a Llama's init folds one key per matrix).
+_lib.define("threefry2x32(Tensor k0, Tensor k1, Tensor x0, Tensor x1) -> (Tensor, Tensor)")
+
+
+def _run_threefry(k0, k1, x0, x1):
+    from ndfunc.random._threefry import threefry2x32
+
+    return threefry2x32(k0, k1, x0, x1)
+
+
+def _meta_threefry(k0, k1, x0, x1):
+    shape = torch.broadcast_shapes(k0.shape, k1.shape, x0.shape, x1.shape)
+    return (torch.empty(shape, dtype=torch.int64, device=x0.device),
+            torch.empty(shape, dtype=torch.int64, device=x0.device))
+
+
 for _key in ("CPU", "CUDA"):
     _lib.impl("random_block", _run, _key)
     _lib.impl("random_block_at", _run_at, _key)
+    _lib.impl("threefry2x32", _run_threefry, _key)
 _lib.impl("random_block", _meta, "Meta")
 _lib.impl("random_block_at", _meta_at, "Meta")
+_lib.impl("threefry2x32", _meta_threefry, "Meta")
 random_block_op = torch.ops.ndfunc.random_block.default
 random_block_at_op = torch.ops.ndfunc.random_block_at.default
+threefry_op = torch.ops.ndfunc.threefry2x32.default
 
 
 def traced_block(kernel_name: str, key, shape, bounds, out_dtype, args) -> torch.Tensor:

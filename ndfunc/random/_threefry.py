@@ -10,6 +10,7 @@ import numbers
 from collections.abc import Sequence
 
 import torch
+from torch.fx.experimental.proxy_tensor import get_proxy_mode
 
 _MASK = 0xFFFFFFFF
 _ROTATIONS = ((13, 15, 26, 6), (17, 29, 16, 24))
@@ -21,6 +22,10 @@ def threefry2x32(k0: torch.Tensor, k1: torch.Tensor, x0: torch.Tensor, x1: torch
     Every argument holds uint32 words in int64; `k0`, `k1` broadcast against the counter words
     `x0`, `x1`. Returns the two output words, each masked to [0, 2**32).
     """
+    if not torch.compiler.is_dynamo_compiling() and get_proxy_mode() is not None:  # traced: one node (_op.py)
+        from ndfunc.random._op import threefry_op
+
+        return threefry_op(k0, k1, x0, x1)
     ks = (k0, k1, k0 ^ k1 ^ 0x1BD11BDA)
     # x0 is masked only at the end: its low 32 bits are all that matter, and 20 rounds plus 5 key
     # injections keep it below 2**38. x1 must be exact before every rotation, so it is masked each

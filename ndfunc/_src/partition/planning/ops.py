@@ -57,7 +57,7 @@ from ndfunc._src.partition.planning.strategies import (
 )
 from ndfunc._src.torch_compat import core_aten_decompositions, decomposition_table
 from ndfunc._src.torch_compat import sharding_propagator as propagator
-from ndfunc.random._op import random_block_at_op, random_block_op
+from ndfunc.random._op import random_block_at_op, random_block_op, threefry_op
 
 aten = torch.ops.aten
 
@@ -313,6 +313,17 @@ def _random_rule(node, sizes) -> list[Strategy]:
     return [Strategy((lay,), ins) for lay in all_layouts(tuple(out.shape), sizes, partial=False)]
 
 
+def _key_rule(node, sizes) -> list[Strategy]:
+    """A key's hash (`fold_in`, `split` traced): a few words, made whole on every rank."""
+    k = len(sizes)
+    return [Strategy(tuple(replicated(k) for _ in tensor_outputs(node)),
+                     tuple(replicated(k) for _ in tensor_inputs(node)))]
+
+
+def _key_flops(node) -> int:
+    return 64 * node.meta["val"][0].numel()
+
+
 def _random_flops(node) -> int:
     """A counter-based sample: threefry2x32's 20 rounds of add, rotate and xor per pair of words,
     then the transform to the distribution (what makes computing a block, not the whole, pay)."""
@@ -533,6 +544,7 @@ register(aten.embedding.default, strategies=_vocab_parallel_rule, lower=_vocab_p
 register(aten.embedding_dense_backward.default, strategies=_vocab_parallel_rule, lower=_vocab_parallel)
 register(aten.nll_loss2d_forward.default, strategies=_mean_loss_rule)
 register(random_block_op, strategies=_random_rule, lower=_random_block, flops=_random_flops)  # each its own block
+register(threefry_op, strategies=_key_rule, flops=_key_flops)
 register(sharding_constraint_op, strategies=_constraint_rule, lower=_same_value)
 register(manual.enter_op, lower=_same_value)  # strategies: the region's (`candidates`)
 register(manual.exit_op, lower=_same_value)
