@@ -313,14 +313,8 @@ def _random_rule(node, sizes) -> list[Strategy]:
     return [Strategy((lay,), ins) for lay in all_layouts(tuple(out.shape), sizes, partial=False)]
 
 
-def _key_rule(node, sizes) -> list[Strategy]:
-    """A key's hash (`fold_in`, `split` traced): a few words, made whole on every rank."""
-    k = len(sizes)
-    return [Strategy(tuple(replicated(k) for _ in tensor_outputs(node)),
-                     tuple(replicated(k) for _ in tensor_inputs(node)))]
-
-
 def _key_flops(node) -> int:
+    """A key's hash (`fold_in`, `split` traced): threefry2x32's rounds per pair of words."""
     return 64 * node.meta["val"][0].numel()
 
 
@@ -544,7 +538,7 @@ register(aten.embedding.default, strategies=_vocab_parallel_rule, lower=_vocab_p
 register(aten.embedding_dense_backward.default, strategies=_vocab_parallel_rule, lower=_vocab_parallel)
 register(aten.nll_loss2d_forward.default, strategies=_mean_loss_rule)
 register(random_block_op, strategies=_random_rule, lower=_random_block, flops=_random_flops)  # each its own block
-register(threefry_op, strategies=_key_rule, flops=_key_flops)
+register(threefry_op, strategies=_replicated_rule, flops=_key_flops)  # a few words, whole on every rank
 register(sharding_constraint_op, strategies=_constraint_rule, lower=_same_value)
 register(manual.enter_op, lower=_same_value)  # strategies: the region's (`candidates`)
 register(manual.exit_op, lower=_same_value)
