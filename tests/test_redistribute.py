@@ -1,7 +1,9 @@
 """Every layout change, moved for real: the lowering's collectives for each pair of layouts on a
 2x2 and a 2x2x2 mesh (every Replicate / Partial / Shard per axis), run on simulated ranks, against
 DTensor: its own `redistribute` of the same value on 2x2, its layout of the value on 2x2x2 (2,197
-changes; DTensor's redistribute of each in simulation would take minutes more)."""
+changes; DTensor's redistribute of each in simulation would take minutes more). The 2x2 programs
+run through the simulated-tensor mode, op by op; the 2x2x2 ones as a compiled step runs in
+simulation (`simulated_program`: each op rank by rank, each collective over the ranks' blocks)."""
 
 from __future__ import annotations
 
@@ -30,6 +32,8 @@ from ndfunc._src.partition.planning.layout import (
 )
 from ndfunc._src.partition.planning.solve import Plan
 from ndfunc._src.partition.planning.strategies import Strategy
+from ndfunc._src.runtime import simulation_paused
+from ndfunc._src.simulated_program import rank_program, run_on_ranks
 from ndfunc._src.torch_compat import (
     LocalTensor,
     bind_ops,
@@ -40,9 +44,10 @@ from ndfunc._src.torch_compat import (
 SHAPE = (8, 8)  # every dim divides by every product of axes
 
 
-def layout_changes(src, dsts, mesh) -> callable:
+def layout_changes(src, dsts, mesh, rank_by_rank: bool) -> callable:
     """The local program that takes a value from `src` to each of `dsts` (ndfunc's lowering of
-    each change; one program per source, its results one per destination)."""
+    each change; one program per source, its results one per destination), run through the
+    simulated-tensor mode, or (`rank_by_rank`) as `simulated_program` runs a compiled step."""
     graph = torch.fx.Graph()
     x = graph.placeholder("x")
     x.meta["val"] = torch.empty(SHAPE)
@@ -50,10 +55,20 @@ def layout_changes(src, dsts, mesh) -> callable:
     sizes = tuple(mesh.axis_sizes)
     plan = Plan(sizes, {x: Strategy((src,), ())}, [((x, 0), dst) for dst in dsts], 0.0)
     groups = [mesh.device_mesh.get_group(i).group_name for i in range(len(sizes))]
-    return bind_ops(lower.lower(graph, plan, mesh.axis_names, groups))
+    gm = lower.lower(graph, plan, mesh.axis_names, groups)
+    if not rank_by_rank:
+        return bind_ops(gm)
+    ranks = tuple(sorted(local_tensor_mode().ranks))
+    program = rank_program(gm, ranks)
+    assert program is not None, "a layout change's collectives all run rank by rank"
+
+    def run(*args):
+        with simulation_paused():
+            return run_on_ranks(program, ranks, args)
+    return run
 
 
-def check_every_pair(axes: dict, against_redistribute: bool) -> tuple[int, list]:
+def check_every_pair(axes: dict, against_redistribute: bool, rank_by_rank: bool) -> tuple[int, list]:
     """(how many changes ran, those whose result differs from DTensor's). One value `full` in every
     layout (a pending sum: each rank a weighted part, the weights of each axis summing to one) is
     taken to every other by ndfunc's lowering, and each rank's block compared with DTensor's: its
@@ -88,7 +103,7 @@ def check_every_pair(axes: dict, against_redistribute: bool) -> tuple[int, list]
                     assert any(isinstance(d, Partial) and s != d for s, d in zip(src, dst)), (src, dst)
                 else:
                     dsts.append(dst)
-            for dst, ours in zip(dsts, layout_changes(src, dsts, mesh)(local, coords)):
+            for dst, ours in zip(dsts, layout_changes(src, dsts, mesh, rank_by_rank)(local, coords)):
                 ran += 1
                 if any(isinstance(d, Partial) for d in dst):  # any split of the sum will do: compare sums
                     got = DTensor.from_local(ours, dm, dst, run_check=False, shape=torch.Size(SHAPE),
@@ -114,7 +129,7 @@ def _close(a, b) -> bool:
 
 @pytest.mark.slow
 def test_every_layout_change_on_a_2x2_mesh_moves_what_dtensor_moves():
-    ran, wrong = check_every_pair({"a": 2, "b": 2}, against_redistribute=True)
+    ran, wrong = check_every_pair({"a": 2, "b": 2}, against_redistribute=True, rank_by_rank=False)
     # per axis 4 placements each way, less the 3 that would make a pending sum from data: 13
     assert ran == 13 ** 2
     assert not wrong, "\n".join(wrong)
@@ -122,7 +137,7 @@ def test_every_layout_change_on_a_2x2_mesh_moves_what_dtensor_moves():
 
 @pytest.mark.slow
 def test_every_layout_change_on_a_2x2x2_mesh_moves_what_dtensor_moves():
-    ran, wrong = check_every_pair({"a": 2, "b": 2, "c": 2}, against_redistribute=False)
+    ran, wrong = check_every_pair({"a": 2, "b": 2, "c": 2}, against_redistribute=False, rank_by_rank=True)
     assert ran == 13 ** 3
     assert not wrong, "\n".join(wrong)
 
