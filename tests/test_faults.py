@@ -64,12 +64,14 @@ def _torchrun(script: str, *args: str, env_extra: dict | None = None) -> subproc
 
 
 @pytest.mark.gloo
-def test_a_rank_killed_mid_run_stops_the_others_and_the_run_resumes_onto_the_same_losses(tmp_path):
+def test_a_rank_killed_mid_run_stops_the_others_and_the_run_resumes_onto_the_same_losses(tmp_path, monkeypatch):
     ck, metrics = tmp_path / "ck", tmp_path / "metrics.jsonl"
     run = [*FLAGS, "--steps", "8", "--save-every", "2", "--checkpoint-dir", str(ck), "--metrics", str(metrics)]
-    # the ranks keep their plans on disk (all four writing the same entries at once), and the
-    # resumed run reads them back
+    # the uninterrupted run, in simulation (which equals real ranks), keeps its plans on disk;
+    # the ranks read them back (the same problems), and so does the resumed run
     plans = {"NDFUNC_PLAN_CACHE_DIR": str(tmp_path / "plans")}
+    monkeypatch.setenv("NDFUNC_PLAN_CACHE_DIR", plans["NDFUNC_PLAN_CACHE_DIR"])
+    reference = train.main([*FLAGS, "--steps", "8"])
     proc = _torchrun(TRAIN, *run, env_extra=plans)
     deadline = time.monotonic() + 240
     while not (ck / "step_4").is_dir() and proc.poll() is None and time.monotonic() < deadline:
@@ -88,8 +90,6 @@ def test_a_rank_killed_mid_run_stops_the_others_and_the_run_resumes_onto_the_sam
     resumed = _torchrun(TRAIN, *run, "--resume", env_extra=plans)
     out, _ = resumed.communicate(timeout=300)
     assert resumed.returncode == 0 and f"resumed from {ck / f'step_{last}'}" in out, out[-3000:]
-    # the uninterrupted run, in simulation (which equals real ranks)
-    reference = train.main([*FLAGS, "--steps", "8"])
     lines = [json.loads(line) for line in metrics.read_text().splitlines()]
     after = {r["step"]: r["loss"] for r in lines[-(8 - last):]}
     assert sorted(after) == list(range(last + 1, 9))

@@ -72,3 +72,42 @@ def test_without_the_variable_no_plan_is_kept(tmp_path, monkeypatch):
     plan_cache.store(plan_cache.entry(("a key",)), ([], [], 0.0, []))
     assert plan_cache.load(plan_cache.entry(("a key",)), 0) is None
     assert list(tmp_path.iterdir()) == []
+
+
+def test_ranks_writing_the_same_entry_at_once_leave_one_whole_plan(tmp_path, monkeypatch):
+    # every rank of a job searches the same problem and writes its entry at about the same time,
+    # while another may already be reading it: a reader sees no entry or a whole one, never a part
+    import pickle
+    import threading
+
+    monkeypatch.setenv(plan_cache.ENV, str(tmp_path))
+    at = plan_cache.entry(("a key",))
+    plan = ([None] * 1000, [(0, 0, "layout")] * 1000, 1.5, list(range(1000)))
+    start, done, seen = threading.Barrier(5), threading.Event(), []
+
+    def write():
+        start.wait()
+        for _ in range(50):
+            plan_cache.store(at, plan)
+
+    def read():
+        start.wait()
+        while not done.is_set():
+            try:
+                seen.append(pickle.loads(at[0].read_bytes()) == (at[1], plan))
+            except FileNotFoundError:
+                pass
+            except Exception:  # noqa: BLE001 - a part of an entry
+                seen.append(False)
+
+    writers = [threading.Thread(target=write) for _ in range(4)]
+    reader = threading.Thread(target=read)
+    for t in [*writers, reader]:
+        t.start()
+    for w in writers:
+        w.join()
+    done.set()
+    reader.join()
+    assert seen and all(seen), f"{seen.count(False)} of {len(seen)} reads saw a part of the entry"
+    assert [p.name for p in tmp_path.iterdir()] == [at[0].name]  # no temporary file left behind
+    assert plan_cache.load(at, 1000) == plan

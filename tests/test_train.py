@@ -14,6 +14,7 @@ from helpers import torchrun
 
 import ndfunc as nf
 from models import llama, train
+from ndfunc._src.partition.planning import plan_cache
 from ndfunc.sharding import NamedSharding, P
 
 SHORT = ["--seq-len", "32", "--warmup", "5"]
@@ -113,11 +114,15 @@ def test_accumulation_in_the_main_job_matches_the_same_effective_batch_without_i
 
 
 @pytest.mark.gloo
-def test_train_under_torchrun_matches_the_simulated_run():
+def test_train_under_torchrun_matches_the_simulated_run(tmp_path, monkeypatch):
     flags = ["--steps", "3", "--dp-shard", "2", "--cp", "1", "--tp", "2", *QUICK]
-    proc = torchrun(pathlib.Path(train.__file__), *flags)
-    real = [float(x) for x in re.findall(r"loss (\d\.\d+)  ", proc.stdout)]
+    # the simulated run keeps its plans on disk and the ranks read them (the same problems, so
+    # the same entries: two, init's and the step's), as a restarted job's ranks would
+    monkeypatch.setenv(plan_cache.ENV, str(tmp_path / "plans"))
     simulated = train.main(flags)
+    proc = torchrun(pathlib.Path(train.__file__), *flags)
+    assert len(list((tmp_path / "plans").iterdir())) == 2
+    real = [float(x) for x in re.findall(r"loss (\d\.\d+)  ", proc.stdout)]
     assert real == pytest.approx(simulated[-1:], rel=1e-4), proc.stdout
 
 
