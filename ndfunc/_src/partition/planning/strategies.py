@@ -159,24 +159,41 @@ def _from_single_dim(node, ins, outs, sizes) -> list[Strategy]:
     # layouts by identity first (`Problem._layout`), and a 4-axis op has thousands
     placements: dict = {}
     codes = [[placements.setdefault(p, len(placements)) for p in r] for r in rules]
-    made: dict = {}
     every = list(placements)
+    return _combined(rules, codes, cut, shapes, every, sizes, len(outs), [o is None for o in outs])
+
+
+def _combined(rules, codes, cut, shapes, every, sizes, n_outs, empty) -> Fitted:
+    """Every combination of one rule per mesh axis, in `itertools.product`'s order, whose cuts
+    divide the shapes. Walked axis by axis: a product of cuts that does not divide a dim is not
+    extended (a prefix's product divides every extension's, so nothing that fits is lost), and
+    each tensor's placements so far are carried as a tuple of codes."""
     found = Fitted()
-    for combo in itertools.product(range(len(rules)), repeat=len(sizes)):
-        blocks: dict = {}
-        for axis, r in enumerate(combo):
-            for key in cut[r]:
-                blocks[key] = blocks.get(key, 1) * sizes[axis]
-        if any(shapes[t][d] % n for (t, d), n in blocks.items()):
-            continue
-        lays = []
-        for key in zip(*(codes[r] for r in combo)):  # per tensor: its placement on each mesh axis
-            lay = made.get(key)
-            if lay is None:
-                lay = made[key] = tuple(every[c] for c in key)
-            lays.append(lay)
-        out_lays = tuple(None if o is None else lays[i] for i, o in enumerate(outs))
-        found.append(Strategy(out_lays, tuple(lays[len(outs):])))
+    made: dict = {}  # placement codes -> the layout, made once
+    k = len(sizes)
+
+    def walk(axis: int, blocks: dict, keys: list) -> None:
+        if axis == k:
+            lays = []
+            for key in keys:
+                lay = made.get(key)
+                if lay is None:
+                    lay = made[key] = tuple(every[c] for c in key)
+                lays.append(lay)
+            found.append(Strategy(tuple(None if empty[i] else lays[i] for i in range(n_outs)), tuple(lays[n_outs:])))
+            return
+        n = sizes[axis]
+        for r in range(len(rules)):
+            grown = blocks
+            if cut[r]:
+                grown = dict(blocks)
+                for t, d in cut[r]:
+                    grown[t, d] = grown.get((t, d), 1) * n
+                if any(shapes[t][d] % grown[t, d] for t, d in cut[r]):
+                    continue
+            walk(axis + 1, grown, [key + (c,) for key, c in zip(keys, codes[r])])
+
+    walk(0, {}, [()] * len(shapes))
     return found
 
 
