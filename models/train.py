@@ -199,11 +199,19 @@ def main(argv: list[str] | None = None) -> list[float]:
         config = config.resolve(n)
         ranks = nf.simulate(n) if n > 1 else _world_of_this_process()
     model = load_hf_model(args.hf_model) if args.hf_model else None
+    # the data is host state every rank makes alike: made before the simulated world it is one
+    # plain tensor, where inside it each would be a value per simulated rank that every read of a
+    # batch runs over, rank by rank
+    sequences = data.Sequences(data.stdlib_corpus(), args.seq_len, seed=args.seed)
+    held = data.Sequences(data.held_out(), args.seq_len, seed=args.seed) if args.eval_every else None
     with ranks:
-        return train(args, config, model)
+        return train(args, config, sequences, held, model)
 
 
-def train(args: argparse.Namespace, config: nf.ParallelConfig, model: torch.nn.Module | None = None) -> list[float]:
+def train(args: argparse.Namespace, config: nf.ParallelConfig, sequences: data.Sequences,
+          held: data.Sequences | None = None, model: torch.nn.Module | None = None) -> list[float]:
+    """The run `args` describe on `config`'s layout, over the ranks there are; batches from
+    `sequences`, evaluations on `held`. The losses, one per step."""
     if args.hf_checkpoint:
         cfg, params = hf.load_llama(args.hf_checkpoint)
     else:
@@ -256,7 +264,6 @@ def train(args: argparse.Namespace, config: nf.ParallelConfig, model: torch.nn.M
                                  transforms=transforms)
         update = nf.jit(make_update(opt), in_shardings=(pspec, sspec, pspec), out_shardings=(pspec, sspec), **kw)
 
-    sequences = data.Sequences(data.stdlib_corpus(), args.seq_len, seed=args.seed)
     say = print if nf.rank() == 0 else (lambda *a, **k: None)
     say(f"{name}\n{n_params / 1e6:.2f}M parameters; layout {config.sizes} on {config.total_size} "
         f"{'simulated ' if nf.is_simulated() else ''}rank(s); effective batch {effective} = micro "
@@ -280,7 +287,6 @@ def train(args: argparse.Namespace, config: nf.ParallelConfig, model: torch.nn.M
 
     evaluate = None
     if args.eval_every:
-        held = data.Sequences(data.held_out(), args.seq_len, seed=args.seed)
         eval_batches = [dict(b, positions=positions) for b in data.batches(held, batch_size, bsharding, steps=2)]
         eval_loss = nf.jit(nf.sharding.axis_rules(config.rules)(loss_of), mesh=mesh, in_shardings=(pspec, bspec),
                            out_shardings=P())
