@@ -38,6 +38,7 @@ from torch.distributed.tensor._op_schema import (
 )
 from torch.distributed.tensor.placement_types import _StridedShard as StridedShard
 from torch.fx._lazy_graph_module import _LazyGraphModule as LazyGraphModule
+from torch.fx._lazy_graph_module import _use_lazy_graph_module as lazy_graph_modules
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import (
     TorchDispatchMode,
@@ -49,7 +50,7 @@ from torch.utils._python_dispatch import (
 __all__ = [
     "DTensorSpec", "FakeTensor", "FakeTensorMode", "LazyGraphModule", "LocalTensor", "LocalTensorMode", "OpSchema",
     "OpSpec", "OpStrategy", "StridedShard", "TensorMeta", "TorchDispatchMode", "TupleStrategy", "bind_ops",
-    "current_dispatch_mode", "dtensor_of_local", "fake_store", "group_size", "group_backend", "local_blocks",
+    "current_dispatch_mode", "dtensor_of_local", "fake_store", "lazy_graph_modules", "group_size", "group_backend", "local_blocks",
     "local_of", "local_tensor_mode", "onednn_available", "onednn_linear", "pop_dispatch_mode", "pytree", "sharding_propagator",
     "unset_fake_temporarily", "view_rule", "no_dispatch_modes", "rules_without_costs", "REDISTRIBUTE_LOGGER", "random_rng_tracker", "set_random_rng_tracker", "flattened",
     "functional_collectives", "process_group_ranks", "local_reduce", "shape_only_device_mesh", "traced_as_compiling", "DataDependentOutputException",

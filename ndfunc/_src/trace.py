@@ -51,6 +51,7 @@ from ndfunc._src.torch_compat import (
     FakeTensorMode,
     LocalTensor,
     TorchDispatchMode,
+    lazy_graph_modules,
     traced_as_compiling,
 )
 
@@ -149,8 +150,9 @@ def trace(fn: Callable, args: Sequence[Any], kwargs: dict | None = None, *, stat
             fakes = [torch.empty(s.shape, dtype=s.dtype, device=d) for s, d in zip(in_specs, devices)]
         token = _tracing.set(True)
         try:
-            # annotations (nf.remat's regions) reach the nodes
-            with fx_traceback.preserve_node_meta(), traced_as_compiling(), _Traceable():
+            # annotations (nf.remat's regions) reach the nodes; the graph's Python code is written
+            # only if the traced program is called or shown (the partitioner reads the graph)
+            with fx_traceback.preserve_node_meta(), traced_as_compiling(), _Traceable(), lazy_graph_modules(True):
                 graph_module = make_fx(flat_fn, decomposition_table={**(decompositions or {}), **_DECOMPOSITIONS},
                                        tracing_mode="fake", record_stack_traces=record_stack_traces)(*fakes)
         except (DataDependentOutputException, DynamicOutputShapeException) as e:
