@@ -110,6 +110,15 @@ def test_lazygraphmodule_bind_ops_and_pytree():
     assert compat.pytree.tree_leaves({"a": [1, 2]}) == [1, 2]
 
 
+def test_lazy_graph_modules_defer_the_code_of_a_traced_graph_to_its_first_call():
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    with compat.lazy_graph_modules(True):
+        gm = make_fx(lambda x: x * 2 + 1)(torch.ones(2))
+    assert isinstance(gm, compat.LazyGraphModule) and gm._needs_recompile()  # no code written yet
+    assert torch.equal(gm(torch.ones(2)), torch.full((2,), 3.0)) and not gm._needs_recompile()
+
+
 @pytest.mark.skipif(not compat.onednn_available(), reason="this torch is built without oneDNN")
 def test_onednn_available_and_onednn_linear_multiply():
     g = torch.Generator().manual_seed(0)

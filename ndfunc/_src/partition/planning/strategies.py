@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import itertools
 import operator
 import weakref
 from collections.abc import Sequence
@@ -160,10 +159,10 @@ def _from_single_dim(node, ins, outs, sizes) -> list[Strategy]:
     placements: dict = {}
     codes = [[placements.setdefault(p, len(placements)) for p in r] for r in rules]
     every = list(placements)
-    return _combined(rules, codes, cut, shapes, every, sizes, len(outs), [o is None for o in outs])
+    return _combined(codes, cut, shapes, every, sizes, len(outs), [o is None for o in outs])
 
 
-def _combined(rules, codes, cut, shapes, every, sizes, n_outs, empty) -> Fitted:
+def _combined(codes, cut, shapes, every, sizes, n_outs, empty) -> Fitted:
     """Every combination of one rule per mesh axis, in `itertools.product`'s order, whose cuts
     divide the shapes. Walked axis by axis: a product of cuts that does not divide a dim is not
     extended (a prefix's product divides every extension's, so nothing that fits is lost), and
@@ -183,7 +182,7 @@ def _combined(rules, codes, cut, shapes, every, sizes, n_outs, empty) -> Fitted:
             found.append(Strategy(tuple(None if empty[i] else lays[i] for i in range(n_outs)), tuple(lays[n_outs:])))
             return
         n = sizes[axis]
-        for r in range(len(rules)):
+        for r in range(len(codes)):
             grown = blocks
             if cut[r]:
                 grown = dict(blocks)
