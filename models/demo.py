@@ -23,6 +23,8 @@ import ndfunc as nf
 from models import llama
 from ndfunc.sharding import NamedSharding, logical_to_mesh
 
+CFG = llama.LlamaConfig(vocab_size=512, dim=64, n_layers=2, n_heads=8, n_kv_heads=4, ffn_dim=192)
+KEY = nf.random.key(0)
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -36,15 +38,18 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
 
     real = "RANK" in os.environ  # started by torchrun
+    # the single-device build to check against, made whole on this process's one device (before
+    # the simulated world: inside it every simulated rank would make it again)
+    reference = llama.init(CFG, KEY)
     with contextlib.nullcontext() if real else nf.simulate(args.ranks):
         if real:
             nf.init()
-        run(args)
+        run(args, reference)
         if real:
             nf.shutdown()
 
 
-def run(args) -> None:
+def run(args, reference) -> None:
     say = print if nf.rank() == 0 else (lambda *a, **k: None)
     config = nf.ParallelConfig(
         dp_replicate_size=args.dp_replicate, dp_shard_size=args.dp_shard, cp_size=args.cp, tp_size=args.tp
@@ -54,9 +59,8 @@ def run(args) -> None:
     say(f"{nf.world_size()} ranks ({mode}); {config}")
     say(f"mesh {mesh.shape}")
 
-    cfg = llama.LlamaConfig(vocab_size=512, dim=64, n_layers=2, n_heads=8, n_kv_heads=4, ffn_dim=192)
+    cfg, key = CFG, KEY
     specs = logical_to_mesh(llama.param_axes(cfg), config.rules)
-    key = nf.random.key(0)
     # Each rank makes only its own blocks: a parameter's value at a position depends on the key,
     # the parameter's path and the position, never on the mesh.
     params = nf.tree.tree_map_with_path(
@@ -76,7 +80,7 @@ def run(args) -> None:
         f"({full_bytes / rank_bytes:.1f}x less than replicated)")
 
     # The same parameters built on one device, whole: the sharded build must gather to exactly these.
-    reference = nf.tree.tree_flatten_with_path(llama.init(cfg, key))[0]
+    reference = nf.tree.tree_flatten_with_path(reference)[0]
     gathered = nf.tree.tree_flatten_with_path(nf.device_get(params))[0]
     same = all(torch.equal(a, b) for (_, a), (_, b) in zip(gathered, reference))
     say(f"gathered parameters equal the single-device build: {same}")

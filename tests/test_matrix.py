@@ -56,14 +56,16 @@ def reference():
 
 def run_sharded(sizes: tuple[int, ...], transforms=(), layout=None):
     """`layout`: a function of (batch, cp) laying each batch out (nf.zigzag), else as it is."""
+    case = setup()  # whole values on this one device (inside the simulation each rank would make them)
     with nf.simulate(nf.ParallelConfig(*sizes).total_size):
-        return run_in_this_world(sizes, transforms, layout)
+        return run_in_this_world(sizes, transforms, layout, case)
 
 
-def run_in_this_world(sizes: tuple[int, ...], transforms=(), layout=None):
-    """The three steps on the ranks there are (simulated, or real processes under torchrun):
-    (updated params gathered, losses, the lowered program: its cost analysis when asked)."""
-    cfg, opt, _, params, batches = setup()
+def run_in_this_world(sizes: tuple[int, ...], transforms=(), layout=None, case=None):
+    """The three steps on the ranks there are (simulated, or real processes under torchrun), from
+    `case` (`setup()`, made here if not given): (updated params gathered, losses, the lowered
+    program: its cost analysis when asked)."""
+    cfg, opt, _, params, batches = case or setup()
     config = nf.ParallelConfig(*sizes)
     step = train.make_step(cfg, opt, config.rules)  # the activations laid out by the rules too
     if layout is not None:
@@ -88,8 +90,8 @@ def run_in_this_world(sizes: tuple[int, ...], transforms=(), layout=None):
 def lowered_step(name: str):
     """The strategy's step lowered for the first batch, on simulated ranks."""
     config = nf.ParallelConfig(*MATRIX[name])
+    cfg, opt, _, params, batches = setup()
     with nf.simulate(config.total_size):
-        cfg, opt, _, params, batches = setup()
         pspec = nf.sharding.logical_to_mesh(llama.param_axes(cfg), config.rules)
         state = opt.init(params)
         sspec = nf.optim.state_shardings(state, pspec)

@@ -31,10 +31,10 @@ LAYOUTS = {"fsdp+tp": (1, 4, 1, 2), "hsdp+tp": (2, 2, 1, 2), "4d": (1, 2, 2, 2)}
 def lowered(sizes: tuple[int, ...]):
     cfg = llama.LlamaConfig.tiny()
     config = nf.ParallelConfig(*sizes)
+    params = llama.init(cfg, nf.random.key(0))  # whole, on this one device (not once per simulated rank)
     with nf.simulate(config.total_size):
         opt = nf.optim.adamw(1e-3, weight_decay=0.1)
         pspec = nf.sharding.logical_to_mesh(llama.param_axes(cfg), config.rules)
-        params = llama.init(cfg, nf.random.key(0))
         state = opt.init(params)
         sspec = nf.optim.state_shardings(state, pspec)
         n, seq = 2 * config.dp_world_size, 64

@@ -44,11 +44,12 @@ def run(transforms, remat):
     batch = {"tokens": torch.randint(0, cfg.vocab_size, (b, seq), generator=g),
              "targets": torch.randint(0, cfg.vocab_size, (b, seq), generator=g),
              "positions": torch.arange(seq).expand(b, seq).contiguous()}
+    # float64 parameters (the model keeps its norms, rotary angles and loss in float32), made whole
+    # on this one device (not once per simulated rank)
+    params = optree.tree_map(lambda x: x.double(), llama.init(cfg, nf.random.key(0)))
     with nf.simulate(CONFIG.total_size):
         mesh = CONFIG.build_mesh()
         pspec = nf.sharding.logical_to_mesh(llama.param_axes(cfg), CONFIG.rules)
-        # float64 parameters (the model keeps its norms, rotary angles and loss in float32)
-        params = optree.tree_map(lambda x: x.double(), llama.init(cfg, nf.random.key(0)))
         state = opt.init(params)
         sspec = nf.optim.state_shardings(state, pspec)
         step = nf.jit(train.make_step(cfg, opt, CONFIG.rules), mesh=mesh, transforms=transforms,
