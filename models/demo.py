@@ -26,6 +26,7 @@ from ndfunc.sharding import NamedSharding, logical_to_mesh
 CFG = llama.LlamaConfig(vocab_size=512, dim=64, n_layers=2, n_heads=8, n_kv_heads=4, ffn_dim=192)
 KEY = nf.random.key(0)
 
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, default=8, help="simulated ranks (ignored under torchrun)")
