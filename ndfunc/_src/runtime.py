@@ -68,7 +68,10 @@ class simulate:
     """Run with `num_ranks` ranks simulated in this process.
 
     Every tensor made inside holds one value per rank; meshes, `device_put` and collectives behave
-    as on `num_ranks` real processes. On exit the process group and the mode are torn down, so
+    as on `num_ranks` real processes. Each op of eager code inside runs once per simulated rank (a
+    compiled step runs rank by rank at the ops' own cost), so what every rank would make alike - a
+    dataset, a single-device reference - is best made before entering: a plain tensor passed in
+    is a value every rank holds. On exit the process group and the mode are torn down, so
     nothing made inside outlives the simulation. Use it as a context manager, or, in a notebook
     where a block cannot span cells, `sim = nf.simulate(8).start()` ... `sim.stop()`.
 
