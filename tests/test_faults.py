@@ -54,9 +54,9 @@ def _descends(pid: int, ancestor: int) -> bool:
 TRAIN = str(pathlib.Path(train.__file__))
 
 
-def _torchrun(script: str, *args: str, env_extra: dict | None = None) -> subprocess.Popen:
+def _torchrun(script: str, *args: str) -> subprocess.Popen:
     """4 gloo ranks of `script args`, running."""
-    env = {**outside_torchrun_env(), **(env_extra or {})}
+    env = outside_torchrun_env()
     env["OMP_NUM_THREADS"] = "1"
     return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
                              script, *args], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -69,10 +69,9 @@ def test_a_rank_killed_mid_run_stops_the_others_and_the_run_resumes_onto_the_sam
     run = [*FLAGS, "--steps", "8", "--save-every", "2", "--checkpoint-dir", str(ck), "--metrics", str(metrics)]
     # the uninterrupted run, in simulation (which equals real ranks), keeps its plans on disk;
     # the ranks read them back (the same problems), and so does the resumed run
-    plans = {"NDFUNC_PLAN_CACHE_DIR": str(tmp_path / "plans")}
-    monkeypatch.setenv("NDFUNC_PLAN_CACHE_DIR", plans["NDFUNC_PLAN_CACHE_DIR"])
+    monkeypatch.setenv("NDFUNC_PLAN_CACHE_DIR", str(tmp_path / "plans"))  # the ranks inherit it
     reference = train.main([*FLAGS, "--steps", "8"])
-    proc = _torchrun(TRAIN, *run, env_extra=plans)
+    proc = _torchrun(TRAIN, *run)
     deadline = time.monotonic() + 240
     while not (ck / "step_4").is_dir() and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.2)  # polling for the run's own file: the kill must land after step 4 is saved
@@ -87,7 +86,7 @@ def test_a_rank_killed_mid_run_stops_the_others_and_the_run_resumes_onto_the_sam
     last = nf.checkpoint.Manager(ck).latest_step()
     assert last is not None and last >= 4
     assert sorted(p.suffix for p in (tmp_path / "plans").iterdir()) == [".plan"] * 2  # init's and the step's
-    resumed = _torchrun(TRAIN, *run, "--resume", env_extra=plans)
+    resumed = _torchrun(TRAIN, *run, "--resume")
     out, _ = resumed.communicate(timeout=300)
     assert resumed.returncode == 0 and f"resumed from {ck / f'step_{last}'}" in out, out[-3000:]
     lines = [json.loads(line) for line in metrics.read_text().splitlines()]

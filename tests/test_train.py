@@ -14,7 +14,6 @@ from helpers import torchrun
 
 import ndfunc as nf
 from models import llama, train
-from ndfunc._src.partition.planning import plan_cache
 from ndfunc.sharding import NamedSharding, P
 
 SHORT = ["--seq-len", "32", "--warmup", "5"]
@@ -118,7 +117,7 @@ def test_train_under_torchrun_matches_the_simulated_run(tmp_path, monkeypatch):
     flags = ["--steps", "3", "--dp-shard", "2", "--cp", "1", "--tp", "2", *QUICK]
     # the simulated run keeps its plans on disk and the ranks read them (the same problems, so
     # the same entries: two, init's and the step's), as a restarted job's ranks would
-    monkeypatch.setenv(plan_cache.ENV, str(tmp_path / "plans"))
+    monkeypatch.setenv("NDFUNC_PLAN_CACHE_DIR", str(tmp_path / "plans"))
     simulated = train.main(flags)
     proc = torchrun(pathlib.Path(train.__file__), *flags)
     assert len(list((tmp_path / "plans").iterdir())) == 2

@@ -50,7 +50,7 @@ from torch.utils._python_dispatch import (
 __all__ = [
     "DTensorSpec", "FakeTensor", "FakeTensorMode", "LazyGraphModule", "LocalTensor", "LocalTensorMode", "OpSchema",
     "OpSpec", "OpStrategy", "StridedShard", "TensorMeta", "TorchDispatchMode", "TupleStrategy", "bind_ops",
-    "current_dispatch_mode", "dtensor_of_local", "fake_store", "lazy_graph_modules", "group_size", "group_backend", "local_blocks",
+    "current_dispatch_mode", "dtensor_of_local", "fake_store", "group_size", "group_backend", "lazy_graph_modules", "local_blocks",
     "local_of", "local_tensor_mode", "onednn_available", "onednn_linear", "pop_dispatch_mode", "pytree", "sharding_propagator",
     "unset_fake_temporarily", "view_rule", "no_dispatch_modes", "rules_without_costs", "REDISTRIBUTE_LOGGER", "random_rng_tracker", "set_random_rng_tracker", "flattened",
     "functional_collectives", "process_group_ranks", "local_reduce", "shape_only_device_mesh", "traced_as_compiling", "DataDependentOutputException",
