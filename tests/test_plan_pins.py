@@ -10,6 +10,7 @@ came to read its grouped key/value heads as they are, not repeated). A plan give
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import pathlib
 import sys
@@ -28,8 +29,8 @@ TABLE = pathlib.Path(__file__).parent / "data" / "plans" / "llama_tiny.json"
 LAYOUTS = {"fsdp+tp": (1, 4, 1, 2), "hsdp+tp": (2, 2, 1, 2), "4d": (1, 2, 2, 2)}  # (dp_replicate, dp_shard, cp, tp)
 
 
-def lowered(sizes: tuple[int, ...]):
-    cfg = llama.LlamaConfig.tiny()
+def lowered(sizes: tuple[int, ...], n_layers: int = 2):
+    cfg = dataclasses.replace(llama.LlamaConfig.tiny(), n_layers=n_layers)
     config = nf.ParallelConfig(*sizes)
     params = llama.init(cfg, nf.random.key(0))  # whole, on this one device (not once per simulated rank)
     with nf.simulate(config.total_size):
@@ -61,6 +62,22 @@ def test_the_plan_is_the_one_the_partitioner_made_before(name):
     again = lowered(LAYOUTS[name])  # the same graph traced anew: its plan is given back, node by node
     assert table(again.plan) == expected
     assert all(node.graph is again.traced.graph for node in again.plan.strategy)
+
+
+def test_identical_layers_are_searched_once_and_the_plan_is_a_full_searchs(monkeypatch):
+    """The many-node moves of a value in the same place of another layer are the first one's
+    replayed (`Problem._improve_together`): on four layers, the plan is the one a search that
+    treats every value afresh makes."""
+    program = lowered(LAYOUTS["fsdp+tp"], n_layers=4)
+    args = (program.traced.graph, program.sizes, program.in_layouts, program.out_layouts)
+    problem = solve.Problem(*args)
+    classes = problem._value_classes()
+    assert len(set(classes)) < 0.5 * len(classes)  # the layers' values share classes
+    shared = problem.solve()
+    monkeypatch.setattr(solve.Problem, "_value_classes", lambda self: list(range(len(self.values))))
+    alone = solve.Problem(*args).solve()
+    assert table(shared) == table(alone)
+    assert shared.cost == alone.cost
 
 
 if __name__ == "__main__":

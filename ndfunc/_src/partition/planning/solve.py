@@ -23,7 +23,10 @@ once, and so is the price of a move at a node (`_every_local_cost`); a node's ca
 with each input's and output's terms found once per distinct layout, as float64 columns gathered to
 every candidate where there are many (the same sums in the same order), leaving out those whose
 work alone exceeds a cost found; a walked change is priced once per value size (`_priced_as`); a
-graph equal to one planned before gets its plan back (`partition`).
+value in the same place of another layer (its class: colour refinement over the graph) is given
+the many-node move that paid for the first of its class, and passed over where none paid and it
+stands as that one did, so a layer's moves are searched once, not once per layer; a graph equal to
+one planned before gets its plan back (`partition`).
 """
 
 from __future__ import annotations
@@ -588,31 +591,106 @@ class Problem:
     def _improve_together(self, choice: list, rounds: int = 8) -> None:
         """Where data still moves, try moves of many nodes at once. (Adam reads a gradient in four
         places: reduce-scattering it instead of all-reducing it pays only if all four change
-        together, and what they feed.) After the first round, only around what the last changed."""
+        together, and what they feed.) After the first round, only around what the last changed.
+
+        Identical layers pose the same question once per layer: a value in the same place as one
+        met before in the round (its class, `_value_classes`) is first given the move that paid
+        there, one settle instead of a dozen, and kept if it pays here too; where no move paid and
+        the value stands as that one did (`_around`), it is passed over. Anything else is searched
+        afresh."""
+        classes = self._value_classes()
         changed: set | None = None
         for _ in range(rounds):
             touched: set = set()
             sources_tried: set = set()  # a pending sum feeds several reductions: its producer is tried once
+            first_of: dict = {}  # class -> (its first value's surroundings, or the move that paid there)
             for v in range(len(self.values)):
                 cost = self.value_cost(v, choice)
                 if cost <= 0 or (changed is not None and not self._near(v, changed)):
                     continue
-                moves = [self._redirect(v, lay, choice) for lay in self._layouts_for(v, choice)]
-                moves += self._producer_moves(v, choice, below=cost)
-                for u in self._pending_sources(v, choice):
-                    moves.append(self._redirect(u, self.finish(self.out_layout(u, choice)), choice))
-                    # or make the sum pending no more: moving something smaller than v instead
-                    if u not in sources_tried and self._reads_less_than(u, v):
-                        sources_tried.add(u)
-                        moves += self._producer_moves(u, choice)
-                delta, changes = min(moves, key=lambda m: m[0], default=(0.0, None))
-                if changes is not None and delta < -EPS:
-                    for n, i in changes.items():
-                        choice[n] = i
-                    touched.update(changes)
+                first = first_of.get(classes[v])
+                if first is not None:
+                    around, move = first
+                    if move is None and around == self._around(v, choice, cost):
+                        continue
+                    if move is not None:
+                        delta, changes = self._replay(move, v, choice)
+                        if changes is not None and delta < -EPS:
+                            self._apply(changes, choice, touched)
+                            continue
+                delta, changes, move = self._best_move(v, choice, cost, sources_tried)
+                pays = changes is not None and delta < -EPS
+                if first is None:
+                    first_of[classes[v]] = (None, move) if pays else (self._around(v, choice, cost), None)
+                if pays:
+                    self._apply(changes, choice, touched)
             if not touched:
                 return
             changed = touched
+
+    @staticmethod
+    def _apply(changes: dict, choice: list, touched: set) -> None:
+        for n, i in changes.items():
+            choice[n] = i
+        touched.update(changes)
+
+    def _best_move(self, v: int, choice: list, cost: float, sources_tried: set) -> tuple:
+        """The move of many nodes that lowers the total most for value `v`, moved at `cost`:
+        (delta, the new choices or None, how to make it again: `_replay`)."""
+        moves = [(*self._redirect(v, lay, choice), ("redirect", -1, lay)) for lay in self._layouts_for(v, choice)]
+        moves += [(*move, ("producer", -1, lay)) for move, lay in self._producer_moves(v, choice, below=cost)]
+        for k, u in enumerate(self._pending_sources(v, choice)):
+            lay = self.finish(self.out_layout(u, choice))
+            moves.append((*self._redirect(u, lay, choice), ("redirect", k, lay)))
+            # or make the sum pending no more: moving something smaller than v instead
+            if u not in sources_tried and self._reads_less_than(u, v):
+                sources_tried.add(u)
+                moves += [(*move, ("producer", k, lay)) for move, lay in self._producer_moves(u, choice)]
+        return min(moves, key=lambda m: m[0], default=(0.0, None, None))  # in order: the first least
+
+    def _replay(self, move: tuple, v: int, choice: list) -> tuple[float, dict | None]:
+        """The move `_best_move` found for a value of `v`'s class, made for `v`: the same kind,
+        on the value in the same place (`v`, or its k-th pending source), to the same layout."""
+        kind, k, lay = move
+        if k >= 0:
+            sources = self._pending_sources(v, choice)
+            if k >= len(sources):
+                return 0.0, None
+            v = sources[k]
+        if kind == "redirect":
+            return self._redirect(v, lay, choice)
+        n, j = self.values[v]
+        i = self._by_out_layout(n, j, choice).get(lay) if len(self.c_ins[n]) > 1 else None
+        return (0.0, None) if i is None else self._produce(n, i, choice)
+
+    def _around(self, v: int, choice: list, cost: float) -> tuple:
+        """What a value's moves see first: its cost, and the choices of its producer, of the
+        producer's inputs' producers and of its consumers (two values of a class have these in
+        the same order)."""
+        n = self.values[v][0]
+        near = [n, *(self.values[u][0] for u in self.inputs[n]), *(m for m, _ in self.consumers[v])]
+        return cost, tuple(choice[m] for m in near), tuple(self.value_cost(u, choice) for u in self.inputs[n])
+
+    def _value_classes(self, rounds: int = 6) -> list:
+        """Per value: a class shared by values whose surroundings, `rounds` ops out, are the same
+        (candidate lists, work, shapes, requested layouts, and how they connect): the same value
+        in identical layers, away from where the layers differ. Colour refinement (Weisfeiler-
+        Lehman) over the graph's nodes, a few rounds."""
+        color = []
+        codes: dict = {}
+        for n in range(len(self.nodes)):
+            c_ins = self.c_ins[n]
+            what = (id(c_ins), id(self.c_work[n])) if len(c_ins) > 1 else (c_ins[0], self.c_outs[n][0], self.c_work[n][0])
+            outs = tuple(None if v is None else (self.value_meta[v], tuple(self.final.get(v, ())))
+                         for v in self.out_ids[n])
+            color.append(codes.setdefault((what, outs), len(codes)))
+        for _ in range(rounds):
+            codes = {}
+            color = [codes.setdefault((color[n], tuple((color[self.values[u][0]], self.values[u][1]) for u in ins),
+                                       tuple(None if v is None else tuple((color[m], s) for m, s in self.consumers[v])
+                                             for v in self.out_ids[n])), len(codes))
+                     for n, ins in enumerate(self.inputs)]
+        return [(color[n], j) for n, j in self.values]
 
     def _bytes(self, v: int) -> int:
         shape, itemsize = self.value_meta[v]
@@ -683,12 +761,28 @@ class Problem:
         return known[1]
 
     def _producer_moves(self, v: int, choice: list, below: float | None = None) -> list:
-        """Change the producer of `v` to make it in another layout (the best candidate per layout);
-        `below`: only layouts from which its consumers (and a requested result layout) are reached
-        for less than that."""
+        """Change the producer of `v` to make it in another layout (the best candidate per layout):
+        [((delta, new choices), layout)]; `below`: only layouts from which its consumers (and a
+        requested result layout) are reached for less than that."""
         n, j = self.values[v]
         if len(self.c_ins[n]) == 1:
             return []
+        by_layout = self._by_out_layout(n, j, choice)
+        demands = self.demands(v, choice)
+        # a consumer taking a pending sum cannot take another layout's value as it is, but is
+        # chosen again after the move (`_settle`): such demands rank nothing out
+        ranked = sorted(((sum(c for w in demands if (c := self.tcost(v, lay, w)) != math.inf)
+                          + self.output_cost(v, lay), lay, i) for lay, i in by_layout.items()))
+        moves = []
+        for reach, lay, i in ranked[:len(self.sizes) + 2]:
+            if below is not None and reach >= below:
+                break
+            moves.append((self._produce(n, i, choice), lay))
+        return moves
+
+    def _by_out_layout(self, n: int, j: int, choice: list) -> dict[int, int]:
+        """Layout -> the candidate of `n` making its output `j` so at the least local cost (other
+        than the layout made now)."""
         by_layout: dict[int, int] = {}
         current = self.c_outs[n][choice[n]][j]
         costs = self._every_local_cost(n, choice)
@@ -697,28 +791,22 @@ class Problem:
                 continue
             if outs[j] not in by_layout or costs[i] < costs[by_layout[outs[j]]]:
                 by_layout[outs[j]] = i
-        demands = self.demands(v, choice)
-        # a consumer taking a pending sum cannot take another layout's value as it is, but is
-        # chosen again after the move (`_settle`): such demands rank nothing out
-        ranked = sorted(((sum(c for w in demands if (c := self.tcost(v, lay, w)) != math.inf)
-                          + self.output_cost(v, lay), lay, i) for lay, i in by_layout.items()))
-        moves = []
-        for reach, _, i in ranked[:len(self.sizes) + 2]:
-            if below is not None and reach >= below:
-                break
-            old = {n: choice[n]}
-            choice[n] = i
-            # an input made for this node alone is made in the layout it now reads (a sharded
-            # parameter's initializer: the random block, then its scale, both split)
-            for u in self.inputs[n]:
-                p = self.values[u][0]
-                if len(self.consumers[u]) == 1 and len(self.c_ins[p]) > 1 and p not in old:
-                    b = self.best(p, choice)
-                    if b != choice[p]:
-                        old[p] = choice[p]
-                        choice[p] = b
-            moves.append(self._settle(old, choice))
-        return moves
+        return by_layout
+
+    def _produce(self, n: int, i: int, choice: list) -> tuple[float, dict]:
+        """Node `n` changed to candidate `i`, and what follows (`_settle`)."""
+        old = {n: choice[n]}
+        choice[n] = i
+        # an input made for this node alone is made in the layout it now reads (a sharded
+        # parameter's initializer: the random block, then its scale, both split)
+        for u in self.inputs[n]:
+            p = self.values[u][0]
+            if len(self.consumers[u]) == 1 and len(self.c_ins[p]) > 1 and p not in old:
+                b = self.best(p, choice)
+                if b != choice[p]:
+                    old[p] = choice[p]
+                    choice[p] = b
+        return self._settle(old, choice)
 
     def _settle(self, old: dict, choice: list, limit: int = 64) -> tuple[float, dict]:
         """Choose again what lies downstream of the nodes in `old` (already changed in `choice`),
