@@ -106,7 +106,9 @@ class Problem:
         self._sized: dict = {}  # `_priced_as` -> (a << 32 | b) -> the cost of a change from layout a to b
         self._size_costs: list[dict] = []  # value id -> its size's entry of `_sized`
         self._steps: dict = {}  # (a << 32 | b) -> `redistribute.coded_steps` from layout a to b
-        self._as_ids: dict = {}  # id(candidate list) -> (the list, c_ins, c_outs, by_ins, work by flops)
+        self._as_ids: dict = {}  # id(candidate list) -> (the list, c_ins, c_outs, by_ins, work by flops, splits)
+        self._cut: dict = {}  # layout id -> the mesh axes it does not replicate, as bits (`_cut_axes`)
+        self._splits: dict = {}  # those bits -> the product of their axes' sizes
         self._best: dict = {}  # a node's situation -> its best candidate (see `best`)
         self._every: dict = {}  # a node's situation -> every candidate's cost (`_every_local_cost`)
         self._by_slot: dict = {}  # (id(candidate list), slot) -> (the list, layout -> candidates taking it)
@@ -162,17 +164,29 @@ class Problem:
         # their layouts as ids
         known = self._as_ids.get(id(strategies))
         if known is None or known[0] is not strategies:
-            c_ins = [tuple(self._layout(lay) for lay in s.ins) for s in strategies]
-            c_outs = [tuple(None if lay is None else self._layout(lay) for lay in s.outs) for s in strategies]
+            # a list's candidates share their layout objects (`strategies._combined`): each is
+            # numbered once, then looked up by identity
+            ids: dict = {id(None): None}
+            for st in strategies:
+                for lay in (*st.ins, *st.outs):
+                    if id(lay) not in ids:
+                        ids[id(lay)] = self._layout(lay)
+            number = ids.__getitem__
+            c_ins = [tuple(map(number, map(id, st.ins))) for st in strategies]
+            c_outs = [tuple(map(number, map(id, st.outs))) for st in strategies]
             by_ins: dict = {}
             for i, layouts in enumerate(c_ins):
                 by_ins.setdefault(layouts, []).append(i)
-            known = self._as_ids[id(strategies)] = (strategies, c_ins, c_outs, by_ins, {})
-        _, c_ins, c_outs, by_ins, work = known
+            splits = [self._split(ins + tuple(lay for lay in outs if lay is not None))
+                      for ins, outs in zip(c_ins, c_outs)]
+            known = self._as_ids[id(strategies)] = (strategies, c_ins, c_outs, by_ins, {}, splits)
+        _, c_ins, c_outs, by_ins, work, splits = known
         self.c_ins.append(c_ins)
         self.c_outs.append(c_outs)
         if flops not in work:
-            work[flops] = [self._work(s, flops) for s in strategies]
+            # work on one rank, in bytes-worth: divided over each mesh axis the strategy splits
+            # or leaves partial, whole on axes where all its values are replicated
+            work[flops] = [flops / split / FLOPS_PER_BYTE for split in splits] if flops else [0.0] * len(splits)
         self.c_work.append(work[flops])
         self.min_work.append(min(self.c_work[-1]))
         self.by_ins.append(by_ins)
@@ -188,16 +202,25 @@ class Problem:
                 self._size_costs.append(self._sized.setdefault(self.priced_as[-1], {}))
                 self.consumers.append([])
 
-    def _work(self, s: Strategy, flops: int) -> float:
-        """Work on one rank, in bytes-worth: divided over each mesh axis the strategy splits or
-        leaves partial, whole on axes where all its values are replicated."""
-        if not flops:
-            return 0.0
-        split = 1
-        for m, n in enumerate(self.sizes):
-            if any(lay is not None and (lay == MANUAL or not isinstance(lay[m], Replicate)) for lay in s.ins + s.outs):
-                split *= n
-        return flops / split / FLOPS_PER_BYTE
+    def _split(self, layouts: tuple[int, ...]) -> int:
+        """Into how many parts a strategy reading and making `layouts` (ids) divides its work: the
+        product of the mesh axes on which any of them is split or partial (or manual)."""
+        mask = 0
+        for lay in layouts:
+            mask |= self._cut_axes(lay)
+        split = self._splits.get(mask)
+        if split is None:
+            split = self._splits[mask] = math.prod(n for m, n in enumerate(self.sizes) if mask >> m & 1)
+        return split
+
+    def _cut_axes(self, lay: int) -> int:
+        """The mesh axes layout `lay` does not replicate, as bits."""
+        mask = self._cut.get(lay)
+        if mask is None:
+            layout = self.layouts[lay]
+            mask = self._cut[lay] = sum(1 << m for m in range(len(self.sizes))
+                                        if layout == MANUAL or not isinstance(layout[m], Replicate))
+        return mask
 
     # --- costs ---------------------------------------------------------------------------------
     def tcost(self, v: int, a: int, b: int) -> float:
