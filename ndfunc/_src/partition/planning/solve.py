@@ -107,7 +107,7 @@ class Problem:
         self._size_costs: list[dict] = []  # value id -> its size's entry of `_sized`
         self._steps: dict = {}  # (a << 32 | b) -> `redistribute.coded_steps` from layout a to b
         self._as_ids: dict = {}  # id(candidate list) -> (the list, c_ins, c_outs, by_ins, work by flops, splits)
-        self._cut: dict = {}  # layout id -> the mesh axes it does not replicate, as bits (`_cut_axes`)
+        self.cut: list[int] = []  # layout id -> the mesh axes it does not replicate, as bits
         self._splits: dict = {}  # those bits -> the product of their axes' sizes
         self._best: dict = {}  # a node's situation -> its best candidate (see `best`)
         self._every: dict = {}  # a node's situation -> every candidate's cost (`_every_local_cost`)
@@ -150,6 +150,8 @@ class Problem:
             i = self.layout_ids[lay] = len(self.layouts)
             self.layouts.append(lay)
             self.codes.append(redistribute.codes(lay))
+            self.cut.append(sum(1 << m for m in range(len(self.sizes))
+                                if lay == MANUAL or not isinstance(lay[m], Replicate)))
         self._layout_by_id[id(lay)] = (lay, i)
         return i
 
@@ -207,20 +209,11 @@ class Problem:
         product of the mesh axes on which any of them is split or partial (or manual)."""
         mask = 0
         for lay in layouts:
-            mask |= self._cut_axes(lay)
+            mask |= self.cut[lay]
         split = self._splits.get(mask)
         if split is None:
             split = self._splits[mask] = math.prod(n for m, n in enumerate(self.sizes) if mask >> m & 1)
         return split
-
-    def _cut_axes(self, lay: int) -> int:
-        """The mesh axes layout `lay` does not replicate, as bits."""
-        mask = self._cut.get(lay)
-        if mask is None:
-            layout = self.layouts[lay]
-            mask = self._cut[lay] = sum(1 << m for m in range(len(self.sizes))
-                                        if layout == MANUAL or not isinstance(layout[m], Replicate))
-        return mask
 
     # --- costs ---------------------------------------------------------------------------------
     def tcost(self, v: int, a: int, b: int) -> float:
@@ -661,14 +654,14 @@ class Problem:
         """The move of many nodes that lowers the total most for value `v`, moved at `cost`:
         (delta, the new choices or None, how to make it again: `_replay`)."""
         moves = [(*self._redirect(v, lay, choice), ("redirect", -1, lay)) for lay in self._layouts_for(v, choice)]
-        moves += [(*move, ("producer", -1, lay)) for move, lay in self._producer_moves(v, choice, below=cost)]
+        moves += [(*move, ("producer", -1, made)) for move, made in self._producer_moves(v, choice, below=cost)]
         for k, u in enumerate(self._pending_sources(v, choice)):
             lay = self.finish(self.out_layout(u, choice))
             moves.append((*self._redirect(u, lay, choice), ("redirect", k, lay)))
             # or make the sum pending no more: moving something smaller than v instead
             if u not in sources_tried and self._reads_less_than(u, v):
                 sources_tried.add(u)
-                moves += [(*move, ("producer", k, lay)) for move, lay in self._producer_moves(u, choice)]
+                moves += [(*move, ("producer", k, made)) for move, made in self._producer_moves(u, choice)]
         return min(moves, key=lambda m: m[0], default=(0.0, None, None))  # in order: the first least
 
     def _replay(self, move: tuple, v: int, choice: list) -> tuple[float, dict | None]:
