@@ -1,5 +1,5 @@
 """ndfunc._src.host_memory: a step's freed host memory stays mapped for the next step. The reference is
-the same training loop in a process whose malloc is left as it is, counted in page faults."""
+the same training loop in a process whose malloc is left as it is, counted in pages faulted in again."""
 
 import os
 import platform
@@ -9,8 +9,12 @@ import sys
 import pytest
 
 # an eager MLP step (activations of 1 and 3 MiB, freed as backward passes them) in a one-process
-# gloo world: page faults per step, after five steps to warm up; the process's own pages are 4 KiB
-# (transparent huge pages off for it), so the count does not depend on the machine's policy
+# gloo world: pages faulted in again per step, after five steps to warm up. A page fault that grows
+# the resident set is memory the process did not have (the heap still creeps up now and then as
+# its blocks fragment: a few hundred pages in one step of forty, in either process); the faults
+# beyond that growth are pages given back and taken again, what keeping freed memory is for. The
+# process's own pages are 4 KiB (transparent huge pages off for it), so the count does not depend
+# on the machine's policy
 LOOP = """
 import ctypes, resource, sys, torch
 import ndfunc as nf
@@ -27,19 +31,23 @@ def step():
     h.square().mean().backward()
     for w in ws:
         w.grad = None
+def resident_pages():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1])
 for _ in range(5):
     step()
-before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-for _ in range(20):
+faults, pages = resource.getrusage(resource.RUSAGE_SELF).ru_minflt, resident_pages()
+for _ in range(40):
     step()
-print((resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) // 20)
+faults, pages = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults, resident_pages() - pages
+print((faults - pages) // 40)
 nf.shutdown()
 """
 # what would change malloc, or make init wait for other ranks, in the loop's process
 INHERITED = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "LD_PRELOAD", "GLIBC_TUNABLES")
 
 
-def faults_per_step(keep: bool) -> int:
+def refaults_per_step(keep: bool) -> int:
     env = {k: v for k, v in os.environ.items() if k not in INHERITED and not k.startswith("MALLOC_")}
     out = subprocess.run([sys.executable, "-c", LOOP, "keep" if keep else "leave"], capture_output=True, text=True,
                          check=True, env=env, timeout=120)
@@ -49,9 +57,9 @@ def faults_per_step(keep: bool) -> int:
 @pytest.mark.slow
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="malloc's thresholds are glibc's (mallopt); this C library has none")
 def test_a_gloo_world_reuses_the_pages_the_last_step_freed():
-    left = faults_per_step(keep=False)  # glibc as it is: freed blocks go back, and fault in again
-    assert left >= 256  # a MiB of pages, at least, every step
-    assert faults_per_step(keep=True) < left / 4
+    left = refaults_per_step(keep=False)  # glibc as it is: freed blocks go back, and fault in again
+    assert left >= 128  # half a MiB of pages, at least, every step (seen here: 265 to 1,340 over 16 runs)
+    assert refaults_per_step(keep=True) < left / 4  # seen here: 0
 
 
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="malloc's thresholds are glibc's (mallopt); this C library has none")
