@@ -32,7 +32,7 @@ from ndfunc._src.partition.planning.strategies import (
 )
 from ndfunc._src.partition.program import Comm, LoweringContext
 from ndfunc._src.sharding.mesh import rank_at
-from ndfunc._src.torch_compat import LazyGraphModule, pytree
+from ndfunc._src.torch_compat import LazyGraphModule
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
@@ -252,8 +252,8 @@ def lower(graph: torch.fx.Graph, plan: Plan, axis_names: Sequence[str], group_na
         if (own := prog.local_op(node)) is not None:  # a transform's own local op (nf.ring_attention)
             op, a, kw, own_comm = own(LoweringContext(e.coords, e.axis_names, e.sizes), node, s, op, a, kw)
         mapping = iter(locals_)
-        a, kw = pytree.tree_map_only(
-            torch.fx.Node, lambda x: next(mapping) if isinstance(x.meta.get("val"), torch.Tensor) else x, (a, kw))
+        a, kw = torch.fx.node.map_arg(  # fx's own walk over arguments: a pytree's costs more than the op
+            (a, kw), lambda x: next(mapping) if isinstance(x.meta.get("val"), torch.Tensor) else x)
         out = e.graph.call_function(op, tuple(a), dict(kw))
         if own_comm is not None:
             prog.set_comm(out, own_comm)

@@ -330,7 +330,7 @@ def local_args(node: torch.fx.Node, in_layouts: Sequence[Layout], sizes: tuple[i
         _LOCAL_ARGS[key] = _local_args(node, in_layouts, sizes)
     op, args, kwargs = _LOCAL_ARGS[key]
     nodes = tensor_inputs(node)
-    return op, *pytree.tree_map_only(_Slot, lambda s: nodes[s.index], (args, kwargs))
+    return op, *torch.fx.node.map_aggregate((args, kwargs), lambda s: nodes[s.index] if type(s) is _Slot else s)
 
 
 class _Slot:
