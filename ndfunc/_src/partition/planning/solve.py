@@ -434,12 +434,25 @@ class Problem:
         known = self._priced_columns.get(key)
         if known is None or known[0] is not lays:
             if term == "from":
-                costs = [0.0 if x < 0 else self.tcost(v, lay, x) for x in lays]
+                costs = self._tcosts(v, lay, lays, outward=True)
             else:
-                there = lay if term == "to" else self.finish(lay)
-                costs = [0.0 if x < 0 else self.tcost(v, x, there) for x in lays]
+                costs = self._tcosts(v, lay if term == "to" else self.finish(lay), lays, outward=False)
             known = self._priced_columns[key] = (lays, torch.tensor(costs, dtype=torch.float64, device="cpu"))
         return known[1]
+
+    def _tcosts(self, v: int, lay: int, lays: tuple, outward: bool) -> list[float]:
+        """`tcost(v, lay, x)` (`outward`) or `tcost(v, x, lay)` for each `x` of `lays`, 0.0 for -1 (no
+        tensor): the costs already found read in the loop (a column has hundreds, and a call each
+        cost more than the lookup)."""
+        costs = self._size_costs[v]
+        found = []
+        for x in lays:
+            if x < 0 or x == lay:
+                found.append(0.0)
+                continue
+            c = costs.get(lay << 32 | x if outward else x << 32 | lay)
+            found.append(c if c is not None else self.tcost(v, lay, x) if outward else self.tcost(v, x, lay))
+        return found
 
     @staticmethod
     def _unpaid(column: torch.Tensor, lays: tuple, paid) -> torch.Tensor:
@@ -542,7 +555,9 @@ class Problem:
             if following:
                 options = following if current < 0 or current in following else following + [current]
         costs = self.local_costs(n, options, choice, forward)
-        best = min((i for i in options if i in costs), key=costs.__getitem__)  # in order: the first least
+        # in order: the first least (options are distinct: all priced, or those that can be least)
+        best = min(options if len(costs) == len(options) else (i for i in options if i in costs),
+                   key=costs.__getitem__)
         if current >= 0 and costs[current] <= costs[best] + EPS:
             return current  # keep on ties: the search only moves downhill
         return best
