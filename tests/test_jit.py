@@ -3,6 +3,7 @@ transforms, shard_map inside, errors - and the llama train step under DP, FSDP, 
 against the unsharded step."""
 
 import dataclasses
+import gc
 
 import optree
 import pytest
@@ -325,3 +326,36 @@ def test_a_training_loop_fed_its_own_results_lowers_its_step_once():
         for _ in range(3):
             params, state, _ = step(params, state, batch)
         assert step.trace_count == 1
+
+
+def test_a_program_is_built_with_young_collections_only_and_the_thresholds_come_back():
+    # a full collection walks every object the program being built has made; it waits until the
+    # program is built, and the thresholds the user set come back, after a failed trace too
+    seen = []
+
+    @dataclasses.dataclass(frozen=True)
+    class Record(nf.transforms.Transform):
+        def partitioned(self, program):
+            seen.append(("partitioned", gc.get_threshold()))
+
+    def step(x):
+        seen.append(("traced", gc.get_threshold()))
+        return x.sum()
+
+    def broken(x):
+        raise ValueError("a step that fails while traced")
+
+    before = gc.get_threshold()
+    gc.set_threshold(500, 7, 9)
+    try:
+        with nf.simulate(2):
+            mesh = nf.make_mesh(dp=2)
+            assert float(nf.device_get(nf.jit(step, mesh=mesh, in_shardings=P("dp"), transforms=[Record()])(
+                torch.ones(4)))) == 4.0
+            assert gc.get_threshold() == (500, 7, 9)
+            with pytest.raises(ValueError, match="fails while traced"):
+                nf.jit(broken, mesh=mesh, in_shardings=P("dp")).lower(torch.ones(4))
+            assert gc.get_threshold() == (500, 7, 9)
+    finally:
+        gc.set_threshold(*before)
+    assert seen == [("traced", (500, 7, 2**30)), ("partitioned", (500, 7, 2**30))]

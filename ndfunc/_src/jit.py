@@ -151,14 +151,17 @@ class Jitted:
         dyn_args, kwargs = optree.tree_unflatten(treespec, list(prepared))
         static = dict(statics)
         call_args = [static[i] if i in static else dyn_args[i] for i in range(len(dyn_args))]
-        with contextlib.ExitStack() as stack:  # transforms that change what is traced (mixed precision)
-            for t in self.transforms:
-                stack.enter_context(t.tracing())
-            traced = trace(self.fn, call_args, kwargs, static_argnums=tuple(static), decompositions=decompositions())
-        program = _program(self.__name__, traced, mesh, prepared, self.out_shardings,
-                           donated=[i for i in range(len(prepared)) if arg_index(treespec, i) in self.donate_argnums],
-                           transforms=(remat_regions(), *self.transforms), retrace=self._retrace(key))
-        return Lowered(self.__name__, pipeline.run(program, pipeline.PASSES[:pipeline.LOWERED]), self.arguments, key)
+        with pipeline.young_collections_only():
+            with contextlib.ExitStack() as stack:  # transforms that change what is traced (mixed precision)
+                for t in self.transforms:
+                    stack.enter_context(t.tracing())
+                traced = trace(self.fn, call_args, kwargs, static_argnums=tuple(static),
+                               decompositions=decompositions())
+            donated = [i for i in range(len(prepared)) if arg_index(treespec, i) in self.donate_argnums]
+            program = _program(self.__name__, traced, mesh, prepared, self.out_shardings, donated=donated,
+                               transforms=(remat_regions(), *self.transforms), retrace=self._retrace(key))
+            program = pipeline.run(program, pipeline.PASSES[:pipeline.LOWERED])
+        return Lowered(self.__name__, program, self.arguments, key)
 
     def _retrace(self, key) -> Callable[[], Any]:
         """The function called again on fake tensors of this signature (inside a FakeTensorMode)."""
