@@ -695,9 +695,9 @@ class Problem:
         return (0.0, None) if i is None else self._produce(n, i, choice)
 
     def _around(self, v: int, choice: list, cost: float) -> tuple:
-        """What a value's moves see first: its cost, and the choices of its producer, of the
-        producer's inputs' producers and of its consumers (two values of a class have these in
-        the same order)."""
+        """What a value's moves see first: its cost, the choices of its producer, of the producer's
+        inputs' producers and of its consumers, and the costs of the producer's inputs (two values
+        of a class have these in the same order)."""
         n = self.values[v][0]
         near = [n, *(self.values[u][0] for u in self.inputs[n]), *(m for m, _ in self.consumers[v])]
         return cost, tuple(choice[m] for m in near), tuple(self.value_cost(u, choice) for u in self.inputs[n])
