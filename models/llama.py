@@ -215,6 +215,8 @@ def mlp(layer: dict, x_BLD: torch.Tensor) -> torch.Tensor:
     return (gate_BLF * (x_BLD @ layer["w3"])) @ layer["w2"]
 
 
+# the same program every layer: nf.jit traces it once and copies it (torch.compile compiles it once)
+@torch.compiler.nested_compile_region
 def decoder_layer(layer: dict, x_BLD: torch.Tensor, cos, sin, cfg: LlamaConfig, mask_BLL=None) -> torch.Tensor:
     x_BLD = x_BLD + attention(layer["attn"], rms_norm(x_BLD, layer["attn_norm"], cfg.norm_eps), cos, sin, cfg, mask_BLL)
     return x_BLD + mlp(layer["mlp"], rms_norm(x_BLD, layer["mlp_norm"], cfg.norm_eps))

@@ -256,3 +256,75 @@ def traced_as_compiling():
         yield
     finally:
         compiler._is_compiling_flag = old
+
+
+@contextlib.contextmanager
+def nested_regions(call: Callable):
+    """Inside, a call of a function marked with `torch.compiler.nested_compile_region` is
+    `call(fn, args, kwargs)` (eager, the mark calls `fn` itself; torch.compile reads it in Dynamo)."""
+    import importlib
+
+    module = importlib.import_module("torch._higher_order_ops.invoke_subgraph")  # (the package's name is the op)
+    old = module.invoke_subgraph_placeholder
+    module.invoke_subgraph_placeholder = lambda fn, *args, **kwargs: call(fn, args, kwargs)
+    try:
+        yield
+    finally:
+        module.invoke_subgraph_placeholder = old
+
+
+def at_most_one_grad_transform() -> bool:
+    """Whether `torch.func` transforms in force are none, or one `grad` (or `vjp`)."""
+    from torch._C._functorch import TransformType
+    from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
+
+    levels = retrieve_all_functorch_interpreters()
+    return len(levels) <= 1 and all(i.key() == TransformType.Grad for i in levels)
+
+
+def current_tracer():
+    """The fx tracer of the `make_fx` trace in progress."""
+    from torch.fx.experimental.proxy_tensor import get_proxy_mode
+
+    return get_proxy_mode().tracer
+
+
+def current_graph() -> torch.fx.Graph:
+    return current_tracer().graph
+
+
+@contextlib.contextmanager
+def outside_the_trace():
+    """Ops inside run on fake tensors only: not recorded, not differentiated by `torch.func`."""
+    from torch._functorch.pyfunctorch import temporarily_clear_interpreter_stack
+    from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
+
+    with disable_proxy_modes_tracing(), temporarily_clear_interpreter_stack():
+        yield
+
+
+def trace_nested(fn: Callable, args: list) -> torch.fx.GraphModule:
+    """`fn(*args)` traced into a graph of its own by the `make_fx` trace in progress (its fake mode
+    and decompositions), as higher-order ops trace their bodies."""
+    from torch.fx.experimental import proxy_tensor
+
+    with outside_the_trace():
+        return proxy_tensor._CURRENT_MAKE_FX_TRACER.trace_subgraph(fn, *args)
+
+
+def node_of(x: torch.Tensor, tracer) -> torch.fx.Node:
+    """The node of the trace that made `x` (under `torch.func` transforms: of the tensor they wrap)."""
+    from torch._C._functorch import get_unwrapped, is_functorch_wrapped_tensor
+    from torch.fx.experimental.proxy_tensor import get_proxy_slot
+
+    while is_functorch_wrapped_tensor(x):
+        x = get_unwrapped(x)
+    return get_proxy_slot(x, tracer).proxy.node
+
+
+def tracked(x: torch.Tensor, node: torch.fx.Node, tracer) -> torch.Tensor:
+    """`x`, recorded as what `node` makes (its `meta['val']` becomes `x`)."""
+    from torch.fx.experimental.proxy_tensor import track_tensor_tree
+
+    track_tensor_tree(x, torch.fx.Proxy(node, tracer), constant=None, tracer=tracer)
+    return x

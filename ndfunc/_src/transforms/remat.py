@@ -23,6 +23,7 @@ from typing import Any
 import torch
 import torch.fx.traceback as fx_traceback
 
+from ndfunc._src import stamp
 from ndfunc._src.autodiff import (
     FORWARD,  # nf.value_and_grad marks the ops of what it differentiates
 )
@@ -33,6 +34,7 @@ aten = torch.ops.aten
 POLICIES = ("full", "save_dots")
 REGION = "ndfunc_remat"
 _regions = itertools.count()  # a fresh id per call of a remat'd function
+stamp.PER_CALL[REGION] = lambda mark: (next(_regions), *mark[1:])  # and per copy of a repeated region
 
 
 def remat(fn: Callable[..., Any], policy: str = "full") -> Callable[..., Any]:

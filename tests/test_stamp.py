@@ -1,0 +1,130 @@
+"""Repeated regions (`torch.compiler.nested_compile_region`) are traced once and copied at every
+call: the program is the one op-by-op tracing records, node for node, and computes what eager does."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from torch.fx.node import map_arg
+
+import ndfunc as nf
+from models import llama
+from ndfunc._src.trace import trace
+
+UNMARKED = llama.decoder_layer.__marked_compile_region_fn__
+
+
+def canonical(graph: torch.fx.Graph) -> list:
+    """Each node as (op, target, arguments by position, annotations, shape, dtype, strides); remat
+    region ids numbered by first appearance."""
+    index, regions, out = {}, {}, []
+    for i, n in enumerate(graph.nodes):
+        index[n] = i
+        custom = dict(n.meta.get("custom") or {})
+        if "ndfunc_remat" in custom:
+            custom["ndfunc_remat"] = (regions.setdefault(custom["ndfunc_remat"][0], len(regions)),
+                                      custom["ndfunc_remat"][1])
+        val = n.meta.get("val")
+        described = (tuple(val.shape), val.dtype, val.stride()) if isinstance(val, torch.Tensor) else repr(val)
+        ref = lambda a: ("%", index[a])  # noqa: E731
+        out.append((n.op, str(n.target), str(map_arg(n.args, ref)), str(map_arg(n.kwargs, ref)),
+                    sorted(custom.items()), described))
+    return out
+
+
+def llama_step(cfg):
+    def step(params, batch):
+        return nf.value_and_grad(llama.loss)(params, batch, cfg)
+    return step
+
+
+@pytest.mark.parametrize("remat", [None, "full", "save_dots"])
+def test_a_traced_layer_copied_at_every_call_is_the_program_traced_op_by_op(monkeypatch, remat):
+    cfg = dataclasses.replace(llama.LlamaConfig.tiny(), n_layers=4, remat=remat)
+    params = llama.init(cfg, nf.random.key(0))
+    batch = {"tokens": torch.randint(0, 256, (2, 16)), "targets": torch.randint(0, 256, (2, 16))}
+    runs = []
+    attention = llama.attention
+    monkeypatch.setattr(llama, "attention", lambda *a: runs.append(1) or attention(*a))
+    stamped = trace(llama_step(cfg), (params, batch))
+    assert len(runs) < cfg.n_layers  # traced once (its shapes, then its ops), not once per layer
+    monkeypatch.setattr(llama, "decoder_layer", UNMARKED)
+    plain = trace(llama_step(cfg), (params, batch))
+    assert canonical(stamped.graph) == canonical(plain.graph)
+    loss, grads = stamped(params, batch)
+    want_loss, want_grads = llama_step(cfg)(params, batch)
+    torch.testing.assert_close(loss, want_loss)
+    torch.testing.assert_close(grads, want_grads)
+
+
+def test_a_remat_region_inside_a_copied_region_is_one_region_per_call(monkeypatch):
+    cfg = dataclasses.replace(llama.LlamaConfig.tiny(), n_layers=3)
+    params = llama.init(cfg, nf.random.key(0))
+    batch = {"tokens": torch.randint(0, 256, (2, 16)), "targets": torch.randint(0, 256, (2, 16))}
+    monkeypatch.setattr(llama, "decoder_layer",
+                        torch.compiler.nested_compile_region(nf.remat(UNMARKED, "save_dots")))
+    stamped = trace(llama_step(cfg), (params, batch))
+    monkeypatch.setattr(llama, "decoder_layer", nf.remat(UNMARKED, "save_dots"))
+    plain = trace(llama_step(cfg), (params, batch))
+    assert canonical(stamped.graph) == canonical(plain.graph)
+    regions = {n.meta["custom"]["ndfunc_remat"] for n in stamped.graph.nodes if "ndfunc_remat" in n.meta.get("custom", {})}
+    assert len(regions) == 3
+
+
+def test_a_region_runs_once_per_signature_however_often_it_is_called():
+    runs = []
+
+    @torch.compiler.nested_compile_region
+    def region(x, w):
+        runs.append(x.shape)
+        return torch.tanh(x @ w) + x
+
+    def step(x, w, calls, y):
+        def loss(x, w, y):
+            for _ in range(calls):
+                x = region(x, w)
+            return region(y, w[:3, :3]).sum() + x.sum()  # another signature
+        return nf.value_and_grad(loss, argnums=(0, 1))(x, w, y)
+
+    x, w, y = torch.randn(4, 8), torch.randn(8, 8) / 3, torch.randn(2, 3)
+    for calls in (2, 10):
+        runs.clear()
+        traced = trace(step, (x, w, calls, y), static_argnums=(2,))
+        assert len(runs) == len([s for s in runs if s == (4, 8)]) + len([s for s in runs if s == (2, 3)])
+        if calls == 2:
+            per_signature = len(runs)
+        assert len(runs) == per_signature  # not once per call
+        (value, grads), (want_value, want_grads) = traced(x, w, calls, y), step(x, w, calls, y)
+        torch.testing.assert_close(value, want_value)
+        torch.testing.assert_close(grads, want_grads)
+
+
+def test_regions_that_cannot_be_copied_are_traced_op_by_op_and_compute_what_eager_does():
+    @torch.compiler.nested_compile_region
+    def writes(x):
+        return x.mul_(2)
+
+    @torch.compiler.nested_compile_region
+    def returns_its_input(x):
+        return x
+
+    def closing_over(w):
+        @torch.compiler.nested_compile_region
+        def region(x):
+            return torch.sin(x) * w  # w: a traced tensor it was not passed
+        return region
+
+    def step(x, w):
+        a = x * 1
+        writes(a)
+        writes(a)
+        r = closing_over(torch.cos(w))
+        loss = lambda x: (r(r(x)) + returns_its_input(x) * 3).sum()  # noqa: E731
+        batched = torch.func.vmap(lambda row: closing_over(w[0])(row))(x.reshape(2, 2))  # under vmap
+        return a, nf.value_and_grad(loss)(x), batched
+
+    x, w = torch.randn(4), torch.randn(4)
+    got, want = trace(step, (x, w))(x, w), step(x, w)
+    torch.testing.assert_close(got, want)
