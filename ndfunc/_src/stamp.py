@@ -213,9 +213,7 @@ def _forward(template: Template, now: dict, tensors) -> tuple[list, dict]:
 
 
 def _like_node(node: torch.fx.Node) -> torch.Tensor:
-    val = node.meta["val"]
-    with torch_compat.outside_the_trace():
-        return _like(val)
+    return torch_compat.fake_like(node.meta["val"])
 
 
 class _Stamped(torch.autograd.Function):

@@ -323,8 +323,18 @@ def node_of(x: torch.Tensor, tracer) -> torch.fx.Node:
 
 
 def tracked(x: torch.Tensor, node: torch.fx.Node, tracer) -> torch.Tensor:
-    """`x`, recorded as what `node` makes (its `meta['val']` becomes `x`)."""
-    from torch.fx.experimental.proxy_tensor import track_tensor_tree
+    """`x` (of static shape), recorded as what `node` makes: its `meta['val']` becomes `x`; its
+    `meta['tensor_meta']` is left as it is (`track_tensor_tree` without the metadata made again)."""
+    from torch.fx.experimental.proxy_tensor import _ProxyTensor, set_proxy_slot
 
-    track_tensor_tree(x, torch.fx.Proxy(node, tracer), constant=None, tracer=tracer)
+    set_proxy_slot(x, tracer, _ProxyTensor(torch.fx.Proxy(node, tracer), None))
+    node.meta["val"] = x
     return x
+
+
+def fake_like(x: FakeTensor) -> FakeTensor:
+    """A new fake tensor of `x`'s fake mode, shape, strides, dtype and device, built on a meta
+    tensor: no mode or transform sees it made, so nothing is recorded."""
+    with torch._C.DisableTorchFunction(), torch._C._DisableFuncTorch(), no_dispatch_modes():
+        meta = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="meta")
+        return FakeTensor(x.fake_mode, meta, x.device)
