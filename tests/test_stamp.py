@@ -128,3 +128,19 @@ def test_regions_that_cannot_be_copied_are_traced_op_by_op_and_compute_what_eage
     x, w = torch.randn(4), torch.randn(4)
     got, want = trace(step, (x, w))(x, w), step(x, w)
     torch.testing.assert_close(got, want)
+
+
+def test_a_region_that_fails_to_trace_raises_its_own_error_from_its_own_line():
+    @torch.compiler.nested_compile_region
+    def region(x, w):
+        return x @ w  # (4, 8) @ (4, 8): the shapes do not match
+
+    with pytest.raises(RuntimeError, match=r"must have same reduction dim, but got \[4, 8\] X \[4, 8\]"):
+        trace(lambda x: region(x, x), (torch.randn(4, 8),))
+
+    @torch.compiler.nested_compile_region
+    def reads_a_value(x):
+        return x * 2 if x.sum() > 0 else x
+
+    with pytest.raises(nf.DataDependentError, match="test_stamp.py"):
+        trace(lambda x: reads_a_value(x), (torch.randn(4),))

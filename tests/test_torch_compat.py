@@ -207,3 +207,43 @@ def test_no_dispatch_modes_runs_ops_on_plain_tensors_inside_a_simulation():
             y = torch.ones(3) + 1
         assert type(y) is torch.Tensor and y.tolist() == [2.0, 2.0, 2.0]
         assert isinstance(torch.ones(3), compat.LocalTensor)
+
+
+def test_nested_regions_at_most_one_grad_transform_current_tracer_current_graph_outside_the_trace_trace_nested_node_of_tracked_fake_like():
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    calls, seen = [], {}
+
+    @torch.compiler.nested_compile_region
+    def region(x):
+        return x.sin()
+
+    def fn(x):
+        with compat.nested_regions(lambda f, args, kwargs: calls.append(f) or f(*args, **kwargs)):
+            y = region(x)
+        def note(name, value):
+            seen[name] = compat.at_most_one_grad_transform()
+            return value
+
+        seen["one grad"] = compat.at_most_one_grad_transform()
+        torch.func.grad(lambda x: note("under grad", x.sum()))(x)
+        torch.func.vmap(lambda r: note("under vmap", r))(x)
+        graph, tracer = compat.current_graph(), compat.current_tracer()
+        seen["graph"] = graph is tracer.graph
+        with compat.outside_the_trace():
+            before = len(graph.nodes)
+            x.cos()  # not recorded
+            seen["outside"] = len(graph.nodes) == before
+        sub = compat.trace_nested(lambda a: a * 2, [compat.fake_like(compat.node_of(x, tracer).meta["val"])])
+        seen["nested"] = [n.target for n in sub.graph.nodes if n.op == "call_function"]
+        node = graph.call_function(torch.ops.aten.neg.default, (compat.node_of(y, tracer),))
+        z = compat.tracked(compat.fake_like(compat.node_of(y, tracer).meta["val"]), node, tracer)
+        return z + 1
+
+    gm = make_fx(fn, tracing_mode="fake")(torch.randn(3))
+    assert calls == [region.__marked_compile_region_fn__]
+    assert region(torch.zeros(1)).item() == 0  # outside `nested_regions`: torch's own (eager: the call)
+    assert seen == {"one grad": True, "under grad": True, "under vmap": False, "graph": True, "outside": True,
+                    "nested": [torch.ops.aten.mul.Tensor]}
+    ops = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+    assert ops[0] is torch.ops.aten.sin.default and ops[-2:] == [torch.ops.aten.neg.default, torch.ops.aten.add.Tensor]

@@ -11,8 +11,12 @@ the function's Python or dispatching its ops again. A decoder layer traced once 
 a 70B model's. Gradients flow through an `autograd.Function` whose backward copies the template's
 backward.
 
-A region that writes into its inputs or returns one of them is traced op by op, as an unmarked
-function is; so is every call made outside `nf.jit`'s tracer (eager, `torch.compile`).
+A marked function must be pure, as torch.compile's regions are: what it computes depends only on
+its arguments (tensors by shape and dtype, the others by value), with no Python state read or
+written across calls. Traced op by op, as an unmarked function is: a region that writes into an
+input, returns one, or reads a tensor it was not passed (a closure's); a call under `vmap`, `jvp`
+or a `grad` of a `grad`; a call with an argument that is neither a tensor nor hashable. Outside
+`nf.jit`'s tracer the mark is torch's (eager: a plain call; torch.compile: one compiled region).
 """
 
 from __future__ import annotations
@@ -69,7 +73,10 @@ class Stamps:
         except TypeError:  # an argument that is neither a tensor nor hashable: traced op by op
             return fn(*args, **kwargs)
         if key not in self.templates:
-            self.templates[key] = _template(fn, leaves, spec, where)
+            try:
+                self.templates[key] = _template(fn, leaves, spec, where)
+            except Exception:  # noqa: BLE001 - op by op, the call raises its own error, with its line
+                self.templates[key] = None
         template = self.templates[key]
         if template is None:
             return fn(*args, **kwargs)
@@ -90,8 +97,8 @@ def _differentiated(x: torch.Tensor) -> bool:
     return bool(x.requires_grad) and x.is_floating_point()
 
 
-def _constant(x: Any) -> Any:
-    return x if isinstance(x, (int, float, bool, str, type(None), torch.dtype)) else (type(x), id(x), x)
+def _constant(x: Any) -> tuple:
+    return type(x), x  # (True, 1 and 1.0 are equal, and may make different programs)
 
 
 def _annotations() -> dict:
@@ -144,6 +151,8 @@ def _template(fn: Callable, leaves: list, spec: Any, where: list[int]) -> Templa
     ops = [n for n in nodes if n.op not in ("placeholder", "output")]
     if any(n.op != "call_function" or _writes_input(n) for n in ops):
         return None  # it writes into an input, or reads a tensor that is not an argument (a closure's)
+    if not all(isinstance(x, torch.fx.Node) for x in output):
+        return None
     split = mark[0] - len(placeholders)
     grads: list = [None] * len(tensors)
     it = iter(output[len(out_tensors):])
