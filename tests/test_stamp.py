@@ -11,6 +11,7 @@ from torch.fx.node import map_arg
 
 import ndfunc as nf
 from models import llama
+from ndfunc._src import regions, stamp
 from ndfunc._src.trace import trace
 
 UNMARKED = llama.decoder_layer.__marked_compile_region_fn__
@@ -34,29 +35,36 @@ def canonical(graph: torch.fx.Graph) -> list:
     return out
 
 
-def llama_step(cfg):
-    def step(params, batch):
-        return nf.value_and_grad(llama.loss)(params, batch, cfg)
+def llama_step(cfg, opt):
+    def step(params, state, batch):
+        loss, grads = nf.value_and_grad(llama.loss)(params, batch, cfg)
+        updates, state = opt.update(grads, state, params)
+        return nf.optim.apply_updates(params, updates), state, loss
     return step
 
 
+def op_by_op(monkeypatch):
+    """Every marked region traced as if it were not marked: the reference."""
+    monkeypatch.setattr(stamp.Stamps, "call", lambda self, fn, args, kwargs: fn(*args, **kwargs))
+
+
 @pytest.mark.parametrize("remat", [None, "full", "save_dots"])
-def test_a_traced_layer_copied_at_every_call_is_the_program_traced_op_by_op(monkeypatch, remat):
+def test_a_step_with_copied_layers_and_optimizer_leaves_is_the_program_traced_op_by_op(monkeypatch, remat):
     cfg = dataclasses.replace(llama.LlamaConfig.tiny(), n_layers=4, remat=remat)
-    params = llama.init(cfg, nf.random.key(0))
+    opt = nf.optim.adamw(1e-3, weight_decay=0.1)
+    # float64: Adam's first step is sign(g), and near g = 0 float32's summation order would pick it
+    params = llama.init(cfg, nf.random.key(0), dtype=torch.float64)
+    state = opt.init(params)
     batch = {"tokens": torch.randint(0, 256, (2, 16)), "targets": torch.randint(0, 256, (2, 16))}
     runs = []
     attention = llama.attention
     monkeypatch.setattr(llama, "attention", lambda *a: runs.append(1) or attention(*a))
-    stamped = trace(llama_step(cfg), (params, batch))
+    stamped = trace(llama_step(cfg, opt), (params, state, batch))
     assert len(runs) < cfg.n_layers  # traced once (its shapes, then its ops), not once per layer
-    monkeypatch.setattr(llama, "decoder_layer", UNMARKED)
-    plain = trace(llama_step(cfg), (params, batch))
+    op_by_op(monkeypatch)
+    plain = trace(llama_step(cfg, opt), (params, state, batch))
     assert canonical(stamped.graph) == canonical(plain.graph)
-    loss, grads = stamped(params, batch)
-    want_loss, want_grads = llama_step(cfg)(params, batch)
-    torch.testing.assert_close(loss, want_loss)
-    torch.testing.assert_close(grads, want_grads)
+    torch.testing.assert_close(stamped(params, state, batch), llama_step(cfg, opt)(params, state, batch))
 
 
 def test_a_remat_region_inside_a_copied_region_is_one_region_per_call(monkeypatch):
@@ -65,18 +73,20 @@ def test_a_remat_region_inside_a_copied_region_is_one_region_per_call(monkeypatc
     batch = {"tokens": torch.randint(0, 256, (2, 16)), "targets": torch.randint(0, 256, (2, 16))}
     monkeypatch.setattr(llama, "decoder_layer",
                         torch.compiler.nested_compile_region(nf.remat(UNMARKED, "save_dots")))
-    stamped = trace(llama_step(cfg), (params, batch))
+    step = lambda params, batch: nf.value_and_grad(llama.loss)(params, batch, cfg)  # noqa: E731
+    stamped = trace(step, (params, batch))
     monkeypatch.setattr(llama, "decoder_layer", nf.remat(UNMARKED, "save_dots"))
-    plain = trace(llama_step(cfg), (params, batch))
+    plain = trace(step, (params, batch))
     assert canonical(stamped.graph) == canonical(plain.graph)
     regions = {n.meta["custom"]["ndfunc_remat"] for n in stamped.graph.nodes if "ndfunc_remat" in n.meta.get("custom", {})}
     assert len(regions) == 3
 
 
-def test_a_region_runs_once_per_signature_however_often_it_is_called():
+@pytest.mark.parametrize("mark", [torch.compiler.nested_compile_region, regions.repeated], ids=["torch's", "ndfunc's"])
+def test_a_region_runs_once_per_signature_however_often_it_is_called(mark):
     runs = []
 
-    @torch.compiler.nested_compile_region
+    @mark
     def region(x, w):
         runs.append(x.shape)
         return torch.tanh(x @ w) + x

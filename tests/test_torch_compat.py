@@ -209,18 +209,20 @@ def test_no_dispatch_modes_runs_ops_on_plain_tensors_inside_a_simulation():
         assert isinstance(torch.ones(3), compat.LocalTensor)
 
 
-def test_nested_regions_at_most_one_grad_transform_current_tracer_current_graph_outside_the_trace_trace_nested_node_of_tracked_fake_like():
+def test_route_nested_compile_regions_at_most_one_grad_transform_current_tracer_current_graph_outside_the_trace_trace_nested_node_of_tracked_fake_like():
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    calls, seen = [], {}
+    calls, seen, route = [], {}, []
+    compat.route_nested_compile_regions(lambda: route[-1] if route else None)
 
     @torch.compiler.nested_compile_region
     def region(x):
         return x.sin()
 
     def fn(x):
-        with compat.nested_regions(lambda f, args, kwargs: calls.append(f) or f(*args, **kwargs)):
-            y = region(x)
+        route.append(lambda f, args, kwargs: calls.append(f) or f(*args, **kwargs))
+        y = region(x)
+        route.pop()
         def note(name, value):
             seen[name] = compat.at_most_one_grad_transform()
             return value
@@ -242,7 +244,7 @@ def test_nested_regions_at_most_one_grad_transform_current_tracer_current_graph_
 
     gm = make_fx(fn, tracing_mode="fake")(torch.randn(3))
     assert calls == [region.__marked_compile_region_fn__]
-    assert region(torch.zeros(1)).item() == 0  # outside `nested_regions`: torch's own (eager: the call)
+    assert region(torch.zeros(1)).item() == 0  # routed nowhere: torch's own (eager: the call)
     assert seen == {"one grad": True, "under grad": True, "under vmap": False, "graph": True, "outside": True,
                     "nested": [torch.ops.aten.mul.Tensor]}
     ops = [n.target for n in gm.graph.nodes if n.op == "call_function"]

@@ -9,7 +9,6 @@ torch upgrade is checked in one file (then widen `torch<` in pyproject.toml).
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import functools
 import re
 import threading
@@ -56,7 +55,7 @@ __all__ = [
     "unset_fake_temporarily", "view_rule", "no_dispatch_modes", "rules_without_costs", "REDISTRIBUTE_LOGGER", "random_rng_tracker", "set_random_rng_tracker", "flattened",
     "functional_collectives", "process_group_ranks", "local_reduce", "shape_only_device_mesh", "traced_as_compiling", "DataDependentOutputException",
     "DynamicOutputShapeException", "core_aten_decompositions", "decomposition_table",
-    "nested_regions", "at_most_one_grad_transform", "current_tracer", "current_graph", "outside_the_trace",
+    "route_nested_compile_regions", "at_most_one_grad_transform", "current_tracer", "current_graph", "outside_the_trace",
     "trace_nested", "node_of", "tracked", "fake_like",
 ]
 
@@ -261,31 +260,18 @@ def traced_as_compiling():
         compiler._is_compiling_flag = old
 
 
-_REGION_CALL: contextvars.ContextVar[Callable | None] = contextvars.ContextVar("ndfunc_region_call", default=None)
-
-
-@contextlib.contextmanager
-def nested_regions(call: Callable):
-    """Inside (this thread, this context), a call of a function marked with
-    `torch.compiler.nested_compile_region` is `call(fn, args, kwargs)`; elsewhere the mark does
-    what torch's does (eager: calls `fn`; torch.compile reads it in Dynamo)."""
-    _route_marked_regions()
-    token = _REGION_CALL.set(call)
-    try:
-        yield
-    finally:
-        _REGION_CALL.reset(token)
-
-
 @functools.cache
-def _route_marked_regions() -> None:
+def route_nested_compile_regions(current: Callable) -> None:
+    """From now on, a call of a function marked with `torch.compiler.nested_compile_region` is
+    `current()(fn, args, kwargs)` where `current()` gives a function; where it gives None, the mark
+    does what torch's does (eager: calls `fn`; torch.compile reads the mark in Dynamo)."""
     import importlib
 
     module = importlib.import_module("torch._higher_order_ops.invoke_subgraph")  # (the package's name is the op)
     torch_call = module.invoke_subgraph_placeholder
 
     def placeholder(fn, *args, **kwargs):
-        call = _REGION_CALL.get()
+        call = current()
         return torch_call(fn, *args, **kwargs) if call is None else call(fn, args, kwargs)
 
     module.invoke_subgraph_placeholder = placeholder

@@ -45,6 +45,7 @@ from ndfunc._src.constraints import decode_spec, sharding_constraint_op
 from ndfunc._src.runtime import simulation_paused
 from ndfunc._src.sharding.partition_spec import PartitionSpec
 from ndfunc._src.sharding.shape_dtype import ShapeDtypeStruct
+from ndfunc._src import regions
 from ndfunc._src.stamp import Stamps
 from ndfunc._src.torch_compat import (
     DataDependentOutputException,
@@ -53,7 +54,6 @@ from ndfunc._src.torch_compat import (
     LocalTensor,
     TorchDispatchMode,
     lazy_graph_modules,
-    nested_regions,
     traced_as_compiling,
 )
 
@@ -155,7 +155,7 @@ def trace(fn: Callable, args: Sequence[Any], kwargs: dict | None = None, *, stat
             # annotations (nf.remat's regions) reach the nodes; the graph's Python code is written
             # only if the traced program is called or shown (the partitioner reads the graph)
             with (fx_traceback.preserve_node_meta(), traced_as_compiling(), _Traceable(), lazy_graph_modules(True),
-                  nested_regions(Stamps().call)):
+                  regions.routed(Stamps().call)):
                 graph_module = make_fx(flat_fn, decomposition_table={**(decompositions or {}), **_DECOMPOSITIONS},
                                        tracing_mode="fake", record_stack_traces=record_stack_traces)(*fakes)
         except (DataDependentOutputException, DynamicOutputShapeException) as e:

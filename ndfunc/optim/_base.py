@@ -13,6 +13,7 @@ from typing import Any, NamedTuple, Protocol
 import optree
 import torch
 
+from ndfunc._src.regions import repeated
 from ndfunc._src.sharding.shape_dtype import eval_shape, has_stand_ins, is_stand_in
 
 PyTree = Any
@@ -154,7 +155,12 @@ def apply_updates(params: Params, updates: Updates) -> Params:
     """
     check_same_structure(params, updates, "params", "updates",
                          "pass the updates that opt.update(grads, state, params) returned")
-    return optree.tree_map(lambda p, u: (p + u).to(p.dtype), params, updates)
+    return optree.tree_map(_apply, params, updates)
+
+
+@repeated  # under nf.jit: traced once per leaf shape, copied to the other leaves of that shape
+def _apply(p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    return (p + u).to(p.dtype)
 
 
 def check_same_structure(a: PyTree, b: PyTree, a_name: str, b_name: str, fix: str) -> None:

@@ -14,6 +14,7 @@ from typing import Any, NamedTuple
 import optree
 import torch
 
+from ndfunc._src.regions import repeated as leafwise  # under nf.jit: traced once per leaf shape, copied
 from ndfunc.optim._base import (
     EmptyState,
     GradientTransformation,
@@ -200,8 +201,8 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, eps_roo
         check_same_structure(state.mu, updates, "the Adam state", "updates",
                              "pass gradients shaped like the params given to init")
         # lerp and addcmul, as torch.optim: one pass over each moment, not three or four
-        mu = optree.tree_map(lambda g, m: torch.lerp(m.to(g.dtype), g, 1 - b1), updates, state.mu)
-        nu = optree.tree_map(lambda g, v: torch.addcmul(b2 * v, g, g, value=1 - b2), updates, state.nu)
+        mu = optree.tree_map(leafwise(lambda g, m: torch.lerp(m.to(g.dtype), g, 1 - b1)), updates, state.mu)
+        nu = optree.tree_map(leafwise(lambda g, v: torch.addcmul(b2 * v, g, g, value=1 - b2)), updates, state.nu)
         count = safe_increment(state.count)
 
         corrections: dict = {}  # once per dtype, not per leaf
@@ -211,14 +212,19 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, eps_roo
                 corrections[decay, dtype] = _bias_correction(decay, count, dtype)
             return corrections[decay, dtype]
 
-        def rescale(m, v):
-            v_hat = v / correction(b2, v.dtype)
+        @leafwise
+        def rescale(m, v, c1, c2):
+            v_hat = v / c2
             denom = torch.sqrt(v_hat + eps_root if eps_root else v_hat) + eps
             # mu_hat / denom, dividing by the correction last: under nf.jit the quotient is
             # written into denom's buffer, not a fresh one (mu itself is kept as state)
-            return m / denom / correction(b1, m.dtype)
+            return m / denom / c1
 
-        updates = optree.tree_map(rescale, mu, nu)
+        def corrected(m, v):
+            c2 = correction(b2, v.dtype)
+            return rescale(m, v, correction(b1, m.dtype), c2)
+
+        updates = optree.tree_map(corrected, mu, nu)
         if mu_dtype is not None:
             mu = optree.tree_map(lambda m: m.to(mu_dtype), mu)
         return updates, ScaleByAdamState(count=count, mu=mu, nu=nu)
@@ -259,6 +265,7 @@ def add_decayed_weights(weight_decay: float = 0.0,
         params = require_params(params, "add_decayed_weights (weight decay)")
         check_same_structure(params, updates, "params", "updates",
                              "pass gradients shaped like the params")
+        @leafwise
         def decay(g, p):
             if isinstance(weight_decay, torch.Tensor):
                 return g + _times(weight_decay, p).to(g.dtype)
