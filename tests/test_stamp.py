@@ -5,14 +5,16 @@ from __future__ import annotations
 
 import dataclasses
 
+import optree
 import pytest
 import torch
 from torch.fx.node import map_arg
 
 import ndfunc as nf
-from models import llama
+from models import llama, train
 from ndfunc._src import regions, stamp
 from ndfunc._src.trace import trace
+from ndfunc.sharding import NamedSharding
 
 UNMARKED = llama.decoder_layer.__marked_compile_region_fn__
 
@@ -154,3 +156,24 @@ def test_a_region_that_fails_to_trace_raises_its_own_error_from_its_own_line():
 
     with pytest.raises(nf.DataDependentError, match="test_stamp.py"):
         trace(lambda x: reads_a_value(x), (torch.randn(4),))
+
+
+def test_a_lowered_step_with_fsdp_mixed_precision_and_remat_is_the_program_lowered_op_by_op(monkeypatch):
+    cfg = dataclasses.replace(llama.LlamaConfig.tiny(), n_layers=3, remat="full")
+    config = nf.ParallelConfig(dp_shard_size=2, tp_size=2)
+    opt = nf.optim.adamw(1e-3, weight_decay=0.1)
+    mesh = config.build_abstract_mesh()
+    specs = nf.sharding.logical_to_mesh(llama.param_axes(cfg), config.rules)
+    params = llama.abstract_params(cfg, optree.tree_map(lambda s: NamedSharding(mesh, s), specs))
+    args = (params, opt.init(params), train.abstract_batch(config, mesh, config.dp_world_size, 32))
+
+    def lowered():
+        step = nf.jit(train.make_step(cfg, opt, config.rules), mesh=mesh,
+                      transforms=[nf.fsdp("dp_shard"), nf.mixed_precision(torch.bfloat16)])
+        return step.lower(*args)
+
+    copied = lowered()
+    op_by_op(monkeypatch)
+    traced = lowered()
+    assert copied.as_text() == traced.as_text()
+    assert copied.memory_analysis() == traced.memory_analysis()
