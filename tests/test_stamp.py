@@ -20,8 +20,8 @@ UNMARKED = llama.decoder_layer.__marked_compile_region_fn__
 
 
 def canonical(graph: torch.fx.Graph) -> list:
-    """Each node as (op, target, arguments by position, annotations, shape, dtype, strides); remat
-    region ids numbered by first appearance."""
+    """Each node as (name, op, target, arguments by position, annotations, shape, dtype, strides);
+    remat region ids numbered by first appearance."""
     index, regions, out = {}, {}, []
     for i, n in enumerate(graph.nodes):
         index[n] = i
@@ -32,7 +32,7 @@ def canonical(graph: torch.fx.Graph) -> list:
         val = n.meta.get("val")
         described = (tuple(val.shape), val.dtype, val.stride()) if isinstance(val, torch.Tensor) else repr(val)
         ref = lambda a: ("%", index[a])  # noqa: E731
-        out.append((n.op, str(n.target), str(map_arg(n.args, ref)), str(map_arg(n.kwargs, ref)),
+        out.append((n.name, n.op, str(n.target), str(map_arg(n.args, ref)), str(map_arg(n.kwargs, ref)),
                     sorted(custom.items()), described))
     return out
 

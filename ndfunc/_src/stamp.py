@@ -52,6 +52,7 @@ class Template:
     out_leaves: list[Any]  # the outputs' leaves, tensors as None
     out_spec: Any
     context: dict  # the annotations in force where it was traced
+    pending: dict | None = None  # the forward being copied: its nodes, for `_Stamped.setup_context`
 
 
 class Stamps:
@@ -94,7 +95,7 @@ def _signature(x: torch.Tensor) -> tuple:
 
 
 def _differentiated(x: torch.Tensor) -> bool:
-    return bool(x.requires_grad) and x.is_floating_point()
+    return bool(x.requires_grad) and (x.is_floating_point() or x.is_complex())
 
 
 def _constant(x: Any) -> tuple:
@@ -195,7 +196,8 @@ def _copy(nodes: list, env: dict, graph: torch.fx.Graph, now: dict, then: dict) 
     annotations are those in force `now` with those the region made itself (beyond `then`'s)."""
     fresh: dict = {}
     for n in nodes:
-        new = graph.create_node(n.op, n.target, map_arg(n.args, env.__getitem__), map_arg(n.kwargs, env.__getitem__))
+        new = graph.create_node(n.op, n.target, map_arg(n.args, env.__getitem__), map_arg(n.kwargs, env.__getitem__),
+                                name=_name(graph, n.target))
         new.meta = dict(n.meta)
         own = {k: _renumbered(k, v, fresh) for k, v in (n.meta.get("custom") or {}).items()
                if k not in then or then[k] != v}
@@ -204,6 +206,12 @@ def _copy(nodes: list, env: dict, graph: torch.fx.Graph, now: dict, then: dict) 
         else:
             new.meta.pop("custom", None)
         env[n] = new
+
+
+def _name(graph: torch.fx.Graph, target: Any) -> str | None:
+    """The name `make_fx` gives a node of `target` (an op's packet name: `add`, `add_1`, ...)."""
+    packet = getattr(target, "overloadpacket", None)
+    return None if packet is None else graph._target_to_str(packet.__name__)
 
 
 def _renumbered(key: str, mark: Any, fresh: dict) -> Any:

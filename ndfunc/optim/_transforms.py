@@ -212,17 +212,19 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, eps_roo
                 corrections[decay, dtype] = _bias_correction(decay, count, dtype)
             return corrections[decay, dtype]
 
-        @leafwise
-        def rescale(m, v, c1, c2):
-            v_hat = v / c2
+        def rescale(m, v, c1=None, c2=None):
+            v_hat = v / (correction(b2, v.dtype) if c2 is None else c2)
             denom = torch.sqrt(v_hat + eps_root if eps_root else v_hat) + eps
             # mu_hat / denom, dividing by the correction last: under nf.jit the quotient is
             # written into denom's buffer, not a fresh one (mu itself is kept as state)
-            return m / denom / c1
+            return m / denom / (correction(b1, m.dtype) if c1 is None else c1)
 
-        def corrected(m, v):
-            c2 = correction(b2, v.dtype)
-            return rescale(m, v, correction(b1, m.dtype), c2)
+        copied = leafwise(rescale)
+
+        def corrected(m, v):  # the first leaf of each dtype makes its corrections; the others copy it
+            if (b1, m.dtype) in corrections and (b2, v.dtype) in corrections:
+                return copied(m, v, corrections[b1, m.dtype], corrections[b2, v.dtype])
+            return rescale(m, v)
 
         updates = optree.tree_map(corrected, mu, nu)
         if mu_dtype is not None:
