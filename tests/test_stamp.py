@@ -177,3 +177,96 @@ def test_a_lowered_step_with_fsdp_mixed_precision_and_remat_is_the_program_lower
     traced = lowered()
     assert copied.as_text() == traced.as_text()
     assert copied.memory_analysis() == traced.memory_analysis()
+
+
+def same_as_op_by_op(monkeypatch, step, args, in_order=True):
+    """`step` traced with its regions copied is the program traced op by op, and computes what eager
+    does. Not `in_order`: the same ops, some in another order (where a region's gradient meets
+    another's, autograd runs a copied backward at once, and adds the two when it has both)."""
+    copied = trace(step, args)
+    with monkeypatch.context() as m:
+        op_by_op(m)
+        traced = trace(step, args)
+    if in_order:
+        assert canonical(copied.graph) == canonical(traced.graph)
+    else:
+        ops = lambda g: sorted((n.op, str(n.target), str(n.meta.get("val"))) for n in g.nodes)  # noqa: E731
+        assert ops(copied.graph) == ops(traced.graph)
+    torch.testing.assert_close(copied(*args), step(*args))
+
+
+@pytest.mark.parametrize("case", ["expanded gradient", "gradient passed on", "unused input and outputs"])
+def test_gradients_come_in_strided_as_they_are_and_unused_inputs_and_outputs_get_none(monkeypatch, case):
+    region = torch.compiler.nested_compile_region
+
+    @region
+    def linear(x, w):
+        return torch.tanh(x) @ w
+
+    @region
+    def add(a, b):
+        return a + b  # the gradient of each is the one coming in
+
+    @region
+    def two(x, w, unused):
+        y = torch.tanh(x @ w)
+        return y, y.sum(-1), x * 2  # the second's gradient never comes; the third's cannot
+
+    def loss(x, w, b):
+        if case == "expanded gradient":
+            return (linear(x, w).sum(1) ** 2).sum()  # its gradient comes in with strides (8, 0, 1)
+        if case == "gradient passed on":
+            return (add(add(x, x * 2), x).sum(1) ** 2).sum()
+        h, _, c = two(x.reshape(8, 8), w, b)
+        h, _, _ = two(h, w, b)
+        return (h * c.exp()).sum()
+
+    def step(x, w):
+        return nf.value_and_grad(loss, argnums=(0, 1, 2))(x, w, torch.zeros(3))
+
+    # w is read by both calls of `two`: its two gradients meet
+    same_as_op_by_op(monkeypatch, step, (torch.randn(2, 4, 8), torch.randn(8, 8) / 3),
+                     in_order=case != "unused input and outputs")
+
+
+def test_what_else_makes_a_program_keys_the_copy(monkeypatch):
+    @torch.compiler.nested_compile_region
+    def region(x, w, scale):
+        return (x @ w) * scale + torch.ones(()) * 2
+
+    def step(x, w):
+        outs = [region(x, w, 0.0), region(x, w, -0.0)]  # equal, and not the same program
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            outs.append(region(x, w, 1.0))
+        outs.append(region(x, w, 1.0))
+        outs.append(region(x, MASK, 1.0))  # a tensor the trace did not make: op by op
+        return outs
+
+    MASK = torch.eye(8)
+    same_as_op_by_op(monkeypatch, step, (torch.randn(4, 8), torch.randn(8, 8)))
+    def step64(x):  # the default dtype, changed between calls
+        a = region(x, x.T, 1.0)
+        old = torch.get_default_dtype()
+        torch.set_default_dtype(torch.float64)
+        try:
+            return a, region(x, x.T, 1.0)
+        finally:
+            torch.set_default_dtype(old)
+
+    same_as_op_by_op(monkeypatch, step64, (torch.randn(4, 4),))
+
+
+def test_a_region_output_written_in_place_before_backward_is_refused_as_op_by_op():
+    @torch.compiler.nested_compile_region
+    def region(x, w):
+        return torch.tanh(x @ w)  # its backward reads its output
+
+    def step(x, w):
+        def loss(w):
+            y = region(x, w)
+            y.mul_(2)
+            return y.sum()
+        return nf.value_and_grad(loss)(w)
+
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        trace(step, (torch.randn(4, 8), torch.randn(8, 8)))

@@ -209,7 +209,7 @@ def test_no_dispatch_modes_runs_ops_on_plain_tensors_inside_a_simulation():
         assert isinstance(torch.ones(3), compat.LocalTensor)
 
 
-def test_route_nested_compile_regions_at_most_one_grad_transform_current_tracer_current_graph_outside_the_trace_trace_nested_node_of_tracked_fake_like():
+def test_route_nested_compile_regions_at_most_one_grad_transform_under_grad_transform_function_modes_current_tracer_current_graph_outside_the_trace_trace_nested_node_of_tracked_fake_like():
     from torch.fx.experimental.proxy_tensor import make_fx
 
     calls, seen, route = [], {}, []
@@ -224,10 +224,10 @@ def test_route_nested_compile_regions_at_most_one_grad_transform_current_tracer_
         y = region(x)
         route.pop()
         def note(name, value):
-            seen[name] = compat.at_most_one_grad_transform()
+            seen[name] = compat.at_most_one_grad_transform(), compat.under_grad_transform()
             return value
 
-        seen["one grad"] = compat.at_most_one_grad_transform()
+        seen["one grad"] = compat.at_most_one_grad_transform(), compat.under_grad_transform()
         torch.func.grad(lambda x: note("under grad", x.sum()))(x)
         torch.func.vmap(lambda r: note("under vmap", r))(x)
         graph, tracer = compat.current_graph(), compat.current_tracer()
@@ -243,9 +243,12 @@ def test_route_nested_compile_regions_at_most_one_grad_transform_current_tracer_
         return z + 1
 
     gm = make_fx(fn, tracing_mode="fake")(torch.randn(3))
+    with torch.overrides.TorchFunctionMode() as mode:
+        assert compat.function_modes()[-1] is mode
     assert calls == [region.__marked_compile_region_fn__]
     assert region(torch.zeros(1)).item() == 0  # routed nowhere: torch's own (eager: the call)
-    assert seen == {"one grad": True, "under grad": True, "under vmap": False, "graph": True, "outside": True,
+    assert seen == {"one grad": (True, False), "under grad": (True, True), "under vmap": (False, True), "graph": True,
+                    "outside": True,
                     "nested": [torch.ops.aten.mul.Tensor]}
     ops = [n.target for n in gm.graph.nodes if n.op == "call_function"]
     assert ops[0] is torch.ops.aten.sin.default and ops[-2:] == [torch.ops.aten.neg.default, torch.ops.aten.add.Tensor]

@@ -17,6 +17,8 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 from ndfunc._src import torch_compat
 
 _CALL: contextvars.ContextVar[Callable | None] = contextvars.ContextVar("ndfunc_region_call", default=None)
@@ -26,6 +28,8 @@ def repeated(fn: Callable) -> Callable:
     """`fn`, marked: under `nf.jit`'s tracer, traced once per signature and copied at each call."""
     @functools.wraps(fn)
     def marked(*args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_dynamo_compiling():  # (Dynamo reads no context variable)
+            return fn(*args, **kwargs)
         call = _CALL.get()
         return fn(*args, **kwargs) if call is None else call(fn, args, kwargs)
 

@@ -1,22 +1,36 @@
-"""Repeated regions, traced once and stamped at every call.
+"""Repeated regions, traced once and copied at every call.
 
 A function marked with `torch.compiler.nested_compile_region` (PyTorch's word for "this region
-repeats: compile it once") is, under `nf.jit`'s tracer, traced once per signature (the structure
-of its arguments, each tensor's shape, dtype, strides and whether it is differentiated, and the
-values of the others) into a template: its forward and, where an input is differentiated, its
-backward (`torch.func.vjp`). Every call then copies the template's nodes into the program, wired
-to the call's inputs, as the tracer would have recorded them op by op: the same ops in the same
-order, the same annotations (`nf.remat`'s region, forward and backward marks), without running
-the function's Python or dispatching its ops again. A decoder layer traced once serves all 80 of
-a 70B model's. Gradients flow through an `autograd.Function` whose backward copies the template's
-backward.
+repeats: compile it once") or with ndfunc's `regions.repeated` is, under `nf.jit`'s tracer, traced
+once per signature into a template: its forward and, where an input is differentiated under a
+`torch.func` grad, its backward (`torch.func.vjp`). The signature is:
+- the arguments' structure;
+- each tensor's shape, strides, offset, dtype, device and whether it is differentiated;
+- the other arguments' types and values (floats by their bits);
+- grad and inference mode, the default dtype, autocast's state and the function modes in force.
+Every call then copies the template's forward nodes into the program, wired to the call's inputs,
+as the tracer would have recorded them op by op: the same ops, named alike, with the same
+annotations (`nf.remat`'s regions, the forward and backward marks). The function's Python is not
+run and its ops are not dispatched again. A decoder layer traced once serves all 80 of a 70B
+model's. Gradients flow through an `autograd.Function`. Its backward copies the template's
+backward; where gradients come in strided otherwise, or not at all to some outputs, it copies a
+backward traced for that (`_variant`). Inputs the region does not use get no gradient, and outputs
+that no differentiated input reaches are not differentiable, as op by op. What its backward reads
+is saved as autograd saves it, so a write in place in between is refused as op by op. Where one
+region's gradient meets another's (a weight read by two calls), autograd may add them in another
+order than op by op: the same values.
 
 A marked function must be pure, as torch.compile's regions are: what it computes depends only on
-its arguments (tensors by shape and dtype, the others by value), with no Python state read or
-written across calls. Traced op by op, as an unmarked function is: a region that writes into an
-input, returns one, or reads a tensor it was not passed (a closure's); a call under `vmap`, `jvp`
-or a `grad` of a `grad`; a call with an argument that is neither a tensor nor hashable. Outside
-`nf.jit`'s tracer the mark is torch's (eager: a plain call; torch.compile: one compiled region).
+its arguments and the state above, with no Python state read or written across calls. These are
+traced op by op, as unmarked code is:
+- a region that writes into an input, returns one, returns two outputs sharing memory, or reads a
+  tensor it was not passed (a closure's);
+- a call under `vmap`, `jvp` or a grad of a grad;
+- a differentiated call under plain autograd, which may differentiate twice;
+- a call given a tensor the trace did not make (a constant), or an unhashable argument;
+- a region whose template fails to trace, which then raises its own error from its own line.
+Outside `nf.jit`'s tracer the mark is what it is there (torch's: a plain call eager, one compiled
+region under torch.compile; ndfunc's: a plain call).
 """
 
 from __future__ import annotations
@@ -52,6 +66,10 @@ class Template:
     out_leaves: list[Any]  # the outputs' leaves, tensors as None
     out_spec: Any
     context: dict  # the annotations in force where it was traced
+    rebuild: tuple = ()  # (fn, leaves, spec, where, grad): to trace it again for other gradient strides
+    differentiable: list = dataclasses.field(default_factory=list)  # per tensor output: made from a differentiated input
+    saved: tuple = ((), ())  # which inputs and outputs its backward reads (as autograd saves them)
+    variants: dict = dataclasses.field(default_factory=dict)  # gradient strides -> the backward traced for them
     pending: dict | None = None  # the forward being copied: its nodes, for `_Stamped.setup_context`
 
 
@@ -65,51 +83,72 @@ class Stamps:
         leaves, spec = optree.tree_flatten((args, kwargs), none_is_leaf=True)
         where = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
         tensors = [leaves[i] for i in where]
-        if not torch_compat.at_most_one_grad_transform():  # vmap, jvp, grad of grad: op by op
+        tracer = torch_compat.current_tracer()
+        # op by op: under vmap, jvp or a grad of a grad; outside a trace (`nf.eval_shape` of it, the
+        # shape pass of a region around this one); on a tensor the trace did not make (a constant)
+        if tracer is None or not torch_compat.at_most_one_grad_transform():
             return fn(*args, **kwargs)
+        nodes = [torch_compat.node_of(x, tracer) for x in tensors]
+        if any(n is None for n in nodes):
+            return fn(*args, **kwargs)
+        grad = torch.is_grad_enabled()
+        if grad and not torch_compat.under_grad_transform() and any(_differentiated(x, grad) for x in tensors):
+            return fn(*args, **kwargs)  # plain autograd may differentiate twice (create_graph): op by op
         try:
-            key = (fn, spec, tuple(_signature(x) for x in tensors),
-                   tuple(_constant(x) for x in leaves if not isinstance(x, torch.Tensor)))
+            key = (fn, spec, tuple(_signature(x, grad) for x in tensors),
+                   tuple(_constant(x) for x in leaves if not isinstance(x, torch.Tensor)), _context())
             hash(key)
         except TypeError:  # an argument that is neither a tensor nor hashable: traced op by op
             return fn(*args, **kwargs)
         if key not in self.templates:
             try:
-                self.templates[key] = _template(fn, leaves, spec, where)
+                self.templates[key] = _template(fn, leaves, spec, where, grad)
             except Exception:  # noqa: BLE001 - op by op, the call raises its own error, with its line
                 self.templates[key] = None
         template = self.templates[key]
         if template is None:
             return fn(*args, **kwargs)
-        if any(g is not None for g in template.grads) and torch.is_grad_enabled():
+        if any(g is not None for g in template.grads):
             outs = _Stamped.apply(template, _annotations(), *tensors)
         else:
-            outs = _forward(template, _annotations(), tensors)[0]
+            outs = _forward(template, _annotations(), nodes, tracer)[0]
         outs = iter(outs)
         out_leaves = [next(outs) if x is None else x for x in template.out_leaves]
         return optree.tree_unflatten(template.out_spec, out_leaves)
 
 
-def _signature(x: torch.Tensor) -> tuple:
-    return (tuple(x.shape), tuple(x.stride()), x.dtype, x.device, _differentiated(x))
+def _signature(x: torch.Tensor, grad: bool) -> tuple:
+    return (tuple(x.shape), tuple(x.stride()), x.storage_offset(), x.dtype, x.device, _differentiated(x, grad))
 
 
-def _differentiated(x: torch.Tensor) -> bool:
-    return bool(x.requires_grad) and (x.is_floating_point() or x.is_complex())
+def _differentiated(x: torch.Tensor, grad: bool) -> bool:
+    return grad and bool(x.requires_grad) and (x.is_floating_point() or x.is_complex())
 
 
 def _constant(x: Any) -> tuple:
-    return type(x), x  # (True, 1 and 1.0 are equal, and may make different programs)
+    # by type (True, 1 and 1.0 are equal and may make different programs); floats by their bits
+    # (0.0 == -0.0; nan != nan)
+    return (float, x.hex()) if type(x) is float else (type(x), x)
+
+
+def _context() -> tuple:
+    """What else a region's program depends on: grad and inference mode, the default dtype,
+    autocast's state on each device kind, the function modes in force."""
+    autocast = tuple((d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in ("cpu", "cuda"))
+    return (torch.is_grad_enabled(), torch.is_inference_mode_enabled(), torch.get_default_dtype(), autocast,
+            tuple(type(m) for m in torch_compat.function_modes()))
 
 
 def _annotations() -> dict:
     return dict(fx_traceback.current_meta.get("custom") or {})
 
 
-def _template(fn: Callable, leaves: list, spec: Any, where: list[int]) -> Template | None:
-    """Trace `fn` over fresh stand-ins of the call's tensors: its forward, then its backward."""
+def _template(fn: Callable, leaves: list, spec: Any, where: list[int], grad: bool,
+              tangent_strides: tuple | None = None) -> Template | None:
+    """Trace `fn` over fresh stand-ins of the call's tensors: its forward, then its backward (with
+    gradients coming in strided as `tangent_strides` say; default: as the outputs are)."""
     tensors = [leaves[i] for i in where]
-    differentiated = [_differentiated(x) for x in tensors]
+    differentiated = [_differentiated(x, grad) for x in tensors]
 
     def rebuild(inputs):
         full = list(leaves)
@@ -123,9 +162,11 @@ def _template(fn: Callable, leaves: list, spec: Any, where: list[int]) -> Templa
         out = rebuild(primals)  # its outputs' shapes, for the gradients' stand-ins
         out_leaves, out_spec = optree.tree_flatten(out, none_is_leaf=True)
         out_tensors = [x for x in out_leaves if isinstance(x, torch.Tensor)]
-        if _aliases(out_tensors, primals):
-            return None
-        tangents = [_like(x) for x in out_tensors]
+        if _aliases(out_tensors, primals) or _aliases(out_tensors, []):
+            return None  # an output that is an input, or two that share memory: op by op
+        strides = tangent_strides or [tuple(x.stride()) for x in out_tensors]
+        kept = [i for i, stride in enumerate(strides) if stride is not None]  # outputs a gradient comes to
+        tangents = [_like(out_tensors[i], strides[i]) for i in kept]
     mark: list[int] = []
 
     def joint(*flat):
@@ -136,12 +177,16 @@ def _template(fn: Callable, leaves: list, spec: Any, where: list[int]) -> Templa
             out = rebuild([next(it) if d else x for x, d in zip(ins, differentiated)])
             return [x for x in optree.tree_leaves(out, none_is_leaf=True) if isinstance(x, torch.Tensor)]
 
+        def differentiated_outputs(*diff):
+            outs = forward(*diff)
+            return [outs[i] for i in kept], outs
+
         diff = [x for x, d in zip(ins, differentiated) if d]
-        if not diff:
-            outs = forward()
+        if not diff or not kept:
+            outs = forward(*diff)
             mark.append(len(torch_compat.current_graph().nodes))
-            return [*outs]
-        outs, vjp = torch.func.vjp(forward, *diff)
+            return [*outs, *(torch.zeros_like(x) for x in diff)]  # (no gradient: dropped below)
+        _, vjp, outs = torch.func.vjp(differentiated_outputs, *diff, has_aux=True)
         mark.append(len(torch_compat.current_graph().nodes))
         return [*outs, *vjp(list(cotangents))]
 
@@ -155,24 +200,67 @@ def _template(fn: Callable, leaves: list, spec: Any, where: list[int]) -> Templa
     if not all(isinstance(x, torch.fx.Node) for x in output):
         return None
     split = mark[0] - len(placeholders)
+    primal_nodes, tangent_nodes = placeholders[:len(tensors)], placeholders[len(tensors):]
+    from_tangents = _reached(tangent_nodes)
     grads: list = [None] * len(tensors)
+    dropped = []
     it = iter(output[len(out_tensors):])
     for i, d in enumerate(differentiated):
         if d:
-            grads[i] = next(it)
-    return Template(graph, placeholders[:len(tensors)], placeholders[len(tensors):], ops[:split], ops[split:],
-                    list(output[:len(out_tensors)]), grads,
-                    [None if isinstance(x, torch.Tensor) else x for x in out_leaves], out_spec, _annotations())
+            g = next(it)
+            if g in from_tangents:
+                grads[i] = g
+            else:  # not reached by a gradient (an input it does not use): zeros; none at all op by op
+                dropped.append(g)
+    outs = list(output[:len(out_tensors)])
+    from_differentiated = _reached([p for p, d in zip(primal_nodes, differentiated) if d])
+    backward = _without(ops[split:], dropped, keep=set(outs) | set(grads))
+    read = {a for n in backward for a in n.all_input_nodes}
+    return Template(graph, primal_nodes, tangent_nodes, ops[:split], backward, outs, grads,
+                    [None if isinstance(x, torch.Tensor) else x for x in out_leaves], out_spec, _annotations(),
+                    rebuild=(fn, leaves, spec, where, grad),
+                    differentiable=[o in from_differentiated for o in outs],
+                    saved=([i for i, p in enumerate(primal_nodes) if p in read], [i for i, o in enumerate(outs) if o in read]))
 
 
-def _like(x: torch.Tensor) -> torch.Tensor:
-    return torch.empty_strided(tuple(x.shape), tuple(x.stride()), dtype=x.dtype, device=x.device,
-                               requires_grad=False)
+def _like(x: torch.Tensor, stride: tuple | None = None) -> torch.Tensor:
+    return torch.empty_strided(tuple(x.shape), tuple(x.stride()) if stride is None else stride, dtype=x.dtype,
+                               device=x.device, requires_grad=False)
 
 
 def _aliases(outs: list, ins: list) -> bool:
-    storages = {x.untyped_storage()._cdata for x in ins}
-    return any(x.untyped_storage()._cdata in storages for x in outs)
+    """Whether an output shares memory with an input (or, with `ins` empty, with another output)."""
+    seen = {x.untyped_storage()._cdata for x in ins}
+    for x in outs:
+        storage = x.untyped_storage()._cdata
+        if storage in seen:
+            return True
+        if not ins:
+            seen.add(storage)
+    return False
+
+
+def _without(nodes: list, dropped: list, keep: set) -> list:
+    """`nodes` less `dropped` and what only they read (the zeros `vjp` makes for an unused input)."""
+    gone, stack = set(), [n for n in dropped if n not in keep]
+    while stack:
+        n = stack.pop()
+        if n in gone or n in keep or any(u not in gone and u.op != "output" for u in n.users):
+            continue
+        gone.add(n)
+        stack.extend(a for a in n.all_input_nodes if a.op != "placeholder")
+    return [n for n in nodes if n not in gone]
+
+
+def _reached(starts: list) -> set:
+    """The nodes computed from any of `starts` (them included)."""
+    reached, stack = set(starts), list(starts)
+    while stack:
+        for user in stack.pop().users:
+            if user not in reached:
+                reached.add(user)
+                stack.append(user)
+    return reached
 
 
 def _writes_input(node: torch.fx.Node) -> bool:
@@ -222,9 +310,8 @@ def _renumbered(key: str, mark: Any, fresh: dict) -> Any:
     return fresh[key, mark]
 
 
-def _forward(template: Template, now: dict, tensors) -> tuple[list, dict]:
-    tracer = torch_compat.current_tracer()
-    env = {p: torch_compat.node_of(x, tracer) for p, x in zip(template.primals, tensors)}
+def _forward(template: Template, now: dict, nodes: list, tracer) -> tuple[list, dict]:
+    env = dict(zip(template.primals, nodes))
     _copy(template.forward, env, tracer.graph, now, template.context)
     return [torch_compat.tracked(_like_node(o), env[o], tracer) for o in template.outs], env
 
@@ -238,30 +325,59 @@ class _Stamped(torch.autograd.Function):
 
     @staticmethod
     def forward(template: Template, now: dict, *tensors):
-        outs, env = _forward(template, now, tensors)
+        tracer = torch_compat.current_tracer()
+        outs, env = _forward(template, now, [torch_compat.node_of(x, tracer) for x in tensors], tracer)
         template.pending = env
         return tuple(outs)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
         # (under torch.func, the transform's own Function and the one it applies both call this)
-        ctx.template, ctx.env = inputs[0], inputs[0].pending
+        template = inputs[0]
+        ctx.template, ctx.env = template, template.pending
+        ctx.mark_non_differentiable(*[o for o, d in zip(output, template.differentiable) if not d])
         ctx.set_materialize_grads(False)
+        # saved as op-by-op tracing's autograd saves them: written in place after, backward refuses
+        ins, outs = template.saved
+        ctx.save_for_backward(*[inputs[2 + i] for i in ins], *[output[i] for i in outs])
 
     @staticmethod
-    def backward(ctx, *cotangents):
+    def backward(ctx, *cotangents):  # (under one torch.func grad level only: its copies record no graph)
+        ctx.saved_tensors  # noqa: B018 - autograd's check that nothing saved was written since
         template, env = ctx.template, dict(ctx.env)
         tracer = torch_compat.current_tracer()
-        for t, g in zip(template.tangents, cotangents):
-            env[t] = torch_compat.node_of(g, tracer) if g is not None else _zeros(t, tracer)
-        _copy(template.backward, env, tracer.graph, _annotations(), template.context)
-        grads = [None if g is None else torch_compat.tracked(_like_node(g), env[g], tracer) for g in template.grads]
+        strides = tuple(None if g is None else tuple(g.stride()) for g in cotangents)
+        variant = _variant(template, strides)
+        if variant is not template:  # its forward's nodes are this call's copies of the template's
+            env.update((v, env[t]) for v, t in zip(variant.primals + variant.forward, template.primals + template.forward))
+        incoming = {}
+        for t, g in zip(variant.tangents, [g for g in cotangents if g is not None]):
+            env[t] = torch_compat.node_of(g, tracer)
+            incoming[t] = g
+        _copy(variant.backward, env, tracer.graph, _annotations(), variant.context)
+        made = set(variant.backward)
+        grads = []
+        for g in variant.grads:
+            if g is None:
+                grads.append(None)
+            elif incoming.get(g) is not None:
+                grads.append(incoming[g])  # the gradient coming in, passed on as it is
+            else:  # a node this backward made: what it makes; one made before: a tensor of it
+                grads.append(torch_compat.tracked(_like_node(g), env[g], tracer, own=g in made))
         return None, None, *grads
 
 
-def _zeros(like: torch.fx.Node, tracer) -> torch.fx.Node:
-    val = like.meta["val"]
-    node = tracer.graph.call_function(torch.ops.aten.zeros.default, (list(val.shape),),
-                                      {"dtype": val.dtype, "device": val.device})
-    node.meta = {"val": val}
-    return node
+def _variant(template: Template, strides: tuple) -> Template:
+    """The template whose backward takes gradients strided as `strides` (None: no gradient comes to
+    that output): itself where every output gets one strided as it is, else the region traced again
+    for them (its forward the same, op for op)."""
+    if strides == tuple(tuple(o.meta["val"].stride()) for o in template.outs):
+        return template
+    if strides not in template.variants:
+        fn, leaves, spec, where, grad = template.rebuild
+        variant = _template(fn, leaves, spec, where, grad, strides)
+        if variant is None or len(variant.forward) != len(template.forward):
+            raise RuntimeError(f"{getattr(fn, '__name__', fn)}: its backward for gradients strided {strides} "
+                               "traced to another forward; mark it only if it computes the same ops each time.")
+        template.variants[strides] = variant
+    return template.variants[strides]

@@ -55,7 +55,7 @@ __all__ = [
     "unset_fake_temporarily", "view_rule", "no_dispatch_modes", "rules_without_costs", "REDISTRIBUTE_LOGGER", "random_rng_tracker", "set_random_rng_tracker", "flattened",
     "functional_collectives", "process_group_ranks", "local_reduce", "shape_only_device_mesh", "traced_as_compiling", "DataDependentOutputException",
     "DynamicOutputShapeException", "core_aten_decompositions", "decomposition_table",
-    "route_nested_compile_regions", "at_most_one_grad_transform", "current_tracer", "current_graph", "outside_the_trace",
+    "route_nested_compile_regions", "at_most_one_grad_transform", "under_grad_transform", "current_tracer", "function_modes", "current_graph", "outside_the_trace",
     "trace_nested", "node_of", "tracked", "fake_like",
 ]
 
@@ -277,6 +277,13 @@ def route_nested_compile_regions(current: Callable) -> None:
     module.invoke_subgraph_placeholder = placeholder
 
 
+def under_grad_transform() -> bool:
+    """Whether a `torch.func` transform is in force."""
+    from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
+
+    return bool(retrieve_all_functorch_interpreters())
+
+
 def at_most_one_grad_transform() -> bool:
     """Whether `torch.func` transforms in force are none, or one `grad` (or `vjp`)."""
     from torch._C._functorch import TransformType
@@ -287,10 +294,18 @@ def at_most_one_grad_transform() -> bool:
 
 
 def current_tracer():
-    """The fx tracer of the `make_fx` trace in progress."""
+    """The fx tracer of the `make_fx` trace in progress; None outside one (or where it is paused)."""
     from torch.fx.experimental.proxy_tensor import get_proxy_mode
 
-    return get_proxy_mode().tracer
+    mode = get_proxy_mode()
+    return None if mode is None else mode.tracer
+
+
+def function_modes() -> list:
+    """The torch function modes in force, outermost first."""
+    from torch.overrides import _get_current_function_mode_stack
+
+    return _get_current_function_mode_stack()
 
 
 def current_graph() -> torch.fx.Graph:
@@ -316,29 +331,38 @@ def trace_nested(fn: Callable, args: list) -> torch.fx.GraphModule:
         return proxy_tensor._CURRENT_MAKE_FX_TRACER.trace_subgraph(fn, *args)
 
 
-def node_of(x: torch.Tensor, tracer) -> torch.fx.Node:
-    """The node of the trace that made `x` (under `torch.func` transforms: of the tensor they wrap)."""
+def node_of(x: torch.Tensor, tracer) -> torch.fx.Node | None:
+    """The node of the trace that made `x` (under `torch.func` transforms: of the tensor they wrap);
+    None for a tensor the trace did not make (a constant)."""
     from torch._C._functorch import get_unwrapped, is_functorch_wrapped_tensor
     from torch.fx.experimental.proxy_tensor import get_proxy_slot
 
     while is_functorch_wrapped_tensor(x):
         x = get_unwrapped(x)
-    return get_proxy_slot(x, tracer).proxy.node
+    slot = get_proxy_slot(x, tracer, None)
+    return None if slot is None else slot.proxy.node
 
 
-def tracked(x: torch.Tensor, node: torch.fx.Node, tracer) -> torch.Tensor:
-    """`x` (of static shape), recorded as what `node` makes: its `meta['val']` becomes `x`; its
-    `meta['tensor_meta']` is left as it is (`track_tensor_tree` without the metadata made again)."""
+def tracked(x: torch.Tensor, node: torch.fx.Node, tracer, own: bool = True) -> torch.Tensor:
+    """`x` (of static shape), recorded as what `node` makes. Where `own`, its `meta['val']` becomes
+    `x` (`meta['tensor_meta']` is left as it is: `track_tensor_tree` without the metadata made again);
+    else `node` keeps the value it was made with."""
     from torch.fx.experimental.proxy_tensor import _ProxyTensor, set_proxy_slot
 
     set_proxy_slot(x, tracer, _ProxyTensor(torch.fx.Proxy(node, tracer), None))
-    node.meta["val"] = x
+    if own:
+        node.meta["val"] = x
     return x
 
 
 def fake_like(x: FakeTensor) -> FakeTensor:
-    """A new fake tensor of `x`'s fake mode, shape, strides, dtype and device, built on a meta
-    tensor: no mode or transform sees it made, so nothing is recorded."""
+    """A new fake tensor of `x`'s fake mode, shape, strides, storage offset, dtype and device, built
+    on a meta tensor: no mode or transform sees it made, so nothing is recorded."""
     with torch._C.DisableTorchFunction(), torch._C._DisableFuncTorch(), no_dispatch_modes():
-        meta = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="meta")
+        offset = x.storage_offset()
+        if offset == 0:
+            meta = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="meta")
+        else:  # a view into a larger buffer, at the same place
+            size = offset + sum((n - 1) * s for n, s in zip(x.shape, x.stride())) + 1
+            meta = torch.empty(size, dtype=x.dtype, device="meta").as_strided(x.shape, x.stride(), offset)
         return FakeTensor(x.fake_mode, meta, x.device)
