@@ -209,7 +209,7 @@ def test_no_dispatch_modes_runs_ops_on_plain_tensors_inside_a_simulation():
         assert isinstance(torch.ones(3), compat.LocalTensor)
 
 
-def test_route_nested_compile_regions_at_most_one_grad_transform_under_grad_transform_function_modes_current_tracer_current_graph_outside_the_trace_trace_nested_node_of_tracked_fake_like():
+def test_route_nested_compile_regions_func_transforms_function_modes_current_tracer_current_graph_outside_the_trace_trace_nested_node_of_tracked_fake_like():
     from torch.fx.experimental.proxy_tensor import make_fx
 
     calls, seen, route = [], {}, []
@@ -224,10 +224,10 @@ def test_route_nested_compile_regions_at_most_one_grad_transform_under_grad_tran
         y = region(x)
         route.pop()
         def note(name, value):
-            seen[name] = compat.at_most_one_grad_transform(), compat.under_grad_transform()
+            seen[name] = compat.func_transforms()
             return value
 
-        seen["one grad"] = compat.at_most_one_grad_transform(), compat.under_grad_transform()
+        seen["none"] = compat.func_transforms()
         torch.func.grad(lambda x: note("under grad", x.sum()))(x)
         torch.func.vmap(lambda r: note("under vmap", r))(x)
         graph, tracer = compat.current_graph(), compat.current_tracer()
@@ -247,7 +247,7 @@ def test_route_nested_compile_regions_at_most_one_grad_transform_under_grad_tran
         assert compat.function_modes()[-1] is mode
     assert calls == [region.__marked_compile_region_fn__]
     assert region(torch.zeros(1)).item() == 0  # routed nowhere: torch's own (eager: the call)
-    assert seen == {"one grad": (True, False), "under grad": (True, True), "under vmap": (False, True), "graph": True,
+    assert seen == {"none": [], "under grad": ["Grad"], "under vmap": ["Vmap"], "graph": True,
                     "outside": True,
                     "nested": [torch.ops.aten.mul.Tensor]}
     ops = [n.target for n in gm.graph.nodes if n.op == "call_function"]

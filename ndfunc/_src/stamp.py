@@ -66,7 +66,7 @@ class Template:
     out_leaves: list[Any]  # the outputs' leaves, tensors as None
     out_spec: Any
     context: dict  # the annotations in force where it was traced
-    rebuild: tuple = ()  # (fn, leaves, spec, where, grad): to trace it again for other gradient strides
+    traced_from: tuple = ()  # (fn, leaves, spec, where, grad): to trace it again for other gradient strides
     differentiable: list = dataclasses.field(default_factory=list)  # per tensor output: made from a differentiated input
     saved: tuple = ((), ())  # which inputs and outputs its backward reads (as autograd saves them)
     variants: dict = dataclasses.field(default_factory=dict)  # gradient strides -> the backward traced for them
@@ -86,13 +86,14 @@ class Stamps:
         tracer = torch_compat.current_tracer()
         # op by op: under vmap, jvp or a grad of a grad; outside a trace (`nf.eval_shape` of it, the
         # shape pass of a region around this one); on a tensor the trace did not make (a constant)
-        if tracer is None or not torch_compat.at_most_one_grad_transform():
+        transforms = torch_compat.func_transforms()
+        if tracer is None or transforms not in ([], ["Grad"]):
             return fn(*args, **kwargs)
         nodes = [torch_compat.node_of(x, tracer) for x in tensors]
         if any(n is None for n in nodes):
             return fn(*args, **kwargs)
         grad = torch.is_grad_enabled()
-        if grad and not torch_compat.under_grad_transform() and any(_differentiated(x, grad) for x in tensors):
+        if grad and not transforms and any(_differentiated(x, grad) for x in tensors):
             return fn(*args, **kwargs)  # plain autograd may differentiate twice (create_graph): op by op
         try:
             key = (fn, spec, tuple(_signature(x, grad) for x in tensors),
@@ -109,7 +110,7 @@ class Stamps:
         if template is None:
             return fn(*args, **kwargs)
         if any(g is not None for g in template.grads):
-            outs = _Stamped.apply(template, _annotations(), *tensors)
+            outs = _Stamped.apply(template, _annotations(), nodes, *tensors)
         else:
             outs = _forward(template, _annotations(), nodes, tracer)[0]
         outs = iter(outs)
@@ -162,8 +163,9 @@ def _template(fn: Callable, leaves: list, spec: Any, where: list[int], grad: boo
         out = rebuild(primals)  # its outputs' shapes, for the gradients' stand-ins
         out_leaves, out_spec = optree.tree_flatten(out, none_is_leaf=True)
         out_tensors = [x for x in out_leaves if isinstance(x, torch.Tensor)]
-        if _aliases(out_tensors, primals) or _aliases(out_tensors, []):
-            return None  # an output that is an input, or two that share memory: op by op
+        storages = [x.untyped_storage()._cdata for x in out_tensors]
+        if len(set(storages)) < len(storages) or set(storages) & {x.untyped_storage()._cdata for x in primals}:
+            return None  # two outputs that share memory, or an output that is an input: op by op
         strides = tangent_strides or [tuple(x.stride()) for x in out_tensors]
         kept = [i for i, stride in enumerate(strides) if stride is not None]  # outputs a gradient comes to
         tangents = [_like(out_tensors[i], strides[i]) for i in kept]
@@ -182,10 +184,10 @@ def _template(fn: Callable, leaves: list, spec: Any, where: list[int], grad: boo
             return [outs[i] for i in kept], outs
 
         diff = [x for x, d in zip(ins, differentiated) if d]
-        if not diff or not kept:
+        if not diff or not kept:  # no gradient to go anywhere: the forward alone
             outs = forward(*diff)
             mark.append(len(torch_compat.current_graph().nodes))
-            return [*outs, *(torch.zeros_like(x) for x in diff)]  # (no gradient: dropped below)
+            return outs
         _, vjp, outs = torch.func.vjp(differentiated_outputs, *diff, has_aux=True)
         mark.append(len(torch_compat.current_graph().nodes))
         return [*outs, *vjp(list(cotangents))]
@@ -206,8 +208,7 @@ def _template(fn: Callable, leaves: list, spec: Any, where: list[int], grad: boo
     dropped = []
     it = iter(output[len(out_tensors):])
     for i, d in enumerate(differentiated):
-        if d:
-            g = next(it)
+        if d and (g := next(it, None)) is not None:
             if g in from_tangents:
                 grads[i] = g
             else:  # not reached by a gradient (an input it does not use): zeros; none at all op by op
@@ -218,7 +219,7 @@ def _template(fn: Callable, leaves: list, spec: Any, where: list[int], grad: boo
     read = {a for n in backward for a in n.all_input_nodes}
     return Template(graph, primal_nodes, tangent_nodes, ops[:split], backward, outs, grads,
                     [None if isinstance(x, torch.Tensor) else x for x in out_leaves], out_spec, _annotations(),
-                    rebuild=(fn, leaves, spec, where, grad),
+                    traced_from=(fn, leaves, spec, where, grad),
                     differentiable=[o in from_differentiated for o in outs],
                     saved=([i for i, p in enumerate(primal_nodes) if p in read], [i for i, o in enumerate(outs) if o in read]))
 
@@ -226,18 +227,6 @@ def _template(fn: Callable, leaves: list, spec: Any, where: list[int], grad: boo
 def _like(x: torch.Tensor, stride: tuple | None = None) -> torch.Tensor:
     return torch.empty_strided(tuple(x.shape), tuple(x.stride()) if stride is None else stride, dtype=x.dtype,
                                device=x.device, requires_grad=False)
-
-
-def _aliases(outs: list, ins: list) -> bool:
-    """Whether an output shares memory with an input (or, with `ins` empty, with another output)."""
-    seen = {x.untyped_storage()._cdata for x in ins}
-    for x in outs:
-        storage = x.untyped_storage()._cdata
-        if storage in seen:
-            return True
-        if not ins:
-            seen.add(storage)
-    return False
 
 
 def _without(nodes: list, dropped: list, keep: set) -> list:
@@ -324,9 +313,8 @@ class _Stamped(torch.autograd.Function):
     """A region's template copied into the program; its backward copies the template's backward."""
 
     @staticmethod
-    def forward(template: Template, now: dict, *tensors):
-        tracer = torch_compat.current_tracer()
-        outs, env = _forward(template, now, [torch_compat.node_of(x, tracer) for x in tensors], tracer)
+    def forward(template: Template, now: dict, nodes: list, *tensors):
+        outs, env = _forward(template, now, nodes, torch_compat.current_tracer())
         template.pending = env
         return tuple(outs)
 
@@ -339,7 +327,7 @@ class _Stamped(torch.autograd.Function):
         ctx.set_materialize_grads(False)
         # saved as op-by-op tracing's autograd saves them: written in place after, backward refuses
         ins, outs = template.saved
-        ctx.save_for_backward(*[inputs[2 + i] for i in ins], *[output[i] for i in outs])
+        ctx.save_for_backward(*[inputs[3 + i] for i in ins], *[output[i] for i in outs])
 
     @staticmethod
     def backward(ctx, *cotangents):  # (under one torch.func grad level only: its copies record no graph)
@@ -364,7 +352,7 @@ class _Stamped(torch.autograd.Function):
                 grads.append(incoming[g])  # the gradient coming in, passed on as it is
             else:  # a node this backward made: what it makes; one made before: a tensor of it
                 grads.append(torch_compat.tracked(_like_node(g), env[g], tracer, own=g in made))
-        return None, None, *grads
+        return None, None, None, *grads
 
 
 def _variant(template: Template, strides: tuple) -> Template:
@@ -374,7 +362,7 @@ def _variant(template: Template, strides: tuple) -> Template:
     if strides == tuple(tuple(o.meta["val"].stride()) for o in template.outs):
         return template
     if strides not in template.variants:
-        fn, leaves, spec, where, grad = template.rebuild
+        fn, leaves, spec, where, grad = template.traced_from
         variant = _template(fn, leaves, spec, where, grad, strides)
         if variant is None or len(variant.forward) != len(template.forward):
             raise RuntimeError(f"{getattr(fn, '__name__', fn)}: its backward for gradients strided {strides} "

@@ -55,7 +55,7 @@ __all__ = [
     "unset_fake_temporarily", "view_rule", "no_dispatch_modes", "rules_without_costs", "REDISTRIBUTE_LOGGER", "random_rng_tracker", "set_random_rng_tracker", "flattened",
     "functional_collectives", "process_group_ranks", "local_reduce", "shape_only_device_mesh", "traced_as_compiling", "DataDependentOutputException",
     "DynamicOutputShapeException", "core_aten_decompositions", "decomposition_table",
-    "route_nested_compile_regions", "at_most_one_grad_transform", "under_grad_transform", "current_tracer", "function_modes", "current_graph", "outside_the_trace",
+    "route_nested_compile_regions", "func_transforms", "current_tracer", "function_modes", "current_graph", "outside_the_trace",
     "trace_nested", "node_of", "tracked", "fake_like",
 ]
 
@@ -277,20 +277,11 @@ def route_nested_compile_regions(current: Callable) -> None:
     module.invoke_subgraph_placeholder = placeholder
 
 
-def under_grad_transform() -> bool:
-    """Whether a `torch.func` transform is in force."""
+def func_transforms() -> list[str]:
+    """The `torch.func` transforms in force, outermost first: "Grad" (grad, vjp), "Vmap", "Jvp", ..."""
     from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
 
-    return bool(retrieve_all_functorch_interpreters())
-
-
-def at_most_one_grad_transform() -> bool:
-    """Whether `torch.func` transforms in force are none, or one `grad` (or `vjp`)."""
-    from torch._C._functorch import TransformType
-    from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
-
-    levels = retrieve_all_functorch_interpreters()
-    return len(levels) <= 1 and all(i.key() == TransformType.Grad for i in levels)
+    return [i.key().name for i in retrieve_all_functorch_interpreters()]
 
 
 def current_tracer():

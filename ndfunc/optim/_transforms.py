@@ -267,11 +267,12 @@ def add_decayed_weights(weight_decay: float = 0.0,
         params = require_params(params, "add_decayed_weights (weight decay)")
         check_same_structure(params, updates, "params", "updates",
                              "pass gradients shaped like the params")
-        @leafwise
         def decay(g, p):
             if isinstance(weight_decay, torch.Tensor):
                 return g + _times(weight_decay, p).to(g.dtype)
             return torch.add(g, p.to(g.dtype), alpha=weight_decay)  # one pass
+        if not isinstance(weight_decay, torch.Tensor):  # (a tensor it closes over cannot be copied)
+            decay = leafwise(decay)
         if mask is None:
             return optree.tree_map(decay, updates, params), state
         mask_tree = mask(params) if callable(mask) else mask
