@@ -155,7 +155,7 @@ def test_core_aten_decompositions_decomposition_table_datadependentoutputexcepti
             torch.nonzero(fake)
 
 
-def test_view_rule_gives_the_strategies_dtensors_reshape_rule_gives_per_input_layout():
+def test_view_rule_gives_dtensors_strategies_per_input_layout_and_renames_dims_only_which_go_axis_by_axis():
     """The view path of the partitioner's candidates (`view_rule`) against asking DTensor's rule
     itself, one layout at a time, on every view-like node of a small program and two meshes."""
     from torch.fx.experimental.proxy_tensor import make_fx
@@ -172,6 +172,11 @@ def test_view_rule_gives_the_strategies_dtensors_reshape_rule_gives_per_input_la
     assert {n.target for n in views} >= {torch.ops.aten.view.default, torch.ops.aten.permute.default,
                                          torch.ops.aten.unsqueeze.default, torch.ops.aten.expand.default}
     assert compat.view_rule(torch.ops.aten.mm.default) is None
+    # the rules answered axis by axis (`strategies._by_axis`) and those asked whole are both here
+    renames = {n.target: compat.renames_dims_only(compat.view_rule(n.target)[0](
+        *compat.pytree.tree_map_only(torch.fx.Node, lambda a: a.meta["val"], n.args))) for n in views}
+    assert renames[torch.ops.aten.permute.default] and renames[torch.ops.aten.unsqueeze.default]
+    assert not renames[torch.ops.aten.view.default] and not renames[torch.ops.aten.expand.default]
     for sizes in [(2, 2, 2), (2, 4), (2, 2, 2, 2)]:
         for node in views:
             ins, outs = strategies.tensor_inputs(node), strategies.tensor_outputs(node)

@@ -201,7 +201,7 @@ def _candidates(node: torch.fx.Node, sizes: tuple[int, ...]) -> list[Strategy]:
     if isinstance(found, Fitted):
         if not found:
             raise NoStrategy(op)
-        return list(found)
+        return found
     shapes_in = [tuple(a.meta["val"].shape) for a in ins]
     shapes_out = [None if o is None else tuple(o.shape) for o in outs]
     kept, seen = [], set()
@@ -361,7 +361,7 @@ def _cat_rule(node, sizes) -> list[Strategy]:
 def _cumsum_rule(node, sizes) -> list[Strategy]:
     """DTensor's (split on other dims), and split along the summed dim over one axis: each rank's
     cumulative sum, then plus the totals of the ranks before it (`_cumsum`)."""
-    found = from_dtensor(node, tensor_inputs(node), tensor_outputs(node), sizes) or []
+    found = list(from_dtensor(node, tensor_inputs(node), tensor_outputs(node), sizes) or [])
     d = node.args[1] % node.args[0].meta["val"].ndim
     for m in range(len(sizes)):
         lay = tuple(Shard(d) if i == m else Replicate() for i in range(len(sizes)))
@@ -425,7 +425,7 @@ def _vocab_parallel_rule(node, sizes) -> list[Strategy]:
                 extra.append(Strategy((_with(s.outs[0], m, Partial()),), (_with(table, m, Shard(0)), *s.ins[1:])))
             else:  # the gradient's rows split, from the whole incoming gradient and indices
                 extra.append(Strategy((_with(s.outs[0], m, Shard(0)),), s.ins))
-    return found + extra
+    return [*found, *extra]
 
 
 def _with(layout, m, placement):

@@ -46,6 +46,7 @@ from ndfunc._src.partition.planning.flops import node_flops
 from ndfunc._src.partition.planning.layout import MANUAL, Layout, replicated
 from ndfunc._src.partition.planning.ops import candidates, runs_whole, strategy_key
 from ndfunc._src.partition.planning.strategies import (
+    Fitted,
     Strategy,
     tensor_inputs,
     tensor_outputs,
@@ -166,16 +167,19 @@ class Problem:
         # their layouts as ids
         known = self._as_ids.get(id(strategies))
         if known is None or known[0] is not strategies:
-            # a list's candidates share their layout objects (`strategies._combined`): each is
-            # numbered once, then looked up by identity
-            ids: dict = {id(None): None}
-            for st in strategies:
-                for lay in (*st.ins, *st.outs):
-                    if id(lay) not in ids:
-                        ids[id(lay)] = self._layout(lay)
-            number = ids.__getitem__
-            c_ins = [tuple(map(number, map(id, st.ins))) for st in strategies]
-            c_outs = [tuple(map(number, map(id, st.outs))) for st in strategies]
+            if isinstance(strategies, Fitted):  # layouts and indices: each layout numbered once
+                number = [*map(self._layout, strategies.layouts), None].__getitem__  # -1: None
+                c_ins = [tuple(map(number, row)) for row in strategies.ins]
+                c_outs = [tuple(map(number, row)) for row in strategies.outs]
+            else:  # candidates that share layout objects: each numbered once, then by identity
+                ids: dict = {id(None): None}
+                for st in strategies:
+                    for lay in (*st.ins, *st.outs):
+                        if id(lay) not in ids:
+                            ids[id(lay)] = self._layout(lay)
+                number = ids.__getitem__
+                c_ins = [tuple(map(number, map(id, st.ins))) for st in strategies]
+                c_outs = [tuple(map(number, map(id, st.outs))) for st in strategies]
             by_ins: dict = {}
             for i, layouts in enumerate(c_ins):
                 by_ins.setdefault(layouts, []).append(i)
@@ -222,19 +226,21 @@ class Problem:
         once per value size (`_priced_as`)."""
         if a == b:
             return 0.0
-        costs = self._size_costs[v]
         key = a << 32 | b
-        c = costs.get(key)
-        if c is None:
-            steps = self._steps.get(key)
+        c = self._size_costs[v].get(key)
+        return c if c is not None else self._tcost_new(v, key)
+
+    def _tcost_new(self, v: int, key: int) -> float:
+        """`tcost` of a pair (`key`: a << 32 | b, a != b) not yet priced for `v`'s size."""
+        steps = self._steps.get(key)
+        if steps is None:
+            full = (self.codes[key >> 32], self.codes[key & 0xFFFFFFFF], self.sizes)
+            steps = _TRANSITIONS.get(full)
             if steps is None:
-                full = (self.codes[a], self.codes[b], self.sizes)
-                steps = _TRANSITIONS.get(full)
-                if steps is None:
-                    steps = _TRANSITIONS[full] = redistribute.coded_steps(*full)
-                self._steps[key] = steps
-            numel, _, itemsize = self.priced_as[v]
-            c = costs[key] = redistribute.priced(steps, numel, itemsize)
+                steps = _TRANSITIONS[full] = redistribute.coded_steps(*full)
+            self._steps[key] = steps
+        numel, _, itemsize = self.priced_as[v]
+        c = self._size_costs[v][key] = redistribute.priced(steps, numel, itemsize)
         return c
 
     def finish(self, lay: int) -> int:
@@ -450,8 +456,9 @@ class Problem:
             if x < 0 or x == lay:
                 found.append(0.0)
                 continue
-            c = costs.get(lay << 32 | x if outward else x << 32 | lay)
-            found.append(c if c is not None else self.tcost(v, lay, x) if outward else self.tcost(v, x, lay))
+            key = lay << 32 | x if outward else x << 32 | lay
+            c = costs.get(key)
+            found.append(c if c is not None else self._tcost_new(v, key))
         return found
 
     @staticmethod

@@ -29,6 +29,7 @@ from ndfunc._src.torch_compat import (
     TensorMeta,
     TupleStrategy,
     pytree,
+    renames_dims_only,
     rules_without_costs,
     shape_only_device_mesh,
     view_rule,
@@ -113,7 +114,7 @@ def signature(node: torch.fx.Node) -> tuple:
     return _read(node)[1]
 
 
-def from_dtensor(node: torch.fx.Node, ins: list, outs: list, sizes: tuple[int, ...]) -> list[Strategy] | None:
+def from_dtensor(node: torch.fx.Node, ins: list, outs: list, sizes: tuple[int, ...]) -> Sequence[Strategy] | None:
     """DTensor's strategies for `node` (a factory with no tensor input: built replicated); None if
     DTensor has no rule for its op."""
     op = node.target
@@ -167,19 +168,24 @@ def _combined(codes, cut, shapes, every, sizes, n_outs, empty) -> Fitted:
     divide the shapes. Walked axis by axis: a product of cuts that does not divide a dim is not
     extended (a prefix's product divides every extension's, so nothing that fits is lost), and
     each tensor's placements so far are carried as a tuple of codes."""
-    found = Fitted()
-    made: dict = {}  # placement codes -> the layout, made once
+    layouts: list = []  # each distinct layout once, in the order strategies first read them
+    made: dict = {}  # placement codes -> index into `layouts`
+    outs, ins = [], []
+    # inputs first, then outputs: the order in which the partitioner numbers a list's layouts
+    reads = [*range(n_outs, len(shapes)), *(t for t in range(n_outs) if not empty[t])]
     k = len(sizes)
 
     def walk(axis: int, blocks: dict, keys: list) -> None:
         if axis == k:
-            lays = []
-            for key in keys:
-                lay = made.get(key)
-                if lay is None:
-                    lay = made[key] = tuple(every[c] for c in key)
-                lays.append(lay)
-            found.append(Strategy(tuple(None if empty[i] else lays[i] for i in range(n_outs)), tuple(lays[n_outs:])))
+            at = [-1] * len(keys)
+            for t in reads:
+                i = made.get(keys[t])
+                if i is None:
+                    i = made[keys[t]] = len(layouts)
+                    layouts.append(tuple(every[c] for c in keys[t]))
+                at[t] = i
+            outs.append(tuple(at[:n_outs]))
+            ins.append(tuple(at[n_outs:]))
             return
         n = sizes[axis]
         for r in range(len(codes)):
@@ -193,11 +199,27 @@ def _combined(codes, cut, shapes, every, sizes, n_outs, empty) -> Fitted:
             walk(axis + 1, grown, [key + (c,) for key, c in zip(keys, codes[r])])
 
     walk(0, {}, [()] * len(shapes))
-    return found
+    return Fitted(layouts, outs, ins)
 
 
-class Fitted(list):
-    """Strategies already known to fit their values' shapes, each once."""
+class Fitted(Sequence):
+    """Strategies known to fit their values' shapes, each once, kept as the distinct layouts they
+    are made of and, per strategy, the index of each output's and input's layout among them (-1:
+    an output the op leaves empty). A 4-axis op has thousands of strategies over a few dozen
+    layouts: the partitioner reads the indices (`Problem._add_node`), and a `Strategy` is made
+    when one is read."""
+
+    def __init__(self, layouts: list[Layout], outs: list[tuple[int, ...]], ins: list[tuple[int, ...]]):
+        self.layouts, self.outs, self.ins = layouts, outs, ins
+
+    def __len__(self) -> int:
+        return len(self.ins)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        lays = self.layouts
+        return Strategy(tuple(None if k < 0 else lays[k] for k in self.outs[i]), tuple(lays[k] for k in self.ins[i]))
 
 
 def _holds(p, shape: tuple[int, ...]) -> bool:
@@ -241,14 +263,18 @@ def _from_view_rule(node, outs, sizes, dim_map, strict_view, propagate) -> list[
     # (a view is linear, and neither changes a block's shape). So each layout is asked with its
     # sums as Replicate, once per such layout, and the sums are put back on both sides.
     answers: dict = {}
+
+    def answer(asked):
+        try:
+            return propagate(asked, shape, rules, mesh_shape, strict_view)
+        except Exception:  # noqa: BLE001 - a layout the rule rejects has no strategy
+            return None
+    by_axis = _by_axis(rules, answer, shape, len(sizes))
     for lay in all_layouts(shape, sizes):
         sums = [i for i, p in enumerate(lay) if type(p) is Partial]
         asked = tuple(R if type(p) is Partial else p for p in lay) if sums else lay
         if asked not in answers:
-            try:
-                answers[asked] = propagate(asked, shape, rules, mesh_shape, strict_view)
-            except Exception:  # noqa: BLE001 - a layout the rule rejects has no strategy
-                answers[asked] = None
+            answers[asked] = answer(asked) if by_axis is None else by_axis(asked)
         if answers[asked] is None:
             continue
         ins, out = (tuple(side) for side in answers[asked])
@@ -258,6 +284,29 @@ def _from_view_rule(node, outs, sizes, dim_map, strict_view, propagate) -> list[
     if not found:
         raise NoStrategy(node.target)
     return found
+
+
+def _by_axis(rules, answer, shape, k: int):
+    """For a rule that only renames dims or adds and drops ones of size 1 (permute, transpose,
+    squeeze, unsqueeze: each output dim an input dim or a singleton), `answer` of a layout from
+    each axis's placement asked alone: DTensor's propagation then treats each mesh axis on its
+    own (a split dim stays one dim, with no strides between axes). None for other rules."""
+    if not renames_dims_only(rules):
+        return None
+    alone = {}  # (axis, placement) -> (the input's placement asked for, the output's), or None
+
+    def part(m, p):
+        if (m, p) not in alone:
+            found = answer(tuple(p if i == m else R for i in range(k)))
+            alone[m, p] = None if found is None else (found[0][m], found[1][m])
+        return alone[m, p]
+
+    def by_axis(asked):
+        parts = [part(m, p) for m, p in enumerate(asked)]
+        if None in parts:
+            return None
+        return [p for p, _ in parts], [q for _, q in parts]
+    return by_axis
 
 
 class _Asking:
