@@ -257,3 +257,20 @@ def test_route_nested_compile_regions_func_transforms_function_modes_current_tra
                     "nested": [torch.ops.aten.mul.Tensor]}
     ops = [n.target for n in gm.graph.nodes if n.op == "call_function"]
     assert ops[0] is torch.ops.aten.sin.default and ops[-2:] == [torch.ops.aten.neg.default, torch.ops.aten.add.Tensor]
+
+
+def test_new_node_is_the_node_create_node_makes():
+    g = torch.fx.Graph()
+    x = g.placeholder("x")
+    made = [compat.new_node(g, "call_function", torch.ops.aten.view.default, (x, [2, 3])),
+            compat.new_node(g, "call_function", torch.ops.aten.sum.dim_IntList, (x, [0]), {"keepdim": True}),
+            compat.new_node(g, "call_function", torch.ops.aten.relu.default, (x,), name="relu_7")]
+    h = torch.fx.Graph()
+    y = h.placeholder("x")
+    want = [h.create_node("call_function", torch.ops.aten.view.default, (y, [2, 3])),
+            h.create_node("call_function", torch.ops.aten.sum.dim_IntList, (y, [0]), {"keepdim": True}),
+            h.create_node("call_function", torch.ops.aten.relu.default, (y,), name="relu_7")]
+    for a, b in zip(made, want):
+        assert (a.name, a.op, a.target, a.kwargs) == (b.name, b.op, b.target, b.kwargs)
+        assert a.args[0] is x and b.args[0] is y and a.args[1:] == b.args[1:]
+    assert list(x.users) == made and g.python_code("self").src == h.python_code("self").src

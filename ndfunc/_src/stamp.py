@@ -273,8 +273,8 @@ def _copy(nodes: list, env: dict, graph: torch.fx.Graph, now: dict, then: dict) 
     annotations are those in force `now` with those the region made itself (beyond `then`'s)."""
     fresh: dict = {}
     for n in nodes:
-        new = graph.create_node(n.op, n.target, map_arg(n.args, env.__getitem__), map_arg(n.kwargs, env.__getitem__),
-                                name=_name(graph, n.target))
+        new = torch_compat.new_node(graph, n.op, n.target, map_arg(n.args, env.__getitem__), map_arg(n.kwargs, env.__getitem__),
+                       name=_name(graph, n.target))
         new.meta = dict(n.meta)
         own = {k: _renumbered(k, v, fresh) for k, v in (n.meta.get("custom") or {}).items()
                if k not in then or then[k] != v}

@@ -56,7 +56,7 @@ __all__ = [
     "functional_collectives", "process_group_ranks", "local_reduce", "shape_only_device_mesh", "traced_as_compiling", "DataDependentOutputException",
     "DynamicOutputShapeException", "core_aten_decompositions", "decomposition_table",
     "route_nested_compile_regions", "func_transforms", "current_tracer", "function_modes", "current_graph", "outside_the_trace",
-    "trace_nested", "node_of", "tracked", "fake_like",
+    "trace_nested", "node_of", "tracked", "fake_like", "new_node",
 ]
 
 current_dispatch_mode = _get_current_dispatch_mode
@@ -366,3 +366,17 @@ def fake_like(x: FakeTensor) -> FakeTensor:
             size = offset + sum((n - 1) * s for n, s in zip(x.shape, x.stride())) + 1
             meta = torch.empty(size, dtype=x.dtype, device="meta").as_strided(x.shape, x.stride(), offset)
         return FakeTensor(x.fake_mode, meta, x.device)
+
+
+def new_node(graph: torch.fx.Graph, op: str, target, args: tuple = (), kwargs: dict | None = None,
+             name: str | None = None) -> torch.fx.Node:
+    """`graph.create_node(op, target, args, kwargs, name)`, less the walk 2.13's `create_node` makes
+    over every argument with pytree to warn of raw SymInts (about a fifth of making a node, and a
+    lowering makes hundreds of thousands; ndfunc's programs have static shapes): the node is made
+    bare, then given its arguments through `Node.args` and `Node.kwargs`."""
+    node = graph.create_node(op, target, name=name)
+    if args:
+        node.args = args
+    if kwargs:
+        node.kwargs = kwargs
+    return node

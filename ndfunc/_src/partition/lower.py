@@ -32,7 +32,7 @@ from ndfunc._src.partition.planning.strategies import (
 )
 from ndfunc._src.partition.program import Comm, LoweringContext
 from ndfunc._src.sharding.mesh import rank_at
-from ndfunc._src.torch_compat import LazyGraphModule
+from ndfunc._src.torch_compat import LazyGraphModule, new_node
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
@@ -54,7 +54,7 @@ class _Emitter:
         self.coords = None
 
     def call(self, op, *args, **kwargs) -> torch.fx.Node:
-        return self.graph.call_function(op, args, kwargs)
+        return new_node(self.graph, "call_function", op, args, kwargs)
 
     def local(self, v, layout: Layout, val: torch.Tensor) -> torch.fx.Node:
         key = (v, layout)
@@ -254,7 +254,7 @@ def lower(graph: torch.fx.Graph, plan: Plan, axis_names: Sequence[str], group_na
         mapping = iter(locals_)
         a, kw = torch.fx.node.map_arg(  # fx's own walk over arguments: a pytree's costs more than the op
             (a, kw), lambda x: next(mapping) if isinstance(x.meta.get("val"), torch.Tensor) else x)
-        out = e.graph.call_function(op, tuple(a), dict(kw))
+        out = new_node(e.graph, "call_function", op, tuple(a), dict(kw))
         if own_comm is not None:
             prog.set_comm(out, own_comm)
         if op in _MANUAL_COMMS:
