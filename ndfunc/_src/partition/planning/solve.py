@@ -141,6 +141,7 @@ class Problem:
         # what consumers with a single candidate want never changes
         self.fixed_wants = [{self.c_ins[m][0][slot] for m, slot in self.consumers[v] if len(self.c_ins[m]) == 1}
                             for v in range(len(self.values))]
+        self._fixed_key = [frozenset(wants) for wants in self.fixed_wants]  # as `_situation` keys them
 
     def _layout(self, lay: Layout) -> int:
         seen = self._layout_by_id.get(id(lay))  # by identity first: placements hash slowly
@@ -256,11 +257,11 @@ class Problem:
     def demands(self, v: int, choice: list, skip: int = -1, forward: bool = False) -> set:
         """Layouts `v` must take for its decided consumers (except `skip`; `forward`: only those
         that cannot change)."""
-        out = set()
-        for m, slot in self.consumers[v]:
-            if m != skip and choice[m] >= 0 and not (forward and len(self.c_ins[m]) > 1):
-                out.add(self.c_ins[m][choice[m]][slot])
-        return out
+        c_ins = self.c_ins
+        if forward:
+            return {c_ins[m][choice[m]][slot] for m, slot in self.consumers[v]
+                    if m != skip and choice[m] >= 0 and len(c_ins[m]) == 1}
+        return {c_ins[m][choice[m]][slot] for m, slot in self.consumers[v] if m != skip and choice[m] >= 0}
 
     def output_cost(self, v: int, lay: int) -> float:
         wants = self.final.get(v)
@@ -269,10 +270,17 @@ class Problem:
         return sum(self.tcost(v, lay, self.finish(lay) if w is None else w) for w in set(wants))
 
     def value_cost(self, v: int, choice: list) -> float:
-        lay = self.out_layout(v, choice)
+        n, j = self.values[v]
+        lay = self.c_outs[n][choice[n]][j]
         if lay is None:
             return 0.0
-        return sum(self.tcost(v, lay, w) for w in self.demands(v, choice)) + self.output_cost(v, lay)
+        costs = self._size_costs[v]  # `tcost`, inline: the search asks this hundreds of thousands of times
+        total = 0
+        for w in self.demands(v, choice):
+            if w != lay:
+                c = costs.get(lay << 32 | w)
+                total += c if c is not None else self._tcost_new(v, lay << 32 | w)
+        return total + self.output_cost(v, lay)
 
     def local_cost(self, n: int, i: int, choice: list, forward: bool = False) -> float:
         """Cost terms that depend on node `n` taking candidate `i`, given every other node's
@@ -526,25 +534,28 @@ class Problem:
 
     def _situation(self, n: int, choice: list, forward: bool) -> tuple:
         """Everything `local_cost(n, ., choice, forward)` reads, for every candidate."""
+        values, c_outs, meta = self.values, self.c_outs, self.value_meta
         ins = []
-        for v in self.inputs[n]:
-            p, j = self.values[v]
-            have = self.c_outs[p][choice[p]][j] if choice[p] >= 0 else -1
-            others = None if forward else frozenset(self.demands(v, choice, skip=n))
-            ins.append((v, have, others, self.value_meta[v]))
         if self.repeated[n]:  # which slots read the same value matters; which value, no more
-            first = {v: slot for slot, (v, *_) in reversed(list(enumerate(ins)))}
-            ins = [(first[v], *rest) for v, *rest in ins]
+            first: dict = {}
+            for slot, v in enumerate(self.inputs[n]):
+                p, j = values[v]
+                others = None if forward else frozenset(self.demands(v, choice, skip=n))
+                ins.append((first.setdefault(v, slot), c_outs[p][choice[p]][j] if choice[p] >= 0 else -1, others,
+                            meta[v]))
         else:
-            ins = [tuple(rest) for _, *rest in ins]
+            for v in self.inputs[n]:
+                p, j = values[v]
+                others = None if forward else frozenset(self.demands(v, choice, skip=n))
+                ins.append((c_outs[p][choice[p]][j] if choice[p] >= 0 else -1, others, meta[v]))
         outs = []
         for v in self.out_ids[n]:
             if v is None:
                 outs.append(None)
                 continue
-            wants = self.fixed_wants[v] if forward else self.demands(v, choice)
+            wants = self._fixed_key[v] if forward else frozenset(self.demands(v, choice))
             final = self.final.get(v)
-            outs.append((frozenset(wants), frozenset(final) if final else None, self.value_meta[v]))
+            outs.append((wants, frozenset(final) if final else None, meta[v]))
         return (id(self.c_work[n]), choice[n], forward, self.wary, tuple(ins), tuple(outs))
 
     def _best_uncached(self, n: int, choice: list, forward: bool) -> int:
