@@ -16,17 +16,19 @@ another strategy, kept if the total fell. Inputs and `with_sharding_constraint` 
 candidate; requested output layouts are extra consumers; an output left to the partitioner only
 has to end without a pending sum.
 
-What makes it fast enough, without changing a plan (`tests/test_plan_pins.py`): layouts are ints
-and a layout change is walked on ints (`redistribute.coded_steps`), each pair once per process; a
-node's answer is remembered by everything it depends on (`best`), so identical layers are answered
-once, and so is the price of a move at a node (`_every_local_cost`); a node's candidates are priced
-with each input's and output's terms found once per distinct layout, as float64 columns gathered to
-every candidate where there are many (the same sums in the same order), leaving out those whose
-work alone exceeds a cost found; a walked change is priced once per value size (`_priced_as`); a
-value in the same place of another layer (its class: colour refinement over the graph) is given
-the many-node move that paid for the first of its class, and passed over where none paid and it
-stands as that one did, so a layer's moves are searched once, not once per layer; a graph equal to
-one planned before gets its plan back (`partition`).
+What makes it fast enough, without changing a plan (`tests/test_plan_pins.py`): layouts are ints (a
+rule-per-axis candidate list comes as its distinct layouts and each candidate's indices into them,
+`strategies.Fitted`, numbered once) and a layout change is walked on ints
+(`redistribute.coded_steps`), each pair once per process; a node's answer is remembered by
+everything it depends on (`best`), so identical layers are answered once, and so is the price of a
+move at a node (`_every_local_cost`); a node's candidates are priced with each input's and output's
+terms found once per distinct layout, as float64 columns gathered to every candidate where there are
+many (the same sums in the same order), leaving out those whose work alone exceeds a cost found; a
+walked change is priced once per value size (`_priced_as`); a value in the same place of another
+layer (its class: colour refinement over the graph) is given the many-node move that paid for the
+first of its class, and passed over where none paid and it stands as that one did, so a layer's
+moves are searched once, not once per layer; a graph equal to one planned before gets its plan back
+(`partition`).
 """
 
 from __future__ import annotations
