@@ -242,23 +242,23 @@ def coded_steps(src: tuple[int, ...] | None, dst: tuple[int, ...] | None,
         if d <= -2 and s != d:
             return None  # a pending sum is made by the op, not by a move
     cur = list(src)
-    gather = [cur[m] >= 0 and dst[m] != cur[m] for m in range(k)]
-    grown = True
-    while grown:  # an axis that gathers, or newly splits, a dim first has every later axis on it gathered
-        grown = False
-        for m in range(k):
-            dims = ()
-            if gather[m]:
-                dims += (cur[m],)
-            if dst[m] >= 0 and cur[m] != dst[m]:
-                dims += (dst[m],)
-            if not dims:
-                continue
-            for later in range(m + 1, k):
-                if not gather[later] and cur[later] >= 0 and cur[later] in dims:
-                    gather[later] = True
-                    grown = True
-    div = math.prod(n for c, n in zip(cur, sizes) if c >= 0)
+    gather = [c >= 0 and d != c for c, d in zip(src, dst)]
+    # an axis that gathers, or newly splits, a dim first has every later axis on it gathered; a
+    # gather so added reaches only later axes, so one pass in mesh order finds them all
+    for m in range(k - 1):
+        c, d = cur[m], dst[m]
+        moved = c if gather[m] else None
+        split = d if d >= 0 and c != d else None
+        if moved is None and split is None:
+            continue
+        for later in range(m + 1, k):
+            c2 = cur[later]
+            if c2 >= 0 and not gather[later] and (c2 == moved or c2 == split):
+                gather[later] = True
+    div = 1
+    for c, n in zip(cur, sizes):
+        if c >= 0:
+            div *= n
     steps = []
     for m in range(k - 1, -1, -1):
         if gather[m]:
@@ -267,7 +267,7 @@ def coded_steps(src: tuple[int, ...] | None, dst: tuple[int, ...] | None,
             steps.append(((n - 1) / n, div, ALPHA))
             cur[m] = _REPLICATE
     late = [m for m in range(k) if cur[m] <= -2 and dst[m] == _REPLICATE]  # `_finishing_order`'s
-    for m in [m for m in range(k) if m not in late] + late:
+    for m in [m for m in range(k) if m not in late] + late if late else range(k):
         c, d = cur[m], dst[m]
         if c == d:
             continue
