@@ -142,6 +142,29 @@ def test_every_layout_change_on_a_2x2x2_mesh_moves_what_dtensor_moves():
     assert not wrong, "\n".join(wrong)
 
 
+@pytest.mark.parametrize("sizes", [(2, 2, 2), (2, 32, 4, 4)])
+def test_layout_changes_priced_together_cost_what_each_walked_alone_costs(sizes):
+    """`priced_pairs` (a column of changes from one layout, or to one, walked at once) against
+    `priced(coded_steps(...))` pair by pair: the same float, inf where there is no plan. Every pair
+    of codes (replicated, sums, a max, splits of three dims) on three axes; on four, from every
+    eleventh layout."""
+    import numpy as np
+
+    codes = [-1, -2, -4, 0, 1, 2]  # Replicate, Partial sum, Partial max, Shard(0..2)
+    layouts = list(itertools.product(codes, repeat=len(sizes)))
+    table = np.array(layouts, dtype=np.int64)
+    for numel, itemsize in [(2 ** 20 * 3 * 128, 2), (4096 * 96, 4)]:
+        for one in layouts[::1 if len(sizes) == 3 else 11]:
+            row = np.array([one], dtype=np.int64)
+            outward = redistribute.priced_pairs(row, table, sizes, numel, itemsize).tolist()
+            inward = redistribute.priced_pairs(table, row, sizes, numel, itemsize).tolist()
+            assert outward == [redistribute.priced(redistribute.coded_steps(one, b, sizes), numel, itemsize)
+                               for b in layouts]
+            assert inward == [redistribute.priced(redistribute.coded_steps(b, one, sizes), numel, itemsize)
+                              for b in layouts]
+    assert math.inf in outward and 0.0 in outward  # some changes have no plan; one is no change
+
+
 @pytest.mark.parametrize("sizes", [(2, 2, 2), (4, 2), (2, 3, 4)])
 def test_the_cost_the_partitioner_reads_is_the_sum_over_the_plans_steps(sizes):
     """`cost` walks `plan`'s steps on ints: for every pair of layouts (avg partials included) it is

@@ -39,6 +39,7 @@ import dataclasses
 import math
 from collections.abc import Sequence
 
+import numpy as np
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 from ndfunc._src.partition.planning.layout import EXTREMA, MANUAL, Layout, local_shape
@@ -296,3 +297,49 @@ def priced(steps: tuple[tuple[float, int, float], ...] | None, numel: int, items
     for weight, div, fixed in steps:
         total += weight * (numel // div) * itemsize + fixed
     return total
+
+
+def priced_pairs(src: np.ndarray, dst: np.ndarray, sizes: Sequence[int], numel: int, itemsize: int) -> np.ndarray:
+    """`priced(coded_steps(s, d, sizes), numel, itemsize)` for each row `s` of `src` and `d` of
+    `dst` (codes as (N, k) int64 arrays, none None; a single row is broadcast), all rows at once:
+    `coded_steps`' walk on columns, each step's cost added in the same order, so the same floats
+    (inf where no plan). The partitioner prices a node's candidate layouts so, hundreds at a time."""
+    src, dst = np.broadcast_arrays(src, dst)
+    k = len(sizes)
+    cur = src.copy()
+    gather = (cur >= 0) & (dst != cur)
+    for m in range(k - 1):  # later axes on a dim an axis gathers or newly splits gather first
+        c, d = cur[:, m], dst[:, m]
+        moved, split = gather[:, m], (d >= 0) & (c != d)
+        if moved.any() or split.any():
+            for later in range(m + 1, k):
+                c2 = cur[:, later]
+                gather[:, later] |= (c2 >= 0) & ((moved & (c2 == c)) | (split & (c2 == d)))
+    div = np.where(cur >= 0, np.asarray(sizes, dtype=np.int64), 1).prod(axis=1)
+    total = np.zeros(len(cur))
+    for m in range(k - 1, -1, -1):
+        g, n = gather[:, m], sizes[m]
+        if g.any():
+            div = np.where(g, div // n, div)
+            total += np.where(g, (numel // div) * ((n - 1) / n) * itemsize + ALPHA, 0.0)
+            cur[:, m] = np.where(g, _REPLICATE, cur[:, m])
+    late = (cur <= -2) & (dst == _REPLICATE)
+    changed = cur != dst
+    for now in (changed & ~late, changed & late):  # sums that end replicated last, as `coded_steps` orders them
+        for m in np.flatnonzero(now.any(axis=0)):
+            c, d, n, on = cur[:, m], dst[:, m], sizes[m], now[:, m]
+            pending = on & (c <= -2)
+            to_block = d != _REPLICATE
+            extrema = np.isin(c, _EXTREMA)
+            reduced = pending & (~to_block | extrema)  # all-reduced (then sliced, to a block)
+            scattered = pending & to_block & ~extrema  # reduce-scattered
+            sliced = on & (c > -2)  # Replicate -> Shard: a local slice
+            q = numel // div
+            total += np.where(reduced, q * (2 * (n - 1) / n) * itemsize + ALPHA,
+                              np.where(scattered, q * ((n - 1) / n) * itemsize + ALPHA, 0.0))
+            grown = scattered | sliced | (reduced & to_block)
+            div = np.where(grown, div * n, div)
+            then_sliced = sliced | (reduced & to_block)
+            total += np.where(then_sliced, (numel // div) * SLICE * itemsize + 0.0, 0.0)
+    impossible = ((dst <= -2) & (src != dst)).any(axis=1)
+    return np.where(impossible, np.inf, total)

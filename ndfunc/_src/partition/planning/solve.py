@@ -40,6 +40,7 @@ import math
 import operator
 from collections import deque
 
+import numpy as np
 import torch
 from torch.distributed.tensor import Partial, Replicate
 
@@ -60,6 +61,7 @@ Value = tuple  # (producing node, output index)
 FLOPS_PER_BYTE = 100.0  # floating-point work worth one byte sent (CPU-like; GPUs compute more per byte)
 EPS = 1e-6
 VECTOR_MIN = 64  # a node with this many candidates has them priced as columns (`_vector_costs`)
+PRICED_TOGETHER = 64  # this many new layout changes in a column are walked together (`_tcosts`)
 
 
 def finished(layout: Layout) -> Layout:
@@ -459,16 +461,31 @@ class Problem:
     def _tcosts(self, v: int, lay: int, lays: tuple, outward: bool) -> list[float]:
         """`tcost(v, lay, x)` (`outward`) or `tcost(v, x, lay)` for each `x` of `lays`, 0.0 for -1 (no
         tensor): the costs already found read in the loop (a column has hundreds, and a call each
-        cost more than the lookup)."""
+        cost more than the lookup), and where many are new, those walked together
+        (`redistribute.priced_pairs`: the same floats)."""
         costs = self._size_costs[v]
-        found = []
+        found, new = [], []
         for x in lays:
             if x < 0 or x == lay:
                 found.append(0.0)
                 continue
             key = lay << 32 | x if outward else x << 32 | lay
             c = costs.get(key)
-            found.append(c if c is not None else self._tcost_new(v, key))
+            if c is None:
+                new.append((len(found), x, key))
+            found.append(c)
+        codes = self.codes
+        if len(new) >= PRICED_TOGETHER and codes[lay] is not None and all(codes[x] is not None for _, x, _ in new):
+            one = np.array([codes[lay]], dtype=np.int64)
+            others = np.array([codes[x] for _, x, _ in new], dtype=np.int64)
+            numel, _, itemsize = self.priced_as[v]
+            priced = redistribute.priced_pairs(*((one, others) if outward else (others, one)), self.sizes, numel,
+                                               itemsize)
+            for (i, _, key), c in zip(new, priced.tolist()):
+                found[i] = costs[key] = c
+        else:
+            for i, _, key in new:
+                found[i] = self._tcost_new(v, key)
         return found
 
     @staticmethod
