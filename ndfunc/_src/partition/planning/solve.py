@@ -319,15 +319,17 @@ class Problem:
                 total += self.output_cost(v, lay)
         return total
 
-    def local_costs(self, n: int, options, choice: list, forward: bool = False) -> dict[int, float]:
+    def local_costs(self, n: int, options, choice: list, forward: bool = False) -> dict[int, float] | list[float]:
         """`local_cost(n, i, choice, forward)` for the candidates `i` of `options` that can be the
         cheapest, the same sums in the same order, with each input's and output's terms found once
         per layout (a 4-axis op has hundreds of candidates). Every term is a cost, so a candidate
         whose work alone exceeds a cost already found is left out: it cannot be the least, and the
-        current candidate is always priced."""
+        current candidate is always priced. Candidate -> cost; a list where all were asked and priced."""
         work = self.c_work[n]
         if not self.repeated[n] and len(options) >= VECTOR_MIN:
             totals = self._vector_costs(n, choice, forward)
+            if isinstance(options, range) and len(options) == len(totals):
+                return totals  # every candidate: the list is the map
             return {i: totals[i] for i in options}
         if self.repeated[n]:  # which slots pay for a value shared between them depends on them all
             def cost_of(i):
