@@ -27,7 +27,7 @@ import functools
 import itertools
 import json
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
@@ -153,7 +153,7 @@ def runs_whole(node: torch.fx.Node, sizes: tuple[int, ...]) -> bool:
 
 # --- what the partitioner asks -------------------------------------------------------------------
 
-def candidates(node: torch.fx.Node, sizes: tuple[int, ...]) -> list[Strategy]:
+def candidates(node: torch.fx.Node, sizes: tuple[int, ...]) -> Sequence[Strategy]:
     """Every strategy for `node` on a mesh of `sizes` whose layouts fit the values' shapes."""
     if prog.is_manual(node) or node.target is manual.exit_op:
         return _manual_rule(node, sizes)
@@ -186,7 +186,7 @@ _CACHE: dict[tuple[int, ...], dict] = {}
 _WHOLE: dict[tuple[int, ...], set] = {}  # signatures that run whole for want of a rule
 
 
-def _candidates(node: torch.fx.Node, sizes: tuple[int, ...]) -> list[Strategy]:
+def _candidates(node: torch.fx.Node, sizes: tuple[int, ...]) -> Sequence[Strategy]:
     op = node.target
     ins = tensor_inputs(node)
     outs = tensor_outputs(node)

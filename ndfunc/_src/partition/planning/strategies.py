@@ -269,7 +269,7 @@ def _from_view_rule(node, outs, sizes, dim_map, strict_view, propagate) -> list[
             return propagate(asked, shape, rules, mesh_shape, strict_view)
         except Exception:  # noqa: BLE001 - a layout the rule rejects has no strategy
             return None
-    by_axis = _by_axis(rules, answer, shape, len(sizes))
+    by_axis = _by_axis(rules, answer, len(sizes))
     for lay in all_layouts(shape, sizes):
         sums = [i for i, p in enumerate(lay) if type(p) is Partial]
         asked = tuple(R if type(p) is Partial else p for p in lay) if sums else lay
@@ -286,7 +286,7 @@ def _from_view_rule(node, outs, sizes, dim_map, strict_view, propagate) -> list[
     return found
 
 
-def _by_axis(rules, answer, shape, k: int):
+def _by_axis(rules, answer, k: int):
     """For a rule that only renames dims or adds and drops ones of size 1 (permute, transpose,
     squeeze, unsqueeze: each output dim an input dim or a singleton), `answer` of a layout from
     each axis's placement asked alone: DTensor's propagation then treats each mesh axis on its
