@@ -40,12 +40,12 @@ import torch.fx.traceback as fx_traceback
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.nn import _reduction
 
+from ndfunc._src import regions
 from ndfunc._src.attention import traced_sdpa
 from ndfunc._src.constraints import decode_spec, sharding_constraint_op
 from ndfunc._src.runtime import simulation_paused
 from ndfunc._src.sharding.partition_spec import PartitionSpec
 from ndfunc._src.sharding.shape_dtype import ShapeDtypeStruct
-from ndfunc._src import regions
 from ndfunc._src.stamp import Stamps
 from ndfunc._src.torch_compat import (
     DataDependentOutputException,

@@ -268,7 +268,7 @@ def coded_steps(src: tuple[int, ...] | None, dst: tuple[int, ...] | None,
             steps.append(((n - 1) / n, div, ALPHA))
             cur[m] = _REPLICATE
     late = [m for m in range(k) if cur[m] <= -2 and dst[m] == _REPLICATE]  # `_finishing_order`'s
-    for m in [m for m in range(k) if m not in late] + late if late else range(k):
+    for m in ([m for m in range(k) if m not in late] + late) if late else range(k):
         c, d = cur[m], dst[m]
         if c == d:
             continue

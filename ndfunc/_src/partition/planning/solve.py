@@ -556,19 +556,14 @@ class Problem:
     def _situation(self, n: int, choice: list, forward: bool) -> tuple:
         """Everything `local_cost(n, ., choice, forward)` reads, for every candidate."""
         values, c_outs, meta = self.values, self.c_outs, self.value_meta
+        repeated = self.repeated[n]  # which slots read the same value matters; which value, no more
+        first: dict = {}
         ins = []
-        if self.repeated[n]:  # which slots read the same value matters; which value, no more
-            first: dict = {}
-            for slot, v in enumerate(self.inputs[n]):
-                p, j = values[v]
-                others = None if forward else frozenset(self.demands(v, choice, skip=n))
-                ins.append((first.setdefault(v, slot), c_outs[p][choice[p]][j] if choice[p] >= 0 else -1, others,
-                            meta[v]))
-        else:
-            for v in self.inputs[n]:
-                p, j = values[v]
-                others = None if forward else frozenset(self.demands(v, choice, skip=n))
-                ins.append((c_outs[p][choice[p]][j] if choice[p] >= 0 else -1, others, meta[v]))
+        for slot, v in enumerate(self.inputs[n]):
+            p, j = values[v]
+            have = c_outs[p][choice[p]][j] if choice[p] >= 0 else -1
+            others = None if forward else frozenset(self.demands(v, choice, skip=n))
+            ins.append((first.setdefault(v, slot), have, others, meta[v]) if repeated else (have, others, meta[v]))
         outs = []
         for v in self.out_ids[n]:
             if v is None:
