@@ -128,6 +128,14 @@ def test_regions_that_cannot_be_copied_are_traced_op_by_op_and_compute_what_eage
             return torch.sin(x) * w  # w: a traced tensor it was not passed
         return region
 
+    class Box:  # an output optree cannot see into
+        def __init__(self, t):
+            self.t = t
+
+    @torch.compiler.nested_compile_region
+    def boxed(x):
+        return Box(torch.tanh(x))
+
     def step(x, w):
         a = x * 1
         writes(a)
@@ -135,7 +143,7 @@ def test_regions_that_cannot_be_copied_are_traced_op_by_op_and_compute_what_eage
         r = closing_over(torch.cos(w))
         loss = lambda x: (r(r(x)) + returns_its_input(x) * 3).sum()  # noqa: E731
         batched = torch.func.vmap(lambda row: closing_over(w[0])(row))(x.reshape(2, 2))  # under vmap
-        return a, nf.value_and_grad(loss)(x), batched
+        return a, nf.value_and_grad(loss)(x), batched, boxed(x).t + boxed(w).t
 
     x, w = torch.randn(4), torch.randn(4)
     got, want = trace(step, (x, w))(x, w), step(x, w)

@@ -6,7 +6,8 @@ PyTorch's `torch.compiler.nested_compile_region` (what a model author writes: ea
 call, torch.compile compiles the region once) and ndfunc's `repeated`, a plain call everywhere else,
 so eager and torch.compile see the function as it is. `nf.optim` marks its per-leaf updates with
 `repeated`: a model's parameters share a handful of shapes, and a per-leaf region in torch.compile
-would be a compiled region per shape.
+would be a compiled region per shape. Unmarked, a model's `ModuleList` layers that are alike are
+routed here too when called through `nf.nn.functional` (`ndfunc._src.repeated_layers`).
 """
 
 from __future__ import annotations
@@ -28,12 +29,20 @@ def repeated(fn: Callable) -> Callable:
     """`fn`, marked: under `nf.jit`'s tracer, traced once per signature and copied at each call."""
     @functools.wraps(fn)
     def marked(*args: Any, **kwargs: Any) -> Any:
-        if torch.compiler.is_dynamo_compiling():  # (Dynamo reads no context variable)
-            return fn(*args, **kwargs)
-        call = _CALL.get()
+        call = current_call()
         return fn(*args, **kwargs) if call is None else call(fn, args, kwargs)
 
     return marked
+
+
+PLAIN = (type(None), bool, int, float, str, torch.dtype, torch.device)  # values a region may take and give as they are
+
+
+def current_call() -> Callable | None:
+    """Where a marked call goes here (`routed`): `Stamps.call` under `nf.jit`'s tracer, else None."""
+    if torch.compiler.is_dynamo_compiling():  # (Dynamo reads no context variable)
+        return None
+    return _CALL.get()
 
 
 @contextlib.contextmanager

@@ -25,6 +25,8 @@ its arguments and the state above, with no Python state read or written across c
 traced op by op, as unmarked code is:
 - a region that writes into an input, returns one, returns two outputs sharing memory, or reads a
   tensor it was not passed (a closure's);
+- a region that returns an object optree cannot see into (other than a tensor, a plain value or a
+  container of them), which may hold tensors;
 - a call under `vmap`, `jvp` or a grad of a grad;
 - a differentiated call under plain autograd, which may differentiate twice;
 - a call given a tensor the trace did not make (a constant), or an unhashable argument;
@@ -35,6 +37,7 @@ region under torch.compile; ndfunc's: a plain call).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Callable
 from typing import Any
@@ -44,7 +47,7 @@ import torch
 import torch.fx.traceback as fx_traceback
 from torch.fx.node import map_arg
 
-from ndfunc._src import torch_compat
+from ndfunc._src import regions, torch_compat
 
 
 # Annotations that name one call (`nf.remat`'s region ids): made inside a region, each copy draws
@@ -147,7 +150,16 @@ def _annotations() -> dict:
 def _template(fn: Callable, leaves: list, spec: Any, where: list[int], grad: bool,
               tangent_strides: tuple | None = None) -> Template | None:
     """Trace `fn` over fresh stand-ins of the call's tensors: its forward, then its backward (with
-    gradients coming in strided as `tangent_strides` say; default: as the outputs are)."""
+    gradients coming in strided as `tangent_strides` say; default: as the outputs are). A function
+    with an `ndfunc_template_context` is traced inside it (`repeated_layers`: what differs per layer
+    hidden)."""
+    context = getattr(fn, "ndfunc_template_context", contextlib.nullcontext)
+    with context():
+        return _traced_template(fn, leaves, spec, where, grad, tangent_strides)
+
+
+def _traced_template(fn: Callable, leaves: list, spec: Any, where: list[int], grad: bool,
+                     tangent_strides: tuple | None) -> Template | None:
     tensors = [leaves[i] for i in where]
     differentiated = [_differentiated(x, grad) for x in tensors]
 
@@ -162,6 +174,8 @@ def _template(fn: Callable, leaves: list, spec: Any, where: list[int], grad: boo
         primals = [_like(x) for x in tensors]
         out = rebuild(primals)  # its outputs' shapes, for the gradients' stand-ins
         out_leaves, out_spec = optree.tree_flatten(out, none_is_leaf=True)
+        if not all(isinstance(x, (torch.Tensor, *regions.PLAIN)) for x in out_leaves):
+            return None  # an output optree cannot see into (an object holding tensors): op by op
         out_tensors = [x for x in out_leaves if isinstance(x, torch.Tensor)]
         storages = [x.untyped_storage()._cdata for x in out_tensors]
         if len(set(storages)) < len(storages) or set(storages) & {x.untyped_storage()._cdata for x in primals}:
