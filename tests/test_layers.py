@@ -13,7 +13,7 @@ PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "ndfunc"
 LAYERS = [
     ["_src.torch_compat", "_src.regions"],
     ["tree", "_src.sharding", "optim", "random", "_src.buffers", "_src.planner"],
-    ["_src.host_memory", "_src.runtime", "_src.point_to_point", "_src.transfer", "_src.config", "_src.visualize", "sharding", "_src.module", "plan",
+    ["_src.host_memory", "_src.runtime", "_src.point_to_point", "_src.transfer", "_src.config", "_src.visualize", "sharding", "_src.repeated_layers", "_src.module", "plan",
      "_src.attention",
      "nn", "_src.checkpoint", "checkpoint"],
     ["_src.autodiff", "_src.constraints", "_src.manual", "_src.stamp", "_src.trace", "lax", "_src.shard_map"],

@@ -274,3 +274,21 @@ def test_new_node_is_the_node_create_node_makes():
         assert (a.name, a.op, a.target, a.kwargs) == (b.name, b.op, b.target, b.kwargs)
         assert a.args[0] is x and b.args[0] is y and a.args[1:] == b.args[1:]
     assert list(x.users) == made and g.python_code("self").src == h.python_code("self").src
+
+
+def test_runs_hooks_sees_a_modules_own_hooks_those_inside_it_and_global_ones():
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Sequential(torch.nn.ReLU()))
+    assert not compat.runs_hooks(model)
+    for register in ("register_forward_hook", "register_forward_pre_hook", "register_full_backward_hook",
+                     "register_full_backward_pre_hook"):
+        for module in (model, model[1][0]):
+            handle = getattr(module, register)(lambda *args: None)
+            assert compat.runs_hooks(model) and compat.runs_hooks(module)
+            assert not compat.runs_hooks(model[0])
+            handle.remove()
+    for register in ("register_module_forward_hook", "register_module_forward_pre_hook",
+                     "register_module_full_backward_hook", "register_module_full_backward_pre_hook"):
+        handle = getattr(torch.nn.modules.module, register)(lambda *args: None)
+        assert compat.runs_hooks(model[0])
+        handle.remove()
+    assert not compat.runs_hooks(model)

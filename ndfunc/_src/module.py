@@ -16,12 +16,14 @@ program, so any specs give the single device's results; the plan decides only wh
 
 from __future__ import annotations
 
+import inspect
 import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 
+from ndfunc._src import repeated_layers
 from ndfunc._src.sharding.mesh import AbstractMesh
 from ndfunc._src.sharding.partition_spec import PartitionSpec
 
@@ -33,12 +35,22 @@ _ROWWISE = ("rowwise", "rowwise_rep", "local_rowwise", "packed_rowwise", "rowwis
 def functional(module: torch.nn.Module) -> tuple[dict, dict, Callable[..., Any]]:
     """`(params, buffers, apply)` of `module`: its parameters and buffers by name (detached; tied
     parameters once, under their first name), and `apply(params, buffers, *args, **kwargs)`, the
-    module called on those (`torch.func.functional_call`, ties kept)."""
+    module called on those (`torch.func.functional_call`, ties kept).
+
+    Under `nf.jit`, the layers of a `ModuleList` that are alike are traced once and copied per layer
+    (`ndfunc._src.repeated_layers`), as a layer marked `torch.compiler.nested_compile_region` is. A
+    module whose forward takes `use_cache` (a Hugging Face model) is called with `use_cache=False`
+    unless the call says otherwise: a train step has no use for a KV cache, and layers that write one
+    are traced op by op."""
     params = {name: p.detach() for name, p in module.named_parameters()}
     buffers = {name: b for name, b in module.named_buffers()}
+    caches = "use_cache" in inspect.signature(module.forward).parameters
 
     def apply(params: Mapping, buffers: Mapping, *args, **kwargs):
-        return torch.func.functional_call(module, (dict(params), dict(buffers)), args, kwargs)
+        if caches:
+            kwargs.setdefault("use_cache", False)
+        with repeated_layers.routed(module):
+            return torch.func.functional_call(module, (dict(params), dict(buffers)), args, kwargs)
 
     apply.__name__ = f"{type(module).__name__}.apply"
     return params, buffers, apply

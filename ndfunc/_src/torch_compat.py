@@ -56,7 +56,7 @@ __all__ = [
     "functional_collectives", "process_group_ranks", "local_reduce", "shape_only_device_mesh", "traced_as_compiling", "DataDependentOutputException",
     "DynamicOutputShapeException", "core_aten_decompositions", "decomposition_table",
     "route_nested_compile_regions", "func_transforms", "current_tracer", "function_modes", "current_graph", "outside_the_trace",
-    "trace_nested", "node_of", "tracked", "fake_like", "new_node",
+    "trace_nested", "node_of", "tracked", "fake_like", "new_node", "runs_hooks",
 ]
 
 current_dispatch_mode = _get_current_dispatch_mode
@@ -380,3 +380,12 @@ def new_node(graph: torch.fx.Graph, op: str, target, args: tuple = (), kwargs: d
     if kwargs:
         node.kwargs = kwargs
     return node
+
+
+def runs_hooks(module: torch.nn.Module) -> bool:
+    """Whether calling `module` runs a hook: one of its own or of a module inside it, or a global one."""
+    m = torch.nn.modules.module
+    if m._global_forward_hooks or m._global_forward_pre_hooks or m._global_backward_hooks or m._global_backward_pre_hooks:
+        return True
+    return any(sub._forward_hooks or sub._forward_pre_hooks or sub._backward_hooks or sub._backward_pre_hooks
+               for sub in module.modules())
