@@ -1,7 +1,7 @@
 """How long nf.jit takes to lower the llama train step, by depth and by mesh size.
 
     python benchmarks/compile_time.py [--layers 2 8 32 80] [--meshes 1,2,2,2 2,2,2,2 ...]
-                                      [--config tiny] [--json OUT]
+                                      [--config tiny] [--hf] [--json OUT]
 
 Each row lowers the step of `models.train` (AdamW, the ParallelConfig's rules on activations) over
 `nf.ShapeDtypeStruct` stand-ins on an `AbstractMesh` (the program simulated or real ranks get, with
@@ -9,6 +9,8 @@ nothing laid out or allocated: placing data is not compiling), and prints the se
 partitioner's candidate strategies (DTensor's rules asked), its search, and the passes after it.
 Every row starts from cold caches (no candidate, layout change or plan remembered from a row
 before), as a fresh process would. Depth rows use `--depth-mesh`; mesh rows use `--mesh-layers`.
+`--hf`: the same step for transformers' `LlamaForCausalLM` of the config's dims, called as it is
+(`models.train --hf-model`), its layers found alike and traced once (`nf.nn.functional`).
 """
 
 from __future__ import annotations
@@ -19,9 +21,10 @@ import json
 import time
 
 import optree
+import torch
 
 import ndfunc as nf
-from models import llama, train
+from models import hf, llama, train
 from ndfunc._src.partition.planning import ops, solve
 from ndfunc.sharding import NamedSharding, P
 
@@ -50,9 +53,37 @@ def row(cfg: llama.LlamaConfig, sizes: tuple[int, ...], seq: int = 64) -> dict:
     laid_out = lambda tree: optree.tree_map(lambda x: x.sharding, tree)  # noqa: E731
     step = nf.jit(train.make_step(cfg, opt, config.rules), mesh=mesh,
                   out_shardings=(laid_out(params), laid_out(state), P()))
+    return timed(step, (params, state, batch), cfg.n_layers, sizes, config.total_size)
+
+
+def hf_row(cfg: llama.LlamaConfig, sizes: tuple[int, ...], seq: int = 64) -> dict:
+    """`row` for transformers' LlamaForCausalLM of `cfg`'s dims, called as it is (`models.train
+    --hf-model`'s step; made on the meta device, its buffers empty: no value changes the program)."""
+    import transformers  # noqa: PLC0415 - only this row needs it
+
+    config = nf.ParallelConfig(*sizes)
+    mesh = config.build_abstract_mesh()
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**hf.config_to_hf(cfg, torch.float32)))
+    for name, buffer in list(model.named_buffers()):
+        owner, _, leaf = name.rpartition(".")
+        model.get_submodule(owner).register_buffer(leaf, torch.empty(buffer.shape, dtype=buffer.dtype))
+    _, params, specs, loss, _ = train.hf_model(model, mesh)
+    params = {k: nf.ShapeDtypeStruct(tuple(v.shape), v.dtype, sharding=NamedSharding(mesh, specs[k]))
+              for k, v in params.items()}
+    opt = nf.optim.adamw(1e-3, weight_decay=0.1)
+    state = opt.init(params)
+    batch = train.abstract_batch(config, mesh, config.dp_world_size, seq * config.cp_size)
+    laid_out = lambda tree: optree.tree_map(lambda x: x.sharding, tree)  # noqa: E731
+    step = nf.jit(train.make_loss_step(loss, opt), mesh=mesh, out_shardings=(laid_out(params), laid_out(state), P()))
+    return timed(step, (params, state, batch), cfg.n_layers, sizes, config.total_size)
+
+
+def timed(step, args: tuple, layers: int, sizes: tuple[int, ...], ranks: int) -> dict:
+    """Seconds of `step.lower(*args)` from cold caches, and of the partitioner's parts."""
     cold()
     t0 = time.perf_counter()
-    lowered = step.lower(params, state, batch)
+    lowered = step.lower(*args)
     total = time.perf_counter() - t0
     # the parts, again, from cold caches: the search's own time apart from the candidates'
     program = lowered.program
@@ -63,7 +94,7 @@ def row(cfg: llama.LlamaConfig, sizes: tuple[int, ...], seq: int = 64) -> dict:
     t1 = time.perf_counter()
     problem.solve()
     t2 = time.perf_counter()
-    return {"layers": cfg.n_layers, "mesh": list(sizes), "ranks": config.total_size, "nodes": len(graph.nodes),
+    return {"layers": layers, "mesh": list(sizes), "ranks": ranks, "nodes": len(graph.nodes),
             "lower_s": total, "candidates_s": t1 - t0, "search_s": t2 - t1,
             "rest_s": total - (t2 - t0)}
 
@@ -75,6 +106,8 @@ def main() -> None:
     parser.add_argument("--depth-mesh", default="1,2,2,2", help="dp_replicate,dp_shard,cp,tp of the depth rows")
     parser.add_argument("--meshes", nargs="*", default=MESHES, help="dp_replicate,dp_shard,cp,tp per mesh row")
     parser.add_argument("--mesh-layers", type=int, default=2)
+    parser.add_argument("--hf", action="store_true",
+                        help="lower transformers' LlamaForCausalLM of the config's dims, called as it is")
     parser.add_argument("--json", help="also write the rows to this file")
     args = parser.parse_args()
     base = getattr(llama.LlamaConfig, args.config)()
@@ -85,7 +118,7 @@ def main() -> None:
     print(f"{'layers':>6} {'mesh':>12} {'ranks':>5} {'nodes':>6} {'lower s':>8} {'cands s':>8} {'search s':>8} "
           f"{'rest s':>7}")
     for layers, sizes in jobs:
-        r = row(dataclasses.replace(base, n_layers=layers), sizes)
+        r = (hf_row if args.hf else row)(dataclasses.replace(base, n_layers=layers), sizes)
         rows.append(r)
         print(f"{layers:6d} {'x'.join(map(str, sizes)):>12} {r['ranks']:5d} {r['nodes']:6d} {r['lower_s']:8.2f} "
               f"{r['candidates_s']:8.2f} {r['search_s']:8.2f} {r['rest_s']:7.2f}", flush=True)
