@@ -98,7 +98,7 @@ def test_alike_layers_are_traced_once_and_the_program_is_the_one_traced_op_by_op
         args = (torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1)),)
     runs = counted(monkeypatch, model)
     copied, plain, params, step = traced_both_ways(model, call, args)
-    assert 0 < len(runs) - layers < layers  # the template (its shapes, its ops), then op by op: one per layer
+    assert 0 < len(runs) - layers < layers  # copied: the templates' runs, fewer than the layers; op by op: one each
     assert canonical(copied.graph) == canonical(plain.graph)
     (value, grads), (want_value, want_grads) = copied(params, *args), step(params, *args)
     torch.testing.assert_close(value, want_value)
@@ -117,7 +117,7 @@ def test_layers_that_read_what_differs_per_layer_are_traced_op_by_op_and_compute
     assert [layer.index for layer in model.layers] == [0, 1, 2, 3]  # put back
 
 
-def test_layers_given_a_kv_cache_or_running_hooks_are_traced_op_by_op(monkeypatch):
+def test_layers_given_a_kv_cache_running_hooks_or_with_a_replaced_forward_are_traced_op_by_op(monkeypatch):
     model = hf_model("llama", 3)
     ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
     runs = counted(monkeypatch, model)
@@ -130,6 +130,17 @@ def test_layers_given_a_kv_cache_or_running_hooks_are_traced_op_by_op(monkeypatc
     copied, plain, params, step = traced_both_ways(model, lm_loss, (ids,))
     assert len(runs) == 2 * 3 and len(seen) == 2 * 1  # a hook in one layer: every layer op by op
     torch.testing.assert_close(copied(params, ids), step(params, ids))
+
+    model = Stack(9)  # a forward replaced on the instance (accelerate's hooks): that layer op by op
+    wrapped = model.layers[0].forward
+    model.layers[0].forward = lambda *a, **k: wrapped(*a, **k) * 2
+    runs = counted(monkeypatch, model)
+    x = torch.randn(4, 8)
+    copied, plain, params, step = traced_both_ways(model, lambda apply, p, b, x: apply(p, b, x), (x,))
+    # (the replaced layer runs uncounted) op by op: 8 runs; copied: the others' template, and copies
+    assert len(runs) - 8 < 8 and "forward" in vars(model.layers[0])  # (and the replacement kept)
+    assert canonical(copied.graph) == canonical(plain.graph)
+    torch.testing.assert_close(copied(params, x), step(params, x))
 
 
 def test_apply_calls_a_hugging_face_model_without_a_kv_cache_unless_asked():
