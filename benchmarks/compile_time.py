@@ -25,7 +25,7 @@ import torch
 
 import ndfunc as nf
 from models import hf, llama, train
-from ndfunc._src.partition.planning import ops, solve
+from ndfunc._src.partition.planning import ops, solve, strategies
 from ndfunc.sharding import NamedSharding, P
 
 MESHES = ["1,2,1,2", "1,2,2,2", "2,2,2,2", "2,4,2,4", "2,8,4,4"]  # dp_replicate, dp_shard, cp, tp: 4 to 256
@@ -36,6 +36,7 @@ def cold() -> None:
     """Forget what the partitioner remembers between programs."""
     ops._CACHE.clear()
     ops._WHOLE.clear()
+    strategies._LAYOUTS.clear()
     solve._TRANSITIONS.clear()
     solve._PLANS.clear()
 

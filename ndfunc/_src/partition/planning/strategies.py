@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import operator
+import threading
 import weakref
 from collections.abc import Sequence
 
@@ -155,15 +156,32 @@ def _from_single_dim(node, ins, outs, sizes) -> list[Strategy]:
     rules = list({tuple(r): None for r in rules})  # a repeated rule only repeats strategies
     rules = [r for r in rules if all(shp is None or _holds(p, shp) for p, shp in zip(r, shapes))]
     cut = [[(t, p.dim) for t, p in enumerate(r) if type(p) is Shard and shapes[t] is not None] for r in rules]
-    # each distinct placement as an int, each distinct layout made once: the partitioner numbers
-    # layouts by identity first (`Problem._layout`), and a 4-axis op has thousands
-    placements: dict = {}
-    codes = [[placements.setdefault(p, len(placements)) for p in r] for r in rules]
-    every = list(placements)
-    return _combined(codes, cut, shapes, every, sizes, len(outs), [o is None for o in outs])
+    # each distinct placement as an int, each distinct layout made once in the process: the
+    # partitioner numbers layouts by identity first (`Problem._layout`), and a 4-axis op has thousands
+    codes = [[_placement_code(p) for p in r] for r in rules]
+    return _combined(codes, cut, shapes, sizes, len(outs), [o is None for o in outs])
 
 
-def _combined(codes, cut, shapes, every, sizes, n_outs, empty) -> Fitted:
+def _placement_code(p) -> int:
+    code = _PLACEMENT_CODES.get(p)
+    if code is None:
+        with _INTERNING:  # (programs may be lowered in several threads)
+            code = _PLACEMENT_CODES.get(p)
+            if code is None:
+                _PLACEMENTS_BY_CODE.append(p)
+                code = _PLACEMENT_CODES[p] = len(_PLACEMENTS_BY_CODE) - 1
+    return code
+
+
+# placements as ints, and layouts made of them, shared by every rule's candidates (`_combined`):
+# the same layout is the same object in every list
+_PLACEMENT_CODES: dict = {}
+_PLACEMENTS_BY_CODE: list = []
+_LAYOUTS: dict = {}  # placement codes -> the layout
+_INTERNING = threading.Lock()
+
+
+def _combined(codes, cut, shapes, sizes, n_outs, empty) -> Fitted:
     """Every combination of one rule per mesh axis, in `itertools.product`'s order, whose cuts
     divide the shapes. Walked axis by axis: a product of cuts that does not divide a dim is not
     extended (a prefix's product divides every extension's, so nothing that fits is lost), and
@@ -182,7 +200,10 @@ def _combined(codes, cut, shapes, every, sizes, n_outs, empty) -> Fitted:
                 i = made.get(keys[t])
                 if i is None:
                     i = made[keys[t]] = len(layouts)
-                    layouts.append(tuple(every[c] for c in keys[t]))
+                    lay = _LAYOUTS.get(keys[t])
+                    if lay is None:
+                        lay = _LAYOUTS[keys[t]] = tuple(_PLACEMENTS_BY_CODE[c] for c in keys[t])
+                    layouts.append(lay)
                 at[t] = i
             outs.append(tuple(at[:n_outs]))
             ins.append(tuple(at[n_outs:]))
