@@ -43,18 +43,12 @@ def cold() -> None:
 
 def row(cfg: llama.LlamaConfig, sizes: tuple[int, ...], seq: int = 64) -> dict:
     config = nf.ParallelConfig(*sizes)
-    opt = nf.optim.adamw(1e-3, weight_decay=0.1)
     # stand-ins on an abstract mesh: a 1,024-rank row costs what a 4-rank one does to set up, and
     # the program is the one simulated or real ranks get (tests/test_shape_only.py)
     mesh = config.build_abstract_mesh()
     pspec = nf.sharding.logical_to_mesh(llama.param_axes(cfg), config.rules)
     params = llama.abstract_params(cfg, optree.tree_map(lambda s: NamedSharding(mesh, s), pspec))
-    state = opt.init(params)
-    batch = train.abstract_batch(config, mesh, config.dp_world_size, seq * config.cp_size)
-    laid_out = lambda tree: optree.tree_map(lambda x: x.sharding, tree)  # noqa: E731
-    step = nf.jit(train.make_step(cfg, opt, config.rules), mesh=mesh,
-                  out_shardings=(laid_out(params), laid_out(state), P()))
-    return timed(step, (params, state, batch), cfg.n_layers, sizes, config.total_size)
+    return timed(config, mesh, params, lambda opt: train.make_step(cfg, opt, config.rules), cfg.n_layers, seq)
 
 
 def hf_row(cfg: llama.LlamaConfig, sizes: tuple[int, ...], seq: int = 64) -> dict:
@@ -72,19 +66,20 @@ def hf_row(cfg: llama.LlamaConfig, sizes: tuple[int, ...], seq: int = 64) -> dic
     _, params, specs, loss, _ = train.hf_model(model, mesh)
     params = {k: nf.ShapeDtypeStruct(tuple(v.shape), v.dtype, sharding=NamedSharding(mesh, specs[k]))
               for k, v in params.items()}
+    return timed(config, mesh, params, lambda opt: train.make_loss_step(loss, opt), cfg.n_layers, seq)
+
+
+def timed(config: nf.ParallelConfig, mesh, params, make_step, layers: int, seq: int) -> dict:
+    """Seconds of lowering `make_step(opt)` (AdamW) over `params` and a batch of stand-ins, from
+    cold caches, and of the partitioner's parts."""
     opt = nf.optim.adamw(1e-3, weight_decay=0.1)
     state = opt.init(params)
     batch = train.abstract_batch(config, mesh, config.dp_world_size, seq * config.cp_size)
     laid_out = lambda tree: optree.tree_map(lambda x: x.sharding, tree)  # noqa: E731
-    step = nf.jit(train.make_loss_step(loss, opt), mesh=mesh, out_shardings=(laid_out(params), laid_out(state), P()))
-    return timed(step, (params, state, batch), cfg.n_layers, sizes, config.total_size)
-
-
-def timed(step, args: tuple, layers: int, sizes: tuple[int, ...], ranks: int) -> dict:
-    """Seconds of `step.lower(*args)` from cold caches, and of the partitioner's parts."""
+    step = nf.jit(make_step(opt), mesh=mesh, out_shardings=(laid_out(params), laid_out(state), P()))
     cold()
     t0 = time.perf_counter()
-    lowered = step.lower(*args)
+    lowered = step.lower(params, state, batch)
     total = time.perf_counter() - t0
     # the parts, again, from cold caches: the search's own time apart from the candidates'
     program = lowered.program
@@ -95,7 +90,7 @@ def timed(step, args: tuple, layers: int, sizes: tuple[int, ...], ranks: int) ->
     t1 = time.perf_counter()
     problem.solve()
     t2 = time.perf_counter()
-    return {"layers": layers, "mesh": list(sizes), "ranks": ranks, "nodes": len(graph.nodes),
+    return {"layers": layers, "mesh": list(mesh.axis_sizes), "ranks": config.total_size, "nodes": len(graph.nodes),
             "lower_s": total, "candidates_s": t1 - t0, "search_s": t2 - t1,
             "rest_s": total - (t2 - t0)}
 
