@@ -177,7 +177,7 @@ def _placement_code(p) -> int:
 # the same layout is the same object in every list
 _PLACEMENT_CODES: dict = {}
 _PLACEMENTS_BY_CODE: list = []
-_LAYOUTS: dict = {}  # placement codes -> the layout
+_LAYOUTS: dict = {}  # placement codes -> the layout (two threads making one at once make equal layouts: no lock)
 _INTERNING = threading.Lock()
 
 
