@@ -86,13 +86,13 @@ def test_hsdp_gathers_an_output_head_rather_than_reduce_its_logits():
     assert moved["all_reduce"] == pytest.approx(2 * 1 / 2 * head / 4, rel=1e-3)  # and two scalars
 
 
-def _llama_step(base, sizes, seq=8192, remat=None, transforms=()):
+def _llama_step(base, sizes, seq=8192, remat=None, transforms=(), n_layers=2):
     """Llama 3's step (two of its layers: every figure below is per layer, or the embedding's) over
     stand-ins on an abstract mesh of `sizes` (dp_replicate, dp_shard, cp, tp), the train job's
     layouts, results laid out as the arguments were; each rank a sequence of `seq` tokens."""
     from models import llama, train
 
-    cfg, config = base(n_layers=2, remat=remat), nf.ParallelConfig(*sizes)
+    cfg, config = base(n_layers=n_layers, remat=remat), nf.ParallelConfig(*sizes)
     mesh = config.build_abstract_mesh()
     specs = nf.sharding.logical_to_mesh(llama.param_axes(cfg), config.rules)
     params = llama.abstract_params(cfg, optree.tree_map(lambda s: NamedSharding(mesh, s), specs))
@@ -244,3 +244,30 @@ def test_memory_by_part_and_fsdp2_traffic_land_on_the_closed_forms(shape, strate
         assert got[part] == pytest.approx(expected[part], rel=0.01), part
     for part in expected.keys() - {"parameters", "adam", "gradients"}:
         assert got[part] == pytest.approx(expected[part], rel=0.05), part
+
+
+@pytest.mark.slow  # a Llama-3-shaped step lowered per case and depth: seconds each
+@pytest.mark.parametrize("strategy", ["fsdp8", "fsdp4_tp2", "hsdp2x4", "cp4", "fsdp2_cp2_tp2"])
+def test_fsdp_under_mixed_precision_holds_two_units_in_the_compute_dtype_at_any_depth(strategy):
+    # FSDP2 with MixedPrecisionPolicy(param_dtype=bf16): each shard is cast, then gathered, and
+    # freed after the forward like an fp32 one: at most two units at once (the one computing, the
+    # one prefetched), of 2 bytes a parameter, however many layers there are. `nf.fsdp('dp_shard')`
+    # where the rules shard over ('dp_shard', 'cp') (FSDP over both, as torchtitan) schedules
+    # those gathers too.
+    from models import llama
+
+    sizes = {**STRATEGIES, "fsdp2_cp2_tp2": (1, 2, 2, 2)}[strategy]
+    _, shards, cp, tp = sizes
+    transforms = [nf.fsdp("dp_shard" if shards > 1 else "cp"), nf.mixed_precision(torch.bfloat16, torch.float32)]
+    if cp > 1:
+        transforms.append(nf.ring_attention("cp"))
+    gathered = {}
+    for n_layers in (2, 4):
+        cfg, lowered, _ = _llama_step(llama.LlamaConfig.llama3_8b, sizes, 8192, "full", transforms, n_layers)
+        gathered[n_layers] = lowered.memory_analysis().breakdown.gathered
+    shapes = llama.param_shapes(cfg)
+    count = lambda tree: sum(s.numel() for s in optree.tree_leaves(tree))  # noqa: E731
+    head, layer = count([shapes["lm_head"], shapes["norm"]]), count(shapes["layers"][0])
+    assert gathered[2] == gathered[4]  # not a layer's more each layer: freed after forward
+    if strategy in STRATEGIES:  # the closed form's cases (`closed_forms`), at half their bytes
+        assert gathered[2] == pytest.approx(2 * (head + layer) / tp, rel=0.05)

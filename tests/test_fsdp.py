@@ -96,6 +96,28 @@ def test_resharding_gathers_each_weight_again_for_backward_and_frees_it_between(
     assert c_reshard["peak_memory_bytes"] < c_keep["peak_memory_bytes"] <= c_plain["peak_memory_bytes"]
 
 
+def test_under_mixed_precision_each_shard_is_cast_gathered_and_gathered_again_for_backward():
+    # FSDP2's MixedPrecisionPolicy(param_dtype=bf16): the shard is cast, then gathered (half the
+    # bytes), and the gathered copy is freed after forward and made again for backward, as in fp32
+    # (the test above); a cast between the stored shard and its gather does not make it a value
+    # FSDP leaves alone
+    bf16 = nf.mixed_precision(torch.bfloat16, torch.float32)
+    with nf.simulate(4):
+        mesh = nf.make_mesh(dp=4)
+        keep, args = jitted(mesh, [nf.fsdp("dp", reshard_after_forward=False, bucket_bytes=0), bf16])
+        reshard, _ = jitted(mesh, [nf.fsdp("dp", bucket_bytes=0), bf16])
+        lowered = {"keep": keep.lower(*args), "reshard": reshard.lower(*args)}
+    c_keep, c_reshard = (lowered[k].cost_analysis() for k in ("keep", "reshard"))
+    per_gather = D * D * 2 * 3 // 4  # (N-1)/N of a bf16 weight comes in
+    again = N_LAYERS - 3  # as above, with prefetch
+    assert moved(c_keep, "all_gather") == N_LAYERS * per_gather
+    assert moved(c_reshard, "all_gather") == (N_LAYERS + again) * per_gather
+    held = {k: low.memory_analysis().breakdown.gathered for k, low in lowered.items()}
+    weight = D * D * 2
+    assert held["keep"] == (N_LAYERS - 1) * weight  # each, forward to backward (bar the first: backward reads none)
+    assert held["reshard"] == 2 * weight  # the one computing and the next, prefetched
+
+
 def test_prefetch_issues_the_next_gather_before_the_current_layer_computes():
     with nf.simulate(4):
         f, args = jitted(nf.make_mesh(dp=4), [nf.fsdp("dp", reshard_after_forward=False, prefetch=1, bucket_bytes=0)])

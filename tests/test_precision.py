@@ -45,7 +45,10 @@ def test_mixed_precision_gradients_equal_the_bf16_gradients_by_hand(name):
 
 
 @pytest.mark.slow
-def test_mixed_precision_steps_keep_fp32_parameters_and_state_and_train():
+@pytest.mark.parametrize("name,schedule", [("fsdp_tp", None), ("fsdp_cp", "dp_shard")])
+def test_mixed_precision_steps_keep_fp32_parameters_and_state_and_train(name, schedule):
+    # and under nf.fsdp's schedule, which gathers each cast shard again for backward (over
+    # dp_shard and cp: the rules shard the parameters over both; test_fsdp holds the schedule)
     cfg, opt, _, params, batches = setup()
     def by_hand(params, state, batch):
         loss, grads = nf.value_and_grad(bf16_loss)(params, batch, cfg)
@@ -57,7 +60,8 @@ def test_mixed_precision_steps_keep_fp32_parameters_and_state_and_train():
     for batch in batches:
         p, state, loss = by_hand(p, state, batch)
         expected.append(float(loss))
-    got_params, losses, _ = run_sharded(MATRIX["fsdp_tp"], [nf.mixed_precision(torch.bfloat16, torch.float32)])
+    transforms = [nf.mixed_precision(torch.bfloat16, torch.float32)] + ([nf.fsdp(schedule)] if schedule else [])
+    got_params, losses, _ = run_sharded(MATRIX[name], transforms)
     assert losses == pytest.approx(expected, rel=1e-3)
     assert all(x.dtype == torch.float32 for x in optree.tree_leaves(got_params))
 

@@ -1,7 +1,11 @@
 """`nf.fsdp`: when FSDP's gathers happen, as a pass over the lowered program.
 
 The partitioner already turns a parameter stored sharded over an axis into an all-gather before
-its use and its gradient into a reduce-scatter. What it does not decide is *when*: its program
+its use and its gradient into a reduce-scatter. A parameter's gather is one of the stored shard as
+sent: through views and copies, `nf.mixed_precision`'s cast (placed before the gather, which then
+moves half the bytes, as FSDP2 casts before it gathers) and an all-to-all that moves the shard to
+another dim; over this transform's axes, and over any others the parameter is split over too
+(`nf.fsdp('dp_shard')` under rules that shard over `('dp_shard', 'cp')`), one chain. What it does not decide is *when*: its program
 gathers each parameter once and keeps the whole of it alive from the forward use to the backward
 one, so every layer's gathered weights are held at once. This pass makes that FSDP2's schedule:
 
@@ -71,8 +75,10 @@ class fsdp(Transform):  # noqa: N801 - a transform is named like the function it
         return self.axes
 
     def _gathers(self, gm) -> list:
-        """The program's gathers of parameters over this transform's axes."""
-        return [g for g in _parameter_gathers(gm) if set(g.comm.axes) <= set(self.axes)]
+        """The program's gathers of parameters stored sharded over this transform's axes, over
+        other axes too (`nf.fsdp('dp_shard')` where the rules shard over `('dp_shard', 'cp')`):
+        each is one chain, gathered again whole."""
+        return [g for g in _parameter_gathers(gm) if set(g.comm.axes) & set(self.axes)]
 
     def lowered(self, program) -> None:
         gm = program.local
@@ -193,11 +199,16 @@ def _second_use(g: _Gather, index: dict, firsts: list[tuple], layer: str | None)
 
 def _regather(gm, g: _Gather, cut: torch.fx.Node, index: dict) -> None:
     """Gather `g` again just before `cut`: its uses from there on read the new copy (copies of
-    `g.chain`). `index`: the program order before any copy."""
+    `g.chain`, and of what makes the parameter as sent for this gather alone: a shard cast for the
+    gather is cast again, as FSDP2 does, not kept from forward to backward). `index`: the program
+    order before any copy."""
     later = [u for u in g.value.users if index[u] >= index[cut]]
+    sent = _views_of_source(g.start.args[0])
+    shared = [i for i, n in enumerate(sent) if len(n.users) > 1]  # alive anyway: read from there on
+    sent = sent[shared[-1] + 1:] if shared else sent
     env: dict = {}
     with gm.graph.inserting_before(cut):
-        for n in g.chain:
+        for n in [*sent, *g.chain]:
             env[n] = gm.graph.node_copy(n, lambda a: env.get(a, a))
     for u in later:
         u.replace_input_with(g.value, env[g.value])
@@ -297,21 +308,39 @@ def _modules(placeholders: list, paths: list[str]) -> dict:
             for ph, path, cut in zip(placeholders, paths, cuts)}
 
 
-_VIEWS = (aten.clone.default, aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.permute.default,
-          aten.transpose.int, aten.t.default, aten.unsqueeze.default, aten.squeeze.dims, aten.squeeze.dim)
+_VIEWS = (aten.clone.default, aten.contiguous.default, aten.view.default, aten.reshape.default,
+          aten._unsafe_view.default, aten.permute.default, aten.transpose.int, aten.t.default, aten.unsqueeze.default,
+          aten.squeeze.dims, aten.squeeze.dim)
+_CASTS = (aten._to_copy.default, torch.ops.prims.convert_element_type.default)
 
 
 def _views_of_source(node: torch.fx.Node) -> list[torch.fx.Node]:
-    """The views and copies from `_source(node)` to `node`, in program order."""
+    """The views, copies, casts and all-to-alls from `_source(node)` to `node`, in program order."""
     chain = []
-    while node.op == "call_function" and node.target in _VIEWS:
+    while node.op == "call_function" and (node.target in _VIEWS or _is_cast(node) or _is_all_to_all(node)):
         chain.append(node)
         node = node.args[0]
     return chain[::-1]
 
 
+def _is_all_to_all(node: torch.fx.Node) -> bool:
+    """An all-to-all, or its wait: a stored shard moved to another dim on the way to its gather
+    (a weight the partitioner splits over one axis by columns, over another by rows), which keeps
+    its size."""
+    if node.target is c10d.wait_tensor.default:
+        node = node.args[0]
+    return node.target is c10d.all_to_all_single.default
+
+
+def _is_cast(node: torch.fx.Node) -> bool:
+    """A change of dtype only: `nf.mixed_precision`'s cast of a stored parameter, which the
+    partitioner places before its gather (the gather then moves half the bytes), as FSDP2 does."""
+    return node.target in _CASTS and set(node.kwargs) <= {"dtype"}
+
+
 def _source(node: torch.fx.Node) -> torch.fx.Node:
-    """What `node` is a view or copy of (a parameter, read through an einsum's permutes)."""
+    """What `node` is a view, copy or cast of (a parameter, read through an einsum's permutes, or
+    cast to the compute dtype)."""
     views = _views_of_source(node)
     return views[0].args[0] if views else node
 
