@@ -95,6 +95,30 @@ def test_tensor_parallel_llama_moves_megatrons_activations_and_nothing_else():
         assert lowered.memory_analysis().temp_size_in_bytes < logits
 
 
+@pytest.mark.slow  # Llama-3-shaped steps lowered
+@pytest.mark.parametrize("shape", ["llama3_8b", "llama3_70b"])
+def test_the_cross_entropy_gradient_stays_split_over_the_vocabulary(shape):
+    # Megatron's cross-entropy backward: each rank writes the gradient of its slice of the
+    # vocabulary (-1/N at a target in its slice, 0 elsewhere). Made whole on every rank and then
+    # sliced, the target mask and the gradient are (tokens x vocabulary) each: 4 GiB a rank at
+    # 8,192 tokens and Llama 3's 128,256 entries, more than the rest of the loss
+    from models import llama, train
+
+    # (FSDP over 128 ranks by 8-way TP, bf16, every layer recomputed: the README's 70B plan)
+    cfg, seq = getattr(llama.LlamaConfig, shape)(n_layers=4, remat="full"), 8192
+    config = nf.ParallelConfig(dp_shard_size=128, tp_size=8)
+    mesh = config.build_abstract_mesh()
+    specs = nf.sharding.logical_to_mesh(llama.param_axes(cfg), config.rules)
+    params = llama.abstract_params(cfg, optree.tree_map(lambda s: NamedSharding(mesh, s), specs))
+    opt = nf.optim.adamw(3e-4)
+    transforms = [nf.fsdp("dp_shard"), nf.mixed_precision(torch.bfloat16, torch.float32)]
+    lowered = nf.jit(train.make_step(cfg, opt, config.rules), mesh=mesh, transforms=transforms).lower(
+        params, opt.init(params), train.abstract_batch(config, mesh, config.dp_world_size, seq))
+    whole = [(n.name, tuple(n.meta["val"].shape)) for n in lowered.program.local.graph.nodes
+             if isinstance(n.meta.get("val"), torch.Tensor) and n.meta["val"].numel() >= seq * cfg.vocab_size]
+    assert not whole, whole
+
+
 def test_an_abstract_mesh_places_an_embedding_table_by_rows():
     mesh = AbstractMesh({"tp": 8})
     table = nf.ShapeDtypeStruct((128256, 4096), torch.bfloat16, sharding=NamedSharding(mesh, P("tp")))

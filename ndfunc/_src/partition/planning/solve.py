@@ -12,9 +12,11 @@ also at the cost of undoing it), keeping the cheaper end: single-node moves agai
 none lowers the total (a changed node puts its neighbours back on the worklist); then, where data
 still moves, moves of many nodes at once - give a moved value another layout for all its consumers,
 or change its producer - each followed by choosing again everything downstream that now prefers
-another strategy, kept if the total fell. Inputs and `with_sharding_constraint` nodes have one
-candidate; requested output layouts are extra consumers; an output left to the partitioner only
-has to end without a pending sum.
+another strategy, kept if the total fell; last, the same again where a producer's new layout is
+ranked as its consumers could take it (a sum over the dim a move splits leaves a sum pending: a
+cross-entropy's gradient split over the vocabulary like the scores, not made whole and sliced).
+Inputs and `with_sharding_constraint` nodes have one candidate; requested output layouts are extra
+consumers; an output left to the partitioner only has to end without a pending sum.
 
 What makes it fast enough, without changing a plan (`tests/test_plan_pins.py`): layouts are ints (a
 rule-per-axis candidate list comes as its distinct layouts and each candidate's indices into them,
@@ -120,6 +122,9 @@ class Problem:
         self._columns: dict = {}  # id(candidate list) -> (the list, its layout ids / work as tensors)
         self._priced_columns: dict = {}  # (value's size, id(layouts), term, layout) -> (layouts, costs)
         self.wary = False
+        self.relaxed = False  # `_producer_moves`' ranking (the search's last phase)
+        self._first_round = True  # of `_improve_together`
+        self._classes = None  # `_value_classes`, found once
         node_ids: dict[torch.fx.Node, int] = {}
         placeholders = iter(input_layouts)
         for node in graph.nodes:
@@ -622,6 +627,11 @@ class Problem:
         N = len(self.nodes)
         choice = min((self._search(wary) for wary in (False, True)), key=self.total)
         self._improve_together(choice)  # the costly part: on the better start only
+        # then moves that rank a producer's new layout as its consumers could take it (`relaxed`):
+        # only after the others have settled, so a plan changes only where they lower its cost
+        self.relaxed = True
+        self._improve_together(choice)
+        self.relaxed = False
         strategy = {self.nodes[n]: self.strategies[n][choice[n]] for n in range(N)}
         outputs = []
         for v, want in zip(self.output_values, self.requested):
@@ -663,9 +673,12 @@ class Problem:
         there, one settle instead of a dozen, and kept if it pays here too; where no move paid and
         the value stands as that one did (`_around`), it is passed over. Anything else is searched
         afresh."""
-        classes = self._value_classes()
+        if self._classes is None:
+            self._classes = self._value_classes()
+        classes = self._classes
         changed: set | None = None
-        for _ in range(rounds):
+        for r in range(rounds):
+            self._first_round = r == 0
             touched: set = set()
             sources_tried: set = set()  # a pending sum feeds several reductions: its producer is tried once
             first_of: dict = {}  # class -> (its first value's surroundings, or the move that paid there)
@@ -702,6 +715,10 @@ class Problem:
     def _best_move(self, v: int, choice: list, cost: float, sources_tried: set) -> tuple:
         """The move of many nodes that lowers the total most for value `v`, moved at `cost`:
         (delta, the new choices or None, how to make it again: `_replay`)."""
+        if self.relaxed and self._first_round:  # the last phase: first only the producer moves it
+            # admits (`_relaxed`), then around what they changed every kind
+            moves = [(*move, ("producer", -1, made)) for move, made in self._producer_moves(v, choice, below=cost)]
+            return min(moves, key=lambda m: m[0], default=(0.0, None, None))
         moves = [(*self._redirect(v, lay, choice), ("redirect", -1, lay)) for lay in self._layouts_for(v, choice)]
         moves += [(*move, ("producer", -1, made)) for move, made in self._producer_moves(v, choice, below=cost)]
         for k, u in enumerate(self._pending_sources(v, choice)):
@@ -838,12 +855,31 @@ class Problem:
         # chosen again after the move (`_settle`): such demands rank nothing out
         ranked = sorted(((sum(c for w in demands if (c := self.tcost(v, lay, w)) != math.inf)
                           + self.output_cost(v, lay), lay, i) for lay, i in by_layout.items()))
+        if self.relaxed:
+            ranked = self._relaxed(v, choice, demands, ranked, below if self._first_round else None)
         moves = []
         for reach, lay, i in ranked[:len(self.sizes) + 2]:
             if below is not None and reach >= below:
                 break
             moves.append((self._produce(n, i, choice), lay))
         return moves
+
+    def _relaxed(self, v: int, choice: list, demands: set, ranked: list, below: float | None) -> list:
+        """`_producer_moves`' ranking in the search's last phase: nor does a demand rank a layout out
+        where its consumer has a candidate taking that layout as it is (a sum over the dim the
+        move splits, which then leaves a sum pending: a cross-entropy's gradient split over the
+        vocabulary like the scores, not made whole on every rank and sliced). Only the layouts
+        this admits that the first ranking did not: the others were tried before."""
+        takers = [(self.c_ins[m][choice[m]][slot], self._taking(m, slot)) for m, slot in self.consumers[v]
+                  if len(self.c_ins[m]) > 1]
+        found = []
+        for reach, lay, i in ranked:
+            if below is not None and reach < below:
+                continue  # admitted before
+            found.append((sum(c for w in demands if (c := self.tcost(v, lay, w)) != math.inf
+                              and not any(w == want and lay in taking for want, taking in takers))
+                          + self.output_cost(v, lay), lay, i))
+        return sorted(found)
 
     def _by_out_layout(self, n: int, j: int, choice: list) -> dict[int, int]:
         """Layout -> the candidate of `n` making its output `j` so at the least local cost (other
