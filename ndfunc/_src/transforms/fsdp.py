@@ -1,13 +1,13 @@
 """`nf.fsdp`: when FSDP's gathers happen, as a pass over the lowered program.
 
 The partitioner already turns a parameter stored sharded over an axis into an all-gather before
-its use and its gradient into a reduce-scatter. A parameter's gather is one of the stored shard as
-sent: through views and copies, `nf.mixed_precision`'s cast (placed before the gather, which then
-moves half the bytes, as FSDP2 casts before it gathers) and an all-to-all that moves the shard to
-another dim; over this transform's axes, and over any others the parameter is split over too
-(`nf.fsdp('dp_shard')` under rules that shard over `('dp_shard', 'cp')`), one chain. What it does not decide is *when*: its program
+its use and its gradient into a reduce-scatter. What it does not decide is *when*: its program
 gathers each parameter once and keeps the whole of it alive from the forward use to the backward
-one, so every layer's gathered weights are held at once. This pass makes that FSDP2's schedule:
+one, so every layer's gathered weights are held at once. This pass makes that FSDP2's schedule,
+for every gather of a stored shard as sent (through views and copies, `nf.mixed_precision`'s cast,
+which the partitioner places before the gather as FSDP2 does, and an all-to-all that moves the
+shard to another dim), over this transform's axes and over any others the parameter is split over
+too (`nf.fsdp('dp_shard')` under rules that shard over `('dp_shard', 'cp')`: one chain):
 
 - reshard after forward: a gathered parameter whose uses fall in two groups, with other layers'
   parameters gathered in between (a layer's forward, then, much later, its backward), is gathered
@@ -339,8 +339,8 @@ def _is_cast(node: torch.fx.Node) -> bool:
 
 
 def _source(node: torch.fx.Node) -> torch.fx.Node:
-    """What `node` is a view, copy or cast of (a parameter, read through an einsum's permutes, or
-    cast to the compute dtype)."""
+    """What `node` is a view, copy, cast or all-to-all of (a parameter, read through an einsum's
+    permutes, cast to the compute dtype, moved to another dim)."""
     views = _views_of_source(node)
     return views[0].args[0] if views else node
 

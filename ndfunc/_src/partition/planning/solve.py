@@ -865,11 +865,12 @@ class Problem:
         return moves
 
     def _relaxed(self, v: int, choice: list, demands: set, ranked: list, below: float | None) -> list:
-        """`_producer_moves`' ranking in the search's last phase: nor does a demand rank a layout out
-        where its consumer has a candidate taking that layout as it is (a sum over the dim the
+        """`_producer_moves`' ranking in the search's last phase: a demand whose consumer has a
+        candidate taking the new layout as it is ranks nothing out either (a sum over the dim the
         move splits, which then leaves a sum pending: a cross-entropy's gradient split over the
-        vocabulary like the scores, not made whole on every rank and sliced). Only the layouts
-        this admits that the first ranking did not: the others were tried before."""
+        vocabulary like the scores, not made whole on every rank and sliced). With `below` (the
+        phase's first round), only the layouts this admits that the first ranking did not: the
+        others were tried before."""
         takers = [(self.c_ins[m][choice[m]][slot], self._taking(m, slot)) for m, slot in self.consumers[v]
                   if len(self.c_ins[m]) > 1]
         found = []
