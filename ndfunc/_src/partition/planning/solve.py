@@ -879,8 +879,9 @@ class Problem:
                 continue  # admitted before
             found.append((sum(c for w in demands if (c := self.tcost(v, lay, w)) != math.inf
                               and not any(w == want and lay in taking for want, taking in takers))
-                          + self.output_cost(v, lay), lay, i))
-        return sorted(found)
+                          + self.output_cost(v, lay), reach, lay, i))
+        # most layouts reach every consumer so: among equals, those the first ranking put first
+        return [(relaxed, lay, i) for relaxed, _, lay, i in sorted(found)]
 
     def _by_out_layout(self, n: int, j: int, choice: list) -> dict[int, int]:
         """Layout -> the candidate of `n` making its output `j` so at the least local cost (other
