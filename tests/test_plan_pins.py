@@ -9,8 +9,11 @@ target pick as a masked sum, which adds nodes to the graph; and again when the m
 came to read its grouped key/value heads as they are, not repeated; and 4d's when the search came
 to end with moves of a producer to a layout its consumers could take as it is, which leaves the
 cross-entropy's gradient split over tp like the scores: 1,458,592.6 by the cost model against
-1,459,244.8, its four ops the only change; fsdp+tp's and hsdp+tp's did not change). A plan given
-back for a graph planned before is the same as a fresh search's."""
+1,459,244.8, its four ops the only change; fsdp+tp's and hsdp+tp's did not change; and 4d's
+again when a reshape came to take as they are the splits whose blocks stay contiguous, admitted
+after the search settles without them (`Strategy.late`), with a pass of moves around them: none is
+taken in 4d, but that pass moves two flattens of the residual stream to DTensor's layout that keeps
+its batch split over cp too, 1,417,305.0 against 1,458,592.6; the other two did not change). A plan given back for a graph planned before is the same as a fresh search's."""
 
 from __future__ import annotations
 

@@ -52,7 +52,7 @@ __all__ = [
     "OpSpec", "OpStrategy", "StridedShard", "TensorMeta", "TorchDispatchMode", "TupleStrategy", "bind_ops",
     "current_dispatch_mode", "dtensor_of_local", "fake_store", "group_size", "group_backend", "lazy_graph_modules", "local_blocks",
     "local_of", "local_tensor_mode", "onednn_available", "onednn_linear", "pop_dispatch_mode", "pytree", "sharding_propagator",
-    "unset_fake_temporarily", "view_rule", "renames_dims_only", "no_dispatch_modes", "rules_without_costs", "REDISTRIBUTE_LOGGER", "random_rng_tracker", "set_random_rng_tracker", "flattened",
+    "unset_fake_temporarily", "view_rule", "view_dim_map", "renames_dims_only", "no_dispatch_modes", "rules_without_costs", "REDISTRIBUTE_LOGGER", "random_rng_tracker", "set_random_rng_tracker", "flattened",
     "functional_collectives", "process_group_ranks", "local_reduce", "shape_only_device_mesh", "traced_as_compiling", "DataDependentOutputException",
     "DynamicOutputShapeException", "core_aten_decompositions", "decomposition_table",
     "route_nested_compile_regions", "func_transforms", "current_tracer", "function_modes", "current_graph", "outside_the_trace",
@@ -112,6 +112,14 @@ def view_rule(op) -> tuple | None:
     if set(cells) != {"dim_map", "strict_view"}:
         return None
     return cells["dim_map"], cells["strict_view"], _view_ops.propagate_shape_and_sharding
+
+
+def view_dim_map():
+    """DTensor's dim maps of views: the module whose `view_groups(from_shape, to_shape)` builds one
+    and whose `InputDim`, `Flatten`, `Split`, `Singleton`, `NewDim`... are its commands."""
+    from torch.distributed.tensor._ops import _view_ops
+
+    return _view_ops
 
 
 def renames_dims_only(dim_map: tuple) -> bool:

@@ -12,7 +12,10 @@ also at the cost of undoing it), keeping the cheaper end: single-node moves agai
 none lowers the total (a changed node puts its neighbours back on the worklist); then, where data
 still moves, moves of many nodes at once - give a moved value another layout for all its consumers,
 or change its producer - each followed by choosing again everything downstream that now prefers
-another strategy, kept if the total fell; last, the same again where a producer's new layout is
+another strategy, kept if the total fell; then, where a node has late candidates (a reshape taking
+as it is a split DTensor's rule would move, `strategies.Strategy.late`), those are admitted and the
+same moves tried around them, so they change a plan only where it gets cheaper; last, the same
+again where a producer's new layout is
 ranked as its consumers could take it (a sum over the dim a move splits leaves a sum pending: a
 cross-entropy's gradient split over the vocabulary like the scores, not made whole and sliced).
 Inputs and `with_sharding_constraint` nodes have one candidate; requested output layouts are extra
@@ -125,6 +128,7 @@ class Problem:
         self.relaxed = False  # `_producer_moves`' ranking (the search's last phase)
         self._first_round = True  # of `_improve_together`
         self._classes = None  # `_value_classes`, found once
+        self._late: list = []  # (node, its work with its late candidates admitted), until `solve` does
         node_ids: dict[torch.fx.Node, int] = {}
         placeholders = iter(input_layouts)
         for node in graph.nodes:
@@ -195,15 +199,20 @@ class Problem:
                 by_ins.setdefault(layouts, []).append(i)
             splits = [self._split(ins + tuple(lay for lay in outs if lay is not None))
                       for ins, outs in zip(c_ins, c_outs)]
-            known = self._as_ids[id(strategies)] = (strategies, c_ins, c_outs, by_ins, {}, splits)
-        _, c_ins, c_outs, by_ins, work, splits = known
+            late = () if isinstance(strategies, Fitted) else tuple(i for i, st in enumerate(strategies) if st.late)
+            known = self._as_ids[id(strategies)] = (strategies, c_ins, c_outs, by_ins, {}, splits, late)
+        _, c_ins, c_outs, by_ins, work, splits, late = known
         self.c_ins.append(c_ins)
         self.c_outs.append(c_outs)
         if flops not in work:
             # work on one rank, in bytes-worth: divided over each mesh axis the strategy splits
             # or leaves partial, whole on axes where all its values are replicated
             work[flops] = [flops / split / FLOPS_PER_BYTE for split in splits] if flops else [0.0] * len(splits)
-        self.c_work.append(work[flops])
+            if late:  # and, until `solve` admits them, late candidates out of reach
+                work[flops, "late"] = [math.inf if i in late else w for i, w in enumerate(work[flops])]
+        if late:
+            self._late.append((n, work[flops]))
+        self.c_work.append(work[flops, "late"] if late else work[flops])
         self.min_work.append(min(self.c_work[-1]))
         self.by_ins.append(by_ins)
         self.inputs.append(ins)
@@ -627,6 +636,11 @@ class Problem:
         N = len(self.nodes)
         choice = min((self._search(wary) for wary in (False, True)), key=self.total)
         self._improve_together(choice)  # the costly part: on the better start only
+        if self._late:  # then the late candidates (`Strategy.late`), from where the others settled
+            for n, work in self._late:
+                self.c_work[n], self.min_work[n] = work, min(work)
+            self._improve_together(choice, near={n for n, _ in self._late})
+            self._late = []
         # then moves that rank a producer's new layout as its consumers could take it (`relaxed`):
         # only after the others have settled, so a plan changes only where they lower its cost
         self.relaxed = True
@@ -663,7 +677,7 @@ class Problem:
                         queued.add(m)
         return choice
 
-    def _improve_together(self, choice: list, rounds: int = 8) -> None:
+    def _improve_together(self, choice: list, rounds: int = 8, near: set | None = None) -> None:
         """Where data still moves, try moves of many nodes at once. (Adam reads a gradient in four
         places: reduce-scattering it instead of all-reducing it pays only if all four change
         together, and what they feed.) After the first round, only around what the last changed.
@@ -672,11 +686,11 @@ class Problem:
         met before in the round (its class, `_value_classes`) is first given the move that paid
         there, one settle instead of a dozen, and kept if it pays here too; where no move paid and
         the value stands as that one did (`_around`), it is passed over. Anything else is searched
-        afresh."""
+        afresh. `near`: only around these nodes, from the first round."""
         if self._classes is None:
             self._classes = self._value_classes()
         classes = self._classes
-        changed: set | None = None
+        changed: set | None = near
         for r in range(rounds):
             self._first_round = r == 0
             touched: set = set()

@@ -3,7 +3,9 @@
 A `Strategy` says, for one way of running a node on the mesh, the layout of each tensor output and
 the layout each tensor input must arrive in. DTensor registers rules two ways and we read both:
 single-dim rules (placements valid along one mesh axis; we take their product over the axes) and
-full op strategies (called with every layout each input could have). What ndfunc adds to them
+full op strategies (called with every layout each input could have). A reshape also takes, as they
+are, the splits whose blocks stay contiguous where DTensor's view rule would move them
+(`ndfunc._src.partition.planning.views`). What ndfunc adds to them
 (its own ops, attention, the rules it corrects) is in the op registry, `ndfunc._src.partition.planning.ops`,
 which asks here for the rest.
 """
@@ -21,7 +23,8 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Partial, Replicate, Shard
 
-from ndfunc._src.partition.planning.layout import R, Layout, all_layouts, fits, replicated
+from ndfunc._src.partition.planning.layout import R, Layout, all_layouts, fits, local_shape, replicated
+from ndfunc._src.partition.planning.views import contiguous_view
 from ndfunc._src.torch_compat import (
     DTensorSpec,
     OpSchema,
@@ -44,6 +47,9 @@ aten = torch.ops.aten
 class Strategy:
     outs: tuple[Layout | None, ...]  # per tensor output (None: an output the op leaves empty)
     ins: tuple[Layout, ...]  # per tensor input, in `tensor_inputs` order
+    # one the search admits only once it has settled without it (`solve.Problem.solve`), so that
+    # it changes a plan only where it lowers the cost
+    late: bool = dataclasses.field(default=False, compare=False, repr=False)
 
 
 class NoStrategy(Exception):
@@ -279,6 +285,7 @@ def _from_view_rule(node, outs, sizes, dim_map, strict_view, propagate) -> list[
         raise NoStrategy(node.target) from e
     shape = tuple(asking.metas[0].shape)
     mesh_shape = asking.mesh.shape
+    out_shape = tuple(node.meta["val"].shape) if isinstance(node.meta.get("val"), torch.Tensor) else None
     found = []
     # The rule moves shards only: a pending sum passes a view as it is, where Replicate would
     # (a view is linear, and neither changes a block's shape). So each layout is asked with its
@@ -291,17 +298,24 @@ def _from_view_rule(node, outs, sizes, dim_map, strict_view, propagate) -> list[
         except Exception:  # noqa: BLE001 - a layout the rule rejects has no strategy
             return None
     by_axis = _by_axis(rules, answer, len(sizes))
+    # A reshape also takes as they are the splits DTensor's rule moves but whose blocks stay
+    # contiguous: after the rule's own, and `late`
+    contiguous = [] if node.target in RESHAPES else None
     for lay in all_layouts(shape, sizes):
         sums = [i for i, p in enumerate(lay) if type(p) is Partial]
         asked = tuple(R if type(p) is Partial else p for p in lay) if sums else lay
         if asked not in answers:
             answers[asked] = answer(asked) if by_axis is None else by_axis(asked)
-        if answers[asked] is None:
-            continue
-        ins, out = (tuple(side) for side in answers[asked])
-        if sums:
-            ins, out = (tuple(lay[i] if i in sums else p for i, p in enumerate(side)) for side in (ins, out))
-        found.append(Strategy(((out,) * max(len(outs), 1))[:len(outs)], (ins,)))
+            if contiguous is not None and not _takes(answers[asked], asked, out_shape, sizes):
+                answers[asked, "as is"] = contiguous_view(rules, shape, asked, sizes)
+        for key, into in ((asked, found), ((asked, "as is"), contiguous)):
+            if answers.get(key) is None:
+                continue
+            ins, out = (tuple(side) for side in answers[key])
+            if sums:
+                ins, out = (tuple(lay[i] if i in sums else p for i, p in enumerate(side)) for side in (ins, out))
+            into.append(Strategy(((out,) * max(len(outs), 1))[:len(outs)], (ins,), late=into is contiguous))
+    found += contiguous or []
     if not found:
         raise NoStrategy(node.target)
     return found
@@ -413,7 +427,12 @@ class _Slot:
 _LOCAL_ARGS: dict = {}
 
 
+RESHAPES = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)  # (x, shape)
+
+
 def _local_args(node: torch.fx.Node, in_layouts: Sequence[Layout], sizes: tuple[int, ...]):
+    if node.target in RESHAPES and (out := _contiguous_out(node, in_layouts[0], sizes)) is not None:
+        return node.target, (_Slot(0), list(local_shape(tuple(node.meta["val"].shape), out, sizes))), {}
     mesh = planning_mesh(sizes)
     layouts = iter(in_layouts)
     args, kwargs = pytree.tree_map_only(torch.fx.Node, lambda a: DTensorSpec(
@@ -434,3 +453,33 @@ def _local_args(node: torch.fx.Node, in_layouts: Sequence[Layout], sizes: tuple[
                                    is_leaf=is_tensor)
     return new_op, args, kwargs
 
+
+def _contiguous_out(node: torch.fx.Node, layout: Layout, sizes: tuple[int, ...]) -> Layout | None:
+    """The output layout of a reshape that takes `layout` as it is where DTensor's rule would not
+    (`views.contiguous_view`), else None: DTensor's propagator writes the local shape then."""
+    dim_map, strict_view, propagate = view_rule(node.target)
+    shape = tuple(node.args[0].meta["val"].shape)
+    rules = dim_map(_Shaped(shape), *node.args[1:])
+    asked = tuple(R if isinstance(p, Partial) else p for p in layout)
+    try:
+        theirs = propagate(asked, shape, rules, planning_mesh(sizes).shape, strict_view)
+    except Exception:  # noqa: BLE001 - a layout the rule rejects: ours may take it
+        theirs = None
+    if _takes(theirs, asked, tuple(node.meta["val"].shape), sizes):
+        return None
+    found = contiguous_view(rules, shape, asked, sizes)
+    return None if found is None else found[1]
+
+
+def _takes(answer, asked: Layout, out_shape, sizes) -> bool:
+    """Whether DTensor's answer for a reshape takes `asked` as it is, to a layout a program can
+    hold (no `_StridedShard`, every split dim dividing evenly)."""
+    return answer is not None and tuple(answer[0]) == asked and out_shape is not None and fits(
+        tuple(answer[1]), out_shape, sizes)
+
+
+class _Shaped:
+    """What DTensor's dim maps read of a tensor argument: its shape and rank."""
+
+    def __init__(self, shape: tuple[int, ...]):
+        self.shape, self.ndim = shape, len(shape)
