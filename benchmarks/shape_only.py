@@ -2,6 +2,7 @@
 
     python benchmarks/shape_only.py [--model 70b] [--layers N] [--mesh 1,128,1,8] [--seq-len 8192]
                                     [--batch-per-rank 1] [--fsdp] [--remat full] [--bf16]
+                                    [--ring-attention]
 
 The step (loss, gradients, AdamW) is lowered over `nf.ShapeDtypeStruct` stand-ins on an
 `AbstractMesh` of dp_replicate x dp_shard x cp x tp ranks: no process group, no simulated ranks,
@@ -34,13 +35,17 @@ def main(argv=None) -> None:
     parser.add_argument("--fsdp", action="store_true", help="nf.fsdp over dp_shard (gather per layer, reshard)")
     parser.add_argument("--remat", choices=("full", "save_dots"), default=None)
     parser.add_argument("--bf16", action="store_true", help="nf.mixed_precision(bf16 compute, fp32 reductions)")
+    parser.add_argument("--ring-attention", action="store_true",
+                        help="attention over the cp-split sequence as a ring (nf.ring_attention), as torchtitan's CP; "
+                             "without it the sequence is gathered over cp where attention needs it")
     args = parser.parse_args(argv)
 
     base = llama.LlamaConfig.llama3_70b if args.model == "70b" else llama.LlamaConfig.llama3_8b
     cfg = base(remat=args.remat, **({} if args.layers is None else {"n_layers": args.layers}))
     config = nf.ParallelConfig(*(int(s) for s in args.mesh.split(",")))
     mesh = config.build_abstract_mesh()
-    transforms = [nf.fsdp("dp_shard")] if args.fsdp else []
+    transforms = [nf.ring_attention("cp", load_balance=None)] if args.ring_attention else []
+    transforms += [nf.fsdp("dp_shard")] if args.fsdp else []
     if args.bf16:
         transforms.append(nf.mixed_precision(torch.bfloat16, torch.float32))
 
