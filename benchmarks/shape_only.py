@@ -17,12 +17,10 @@ import argparse
 import resource
 import time
 
-import optree
 import torch
 
 import ndfunc as nf
 from models import llama, train
-from ndfunc.sharding import NamedSharding
 
 
 def main(argv=None) -> None:
@@ -50,13 +48,8 @@ def main(argv=None) -> None:
         transforms.append(nf.mixed_precision(torch.bfloat16, torch.float32))
 
     t0 = time.perf_counter()
-    specs = nf.sharding.logical_to_mesh(llama.param_axes(cfg), config.rules)
-    params = llama.abstract_params(cfg, optree.tree_map(lambda s: NamedSharding(mesh, s), specs))
-    opt = nf.optim.adamw(3e-4, weight_decay=0.1)
-    state = opt.init(params)  # stand-ins in, stand-ins out, laid out like the parameters
-    batch = train.abstract_batch(config, mesh, args.batch_per_rank * config.dp_world_size, args.seq_len)
-    step = nf.jit(train.make_step(cfg, opt, config.rules), mesh=mesh, transforms=transforms)
-    lowered = step.lower(params, state, batch)
+    lowered = train.lower_abstract(cfg, config, args.seq_len, transforms, args.batch_per_rank,
+                                   nf.optim.adamw(3e-4, weight_decay=0.1))
     lowered_s = time.perf_counter() - t0
     memory, cost = lowered.memory_analysis(), lowered.cost_analysis()
     total_s = time.perf_counter() - t0

@@ -5,7 +5,6 @@ holds one sequence split over `cp`, and splitting the tokens back. Held to slici
 
 import itertools
 
-import optree
 import pytest
 import torch
 from torch.distributed.tensor import Replicate, Shard
@@ -15,7 +14,7 @@ from ndfunc._src.partition.planning.layout import all_layouts
 from ndfunc._src.partition.planning.views import contiguous_view
 from ndfunc._src.partition.program import collectives
 from ndfunc._src.torch_compat import view_dim_map
-from ndfunc.sharding import NamedSharding, P
+from ndfunc.sharding import P
 
 
 def _block(x: torch.Tensor, layout, sizes, coords) -> torch.Tensor:
@@ -100,13 +99,8 @@ def test_under_fsdp_and_cp_the_logits_are_made_for_the_ranks_own_tokens_only():
 
     cfg, seq = llama.LlamaConfig.llama3_70b(n_layers=2, remat="full"), 4096
     config = nf.ParallelConfig(2, 32, 4, 4)
-    mesh = config.build_abstract_mesh()
-    specs = nf.sharding.logical_to_mesh(llama.param_axes(cfg), config.rules)
-    params = llama.abstract_params(cfg, optree.tree_map(lambda s: NamedSharding(mesh, s), specs))
-    opt = nf.optim.adamw(3e-4)
     transforms = [nf.fsdp("dp_shard"), nf.mixed_precision(torch.bfloat16, torch.float32)]
-    lowered = nf.jit(train.make_step(cfg, opt, config.rules), mesh=mesh, transforms=transforms).lower(
-        params, opt.init(params), train.abstract_batch(config, mesh, config.dp_world_size, seq))
+    lowered = train.lower_abstract(cfg, config, seq, transforms)
     vocab = cfg.vocab_size // config.tp_size
     by_token = [tuple(n.meta["val"].shape) for n in lowered.program.local.graph.nodes
                 if isinstance(n.meta.get("val"), torch.Tensor) and vocab in n.meta["val"].shape

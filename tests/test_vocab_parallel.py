@@ -107,13 +107,8 @@ def test_the_cross_entropy_gradient_stays_split_over_the_vocabulary(shape):
     # (FSDP over 128 ranks by 8-way TP, bf16, every layer recomputed: the README's 70B plan)
     cfg, seq = getattr(llama.LlamaConfig, shape)(n_layers=4, remat="full"), 8192
     config = nf.ParallelConfig(dp_shard_size=128, tp_size=8)
-    mesh = config.build_abstract_mesh()
-    specs = nf.sharding.logical_to_mesh(llama.param_axes(cfg), config.rules)
-    params = llama.abstract_params(cfg, optree.tree_map(lambda s: NamedSharding(mesh, s), specs))
-    opt = nf.optim.adamw(3e-4)
     transforms = [nf.fsdp("dp_shard"), nf.mixed_precision(torch.bfloat16, torch.float32)]
-    lowered = nf.jit(train.make_step(cfg, opt, config.rules), mesh=mesh, transforms=transforms).lower(
-        params, opt.init(params), train.abstract_batch(config, mesh, config.dp_world_size, seq))
+    lowered = train.lower_abstract(cfg, config, seq, transforms)
     whole = [(n.name, tuple(n.meta["val"].shape)) for n in lowered.program.local.graph.nodes
              if isinstance(n.meta.get("val"), torch.Tensor) and n.meta["val"].numel() >= seq * cfg.vocab_size]
     assert not whole, whole
