@@ -278,9 +278,8 @@ def _from_view_rule(node, outs, sizes, dim_map, strict_view, propagate) -> list[
     """`from_op_strategy` for a view-like op, by the function DTensor's rule applies per input
     layout: the same strategies in the same order, without a spec or a cost built per question."""
     asking = _Asking(node, sizes)
-    args, kwargs = pytree.tree_unflatten(asking.leaves, asking.spec)
     try:
-        rules = dim_map(*args, **kwargs)
+        rules = _dim_map_of(asking, dim_map)
     except Exception as e:  # noqa: BLE001 - arguments the rule cannot map have no strategy
         raise NoStrategy(node.target) from e
     shape = tuple(asking.metas[0].shape)
@@ -299,26 +298,37 @@ def _from_view_rule(node, outs, sizes, dim_map, strict_view, propagate) -> list[
             return None
     by_axis = _by_axis(rules, answer, len(sizes))
     # A reshape also takes as they are the splits DTensor's rule moves but whose blocks stay
-    # contiguous: after the rule's own, and `late`
-    contiguous = [] if node.target in RESHAPES else None
+    # contiguous (`views`): after the rule's own, and `late`
+    reshape = node.target in RESHAPES
+    as_is: dict = {}
+    contiguous: list[Strategy] = []
+
+    def add(into: list, answered, lay: Layout, sums: list, late: bool = False) -> None:
+        ins, out = (tuple(side) for side in answered)
+        if sums:
+            ins, out = (tuple(lay[i] if i in sums else p for i, p in enumerate(side)) for side in (ins, out))
+        into.append(Strategy(((out,) * max(len(outs), 1))[:len(outs)], (ins,), late=late))
     for lay in all_layouts(shape, sizes):
         sums = [i for i, p in enumerate(lay) if type(p) is Partial]
         asked = tuple(R if type(p) is Partial else p for p in lay) if sums else lay
         if asked not in answers:
             answers[asked] = answer(asked) if by_axis is None else by_axis(asked)
-            if contiguous is not None and not _takes(answers[asked], asked, out_shape, sizes):
-                answers[asked, "as is"] = contiguous_view(rules, shape, asked, sizes)
-        for key, into in ((asked, found), ((asked, "as is"), contiguous)):
-            if answers.get(key) is None:
-                continue
-            ins, out = (tuple(side) for side in answers[key])
-            if sums:
-                ins, out = (tuple(lay[i] if i in sums else p for i, p in enumerate(side)) for side in (ins, out))
-            into.append(Strategy(((out,) * max(len(outs), 1))[:len(outs)], (ins,), late=into is contiguous))
-    found += contiguous or []
+            if reshape and not _takes(answers[asked], asked, out_shape, sizes):
+                as_is[asked] = contiguous_view(rules, shape, asked, sizes)
+        if answers[asked] is not None:
+            add(found, answers[asked], lay, sums)
+        if as_is.get(asked) is not None:
+            add(contiguous, as_is[asked], lay, sums, late=True)
+    found += contiguous
     if not found:
         raise NoStrategy(node.target)
     return found
+
+
+def _dim_map_of(asking: "_Asking", dim_map) -> tuple:
+    """DTensor's dim map of a view-like node, its arguments read as the rule reads them."""
+    args, kwargs = pytree.tree_unflatten(asking.leaves, asking.spec)
+    return dim_map(*args, **kwargs)
 
 
 def _by_axis(rules, answer, k: int):
@@ -459,7 +469,7 @@ def _contiguous_out(node: torch.fx.Node, layout: Layout, sizes: tuple[int, ...])
     (`views.contiguous_view`), else None: DTensor's propagator writes the local shape then."""
     dim_map, strict_view, propagate = view_rule(node.target)
     shape = tuple(node.args[0].meta["val"].shape)
-    rules = dim_map(_Shaped(shape), *node.args[1:])
+    rules = _dim_map_of(_Asking(node, sizes), dim_map)
     asked = tuple(R if isinstance(p, Partial) else p for p in layout)
     try:
         theirs = propagate(asked, shape, rules, planning_mesh(sizes).shape, strict_view)
@@ -476,10 +486,3 @@ def _takes(answer, asked: Layout, out_shape, sizes) -> bool:
     hold (no `_StridedShard`, every split dim dividing evenly)."""
     return answer is not None and tuple(answer[0]) == asked and out_shape is not None and fits(
         tuple(answer[1]), out_shape, sizes)
-
-
-class _Shaped:
-    """What DTensor's dim maps read of a tensor argument: its shape and rank."""
-
-    def __init__(self, shape: tuple[int, ...]):
-        self.shape, self.ndim = shape, len(shape)

@@ -32,9 +32,9 @@ def contiguous_view(rule: Sequence, shape: Sequence[int], layout: Layout,
     that takes a value of `shape` in `layout` as it is, each rank viewing its own block; None
     where the blocks of some flattened or split dim would not be contiguous (or the rule is one
     this does not read). Pending sums pass through on their axes."""
-    dims = view_dim_map()
-    Flatten, InputDim, NewDim, Singleton, Split = (dims.Flatten, dims.InputDim, dims.NewDim,  # noqa: N806
-                                                   dims.Singleton, dims.Split)
+    kinds = view_dim_map()
+    Flatten, InputDim, NewDim, Singleton, Split = (kinds.Flatten, kinds.InputDim, kinds.NewDim,  # noqa: N806
+                                                   kinds.Singleton, kinds.Split)
     axes_of = [[] for _ in shape]  # input dim -> the axes splitting it, in mesh order
     for axis, p in enumerate(layout):
         if type(p) is Shard:
@@ -107,4 +107,3 @@ def _split(group_shape: Sequence[int], axes: list[int], sizes) -> list[list[int]
         if not rest:
             break
     return None if rest else taken
-
