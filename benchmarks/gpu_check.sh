@@ -52,6 +52,9 @@ print(f"python {sys.version.split()[0]} at {sys.executable}; torch {torch.__vers
       f"GPU: {torch.cuda.get_device_name() if torch.cuda.is_available() else 'none'}")
 major, minor = (int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
 if (major, minor) < (2, 13):
+    # On 2.11's CPU build this file's tests and the llama's pass; 15 of the not-slow suite do not:
+    # 2.11's DTensor has no rules for index, constant_pad_nd, squeeze.dims and convolution, and
+    # LocalTensor no rank_map
     print(f"warning: ndfunc asks for torch>=2.13 (its private-API uses are pinned to it); this is {torch.__version__}")
 try:  # fail here, not in the middle of the tests, when a dependency is missing
     import ndfunc  # noqa: F401
@@ -71,15 +74,11 @@ step() {  # step NAME SECONDS COMMAND...: run it under a time limit, its output 
     if [ "$rc" -ne 0 ] && [ "$status" -eq 0 ]; then status=$rc; fi
 }
 
-# The marker is registered in pyproject.toml ("gpu: ..."); until it is, only this file is collected,
-# with the marker given here (--strict-markers would refuse it otherwise).
-if grep -q '"gpu:' pyproject.toml; then
-    step gpu_tests 200 "$PY" -m pytest -q -p no:cacheprovider --continue-on-collection-errors -m gpu tests/
-else
-    step gpu_tests 200 "$PY" -m pytest -q -p no:cacheprovider -o 'markers=gpu: needs a CUDA device' -m gpu tests/test_gpu.py
-fi
-step attention_tests 40 "$PY" -m pytest -q -p no:cacheprovider tests/test_attention.py -k on_a_gpu
-step gpu_step 210 "$PY" benchmarks/gpu_step.py "${BENCH_ARGS[@]}" --json "$LOGS/gpu_step.json"
+# every test marked `gpu` is in tests/test_gpu.py (the rest of that file, lowered for CUDA, runs too);
+# -rA lists each test's outcome
+step gpu_tests 150 "$PY" -m pytest -q -rA -p no:cacheprovider tests/test_gpu.py
+step attention_tests 40 "$PY" -m pytest -q -rA -p no:cacheprovider tests/test_attention.py -k on_a_gpu
+step gpu_step 200 "$PY" benchmarks/gpu_step.py "${BENCH_ARGS[@]}" --json "$LOGS/gpu_step.json"
 
 echo "gpu_check: logs in $LOGS; exit $status"
 exit "$status"

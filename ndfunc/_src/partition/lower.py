@@ -233,7 +233,7 @@ def lower(graph: torch.fx.Graph, plan: Plan, axis_names: Sequence[str], group_na
         s = plan.strategy[node]
         args = tensor_inputs(node)
         locals_ = [e.local(value_of(a), lay, a.meta["val"]) for a, lay in zip(args, s.ins)]
-        since = next(reversed(e.graph.nodes))  # what comes after it is `node`'s own
+        since = next(iter(reversed(e.graph.nodes)))  # what comes after it is `node`'s own
         rule = rule_of(node.target)
         if rule is not None and rule.lower is not None:  # not the op on blocks (ndfunc._src.partition.planning.ops)
             e.produced[(node, 0)] = rule.lower(e, node, locals_)

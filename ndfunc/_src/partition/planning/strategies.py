@@ -410,7 +410,9 @@ def _tuples(a):
 def needs_local_args(op) -> bool:
     """Whether DTensor rewrites this op's non-tensor arguments (shapes) for local blocks."""
     p = propagator()
-    return op in p.op_to_shape_and_stride_idx or op in p.op_to_scalar_shape_adjuster or op in p.squeeze_op_to_dims_variant
+    # torch 2.11 has no scalar-shape adjusters (the GPU image's torch, older than the pinned 2.13)
+    return (op in p.op_to_shape_and_stride_idx or op in getattr(p, "op_to_scalar_shape_adjuster", ())
+            or op in getattr(p, "squeeze_op_to_dims_variant", ()))
 
 
 def local_args(node: torch.fx.Node, in_layouts: Sequence[Layout], sizes: tuple[int, ...]):
