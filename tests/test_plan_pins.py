@@ -13,7 +13,10 @@ cross-entropy's gradient split over tp like the scores: 1,458,592.6 by the cost 
 again when a reshape came to take as they are the splits whose blocks stay contiguous, admitted
 after the search settles without them (`Strategy.late`), with a pass of moves around them: none is
 taken in 4d, but that pass moves two flattens of the residual stream to DTensor's layout that keeps
-its batch split over cp too, 1,417,305.0 against 1,458,592.6; the other two did not change). A plan given back for a graph planned before is the same as a fresh search's."""
+its batch split over cp too, 1,417,305.0 against 1,458,592.6; the other two did not change; none
+changed when the search came to start also from greedy searches with those admitted at once, and
+keep the cheapest start). A plan given back for a graph planned before is the same as a fresh
+search's."""
 
 from __future__ import annotations
 

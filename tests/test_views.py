@@ -107,3 +107,28 @@ def test_under_fsdp_and_cp_the_logits_are_made_for_the_ranks_own_tokens_only():
                 and n.meta["val"].numel() // vocab in (seq, seq // config.cp_size)]
     assert by_token and all(t.count(vocab) == 1 and torch.Size(t).numel() == seq // config.cp_size * vocab
                             for t in by_token), by_token
+
+
+def test_under_fsdp_over_dp_shard_and_cp_with_a_ring_no_activation_is_gathered_over_cp():
+    # torchtitan's CP: the sequence stays split over cp from the embedding to the loss; only the
+    # ring passes keys and values, and FSDP gathers weights (over dp_shard and cp). A search that
+    # admits the contiguous views only once the rest has settled finds the MLP's and the attention
+    # projections' inputs cheaper to gather over cp and split the weights there (Llama-3-8B shape,
+    # 2 layers, 131,072 tokens over cp 4: 17.1 GiB sent a rank where 10.7 GiB will do; dearer by
+    # the cost model too)
+    from models import llama, train
+
+    cfg, seq = llama.LlamaConfig.llama3_8b(n_layers=2, remat="full"), 131072
+    transforms = [nf.fsdp(("dp_shard", "cp")), nf.mixed_precision(torch.bfloat16, torch.float32),
+                  nf.ring_attention("cp")]
+    lowered = train.lower_abstract(cfg, nf.ParallelConfig(1, 2, 4, 1), seq, transforms)
+    over_cp = [(c.kind, tuple(getattr(node.meta["val"], "shape", ()))) for node, c in
+               collectives(lowered.program.local) if c.axes == ("cp",)]
+    assert any(kind == "ppermute" for kind, _ in over_cp)  # the ring
+    gathered = [shape for kind, shape in over_cp if kind == "all_gather"]
+    # (a dim split over cp is gathered along dim 0 and put back in place: a rank's share of the
+    # sequence is then a dim of what is gathered, and no weight has a dim that long; the positions,
+    # a token each, may be gathered: the rotary tables are made from them)
+    activations = [shape for shape in gathered if (seq in shape or seq // 4 in shape)
+                   and torch.Size(shape).numel() >= seq // 4 * cfg.dim]
+    assert gathered and not activations, activations
