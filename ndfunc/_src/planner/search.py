@@ -10,7 +10,7 @@ CP it is one sequence a rank, the rest accumulated: that is what ndfunc's progra
 (torchtitan's published CP rows run so too). With two or more a rank, each linear layer's flatten of (batch,
 sequence) to tokens makes a rank's tokens strided, and the partitioner gathers the sequence over
 `cp` instead (Llama-3-8B, 2 layers, 1x8x4x4, fsdp + bf16 + full remat + ring attention, two
-sequences a rank against one: 4.9x the peak memory, 3.6x the bytes sent, 3.3x the flops;
+sequences a rank against one: 5.1x the peak memory, 3.7x the bytes sent, 3.3x the flops;
 `benchmarks/shape_only.py --batch-per-rank`).
 """
 
