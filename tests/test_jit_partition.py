@@ -127,17 +127,19 @@ def test_megatron_mlp_all_reduces_the_activation_once_forward_and_once_backward(
         assert_same(out, expected)
 
 
-# (in, out, how many axes move their split alone: one all-to-all each; the rest gather and slice)
+# (in, out, how many all-to-alls: one for each axis that moves its split alone, or for each of
+# several that move in turn, each the innermost split of both its dims when it moves; else the
+# splits are gathered and sliced)
 MOVES = [
     ({"dp": 4}, P("dp"), P(None, "dp"), 1),
     ({"dp": 4}, P(None, None, "dp"), P("dp"), 1),
     ({"dp": 2, "tp": 2}, P("dp", None, "tp"), P(None, "dp", "tp"), 1),
     ({"dp": 2, "tp": 2}, P("dp", "tp"), P(None, "tp", "dp"), 1),
     ({"dp": 2, "tp": 2}, P("dp", "tp"), P("dp", None, "tp"), 1),  # the second axis moves
-    ({"dp": 2, "tp": 2}, P("dp", "tp"), P("tp", None, "dp"), 0),  # dp moves onto a dim tp leaves
+    ({"dp": 2, "tp": 2}, P("dp", "tp"), P("tp", None, "dp"), 2),  # dp leaves dim 0, then tp moves onto it
     ({"dp": 2, "tp": 2}, P("dp", "tp"), P("tp", "dp"), 0),  # each moves onto the other's dim
     ({"dp": 2, "tp": 2}, P(("dp", "tp")), P(None, ("dp", "tp")), 0),  # both split one dim, nested
-    ({"dp": 2, "tp": 2}, P("dp", None, "tp"), P(None, ("dp", "tp")), 0),
+    ({"dp": 2, "tp": 2}, P("dp", None, "tp"), P(None, ("dp", "tp")), 2),  # dp first: the outer split
 ]
 
 
@@ -159,7 +161,7 @@ def test_an_all_to_all_sends_a_transposed_block_whole():
 
 
 @pytest.mark.parametrize("axes, src, dst, swaps", MOVES)
-def test_a_split_moving_between_dims_alone_is_one_all_to_all(axes, src, dst, swaps):
+def test_splits_moving_between_dims_are_exchanged_by_all_to_alls_where_they_nest(axes, src, dst, swaps):
     x = torch.randn(8, 8, 4, generator=torch.Generator().manual_seed(0))
     with nf.simulate(4):
         mesh = nf.make_mesh(**axes)
@@ -170,9 +172,9 @@ def test_a_split_moving_between_dims_alone_is_one_all_to_all(axes, src, dst, swa
         assert nf.sharding_of(out).is_equivalent_to(nf.sharding.NamedSharding(mesh, dst), 3)
         torch.testing.assert_close(nf.device_get(out), x * 2, rtol=0, atol=0)
     assert costs["collectives"].get("all_to_all", 0) == ran.get("all_to_all", 0) == swaps
-    if swaps:  # nothing else moves: each rank sends all but 1/n of its block
+    if swaps:  # nothing else moves: each all-to-all sends all but 1/n of the rank's block
         n = 4 if len(axes) == 1 else 2
-        assert costs["comm_bytes"]["total"] == (n - 1) / n * x.numel() * 4 / 4
+        assert costs["comm_bytes"]["total"] == swaps * (n - 1) / n * x.numel() * 4 / 4
 
 
 def test_fsdp_gathers_each_parameter_and_reduce_scatters_each_gradient():

@@ -185,3 +185,32 @@ def test_the_cost_the_partitioner_reads_is_the_sum_over_the_plans_steps(sizes):
                 else redistribute.SLICE * math.prod(s.out_shape) * itemsize) for s in steps)
             assert redistribute.cost(src, dst, shape, sizes, itemsize) == expected, (src, dst)
     assert redistribute.cost(MANUAL, replicated(len(sizes)), shape, sizes, itemsize) == float("inf")
+
+
+def test_axes_moving_their_splits_in_turn_exchange_blocks_by_all_to_alls_alone():
+    """Where several axes move their splits between dims and mesh order would nest them wrong
+    (an embedding's output, its width split over two axes, to batch and sequence), they move one
+    at a time in an order that keeps every split innermost: all-to-alls only. Every such change of
+    a (4, 8, 8) value on a 2x2x2 mesh, moved for real, against DTensor's layout of the value."""
+    shape = (4, 8, 8)
+    with nf.simulate(8):
+        mesh = nf.make_mesh(a=2, b=2, c=2)
+        sizes, dm = tuple(mesh.axis_sizes), mesh.device_mesh
+        mode = local_tensor_mode()
+        coords = mode.rank_map(lambda r: torch.tensor(mesh.coordinate(r), dtype=torch.int64))
+        layouts = [lay for lay in itertools.product([Shard(0), Shard(1), Shard(2)], repeat=3) if fits(lay, shape, sizes)]
+        full = torch.randn(shape, generator=torch.Generator().manual_seed(0))
+        chained = [(src, dst) for src in layouts for dst in layouts
+                   if (steps := redistribute.plan(src, dst, shape, sizes)) and len(steps) > 1
+                   and {s.kind for s in steps} == {"all_to_all"}]
+        assert len(chained) > 20
+        for src, dst in chained:
+            graph = torch.fx.Graph()
+            x = graph.placeholder("x")
+            x.meta["val"] = torch.empty(shape)
+            graph.output([x])
+            plan = Plan(sizes, {x: Strategy((src,), ())}, [((x, 0), dst)], 0.0)
+            groups = [dm.get_group(i).group_name for i in range(3)]
+            gm = bind_ops(lower.lower(graph, plan, mesh.axis_names, groups))
+            (got,) = gm(distribute_tensor(full, dm, src).to_local(), coords)
+            assert _close(got, distribute_tensor(full, dm, dst).to_local()), (src, dst)

@@ -36,6 +36,7 @@ those transitions have no plan.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from collections.abc import Sequence
 
@@ -90,6 +91,15 @@ def plan(src: Layout, dst: Layout, shape: Sequence[int], sizes: Sequence[int], s
     if swaps and (pair := _traded(src, dst, shape, sizes)) is not None:
         return [Step("permute", pair[0], None, None, local_shape(shape, tuple(src), sizes),
                      local_shape(shape, tuple(dst), sizes), sizes[pair[0]], joined=pair[1])]
+    if swaps and (order := _chained_swaps(src, dst, shape, sizes)) is not None:
+        steps, now = [], local_shape(shape, tuple(src), sizes)
+        for m in order:
+            a, d = src[m].dim, dst[m].dim
+            out = list(now)
+            out[a], out[d] = now[a] * sizes[m], now[d] // sizes[m]
+            steps.append(Step("all_to_all", m, d, None, now, tuple(out), sizes[m], joined=a))
+            now = tuple(out)
+        return steps
     cur = list(src)
     swap = {m for m in range(k) if swaps and _swaps_inside(src, dst, m)}
     gather = {m for m in range(k) if isinstance(cur[m], Shard) and dst[m] != cur[m] and m not in swap}
@@ -185,6 +195,35 @@ def _swaps_inside(src: Layout, dst: Layout, m: int) -> bool:
     dims = {src[m].dim, dst[m].dim}
     return all(j < m and src[j] == dst[j] for j in range(len(src)) if j != m
                if any(isinstance(p, Shard) and p.dim in dims for p in (src[j], dst[j])))
+
+
+def _chained_swaps(src: Layout, dst: Layout, shape: Sequence[int], sizes: Sequence[int]) -> tuple[int, ...] | None:
+    """An order in which the axes that change between `src` and `dst`, each moving its split from
+    one dim to another, do so by all-to-alls alone, where moving them one at a time in mesh order
+    would not: each axis, when it moves, the innermost split of both its dims (every other axis
+    splitting either then comes earlier in the mesh), so the blocks nest in mesh order throughout,
+    and the dim it leaves its block in dividing by its size. An embedding's output, its width split
+    over `('dp_shard', 'cp')`, to batch over dp_shard and sequence over cp: cp's split moves first,
+    then dp_shard's, two all-to-alls where gathers over both would move the whole value. None where
+    fewer than two axes change, another kind of step is needed, each move alone is such a swap
+    (`_swaps_inside`), or no order keeps the nesting."""
+    moved = [m for m in range(len(src)) if src[m] != dst[m]]
+    if len(moved) < 2 or not all(type(src[m]) is Shard and type(dst[m]) is Shard and src[m].dim != dst[m].dim
+                                 for m in moved):
+        return None
+    if all(_swaps_inside(src, dst, m) for m in moved):
+        return None
+    for order in itertools.permutations(moved):
+        cur, now = list(src), list(local_shape(shape, tuple(src), sizes))
+        for m in order:
+            a, d = cur[m].dim, dst[m].dim
+            if now[d] % sizes[m] or any(type(p) is Shard and p.dim in (a, d) for j, p in enumerate(cur) if j > m):
+                break
+            now[a], now[d] = now[a] * sizes[m], now[d] // sizes[m]
+            cur[m] = dst[m]
+        else:
+            return order
+    return None
 
 
 ALPHA = 4096.0  # a collective's fixed cost, in bytes-worth: between plans moving about as much, fewer calls
