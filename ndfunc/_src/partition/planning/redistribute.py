@@ -13,7 +13,9 @@ lowering (which emits each step as a functional collective). Steps, per mesh axi
 An axis that moves its split from one dim to another, where it is the innermost split of both
 (any other axis splitting either comes earlier in the mesh and stays), exchanges blocks in one
 all-to-all, as XLA's partitioner and DTensor do: a gather and a slice
-would move n times the bytes to keep a 1/n of them. The partitioner still prices such a move as
+would move n times the bytes to keep a 1/n of them. Several axes moving their splits so take turns
+where mesh order would not nest them (`_chained_swaps`): each moves when it is the innermost split
+of both its dims. The partitioner still prices such a move as
 the gather and the slice (`cost`): priced at its own bytes, a split would hop between dims
 wherever activations are smaller than weights, and a data-parallel step given FSDP's specs would
 turn tensor-parallel layer by layer (sharding propagation in XLA keeps the split where the inputs
