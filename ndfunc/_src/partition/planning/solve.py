@@ -7,20 +7,20 @@ needed in one layout by several consumers moves once (a forward all-gather serve
 too), so costs are not a sum over edges and a choice made op by op is not enough: the DP step would
 all-reduce a gradient for Adam's first moment and again for its second.
 
-The search, from greedy starts in program order (one pricing a layout change at its cost, one
-also at the cost of undoing it; where a node has late candidates, the two again with those admitted
-from the start), keeping the cheapest end: single-node moves against all neighbours until
+The search, from two greedy starts in program order (one pricing a layout change at its cost, one
+also at the cost of undoing it), keeping the cheaper end: single-node moves against all neighbours until
 none lowers the total (a changed node puts its neighbours back on the worklist); then, where data
 still moves, moves of many nodes at once - give a moved value another layout for all its consumers,
 or change its producer - each followed by choosing again everything downstream that now prefers
 another strategy, kept if the total fell; then, where a node has late candidates (a reshape taking
 as it is a split DTensor's rule would move, `strategies.Strategy.late`), those are admitted and the
-same moves tried around them, so they change a plan only where it gets cheaper (unless a start
-with them admitted was the cheapest: under FSDP and CP with a ring, one that keeps every layer's
-tokens split over cp, where the others gather them for the MLP and split its weights over cp);
-last, the same again where a producer's new layout is ranked as its consumers could take it (a
-sum over the dim a move splits leaves a sum pending: a cross-entropy's gradient split over the
-vocabulary like the scores, not made whole and sliced).
+same moves tried around them, so they change a plan only where it gets cheaper; last, the same
+again where a producer's new layout is ranked as its consumers could take it (a sum over the dim a
+move splits leaves a sum pending: a cross-entropy's gradient split over the vocabulary like the
+scores, not made whole and sliced). Where there are late candidates the whole search runs again
+with them admitted from the start, and the cheaper plan is kept: under FSDP and CP with a ring
+that one keeps every layer's tokens split over cp, where the first settles on gathering them for
+the MLP and splitting its weights over cp, and moving many nodes at once never undoes that.
 Inputs and `with_sharding_constraint` nodes have one candidate; requested output layouts are extra
 consumers; an output left to the partitioner only has to end without a pending sum.
 
@@ -632,31 +632,20 @@ class Problem:
 
     # --- search --------------------------------------------------------------------------------
     def solve(self) -> Plan:
-        """The cheapest of the greedy starts: one pricing each layout change at its cost, one also
-        at the cost of undoing it (a value split to save a reduction will likely be gathered again:
-        the Megatron choice of keeping activations whole), and, where there are late candidates,
-        both again with them admitted; then moves of many nodes at once from the cheapest."""
+        """The cheaper of two searches from greedy starts (one pricing each layout change at its
+        cost, one also at the cost of undoing it: a value split to save a reduction will likely be
+        gathered again, the Megatron choice of keeping activations whole), then moves of many
+        nodes at once from the better (`_settled`). Where there are late candidates, the same again
+        with them admitted from the start, and the cheaper end kept (on a tie, the first): the
+        first search may settle where moving many nodes to them at once never pays, as a layer's
+        MLP under FSDP and CP, its input gathered over cp and its weights split there."""
         N = len(self.nodes)
-        gated = [(n, self.c_work[n]) for n, _ in self._late]
-        starts = [(self._search(wary), False) for wary in (False, True)]
-        if self._late:  # and two with the late candidates (`Strategy.late`) admitted from the start
-            self._admit(self._late)
-            starts += [(self._search(wary), True) for wary in (False, True)]
-        # the cheapest start (the totals read no late candidate's work unless it is chosen; on a
-        # tie, the first)
-        choice, admitted = min(starts, key=lambda start: self.total(start[0]))
-        if not admitted:
-            self._admit(gated)
-        self._improve_together(choice)  # the costly part: on the best start only
-        if self._late and not admitted:  # then the late candidates, from where the others settled
-            self._admit(self._late)
-            self._improve_together(choice, near={n for n, _ in self._late})
-        self._late = []
-        # then moves that rank a producer's new layout as its consumers could take it (`relaxed`):
-        # only after the others have settled, so a plan changes only where they lower its cost
-        self.relaxed = True
-        self._improve_together(choice)
-        self.relaxed = False
+        late, self._late = self._late, []
+        choice = self._settled(late)
+        if self._moves_what_late_would_not(late, choice):  # (`_settled` admitted them)
+            other = self._settled((), relax=False)  # the last phase only lowers a total: run where it may pay
+            if self.total(other) < self.total(choice):
+                choice = self._relax(other)
         strategy = {self.nodes[n]: self.strategies[n][choice[n]] for n in range(N)}
         outputs = []
         for v, want in zip(self.output_values, self.requested):
@@ -664,6 +653,34 @@ class Problem:
             value = (self.nodes[n], j)
             outputs.append((value, finished(strategy[value[0]].outs[j]) if want is None else want))
         return Plan(self.sizes, strategy, outputs, self.total(choice))
+
+    def _settled(self, late: list, relax: bool = True) -> list:
+        """From the cheaper of the two greedy starts, moves of many nodes at once; then the `late`
+        candidates admitted and the same moves tried around them; last (`relax`), `_relax`."""
+        choice = min((self._search(wary) for wary in (False, True)), key=self.total)
+        self._improve_together(choice)  # the costly part: on the better start only
+        if late:  # then the late candidates (`Strategy.late`), from where the others settled
+            self._admit(late)
+            self._improve_together(choice, near={n for n, _ in late})
+        return self._relax(choice) if relax else choice
+
+    def _relax(self, choice: list) -> list:
+        """Moves that rank a producer's new layout as its consumers could take it (`relaxed`):
+        only after the others have settled, so a plan changes only where they lower its cost."""
+        self.relaxed = True
+        self._improve_together(choice)
+        self.relaxed = False
+        return choice
+
+    def _moves_what_late_would_not(self, late: list, choice: list) -> bool:
+        """Whether some node with late candidates has an input moved to it that one of them would
+        take as it is: only then can a search with them admitted from the start end elsewhere."""
+        for n, _ in late:
+            for slot, v in enumerate(self.inputs[n]):
+                have, want = self.out_layout(v, choice), self.c_ins[n][choice[n]][slot]
+                if have != want and any(ins[slot] == have for ins in self.c_ins[n]):
+                    return True
+        return False
 
     def _admit(self, works: list) -> None:
         """Each node of `works` priced by its work list there: (node, work per candidate)."""
