@@ -17,10 +17,11 @@ as it is a split DTensor's rule would move, `strategies.Strategy.late`), those a
 same moves tried around them, so they change a plan only where it gets cheaper; last, the same
 again where a producer's new layout is ranked as its consumers could take it (a sum over the dim a
 move splits leaves a sum pending: a cross-entropy's gradient split over the vocabulary like the
-scores, not made whole and sliced). Where there are late candidates the whole search runs again
-with them admitted from the start, and the cheaper plan is kept: under FSDP and CP with a ring
-that one keeps every layer's tokens split over cp, where the first settles on gathering them for
-the MLP and splitting its weights over cp, and moving many nodes at once never undoes that.
+scores, not made whole and sliced). Where a late candidate would spare a move the plan still
+makes, a second search runs with them admitted from the start (one round of many-node moves),
+and its plan is kept where cheaper: under FSDP and CP that one keeps every layer's tokens split
+over cp, where the first settles on gathering them for the MLP and splitting its weights over cp,
+and moving many nodes at once never undoes that.
 Inputs and `with_sharding_constraint` nodes have one candidate; requested output layouts are extra
 consumers; an output left to the partitioner only has to end without a pending sum.
 
@@ -68,6 +69,9 @@ from ndfunc._src.torch_compat import no_dispatch_modes
 Value = tuple  # (producing node, output index)
 FLOPS_PER_BYTE = 100.0  # floating-point work worth one byte sent (CPU-like; GPUs compute more per byte)
 EPS = 1e-6
+# rounds of many-node moves in the search with late candidates admitted from the start: its wins
+# (a layer's tokens kept split over cp) come from its greedy start; more rounds found no more
+SECOND_ROUNDS = 1
 VECTOR_MIN = 64  # a node with this many candidates has them priced as columns (`_vector_costs`)
 PRICED_TOGETHER = 64  # this many new layout changes in a column are walked together (`_tcosts`)
 
@@ -635,15 +639,17 @@ class Problem:
         """The cheaper of two searches from greedy starts (one pricing each layout change at its
         cost, one also at the cost of undoing it: a value split to save a reduction will likely be
         gathered again, the Megatron choice of keeping activations whole), then moves of many
-        nodes at once from the better (`_settled`). Where there are late candidates, the same again
-        with them admitted from the start, and the cheaper end kept (on a tie, the first): the
-        first search may settle where moving many nodes to them at once never pays, as a layer's
-        MLP under FSDP and CP, its input gathered over cp and its weights split there."""
+        nodes at once from the better (`_settled`). Where a late candidate would take as it is an
+        input the plan moves, a second search with the late candidates admitted from the start,
+        its plan kept only where cheaper: the first may settle where moving many nodes to them at
+        once never pays, as a layer's MLP under FSDP and CP, its input gathered over cp and its
+        weights split there."""
         N = len(self.nodes)
         late, self._late = self._late, []
         choice = self._settled(late)
         if self._moves_what_late_would_not(late, choice):  # (`_settled` admitted them)
-            other = self._settled((), relax=False)  # the last phase only lowers a total: run where it may pay
+            # the last phase only lowers a total: run where it may pay
+            other = self._settled((), relax=False, rounds=SECOND_ROUNDS)
             if self.total(other) < self.total(choice):
                 choice = self._relax(other)
         strategy = {self.nodes[n]: self.strategies[n][choice[n]] for n in range(N)}
@@ -654,11 +660,11 @@ class Problem:
             outputs.append((value, finished(strategy[value[0]].outs[j]) if want is None else want))
         return Plan(self.sizes, strategy, outputs, self.total(choice))
 
-    def _settled(self, late: list, relax: bool = True) -> list:
+    def _settled(self, late: list, relax: bool = True, rounds: int = 8) -> list:
         """From the cheaper of the two greedy starts, moves of many nodes at once; then the `late`
         candidates admitted and the same moves tried around them; last (`relax`), `_relax`."""
         choice = min((self._search(wary) for wary in (False, True)), key=self.total)
-        self._improve_together(choice)  # the costly part: on the better start only
+        self._improve_together(choice, rounds)  # the costly part: on the better start only
         if late:  # then the late candidates (`Strategy.late`), from where the others settled
             self._admit(late)
             self._improve_together(choice, near={n for n, _ in late})
