@@ -96,11 +96,8 @@ def plan(src: Layout, dst: Layout, shape: Sequence[int], sizes: Sequence[int], s
     if swaps and (order := _chained_swaps(src, dst, shape, sizes)) is not None:
         steps, now = [], local_shape(shape, tuple(src), sizes)
         for m in order:
-            a, d = src[m].dim, dst[m].dim
-            out = list(now)
-            out[a], out[d] = now[a] * sizes[m], now[d] // sizes[m]
-            steps.append(Step("all_to_all", m, d, None, now, tuple(out), sizes[m], joined=a))
-            now = tuple(out)
+            steps.append(_all_to_all(m, src[m].dim, dst[m].dim, now, sizes))
+            now = steps[-1].out_shape
         return steps
     cur = list(src)
     swap = {m for m in range(k) if swaps and _swaps_inside(src, dst, m)}
@@ -129,11 +126,8 @@ def plan(src: Layout, dst: Layout, shape: Sequence[int], sizes: Sequence[int], s
         if cur[m] == dst[m]:
             continue
         if m in swap:
-            a, d = cur[m].dim, dst[m].dim
-            out = list(now)
-            out[a], out[d] = now[a] * sizes[m], now[d] // sizes[m]
-            steps.append(Step("all_to_all", m, d, None, now, tuple(out), sizes[m], joined=a))
-            now = tuple(out)
+            steps.append(_all_to_all(m, cur[m].dim, dst[m].dim, now, sizes))
+            now = steps[-1].out_shape
         elif isinstance(cur[m], Partial):
             op = cur[m].reduce_op
             if isinstance(dst[m], Replicate) or op in EXTREMA:  # an extremum: all-reduced, then sliced
@@ -155,6 +149,13 @@ def plan(src: Layout, dst: Layout, shape: Sequence[int], sizes: Sequence[int], s
             now = out
         cur[m] = dst[m]
     return steps
+
+
+def _all_to_all(m: int, a: int, d: int, now: tuple[int, ...], sizes: Sequence[int]) -> Step:
+    """Axis `m` moving its split from dim `a` to dim `d` of a block of shape `now`."""
+    out = list(now)
+    out[a], out[d] = now[a] * sizes[m], now[d] // sizes[m]
+    return Step("all_to_all", m, d, None, now, tuple(out), sizes[m], joined=a)
 
 
 def _finishing_order(cur: Sequence, dst: Sequence) -> list[int]:
