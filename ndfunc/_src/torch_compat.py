@@ -137,6 +137,15 @@ def sharding_propagator():
     return DTensor._op_dispatcher.sharding_propagator
 
 
+def rewrites_shape_args(op) -> bool:
+    """Whether DTensor rewrites `op`'s shape arguments for local blocks: its propagator's tables
+    of shape-and-stride, scalar-shape and squeeze ops (2.11, the GPU image's torch, has only the
+    first)."""
+    p = sharding_propagator()
+    return any(op in getattr(p, table, ()) for table in (
+        "op_to_shape_and_stride_idx", "op_to_scalar_shape_adjuster", "squeeze_op_to_dims_variant"))
+
+
 def local_of(x: DTensor) -> torch.Tensor:
     """A DTensor's local block, without `to_local`'s autograd function."""
     return x._local_tensor

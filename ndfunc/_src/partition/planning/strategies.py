@@ -34,6 +34,7 @@ from ndfunc._src.torch_compat import (
     TupleStrategy,
     pytree,
     renames_dims_only,
+    rewrites_shape_args,
     rules_without_costs,
     shape_only_device_mesh,
     view_rule,
@@ -407,19 +408,11 @@ def _tuples(a):
     return a
 
 
-def needs_local_args(op) -> bool:
-    """Whether DTensor rewrites this op's non-tensor arguments (shapes) for local blocks."""
-    p = propagator()
-    # torch 2.11 has no scalar-shape adjusters (the GPU image's torch, older than the pinned 2.13)
-    return (op in p.op_to_shape_and_stride_idx or op in getattr(p, "op_to_scalar_shape_adjuster", ())
-            or op in getattr(p, "squeeze_op_to_dims_variant", ()))
-
-
 def local_args(node: torch.fx.Node, in_layouts: Sequence[Layout], sizes: tuple[int, ...]):
     """`(op, args, kwargs)` for the node's local op: shapes rewritten to local blocks by DTensor's
     propagator, as its dispatcher would (squeeze may become squeeze.dims). Tensor inputs stay fx
     Nodes."""
-    if not needs_local_args(node.target):
+    if not rewrites_shape_args(node.target):
         return node.target, node.args, node.kwargs
     key = (signature(node), tuple(in_layouts), sizes)
     if key not in _LOCAL_ARGS:
