@@ -49,7 +49,7 @@ from torch.distributed.tensor import DTensor
 
 from ndfunc._src.runtime import is_simulated, simulation_paused
 from ndfunc._src.torch_compat import local_blocks
-from ndfunc._src.transfer import device_get, make_array_from_callback, sharding_of
+from ndfunc._src.transfer import device_get, from_local, make_array_from_callback, sharding_of
 from ndfunc.tree import tree_flatten_with_path
 
 METADATA = ".metadata"  # DCP's index of a checkpoint: written last, so a complete checkpoint has it
@@ -392,6 +392,5 @@ def _host_copy(x: torch.Tensor) -> torch.Tensor:
     """A copy of what this rank holds of `x` (a DTensor keeps its layout), in host memory."""
     if isinstance(x, DTensor):
         local = x.to_local().detach().to("cpu", copy=True)
-        return DTensor.from_local(local, x.device_mesh, x.placements, run_check=False, shape=x.shape,
-                                  stride=x.stride())
+        return from_local(local, x.device_mesh, x.placements, x.shape)
     return x.detach().to("cpu", copy=True)

@@ -23,8 +23,11 @@ from ndfunc._src.sharding.named_sharding import NamedSharding, resolve_sharding
 from ndfunc._src.sharding.partition_spec import PartitionSpec
 from ndfunc._src.torch_compat import (
     REDISTRIBUTE_LOGGER,
+    DTensorSpec,
     LocalTensor,
     StridedShard,
+    TensorMeta,
+    dtensor_of_local,
     local_blocks,
     local_tensor_mode,
 )
@@ -208,10 +211,15 @@ def _assemble(
 
 def from_local(local: torch.Tensor, device_mesh, placements, shape: Sequence[int]) -> DTensor:
     """A contiguous DTensor of global `shape` from this rank's block, trusted as given (no check
-    that the ranks agree, which would communicate)."""
+    that the ranks agree, which would communicate), the block left on its device."""
     shape = torch.Size(shape)
-    return DTensor.from_local(local, device_mesh, placements, run_check=False, shape=shape,
-                              stride=torch.empty(shape, device="meta").stride())
+    stride = torch.empty(shape, device="meta").stride()
+    if local.device.type != device_mesh.device_type:
+        # DTensor.from_local would copy the block to the mesh's device type: a simulated mesh says
+        # 'cpu' (its fake group's) over CUDA blocks, and a host copy of a CUDA value is kept on the host
+        meta = TensorMeta(shape, stride, local.dtype)
+        return dtensor_of_local(local, DTensorSpec(device_mesh, tuple(placements), tensor_meta=meta))
+    return DTensor.from_local(local, device_mesh, placements, run_check=False, shape=shape, stride=stride)
 
 
 def _check_mesh(sharding: NamedSharding, path: str | None) -> None:

@@ -27,7 +27,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from ndfunc._src.jit import jit
-from ndfunc._src.transfer import make_array_from_callback, sharding_of
+from ndfunc._src.transfer import from_local, make_array_from_callback, sharding_of
 from ndfunc.sharding import NamedSharding, P
 
 
@@ -133,8 +133,7 @@ def _micro(x: torch.Tensor, i: int, k: int) -> torch.Tensor:
                              f"micro-batches; use a batch whose per-rank rows divide by {k}.")
         b = local.shape[0] // k
         shape = (x.shape[0] // k, *x.shape[1:])
-        return DTensor.from_local(local[i * b:(i + 1) * b], x.device_mesh, x.placements, run_check=False,
-                                  shape=torch.Size(shape), stride=torch.empty(shape, device="meta").stride())
+        return from_local(local[i * b:(i + 1) * b], x.device_mesh, x.placements, shape)
     if x.shape[0] % k:
         raise ValueError(f"nf.accumulate: a batch of {x.shape[0]} rows does not split into {k} micro-batches; "
                          f"use a batch size that divides by {k}.")
