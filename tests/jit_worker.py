@@ -42,10 +42,11 @@ def mlp_dp_tp(rank: int) -> None:
     print(f"rank {rank}: mlp dp x tp ok {program}", flush=True)
 
 
-def llama_strategy(rank: int, strategy: str, axes: dict) -> None:
-    jitted, p, s, batch, expected, _ = jit_llama(strategy, nf.make_mesh(**axes), llama_case(), donate_argnums=(0, 1))
+def llama_strategy(rank: int, strategy: str, axes: dict, compile: bool = False) -> None:
+    jitted, p, s, batch, expected, _ = jit_llama(strategy, nf.make_mesh(**axes), llama_case(), donate_argnums=(0, 1),
+                                                 compile=compile)
     check(jitted(p, s, batch), expected, rtol=1e-4, atol=1e-5)
-    print(f"rank {rank}: llama {strategy} ok", flush=True)
+    print(f"rank {rank}: llama {strategy}{' compiled' if compile else ''} ok", flush=True)
 
 
 def main() -> None:
@@ -55,6 +56,8 @@ def main() -> None:
     mlp_dp_tp(rank)
     llama_strategy(rank, "fsdp", dict(dp=4))
     llama_strategy(rank, "dp_tp", dict(dp=2, tp=2))
+    # the local program through torch.compile: Inductor's kernels, the collectives as they are
+    llama_strategy(rank, "dp_tp", dict(dp=2, tp=2), compile=True)
     nf.shutdown()
 
 

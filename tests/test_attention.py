@@ -144,6 +144,35 @@ def test_the_kernel_for_each_device_honours_torchs_sdpa_kernel_choice(device, dt
             assert attention.choose(device, dtype, head_dim, masked) == expected
 
 
+@pytest.mark.parametrize("backend,masked,expected", [
+    (SDPBackend.CUDNN_ATTENTION, False, "cuda_cudnn"),  # torch's first on Hopper (2.11)
+    (SDPBackend.FLASH_ATTENTION, False, "cuda_flash"),
+    (SDPBackend.EFFICIENT_ATTENTION, True, "cuda_efficient"),
+    (SDPBackend.MATH, True, "math"),
+    (SDPBackend.CUDNN_ATTENTION, True, "cuda_efficient"),  # ours passes cuDNN no mask: the rules' pick
+])
+def test_with_a_gpu_here_the_kernel_is_the_one_torchs_sdpa_picks(monkeypatch, backend, masked, expected):
+    # torch is asked over small tensors (here on the CPU, with what it answers replaced by `backend`)
+    asked = []
+
+    def choice(q, k, v, mask):
+        asked.append((q.shape, q.dtype, None if mask is None else mask.shape))
+        return int(backend.value)
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(attention, "_PROBE_DEVICE", "cpu")
+    monkeypatch.setattr(attention, "sdpa_choice", choice)
+    assert attention.choose("cuda", torch.float16, 64, masked) == expected
+    assert asked == [((1, 1, 128, 64), torch.float16, (1, 1, 128, 128) if masked else None)]
+    assert attention.choose("cpu", torch.float16, 64, masked) == "cpu_flash"  # the CPU is not asked
+
+
+def test_torch_is_asked_through_its_own_choice():
+    # torch_compat.sdpa_choice is torch's: on the CPU, its flash kernel for fp32 (SDPBackend 1)
+    q = torch.zeros(1, 1, 128, 64)
+    assert attention.sdpa_choice(q, q, q, None) == SDPBackend.FLASH_ATTENTION.value
+
+
 @pytest.mark.parametrize("kernel,dtype,masked", [("cuda_flash", torch.bfloat16, False),
                                                  ("cuda_efficient", torch.float32, True),
                                                  ("cuda_efficient", torch.bfloat16, False),

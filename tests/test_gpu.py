@@ -239,15 +239,38 @@ def test_the_jitted_llama_step_on_cuda_equals_eager_on_cuda_and_the_cpu_step(no_
 
 
 @gpu
-def test_the_mixed_precision_llama_step_on_cuda_runs_flash_and_keeps_fp32_masters():
+def test_the_compiled_llama_step_on_cuda_equals_eager_and_writes_into_the_donated_buffers(no_tf32):
+    # nf.jit(compile=True): the local program through torch.compile (Inductor's CUDA kernels)
     cfg, opt, params, batch = llama_case()
+    args = on("cuda", (params, opt.init(params), batch))
+    expected = train.make_step(cfg, opt)(*args)  # the pure step, eager
+    new_params, loss = torch_adamw_step(cfg, args[0], args[2])  # autograd and torch.optim.AdamW
+    donated = optree.tree_map(torch.clone, args[:2])
+    buffers = [x.data_ptr() for x in optree.tree_leaves(donated)]
+    got = nf.jit(train.make_step(cfg, opt), donate_argnums=(0, 1), compile=True)(*donated, args[2])
+    assert_close(got, expected, **FP32_ACROSS_DEVICES)
+    assert_close((got[0], got[2]), (new_params, loss), **FP32_ACROSS_DEVICES)
+    assert [x.to_local().data_ptr() if hasattr(x, "to_local") else x.data_ptr()
+            for x in optree.tree_leaves(got[:2])] == buffers
+
+
+SDPA_KERNELS = {SDPBackend.FLASH_ATTENTION: "cuda_flash", SDPBackend.EFFICIENT_ATTENTION: "cuda_efficient",
+                SDPBackend.CUDNN_ATTENTION: "cuda_cudnn", SDPBackend.MATH: "math"}
+
+
+@gpu
+def test_the_mixed_precision_llama_step_on_cuda_runs_sdpas_kernel_and_keeps_fp32_masters():
+    # the kernel torch's SDPA runs for the model's bf16 attention on this GPU (cuDNN on an H200 with torch 2.11)
+    cfg, opt, params, batch = llama_case()
+    q = torch.empty(8, cfg.n_heads, 16, cfg.dim // cfg.n_heads, dtype=torch.bfloat16, device="cuda")
+    sdpas = SDPA_KERNELS[SDPBackend(torch._fused_sdp_choice(q, q, q, None, 0.0, True))]
     step = train.make_step(cfg, opt)
     args = on("cuda", (params, opt.init(params), batch))
     bf16 = nf.mixed_precision(torch.bfloat16, torch.float32)
     jitted = nf.jit(step, transforms=[bf16])
     new_params, state, loss = jitted(*args)
     assert {x.dtype for x in optree.tree_leaves((new_params, state)) if x.is_floating_point()} == {torch.float32}
-    assert kernel_names(jitted.lower(*args).as_text()) == {"cuda_flash"}
+    assert kernel_names(jitted.lower(*args).as_text()) == {sdpas}
     with bf16.tracing():  # the same casts, eager
         _, _, eager_loss = step(*args)
     _, _, fp32_loss = step(*args)

@@ -110,6 +110,22 @@ def test_lazygraphmodule_bind_ops_and_pytree():
     assert compat.pytree.tree_leaves({"a": [1, 2]}) == [1, 2]
 
 
+def test_compiled_program_runs_a_lazy_graph_module_through_torch_compile():
+    g = torch.fx.Graph()
+    a = g.placeholder("a")
+    g.output(g.call_function(torch.ops.aten.mul.Tensor, (g.call_function(torch.ops.aten.sin.default, (a,)), 2)))
+    gm = compat.LazyGraphModule(torch.nn.Module(), g)  # its forward is not written yet
+    x = torch.tensor([0.5, 1.0])
+    assert torch.equal(compat.compiled_program(gm, "aot_eager")(x), torch.sin(x) * 2)
+
+
+def test_sdpa_choice_is_the_kernel_torchs_attention_runs():
+    q = torch.zeros(1, 1, 16, 8)
+    assert compat.sdpa_choice(q, q, q, None) == torch.nn.attention.SDPBackend.FLASH_ATTENTION.value  # on the CPU
+    with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
+        assert compat.sdpa_choice(q, q, q, None) == torch.nn.attention.SDPBackend.MATH.value
+
+
 def test_lazy_graph_modules_defer_the_code_of_a_traced_graph_to_its_first_call():
     from torch.fx.experimental.proxy_tensor import make_fx
 

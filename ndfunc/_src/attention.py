@@ -34,6 +34,8 @@ from collections.abc import Callable
 
 import torch
 
+from ndfunc._src.torch_compat import sdpa_choice
+
 aten = torch.ops.aten
 
 _lib = torch.library.Library("ndfunc", "FRAGMENT")
@@ -210,11 +212,16 @@ _HALF = (torch.float16, torch.bfloat16)
 
 def choose(device_type: str, dtype: torch.dtype, head_dim: int, masked: bool) -> str:
     """The kernel (a `KERNELS` name) for attention on `device_type` over `dtype` with head dim
-    `head_dim`, with an explicit mask or not: on CUDA the first of flash, memory-efficient and
-    cuDNN that takes these inputs and that torch's SDPA flags allow (`sdpa_kernel`), else math."""
+    `head_dim`, with an explicit mask or not. On CUDA, where a GPU is here, the kernel torch's SDPA
+    would pick (`torch._fused_sdp_choice`: its priorities for this GPU, cuDNN first on Hopper, and
+    the `sdpa_kernel` flags); else the first of flash, memory-efficient and cuDNN that takes these
+    inputs and that the flags allow; else math."""
     if device_type == "cpu":
         return "cpu_flash" if dtype in (*_HALF, torch.float32, torch.float64) else "math"
     if device_type == "cuda":
+        picked = _sdpa_choice(dtype, head_dim, masked) if torch.cuda.is_available() else None
+        if picked is not None:
+            return picked
         flags = torch.backends.cuda
         if flags.flash_sdp_enabled() and dtype in _HALF and not masked and head_dim % 8 == 0 and head_dim <= 256:
             return "cuda_flash"
@@ -224,6 +231,19 @@ def choose(device_type: str, dtype: torch.dtype, head_dim: int, masked: bool) ->
         if flags.cudnn_sdp_enabled() and dtype in _HALF and not masked and head_dim % 8 == 0 and head_dim <= 128:
             return "cuda_cudnn"
     return "math"
+
+
+_SDPA_KERNELS = {1: "cuda_flash", 2: "cuda_efficient", 3: "cuda_cudnn", 0: "math"}  # SDPBackend's values
+_PROBE_DEVICE = "cuda"  # where `_sdpa_choice` asks torch
+
+
+def _sdpa_choice(dtype: torch.dtype, head_dim: int, masked: bool) -> str | None:
+    """What torch's SDPA runs on this GPU for such inputs, asked of torch over small tensors; None
+    where it is no kernel of ours (cuDNN with a mask: ours passes none)."""
+    q = torch.empty((1, 1, 128, head_dim), dtype=dtype, device=_PROBE_DEVICE)
+    mask = torch.ones((1, 1, 128, 128), dtype=torch.bool, device=_PROBE_DEVICE) if masked else None
+    picked = _SDPA_KERNELS.get(sdpa_choice(q, q, q, mask))
+    return None if picked == "cuda_cudnn" and masked else picked
 
 
 # --- the ops ---------------------------------------------------------------------------------
@@ -239,20 +259,36 @@ def _kernel(name: str, q: torch.Tensor, mask) -> Kernel:
     return KERNELS[name]
 
 
+def _laid_out(x: torch.Tensor, stride: tuple[int, ...]) -> torch.Tensor:
+    """`x` with strides `stride` (a copy only where they differ): what the ops return is laid out as
+    their fake kernels say, which a compiler of the program (torch.compile) holds them to."""
+    if x.stride() == tuple(stride):
+        return x
+    return torch.empty_strided(x.shape, stride, dtype=x.dtype, device=x.device).copy_(x)
+
+
+def _out_stride(b: int, h: int, rows: int, e: int) -> tuple[int, ...]:
+    """The output's strides, laid out (B, L, H, E) in memory as torch's flash and memory-efficient
+    kernels make it: the heads' merge that follows (transpose, reshape) is then a view, not a copy."""
+    return rows * h * e, e, h * e, 1
+
+
 def _forward(q, k, v, attn_mask=None, is_causal=False, scale=None, kernel="auto"):
-    return _kernel(kernel, q, attn_mask).forward(q, k, v, attn_mask, is_causal, default_scale(q, scale))
+    out, lse = _kernel(kernel, q, attn_mask).forward(q, k, v, attn_mask, is_causal, default_scale(q, scale))
+    return _laid_out(out, _out_stride(*out.shape)), lse.contiguous()
 
 
 def _backward(g, q, k, v, out, lse, attn_mask=None, is_causal=False, scale=None, kernel="auto"):
-    return _kernel(kernel, q, attn_mask).backward(g, q, k, v, out, lse, attn_mask, is_causal, default_scale(q, scale))
+    grads = _kernel(kernel, q, attn_mask).backward(g, q, k, v, out, lse, attn_mask, is_causal,
+                                                   default_scale(q, scale))
+    # as `empty_like` lays them out (the fake kernel's)
+    return tuple(_laid_out(d, torch.empty_like(x, device="meta").stride()) for d, x in zip(grads, (q, k, v)))
 
 
 def _forward_meta(q, k, v, attn_mask=None, is_causal=False, scale=None, kernel="auto"):
-    # the output laid out (B, L, H, E) in memory, as torch's flash and memory-efficient kernels
-    # make it: the heads' merge that follows (transpose, reshape) is then a view, not a copy
     b, h, rows, _ = q.shape
-    out = q.new_empty((b, rows, h, v.shape[-1])).transpose(1, 2)
-    return out, q.new_empty(q.shape[:-1], dtype=accumulator(q.dtype))
+    shape = (b, h, rows, v.shape[-1])
+    return q.new_empty_strided(shape, _out_stride(*shape)), q.new_empty(q.shape[:-1], dtype=accumulator(q.dtype))
 
 
 def _backward_meta(g, q, k, v, out, lse, attn_mask=None, is_causal=False, scale=None, kernel="auto"):

@@ -36,7 +36,7 @@ from ndfunc._src.transforms.remat import remat_regions
 
 def jit(fn: Callable | None = None, *, mesh: Mesh | None = None, in_shardings: Any = None,
         out_shardings: Any = None, static_argnums: int | Sequence[int] = (),
-        donate_argnums: int | Sequence[int] = (), transforms: Sequence[Any] = ()):
+        donate_argnums: int | Sequence[int] = (), transforms: Sequence[Any] = (), compile: bool | str = False):
     """Compile `fn` (a pure function of tensor pytrees) into one local program per rank.
 
     Args:
@@ -53,6 +53,11 @@ def jit(fn: Callable | None = None, *, mesh: Mesh | None = None, in_shardings: A
         transforms: passes over the program at the pipeline's hooks (`ndfunc._src.transforms.base`):
             `nf.fsdp(axis)`, `nf.ring_attention(axis)`, `nf.mixed_precision(...)`. Each is checked
             against the mesh: naming an axis it does not have is an error.
+        compile: run each rank's local program through `torch.compile` (True: Inductor; a string:
+            that torch.compile backend), which fuses its pointwise ops (the optimizer's update, casts,
+            norms) into a few kernels: on a GPU, what takes a step to the speed of a compiled eager
+            step. The program (partitioning, collectives, donation) is the same; only how its ops run
+            changes. The first call compiles (seconds to minutes). Simulated ranks run op by op.
 
     Example:
         >>> with nf.simulate(4):
@@ -65,12 +70,17 @@ def jit(fn: Callable | None = None, *, mesh: Mesh | None = None, in_shardings: A
     if fn is None:
         return functools.partial(jit, mesh=mesh, in_shardings=in_shardings, out_shardings=out_shardings,
                                  static_argnums=static_argnums, donate_argnums=donate_argnums,
-                                 transforms=transforms)
+                                 transforms=transforms, compile=compile)
     transforms = check_transforms(transforms, getattr(fn, "__name__", "fn"))
     if isinstance(mesh, (Mesh, AbstractMesh)):
         for t in transforms:
             t.validate(mesh)
-    return Jitted(fn, mesh, in_shardings, out_shardings, _ints(static_argnums), _ints(donate_argnums), transforms)
+    if not isinstance(compile, (bool, str)):
+        raise TypeError(f"nf.jit: compile= takes True (Inductor), False, or a torch.compile backend's name "
+                        f"such as 'inductor'; got {compile!r}.")
+    backend = ("inductor" if compile is True else compile) or None
+    return Jitted(fn, mesh, in_shardings, out_shardings, _ints(static_argnums), _ints(donate_argnums), transforms,
+                  backend)
 
 
 def _ints(x) -> tuple[int, ...]:
@@ -80,8 +90,10 @@ def _ints(x) -> tuple[int, ...]:
 class Jitted:
     """A function compiled per signature. Call it, or `.lower(*args)` to inspect."""
 
-    def __init__(self, fn, mesh, in_shardings, out_shardings, static_argnums, donate_argnums, transforms):
+    def __init__(self, fn, mesh, in_shardings, out_shardings, static_argnums, donate_argnums, transforms,
+                 backend=None):
         functools.update_wrapper(self, fn)
+        self.backend = backend  # torch.compile's backend for the local program, or None: op by op
         self.fn, self.mesh = fn, mesh
         self.in_shardings, self.out_shardings = in_shardings, out_shardings
         self.static_argnums, self.donate_argnums, self.transforms = static_argnums, donate_argnums, transforms
@@ -161,7 +173,7 @@ class Jitted:
             program = _program(self.__name__, traced, mesh, prepared, self.out_shardings, donated=donated,
                                transforms=(remat_regions(), *self.transforms), retrace=self._retrace(key))
             program = pipeline.run(program, pipeline.PASSES[:pipeline.LOWERED])
-        return Lowered(self.__name__, program, self.arguments, key)
+        return Lowered(self.__name__, program, self.arguments, key, self.backend)
 
     def _retrace(self, key) -> Callable[[], Any]:
         """The function called again on fake tensors of this signature (inside a FakeTensorMode)."""

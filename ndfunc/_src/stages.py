@@ -31,6 +31,7 @@ from ndfunc._src.torch_compat import (
     LocalTensor,
     TensorMeta,
     bind_ops,
+    compiled_program,
     current_dispatch_mode,
     dtensor_of_local,
     local_blocks,
@@ -47,6 +48,7 @@ class Lowered:
     program: Program
     arguments: Arguments
     key: Any
+    backend: str | None = None  # torch.compile's backend for the local program (nf.jit's `compile`)
 
     def as_text(self) -> str:
         """The local program each rank runs, as partitioned; collectives show kind, mesh axes and bytes."""
@@ -71,19 +73,22 @@ class Lowered:
 
     @functools.cached_property
     def compiled(self) -> "Compiled":
-        return Compiled(pipeline.run(self.program, pipeline.PASSES[pipeline.LOWERED:]), self.arguments, self.key)
+        return Compiled(pipeline.run(self.program, pipeline.PASSES[pipeline.LOWERED:]), self.arguments, self.key,
+                        self.backend)
 
 
 class Compiled:
     """A lowered step ready to run: `compiled(*args)` with the signature it was lowered for."""
 
-    def __init__(self, program: Program, arguments: Arguments, key):
+    def __init__(self, program: Program, arguments: Arguments, key, backend: str | None = None):
         self.program, self._arguments, self._key = program, arguments, key
         self._coords = None
         self._rank_program = None
         self._donated = frozenset(program.donated)
         self._written = frozenset(written_inputs(program.runs)) - self._donated
         self._forward = bind_ops(program.runs)  # each op called at its C++ entry point
+        # torch.compile'd on its first call; simulated ranks run the program op by op
+        self._compiled_forward = None if backend is None else compiled_program(program.runs, backend)
         self._runs_meta = False
         # how each result is wrapped, worked out once: placements over the whole mesh, shape, stride
         self._specs = []
@@ -175,7 +180,9 @@ class Compiled:
                 with simulation_paused():
                     outs = run_on_ranks(on_ranks, ranks, inputs, fresh=p.donation)
             else:
-                outs = list(self._forward(*inputs))
+                forward = self._forward if mode is not None or self._compiled_forward is None else \
+                    self._compiled_forward
+                outs = list(forward(*inputs))
                 for j in p.donation:  # a new tensor on the donated memory: the old object is retired
                     outs[j] = outs[j].detach()
             del inputs

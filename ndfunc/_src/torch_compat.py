@@ -50,9 +50,9 @@ from torch.utils._python_dispatch import (
 __all__ = [
     "DTensorSpec", "FakeTensor", "FakeTensorMode", "LazyGraphModule", "LocalTensor", "LocalTensorMode", "OpSchema",
     "OpSpec", "OpStrategy", "StridedShard", "TensorMeta", "TorchDispatchMode", "TupleStrategy", "bind_ops",
-    "current_dispatch_mode", "dtensor_of_local", "fake_store", "group_size", "group_backend", "lazy_graph_modules", "local_blocks",
+    "compiled_program", "current_dispatch_mode", "dtensor_of_local", "fake_store", "group_size", "group_backend", "lazy_graph_modules", "local_blocks",
     "local_of", "local_tensor_mode", "onednn_available", "onednn_linear", "pop_dispatch_mode", "pytree", "sharding_propagator",
-    "unset_fake_temporarily", "view_rule", "view_dim_map", "renames_dims_only", "no_dispatch_modes", "rules_without_costs", "REDISTRIBUTE_LOGGER", "random_rng_tracker", "set_random_rng_tracker", "flattened",
+    "unset_fake_temporarily", "sdpa_choice", "view_rule", "view_dim_map", "renames_dims_only", "no_dispatch_modes", "rules_without_costs", "REDISTRIBUTE_LOGGER", "random_rng_tracker", "set_random_rng_tracker", "flattened",
     "functional_collectives", "process_group_ranks", "local_reduce", "shape_only_device_mesh", "traced_as_compiling", "DataDependentOutputException",
     "DynamicOutputShapeException", "core_aten_decompositions", "decomposition_table",
     "route_nested_compile_regions", "func_transforms", "current_tracer", "function_modes", "current_graph", "outside_the_trace",
@@ -249,6 +249,19 @@ def bind_ops(gm: torch.fx.GraphModule) -> Callable:
     scope = dict(code.globals, **bound)
     exec(compile(src, f"<ndfunc program {id(gm):x}>", "exec"), scope)
     return functools.partial(scope["forward"], gm)
+
+
+def sdpa_choice(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> int:
+    """The `SDPBackend` value torch's scaled_dot_product_attention would run for these inputs."""
+    return int(torch._fused_sdp_choice(q, k, v, mask))
+
+
+def compiled_program(gm: torch.fx.GraphModule, backend: str) -> Callable:
+    """`gm` through `torch.compile` (one graph, static shapes), compiled on its first call. A lazy
+    graph module's forward is written first (Dynamo does not trace the lazy stub)."""
+    if isinstance(gm, LazyGraphModule):
+        gm.real_recompile()
+    return torch.compile(gm, backend=backend, fullgraph=True, dynamic=False)
 
 
 def flattened(device_mesh_slice):
