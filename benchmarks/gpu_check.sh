@@ -75,10 +75,15 @@ step() {  # step NAME SECONDS COMMAND...: run it under a time limit, its output 
 }
 
 # every test marked `gpu` is in tests/test_gpu.py (the rest of that file, lowered for CUDA, runs too);
-# -rA lists each test's outcome
-step gpu_tests 150 "$PY" -m pytest -q -rA -p no:cacheprovider tests/test_gpu.py
-step attention_tests 40 "$PY" -m pytest -q -rA -p no:cacheprovider tests/test_attention.py -k on_a_gpu
-step gpu_step 200 "$PY" benchmarks/gpu_step.py "${BENCH_ARGS[@]}" --json "$LOGS/gpu_step.json"
+# -rA lists each test's outcome; -n 0: one process on the one GPU; a GPU image may carry
+# pytest-benchmark, which warns under xdist (an error under our filterwarnings): it is left out
+PYTEST=("$PY" -m pytest -q -rA -n 0 -p no:cacheprovider -p no:benchmark)
+step gpu_tests 150 "${PYTEST[@]}" tests/test_gpu.py
+step attention_tests 40 "${PYTEST[@]}" tests/test_attention.py -k on_a_gpu
+if [ -z "${SKIP_BENCHMARK:-}" ]; then  # SKIP_BENCHMARK=1: the tests alone
+    # GPU_STEP_ARGS: more of gpu_step.py's arguments (--only jit eager --profile 2)
+    step gpu_step 200 "$PY" benchmarks/gpu_step.py "${BENCH_ARGS[@]}" ${GPU_STEP_ARGS:-} --json "$LOGS/gpu_step.json"
+fi
 
 echo "gpu_check: logs in $LOGS; exit $status"
 exit "$status"
