@@ -181,6 +181,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                         help="attention over the cp-split sequence as a ring (nf.ring_attention), not gathered")
     parser.add_argument("--fsdp-schedule", action="store_true",
                         help="FSDP2's gather schedule (nf.fsdp): gather again for backward, prefetch, buckets")
+    parser.add_argument("--compile", action="store_true",
+                        help="each rank's step through torch.compile (nf.jit(compile=True)): on GPUs, fused kernels; "
+                             "simulated ranks run op by op")
     parser.add_argument("--log-every", type=_at_least(1), default=10)
     parser.add_argument("--metrics", metavar="FILE", help="append a JSON line per step: loss, step time, tokens/s "
                         "after compilation, measured and estimated peak memory, flops, MFU, eval loss")
@@ -270,14 +273,14 @@ def train(args: argparse.Namespace, config: nf.ParallelConfig, sequences: data.S
         transforms.append(nf.ring_attention("cp", load_balance=None))  # batches in plain order
     if args.fsdp_schedule:
         transforms.append(nf.fsdp(("dp_shard", "cp")))
-    kw = dict(mesh=mesh, donate_argnums=(0, 1), transforms=transforms)
+    kw = dict(mesh=mesh, donate_argnums=(0, 1), transforms=transforms, compile=args.compile)
     if args.grad_accum == 1:
         step = nf.jit(make_loss_step(loss_of, opt, config.rules), in_shardings=(pspec, sspec, bspec),
                       out_shardings=(pspec, sspec, P()), **kw)
     else:  # one program per micro-batch, run grad_accum times; then the update
         loss_fn = nf.sharding.axis_rules(config.rules)(loss_of)
         grads_fn = nf.accumulate(nf.value_and_grad(loss_fn), args.grad_accum, reduce=args.reduce_grads,
-                                 transforms=transforms)
+                                 transforms=transforms, compile=args.compile)
         update = nf.jit(make_update(opt), in_shardings=(pspec, sspec, pspec), out_shardings=(pspec, sspec), **kw)
 
     say = print if nf.rank() == 0 else (lambda *a, **k: None)

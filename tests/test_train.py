@@ -41,6 +41,22 @@ def test_the_4d_run_and_the_one_device_run_agree_with_and_without_the_transform_
     assert transformed == pytest.approx(one, rel=1e-5)
 
 
+@pytest.mark.slow  # Inductor compiles two programs
+def test_the_compile_flag_runs_the_one_process_job_compiled_with_the_same_losses(monkeypatch):
+    # accumulated micro-batches, so both nf.accumulate's program and the update are compiled (the
+    # one-program step compiled: tests/test_compile.py)
+    from ndfunc._src import stages
+
+    made = []
+    compiled_program = stages.compiled_program
+    monkeypatch.setattr(stages, "compiled_program", lambda gm, backend: made.append(backend) or compiled_program(gm, backend))
+    one = ["--steps", "3", "--dp-shard", "1", "--cp", "1", "--tp", "1", *SHORT]  # this process: no simulated ranks
+    plain = train.main([*one, "--micro-batch", "8"])
+    assert made == []
+    assert train.main([*one, "--micro-batch", "4", "--grad-accum", "2", "--compile"]) == pytest.approx(plain, rel=1e-4)
+    assert made == ["inductor"] * 2
+
+
 def accumulation_case(rows: int):
     """llama tiny, its parameters, a batch of `rows` sequences, its value_and_grad, and the
     loss and gradients of the whole batch at once."""

@@ -31,11 +31,12 @@ from ndfunc._src.transfer import from_local, make_array_from_callback, sharding_
 from ndfunc.sharding import NamedSharding, P
 
 
-def accumulate(value_and_grad_fn: Callable, num_micro_batches: int, transforms=(), reduce: str = "each") -> Callable:
+def accumulate(value_and_grad_fn: Callable, num_micro_batches: int, transforms=(), reduce: str = "each",
+               compile: bool | str = False) -> Callable:
     """`fn(params, batch) -> (loss, grads)` over `num_micro_batches` micro-batches of `batch`,
     returning the means (see the module's text). `value_and_grad_fn` is what `nf.value_and_grad`
-    returns for a mean loss; `transforms` go to the micro-batch program's `nf.jit`; `reduce`:
-    `'each'` micro-batch reduces its gradients, or they are reduced once at the `'end'`."""
+    returns for a mean loss; `transforms` and `compile` go to the micro-batch program's `nf.jit`;
+    `reduce`: `'each'` micro-batch reduces its gradients, or they are reduced once at the `'end'`."""
     if isinstance(num_micro_batches, bool) or not isinstance(num_micro_batches, int) or num_micro_batches < 1:
         raise ValueError(f"nf.accumulate: num_micro_batches must be an int >= 1, got {num_micro_batches!r}.")
     if reduce not in ("each", "end"):
@@ -75,7 +76,7 @@ def accumulate(value_and_grad_fn: Callable, num_micro_batches: int, transforms=(
                 make_zeros = functools.partial(_zeros, mesh, sums_sharding)
             programs[key] = (make_zeros,
                              jit(add, mesh=mesh, out_shardings=sums_sharding, donate_argnums=(1,),
-                                 transforms=list(transforms)),
+                                 transforms=list(transforms), compile=compile),
                              jit(mean, mesh=mesh, out_shardings=(spec, shardings), donate_argnums=(0,)))
         return programs[key]
 
