@@ -6,6 +6,7 @@ lowered program's count. Any failure raises, so torchrun exits non-zero.
 """
 
 import optree
+import test_ring
 import torch
 from test_jit import (  # this folder is first on sys.path under torchrun
     jit_llama,
@@ -49,6 +50,18 @@ def llama_strategy(rank: int, strategy: str, axes: dict, compile: bool = False) 
     print(f"rank {rank}: llama {strategy}{' compiled' if compile else ''} ok", flush=True)
 
 
+def ring_compiled(rank: int) -> None:
+    # the ring's point-to-point exchanges run as they are between the compiled graphs
+    (q, k, v, w), positions = test_ring.inputs(layout="zigzag")
+    args = (*(x[:1, :1] for x in (q, k, v)), positions[:1], w[:1, :1])
+    expected = test_ring.attention_step(*args)  # torch's attention over the whole sequence
+    seq = P(None, None, "cp")
+    step = nf.jit(test_ring.attention_step, mesh=nf.make_mesh(cp=4), in_shardings=(seq, seq, seq, P(None, "cp"), seq),
+                  out_shardings=(P(), (seq, seq, seq)), transforms=[nf.ring_attention("cp")], compile=True)
+    check(step(*args), expected, rtol=1e-5, atol=1e-5)
+    print(f"rank {rank}: ring compiled ok", flush=True)
+
+
 def main() -> None:
     nf.init()
     rank = nf.rank()
@@ -58,6 +71,7 @@ def main() -> None:
     llama_strategy(rank, "dp_tp", dict(dp=2, tp=2))
     # the local program through torch.compile: Inductor's kernels, the collectives as they are
     llama_strategy(rank, "dp_tp", dict(dp=2, tp=2), compile=True)
+    ring_compiled(rank)
     nf.shutdown()
 
 

@@ -14,7 +14,10 @@ from ndfunc._src.torch_compat import FakeTensor, LocalTensor, local_blocks
 
 def across_ranks(fn):
     """Mark `fn`, a function a program calls, as one that sends blocks between ranks: simulated
-    ranks call it once with all their blocks (as LocalTensors), not once per rank."""
+    ranks call it once with all their blocks (as LocalTensors), not once per rank; a program
+    through torch.compile (`nf.jit(compile=True)`) calls it as it is, between compiled graphs
+    (Dynamo traces no `batch_isend_irecv`)."""
+    fn = torch.compiler.disable(fn)
     fn.across_ranks = True
     return fn
 

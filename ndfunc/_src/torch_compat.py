@@ -257,11 +257,12 @@ def sdpa_choice(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.T
 
 
 def compiled_program(gm: torch.fx.GraphModule, backend: str) -> Callable:
-    """`gm` through `torch.compile` (one graph, static shapes), compiled on its first call. A lazy
-    graph module's forward is written first (Dynamo does not trace the lazy stub)."""
+    """`gm` through `torch.compile` (static shapes), compiled on its first call: one graph, or one
+    between each two calls of a function marked `torch.compiler.disable` (a ring's point-to-point
+    exchanges). A lazy graph module's forward is written first (Dynamo does not trace the lazy stub)."""
     if isinstance(gm, LazyGraphModule):
         gm.real_recompile()
-    return torch.compile(gm, backend=backend, fullgraph=True, dynamic=False)
+    return torch.compile(gm, backend=backend, dynamic=False)
 
 
 def flattened(device_mesh_slice):
