@@ -17,5 +17,5 @@ def test_jit_in_four_gloo_processes():
     assert sorted(re.findall(r"rank (\d+): mlp dp x tp ok", proc.stdout)) == ranks, proc.stdout
     assert sorted(re.findall(r"rank (\d+): llama fsdp ok", proc.stdout)) == ranks, proc.stdout
     assert sorted(re.findall(r"rank (\d+): llama dp_tp ok", proc.stdout)) == ranks, proc.stdout
-    assert sorted(re.findall(r"rank (\d+): llama dp_tp compiled ok", proc.stdout)) == ranks, proc.stdout
+    assert sorted(re.findall(r"rank (\d+): mlp dp x tp compiled ok", proc.stdout)) == ranks, proc.stdout
     assert sorted(re.findall(r"rank (\d+): ring compiled ok", proc.stdout)) == ranks, proc.stdout
