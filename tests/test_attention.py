@@ -208,6 +208,21 @@ def test_the_lowering_picks_the_kernel_of_the_device_the_step_runs_on():
     assert ops.rule_of(node.target).local(node, node.args)[-1] == "cuda_flash"
 
 
+@pytest.mark.parametrize("kernel", ["cpu_flash", "math"])
+@pytest.mark.parametrize("masked", [False, True])
+@pytest.mark.parametrize("groups", [H, 2], ids=["mha", "gqa"])
+def test_the_ops_results_are_laid_out_as_their_fake_kernels_say(kernel, masked, groups):
+    # torch.compile (nf.jit(compile=True)) holds a custom op to its fake kernel's strides
+    q, k, v, grad = (x.float() for x in make(groups))
+    mask = masks()["bool"] if masked else None
+    real = attention.attention_op(q, k, v, mask, not masked, None, kernel)
+    real_grads = attention.attention_backward_op(grad, q, k, v, *real, mask, not masked, None, kernel)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        fake = attention.attention_op(q, k, v, mask, not masked, None, kernel)
+        fake_grads = attention.attention_backward_op(grad, q, k, v, *fake, mask, not masked, None, kernel)
+    assert [x.stride() for x in (*real, *real_grads)] == [x.stride() for x in (*fake, *fake_grads)]
+
+
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="runs CUDA's kernels: needs a CUDA device")
 
 
