@@ -10,6 +10,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import no_gpu_here  # noqa: F401 (a fixture)
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -136,7 +137,7 @@ def test_what_the_op_does_not_express_stays_torchs():
     ("mps", torch.float32, 64, False, None, "math"),
 ])
 def test_the_kernel_for_each_device_honours_torchs_sdpa_kernel_choice(device, dtype, head_dim, masked, allowed,
-                                                                       expected):
+                                                                       expected, no_gpu_here):
     if allowed is None:
         assert attention.choose(device, dtype, head_dim, masked) == expected
     else:
@@ -192,7 +193,7 @@ def test_the_cuda_kernels_call_torchs_cuda_ops_as_their_schemas_and_meta_functio
     assert [x.shape for x in (dq, dk, dv)] == [q.shape, k.shape, v.shape]
 
 
-def test_the_lowering_picks_the_kernel_of_the_device_the_step_runs_on():
+def test_the_lowering_picks_the_kernel_of_the_device_the_step_runs_on(no_gpu_here):
     def step(q, k, v):
         return F.scaled_dot_product_attention(q, k, v, is_causal=True).sum()
 

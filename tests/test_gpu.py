@@ -19,7 +19,7 @@ import pytest
 import test_ring
 import torch
 import torch.nn.functional as F
-from helpers import arange, torchrun
+from helpers import arange, no_gpu_here, torchrun  # noqa: F401 (a fixture)
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import ndfunc as nf
@@ -165,7 +165,7 @@ def attention_step(q, k, v):
 
 @pytest.mark.parametrize("spec", [P("dp"), P(None, "tp"), P("dp", "tp")], ids=["batch", "heads", "both"])
 @pytest.mark.parametrize("dtype,expected", [(torch.bfloat16, "cuda_flash"), (torch.float32, "cuda_efficient")])
-def test_attention_lowered_for_cuda_runs_cudas_kernel_through_the_strategies(spec, dtype, expected):
+def test_attention_lowered_for_cuda_runs_cudas_kernel_through_the_strategies(spec, dtype, expected, no_gpu_here):
     mesh = AbstractMesh({"dp": 2, "tp": 2})
     shape = (4, 8, 64, 64)  # (B, H, L, K)
     lowered = {device: nf.jit(attention_step, mesh=mesh).lower(
@@ -178,7 +178,7 @@ def test_attention_lowered_for_cuda_runs_cudas_kernel_through_the_strategies(spe
     assert cuda["flops"] == cpu["flops"] > 0 and cuda["collectives"] == cpu["collectives"]
 
 
-def test_ring_attention_lowered_for_cuda_runs_a_cuda_kernel_round_the_ring():
+def test_ring_attention_lowered_for_cuda_runs_a_cuda_kernel_round_the_ring(no_gpu_here):
     # each rank's block of the causal sequence is masked against the others': the kernel that takes
     # a mask (flash takes none). Read off the program: its text needs fake CUDA indexing (coords[axis])
     mesh = AbstractMesh({"cp": 2})
