@@ -33,6 +33,7 @@ import math
 from collections.abc import Callable
 
 import torch
+from torch.nn.attention import SDPBackend
 
 from ndfunc._src.torch_compat import sdpa_choice
 
@@ -233,7 +234,8 @@ def choose(device_type: str, dtype: torch.dtype, head_dim: int, masked: bool) ->
     return "math"
 
 
-_SDPA_KERNELS = {1: "cuda_flash", 2: "cuda_efficient", 3: "cuda_cudnn", 0: "math"}  # SDPBackend's values
+_SDPA_KERNELS = {SDPBackend.FLASH_ATTENTION.value: "cuda_flash", SDPBackend.EFFICIENT_ATTENTION.value: "cuda_efficient",
+                 SDPBackend.CUDNN_ATTENTION.value: "cuda_cudnn", SDPBackend.MATH.value: "math"}
 _PROBE_DEVICE = "cuda"  # where `_sdpa_choice` asks torch
 
 
@@ -281,8 +283,14 @@ def _forward(q, k, v, attn_mask=None, is_causal=False, scale=None, kernel="auto"
 def _backward(g, q, k, v, out, lse, attn_mask=None, is_causal=False, scale=None, kernel="auto"):
     grads = _kernel(kernel, q, attn_mask).backward(g, q, k, v, out, lse, attn_mask, is_causal,
                                                    default_scale(q, scale))
-    # as `empty_like` lays them out (the fake kernel's)
-    return tuple(_laid_out(d, torch.empty_like(x, device="meta").stride()) for d, x in zip(grads, (q, k, v)))
+    return tuple(_laid_out_like(d, x) for d, x in zip(grads, (q, k, v)))
+
+
+def _laid_out_like(d: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """`d`, a kernel's new tensor, laid out as `empty_like(x)` (the fake kernel's). Where it has
+    `x`'s strides already, those describe a dense block, which `empty_like` keeps: no meta tensor
+    made per call."""
+    return d if d.stride() == x.stride() else _laid_out(d, torch.empty_like(x, device="meta").stride())
 
 
 def _forward_meta(q, k, v, attn_mask=None, is_causal=False, scale=None, kernel="auto"):

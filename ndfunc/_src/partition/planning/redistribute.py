@@ -217,12 +217,12 @@ def _chained_swaps(src: Layout, dst: Layout, shape: Sequence[int], sizes: Sequen
     if all(_swaps_inside(src, dst, m) for m in moved):
         return None
     for order in itertools.permutations(moved):
-        cur, now = list(src), list(local_shape(shape, tuple(src), sizes))
+        cur, now = list(src), local_shape(shape, tuple(src), sizes)
         for m in order:
             a, d = cur[m].dim, dst[m].dim
             if now[d] % sizes[m] or any(type(p) is Shard and p.dim in (a, d) for j, p in enumerate(cur) if j > m):
                 break
-            now[a], now[d] = now[a] * sizes[m], now[d] // sizes[m]
+            now = _all_to_all(m, a, d, now, sizes).out_shape
             cur[m] = dst[m]
         else:
             return order
