@@ -10,6 +10,7 @@ from test_jit import llama_step
 import ndfunc as nf
 from models import train
 from ndfunc._src import stages
+from ndfunc._src.partition.backends import cpu_kernels
 from ndfunc.sharding import P
 
 
@@ -36,6 +37,20 @@ def test_a_compiled_step_equals_the_eager_step_and_writes_into_the_donated_buffe
     for a, b in zip(optree.tree_leaves(again), optree.tree_leaves(step(*expected[:2], batch))):
         torch.testing.assert_close(a, b, **TOL)
     assert jitted.trace_count == 1
+
+
+def test_a_compiled_program_leaves_its_matmuls_to_inductor(monkeypatch):
+    # on an AMD CPU with AVX-512 an op-by-op program calls oneDNN for big fp32 matmuls
+    # (backends.cpu_kernels), which Inductor cannot lower: a compiled one keeps aten's and lets
+    # Inductor choose. Asked on any machine with the choice turned on.
+    monkeypatch.setattr(cpu_kernels, "ONEDNN_MATMUL", True)
+    x, w = torch.randn(256, 128), torch.randn(128, 256)  # 8M multiply-adds, over ONEDNN_MIN_MACS
+    kernels = lambda compiled: {n.target for n in compiled.runs.graph.nodes} & cpu_kernels.KERNELS  # noqa: E731
+    if torch.backends.mkldnn.enabled:  # (a torch built without oneDNN never chooses it)
+        assert kernels(nf.jit(torch.matmul).lower(x, w).compile())
+    compiled = nf.jit(torch.matmul, compile=True)
+    assert not kernels(compiled.lower(x, w).compile())
+    torch.testing.assert_close(compiled(x, w), x @ w)
 
 
 def test_simulated_ranks_run_the_program_op_by_op(monkeypatch):

@@ -198,6 +198,12 @@ PASSES: tuple[Pass, ...] = (
 LOWERED = PASSES.index(backend_collectives)
 
 
+def backend_passes(compiled: bool) -> tuple[Pass, ...]:
+    """The passes after `Lowered`, for a program run op by op or through torch.compile
+    (`compiled`): Inductor chooses its own CPU kernels, and lowers no oneDNN op of ours."""
+    return tuple(step for step in PASSES[LOWERED:] if not (compiled and step is cpu_kernels))
+
+
 def run(p: Program, passes=PASSES) -> Program:
     """`p` through `passes`, in order."""
     with young_collections_only():

@@ -73,8 +73,8 @@ class Lowered:
 
     @functools.cached_property
     def compiled(self) -> "Compiled":
-        return Compiled(pipeline.run(self.program, pipeline.PASSES[pipeline.LOWERED:]), self.arguments, self.key,
-                        self.backend)
+        return Compiled(pipeline.run(self.program, pipeline.backend_passes(self.backend is not None)), self.arguments,
+                        self.key, self.backend)
 
 
 class Compiled:
