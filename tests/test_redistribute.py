@@ -38,6 +38,7 @@ from ndfunc._src.torch_compat import (
     LocalTensor,
     bind_ops,
     local_blocks,
+    flattened,
     local_tensor_mode,
 )
 
@@ -55,7 +56,8 @@ def layout_changes(src, dsts, mesh, rank_by_rank: bool) -> callable:
     sizes = tuple(mesh.axis_sizes)
     plan = Plan(sizes, {x: Strategy((src,), ())}, [((x, 0), dst) for dst in dsts], 0.0)
     groups = [mesh.device_mesh.get_group(i).group_name for i in range(len(sizes))]
-    gm = lower.lower(graph, plan, mesh.axis_names, groups)
+    # as nf.jit lowers: a run of one collective over several axes as one over them flattened
+    gm = lower.lower(graph, plan, mesh.axis_names, groups, group_of=flattened_groups(mesh))
     if not rank_by_rank:
         return bind_ops(gm)
     ranks = tuple(sorted(local_tensor_mode().ranks))
@@ -66,6 +68,11 @@ def layout_changes(src, dsts, mesh, rank_by_rank: bool) -> callable:
         with simulation_paused():
             return run_on_ranks(program, ranks, args)
     return run
+
+
+def flattened_groups(mesh):
+    """Axis names -> the name of their flattened group, as `nf.jit` makes it."""
+    return lambda names: flattened(mesh.device_mesh[names]).get_group().group_name
 
 
 def check_every_pair(axes: dict, against_redistribute: bool, rank_by_rank: bool) -> tuple[int, list]:
@@ -214,3 +221,28 @@ def test_axes_moving_their_splits_in_turn_exchange_blocks_by_all_to_alls_alone()
             gm = bind_ops(lower.lower(graph, plan, mesh.axis_names, groups))
             (got,) = gm(distribute_tensor(full, dm, src).to_local(), coords)
             assert _close(got, distribute_tensor(full, dm, dst).to_local()), (src, dst)
+
+
+def test_a_run_of_one_collective_over_several_axes_is_one_over_them_flattened():
+    """FSDP over ('dp_shard', 'cp') gathers a parameter in one all-gather and scatters its gradient
+    in one reduce-scatter over the two axes flattened, as torchtitan's dp_shard_cp group does: the
+    same bytes, one collective. Every layout change's merged steps run against DTensor above."""
+    sizes, shape = (2, 4, 2), (64, 32)  # dp_shard, cp, tp
+    fsdp, whole = (Shard(0), Shard(0), Replicate()), replicated(3)
+    (gather,) = redistribute.merged(redistribute.plan(fsdp, whole, shape, sizes))
+    assert (gather.kind, gather.over, gather.size, gather.in_shape, gather.out_shape) == (
+        "all_gather", (0, 1), 8, (8, 32), (64, 32))
+    partial = (Partial(), Partial(), Replicate())
+    (scatter,) = redistribute.merged(redistribute.plan(partial, fsdp, shape, sizes))
+    assert (scatter.kind, scatter.over, scatter.size, scatter.out_shape) == ("reduce_scatter", (0, 1), 8, (8, 32))
+    steps = redistribute.plan(fsdp, whole, shape, sizes)
+    assert sum(s.moved_bytes(4) for s in steps) == gather.moved_bytes(4)  # the same bytes, in one
+    # an all-reduce over n1 x n2 ranks, ring: 2(n-1)/n of the value, less than one per axis
+    (total,) = redistribute.merged(redistribute.plan((Partial(), Replicate(), Partial()), whole, shape, sizes))
+    assert total.over == (0, 2) and total.size == 4
+    # splits of two dims, or another kind between, stay apart
+    two_dims = (Shard(0), Shard(1), Replicate())
+    assert [s.over for s in redistribute.merged(redistribute.plan(two_dims, whole, shape, sizes))] == [(1,), (0,)]
+    mixed = redistribute.merged(redistribute.plan((Partial(), Partial(), Replicate()), (Shard(0), Replicate(), Replicate()),
+                                                  shape, sizes))
+    assert [(s.kind, s.over) for s in mixed] == [("reduce_scatter", (0,)), ("all_reduce", (1,))]

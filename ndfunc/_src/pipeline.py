@@ -31,7 +31,7 @@ from ndfunc._src.runtime import simulation_paused
 from ndfunc._src.sharding.errors import ShardingWarning
 from ndfunc._src.sharding.mesh import Mesh
 from ndfunc._src.sharding.named_sharding import NamedSharding
-from ndfunc._src.torch_compat import FakeTensorMode
+from ndfunc._src.torch_compat import FakeTensorMode, flattened, unset_fake_temporarily
 from ndfunc._src.trace import first_calls
 from ndfunc._src.transforms.base import Transform
 
@@ -94,10 +94,17 @@ def lower(p: Program) -> Program:
     mesh = p.mesh
     if isinstance(mesh, Mesh):
         group_names = [mesh.device_mesh.get_group(i).group_name for i in p.axes]
+
+        def group_of(names: tuple[str, ...]) -> str:  # made by the first program that needs it, on every rank
+            with unset_fake_temporarily():
+                return flattened(mesh.device_mesh[names]).get_group().group_name
     else:  # no process group behind an abstract mesh: the program names its axes, to be read, not run
         group_names = [f"{ABSTRACT_GROUP}{mesh.axis_names[i]}" for i in p.axes]
+
+        def group_of(names: tuple[str, ...]) -> str:
+            return ABSTRACT_GROUP + ",".join(names)
     p.local = lowering.lower(p.traced.graph, p.plan, p.axis_names, group_names,
-                             dict(zip(mesh.axis_names, mesh.axis_sizes)))
+                             dict(zip(mesh.axis_names, mesh.axis_sizes)), group_of)
     return p
 
 

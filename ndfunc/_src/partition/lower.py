@@ -15,7 +15,7 @@ import dataclasses
 import itertools
 import math
 import operator
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -42,8 +42,10 @@ _MANUAL_COMMS = (c10d.all_reduce.default, c10d.all_gather_into_tensor.default, c
 
 
 class _Emitter:
-    def __init__(self, plan: Plan, axis_names: Sequence[str], group_names: Sequence[str], mesh_sizes: dict[str, int]):
+    def __init__(self, plan: Plan, axis_names: Sequence[str], group_names: Sequence[str], mesh_sizes: dict[str, int],
+                 group_of: Callable[[tuple[str, ...]], str] | None = None):
         self.plan = plan
+        self.group_of = group_of  # axis names (mesh order) -> the name of their flattened group
         self.mesh_sizes = mesh_sizes  # every mesh axis, size-1 ones too
         self.sizes = plan.sizes
         self.axis_names = tuple(axis_names)
@@ -64,6 +66,8 @@ class _Emitter:
             steps = redistribute.plan(have, layout, tuple(val.shape), self.sizes)
             if steps is None:  # the solver never picks an impossible change
                 raise AssertionError(f"no way from {have} to {layout} for {v[0].name}")
+            if self.group_of is not None:  # a run over several axes as one collective
+                steps = redistribute.merged(steps)
             for step in steps:
                 node = prog.note_local(self.emit(step, node, val), step.out_shape, val.dtype)
             self.env[key] = node
@@ -83,9 +87,15 @@ class _Emitter:
              axis: str | None = None, group: str | None = None) -> Comm:
         """The record of `step` run on a value like `val`, handed a tensor of shape `sent`."""
         itemsize = val.element_size()
-        return Comm(step.kind, (axis or self.axis_names[step.axis],), tuple(sent),
+        return Comm(step.kind, (axis,) if axis else tuple(self.axis_names[m] for m in step.over), tuple(sent),
                     prog.received_shape(step.kind, sent, step.size), val.dtype, val.device,
-                    group or self.group_names[step.axis], step.value_bytes(itemsize), step.moved_bytes(itemsize))
+                    group or self.group(step), step.value_bytes(itemsize), step.moved_bytes(itemsize))
+
+    def group(self, step: redistribute.Step) -> str:
+        """The process group `step` runs over: its axis's, or its axes' flattened (`merged`)."""
+        if not step.axes:
+            return self.group_names[step.axis]
+        return self.group_of(tuple(self.axis_names[m] for m in step.axes))
 
     def manual_comm(self, node: torch.fx.Node) -> Comm:
         """What a collective the user wrote (nf.lax, in a shard_map) moves."""
@@ -102,7 +112,7 @@ class _Emitter:
         return dataclasses.replace(c, received=tuple(out.shape))
 
     def emit(self, step: redistribute.Step, x: torch.fx.Node, val: torch.Tensor) -> torch.fx.Node:
-        group, n, d = self.group_names[step.axis], step.size, step.dim
+        group, n, d = self.group(step), step.size, step.dim
         if step.kind == "slice":
             index = self.call(aten.view.default, self.call(aten.select.int, self.coords, 0, step.axis), [1])
             split = list(step.in_shape[:d]) + [n, step.out_shape[d]] + list(step.in_shape[d + 1:])
@@ -208,12 +218,15 @@ def _carry_marks(since: torch.fx.Node, traced: torch.fx.Node) -> None:
 
 
 def lower(graph: torch.fx.Graph, plan: Plan, axis_names: Sequence[str], group_names: Sequence[str],
-          mesh_sizes: dict[str, int] | None = None) -> torch.fx.GraphModule:
+          mesh_sizes: dict[str, int] | None = None,
+          group_of: Callable[[tuple[str, ...]], str] | None = None) -> torch.fx.GraphModule:
     """The local program of `graph` under `plan`: inputs are the local blocks of the original
     inputs, then `coords`; outputs are local blocks in `plan.outputs`' layouts. `mesh_sizes`
-    (every mesh axis, size-1 ones too) places `nf.lax.axis_index` over several axes."""
+    (every mesh axis, size-1 ones too) places `nf.lax.axis_index` over several axes. With
+    `group_of` (axis names -> their flattened group's name), a layout change's collectives over
+    several axes run as one over those axes flattened (`redistribute.merged`)."""
     mesh_sizes = dict(mesh_sizes or dict(zip(axis_names, plan.sizes)))
-    e = _Emitter(plan, axis_names, group_names, mesh_sizes)
+    e = _Emitter(plan, axis_names, group_names, mesh_sizes, group_of)
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     for node in placeholders:
         e.produced[(node, 0)] = ph = e.graph.placeholder(node.name)

@@ -30,7 +30,9 @@ block goes to m ranks, an m-th to each, in m rounds of such sends (`point_to_poi
 still one block per rank in all.
 
 Several axes sharding one dim nest in mesh order, so before an axis gathers, or newly splits a dim,
-every later axis splitting that dim is gathered first (and split again afterwards). A pending sum
+every later axis splitting that dim is gathered first (and split again afterwards). The lowering runs
+a run of one collective over several axes as one over them flattened (`merged`); the cost model
+prices the steps as `plan` writes them. A pending sum
 cannot be created from data (Replicate -> Partial) and is finished only by its own reduction:
 those transitions have no plan.
 """
@@ -60,6 +62,12 @@ class Step:
     out_shape: tuple[int, ...]
     size: int  # ranks along the axis
     joined: int | None = None  # of an all-to-all, the dim whose blocks are joined
+    axes: tuple[int, ...] = ()  # of a collective over several axes flattened (`merged`): them, in mesh order
+
+    @property
+    def over(self) -> tuple[int, ...]:
+        """The partitioned mesh axes the step runs over, in mesh order."""
+        return self.axes or (self.axis,)
 
     def moved_bytes(self, itemsize: int) -> float:
         """Bytes each rank sends (ring algorithms)."""
@@ -149,6 +157,39 @@ def plan(src: Layout, dst: Layout, shape: Sequence[int], sizes: Sequence[int], s
             now = out
         cur[m] = dst[m]
     return steps
+
+
+def merged(steps: list[Step]) -> list[Step]:
+    """`steps` with each run of one collective over several axes made one, over those axes
+    flattened: gathers of one dim (the innermost axis first, as `plan` orders them), reduce-scatters
+    of one dim (the outermost first) and all-reduces of one reduction. FSDP over `('dp_shard',
+    'cp')` then gathers a parameter in one all-gather and scatters its gradient in one
+    reduce-scatter, as torchtitan's flattened `dp_shard_cp` group does. Splits of one dim nest in
+    mesh order, which is the flattened group's rank order, so the one collective makes what the
+    run made: a gather or a scatter moves the same bytes with one latency instead of several, and
+    an all-reduce over n1 x n2 ranks moves 2(n-1)/n of the value where two moved 2(n1-1)/n1 +
+    2(n2-1)/n2."""
+    out: list[Step] = []
+    for step in steps:
+        last = out[-1] if out else None
+        if last is not None and _continues(last, step):
+            axes = tuple(sorted((*last.over, step.axis)))
+            out[-1] = dataclasses.replace(last, axis=axes[0], axes=axes, out_shape=step.out_shape,
+                                          size=last.size * step.size)
+        else:
+            out.append(step)
+    return out
+
+
+def _continues(run: Step, step: Step) -> bool:
+    """Whether `step` continues `run` (a step, or steps merged) as one collective over their axes."""
+    if step.kind != run.kind or step.dim != run.dim or step.reduce_op != run.reduce_op or step.axis in run.over:
+        return False
+    if step.kind == "all_gather":
+        return step.axis < run.over[0]  # outward: the blocks of inner axes gathered first
+    if step.kind == "reduce_scatter":
+        return step.axis > run.over[-1]  # inward: each axis splits the block the one before left
+    return step.kind == "all_reduce"
 
 
 def _all_to_all(m: int, a: int, d: int, now: tuple[int, ...], sizes: Sequence[int]) -> Step:
