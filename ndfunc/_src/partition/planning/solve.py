@@ -353,7 +353,8 @@ class Problem:
         current candidate is always priced. Candidate -> cost; a list where all were asked and priced."""
         work = self.c_work[n]
         if not self.repeated[n] and len(options) >= VECTOR_MIN:
-            totals = self._vector_costs(n, choice, forward)
+            # forward, the costs read neither the node's own choice nor its consumers': remembered
+            totals = self._every_local_cost(n, choice) if forward else self._vector_costs(n, choice, forward)
             if isinstance(options, range) and len(options) == len(totals):
                 return totals  # every candidate: the list is the map
             return {i: totals[i] for i in options}
@@ -395,9 +396,10 @@ class Problem:
 
     def _every_local_cost(self, n: int, choice: list) -> list[float]:
         """`local_cost(n, i, choice, forward=True)` of every candidate `i`, as columns where there
-        are many (the same floats); remembered by what they read (`_situation`), so a move tried
-        in one of identical layers is priced once."""
-        key = self._situation(n, choice, True)
+        are many (the same floats); remembered by what they read (`_situation`, the node's own
+        choice aside), so a move tried in one of identical layers, or from another candidate of
+        the node, is priced once."""
+        key = self._situation(n, choice, True, own=False)
         costs = self._every.get(key)
         if costs is None:
             if not self.repeated[n] and len(self.c_ins[n]) >= VECTOR_MIN:
@@ -579,8 +581,9 @@ class Problem:
             i = self._best[key] = self._best_uncached(n, choice, forward)
         return i
 
-    def _situation(self, n: int, choice: list, forward: bool) -> tuple:
-        """Everything `local_cost(n, ., choice, forward)` reads, for every candidate."""
+    def _situation(self, n: int, choice: list, forward: bool, own: bool = True) -> tuple:
+        """Everything `local_cost(n, ., choice, forward)` reads, for every candidate (`own`: and the
+        node's current candidate, which `best` keeps on ties)."""
         values, c_outs, meta = self.values, self.c_outs, self.value_meta
         repeated = self.repeated[n]  # which slots read the same value matters; which value, no more
         first: dict = {}
@@ -598,7 +601,7 @@ class Problem:
             wants = self._fixed_key[v] if forward else frozenset(self.demands(v, choice))
             final = self.final.get(v)
             outs.append((wants, frozenset(final) if final else None, meta[v]))
-        return (id(self.c_work[n]), choice[n], forward, self.wary, tuple(ins), tuple(outs))
+        return (id(self.c_work[n]), choice[n] if own else None, forward, self.wary, tuple(ins), tuple(outs))
 
     def _best_uncached(self, n: int, choice: list, forward: bool) -> int:
         count = len(self.c_ins[n])
