@@ -32,8 +32,9 @@ rule-per-axis candidate list comes as its distinct layouts and each candidate's 
 everything it depends on (`best`), so identical layers are answered once, and so is the price of a
 move at a node (`_every_local_cost`); a node's candidates are priced with each input's and output's
 terms found once per distinct layout, as float64 columns gathered to every candidate where there are
-many (the same sums in the same order), leaving out those whose work alone exceeds a cost found; a
-walked change is priced once per value size (`_priced_as`); a value in the same place of another
+many (numpy's: the same sums in the same order), leaving out those whose work alone exceeds a cost
+found; a walked change is priced once per value size (`_priced_as`), the changes from or to one
+layout kept as a row over every layout id that a column gathers from; a value in the same place of another
 layer (its class: colour refinement over the graph) is given the many-node move that paid for the
 first of its class, and passed over where none paid and it stands as that one did, so a layer's
 moves are searched once, not once per layer; a graph equal to one planned before gets its plan back
@@ -64,7 +65,6 @@ from ndfunc._src.partition.planning.strategies import (
     tensor_outputs,
     value_of,
 )
-from ndfunc._src.torch_compat import no_dispatch_modes
 
 Value = tuple  # (producing node, output index)
 FLOPS_PER_BYTE = 100.0  # floating-point work worth one byte sent (CPU-like; GPUs compute more per byte)
@@ -136,6 +136,7 @@ class Problem:
         self._by_slot: dict = {}  # (id(candidate list), slot) -> (the list, layout -> candidates taking it)
         self._columns: dict = {}  # id(candidate list) -> (the list, its layout ids / work as tensors)
         self._priced_columns: dict = {}  # (value's size, id(layouts), term, layout) -> (layouts, costs)
+        self._rows: dict = {}  # (value's size, layout, outward) -> its changes' costs by layout id (`_tcosts`)
         self.wary = False
         self.relaxed = False  # `_producer_moves`' ranking (the search's last phase)
         self._first_round = True  # of `_improve_together`
@@ -410,17 +411,12 @@ class Problem:
         return costs
 
     def _vector_costs(self, n: int, choice: list, forward: bool) -> list[float]:
-        """`local_costs` of every candidate of `n` as float64 columns: the work, then each input's
-        terms, then each output's, added in `local_cost`'s order (a missing term adds 0.0, which
-        changes no sum), so each total is the same float. Torch's arithmetic, on plain CPU tensors
-        whatever mode the step is lowered in (under `nf.simulate` each op would otherwise run once
-        per simulated rank)."""
-        with no_dispatch_modes():
-            return self._vector_costs_here(n, choice, forward)
-
-    def _vector_costs_here(self, n: int, choice: list, forward: bool) -> list[float]:
+        """`local_costs` of every candidate of `n` as float64 columns (numpy's, whatever mode the
+        step is lowered in): the work, then each input's terms, then each output's, added in
+        `local_cost`'s order (a missing term adds 0.0, which changes no sum), so each total is the
+        same float."""
         columns = self._term_columns(n)
-        total = self._work_column(n).clone()
+        total = self._work_column(n).copy()
         for slot, v in enumerate(self.inputs[n]):
             p, j = self.values[v]
             if choice[p] >= 0:
@@ -437,43 +433,42 @@ class Problem:
             for want in (self.fixed_wants[v] if forward else self.demands(v, choice)):
                 total += self._to_column(v, want, lays)[which]
             if v in self.final:
-                total += torch.tensor([0.0 if lay < 0 else self.output_cost(v, lay) for lay in lays],
-                                      dtype=torch.float64, device="cpu")[which]
+                total += np.array([0.0 if lay < 0 else self.output_cost(v, lay) for lay in lays.ids])[which]
         return total.tolist()
 
     def _term_columns(self, n: int) -> tuple[list, list]:
         """Per input slot and per output of `n`'s candidates: the distinct layout ids there (-1: no
-        tensor), as a tuple, and each candidate's index into it; shared by nodes that share a
+        tensor, `_Lays`), and each candidate's index into them; shared by nodes that share a
         candidate list. A term is then priced once per distinct layout and gathered."""
         c_ins = self.c_ins[n]
         known = self._columns.get(id(c_ins))
         if known is None or known[0] is not c_ins:
             def split(rows) -> list:
-                table = torch.tensor(rows, dtype=torch.int64, device="cpu").reshape(len(rows), -1)
+                table = np.array(rows, dtype=np.int64).reshape(len(rows), -1)
                 out = []
                 for k in range(table.shape[1]):
-                    lays, which = torch.unique(table[:, k], return_inverse=True)
-                    out.append((tuple(lays.tolist()), which))
+                    lays, which = np.unique(table[:, k], return_inverse=True)
+                    out.append((_Lays(lays), which.reshape(-1)))
                 return out
             outs = [[-1 if lay is None else lay for lay in o] for o in self.c_outs[n]]
             known = self._columns[id(c_ins)] = (c_ins, (split(c_ins), split(outs)))
         return known[1]
 
-    def _from_column(self, v: int, have: int, lays: tuple, paid) -> torch.Tensor:
+    def _from_column(self, v: int, have: int, lays: "_Lays", paid) -> np.ndarray:
         """What `local_cost` adds for input `v`, made in `have`, wanted in each of `lays` (0 where
         another consumer already pays for that layout)."""
         return self._unpaid(self._priced(v, lays, "from", have), lays, paid)
 
-    def _back_column(self, v: int, have: int, lays: tuple, paid) -> torch.Tensor:
+    def _back_column(self, v: int, have: int, lays: "_Lays", paid) -> np.ndarray:
         """The wary search's second input term: undoing each of `lays` back to `have` finished
         (nothing where it is `have`)."""
         return self._unpaid(self._priced(v, lays, "back", have), lays, {*paid, have})
 
-    def _to_column(self, v: int, want: int, lays: tuple) -> torch.Tensor:
+    def _to_column(self, v: int, want: int, lays: "_Lays") -> np.ndarray:
         """Each of `lays` changed to `want`."""
         return self._priced(v, lays, "to", want)
 
-    def _priced(self, v: int, lays: tuple, term: str, lay: int) -> torch.Tensor:
+    def _priced(self, v: int, lays: "_Lays", term: str, lay: int) -> np.ndarray:
         """Layout changes of value `v` between `lay` and each of `lays` (0 for -1, no tensor), as a
         float64 column of `tcost`'s floats: "from" `lay` to each, each "to" `lay`, or each "back"
         to `lay` finished. Remembered by what the cost reads of the value (`_priced_as`), so equal
@@ -485,53 +480,54 @@ class Problem:
                 costs = self._tcosts(v, lay, lays, outward=True)
             else:
                 costs = self._tcosts(v, lay if term == "to" else self.finish(lay), lays, outward=False)
-            known = self._priced_columns[key] = (lays, torch.tensor(costs, dtype=torch.float64, device="cpu"))
+            known = self._priced_columns[key] = (lays, costs)
         return known[1]
 
-    def _tcosts(self, v: int, lay: int, lays: tuple, outward: bool) -> list[float]:
+    def _tcosts(self, v: int, lay: int, lays: "_Lays", outward: bool) -> np.ndarray:
         """`tcost(v, lay, x)` (`outward`) or `tcost(v, x, lay)` for each `x` of `lays`, 0.0 for -1 (no
-        tensor): the costs already found read in the loop (a column has hundreds, and a call each
-        cost more than the lookup), and where many are new, those walked together
-        (`redistribute.priced_pairs`: the same floats)."""
-        costs = self._size_costs[v]
-        found, new = [], []
-        for x in lays:
-            if x < 0 or x == lay:
-                found.append(0.0)
-                continue
-            key = lay << 32 | x if outward else x << 32 | lay
-            c = costs.get(key)
-            if c is None:
-                new.append((len(found), x, key))
-            found.append(c)
-        codes = self.codes
-        if len(new) >= PRICED_TOGETHER and codes[lay] is not None and all(codes[x] is not None for _, x, _ in new):
-            one = np.array([codes[lay]], dtype=np.int64)
-            others = np.array([codes[x] for _, x, _ in new], dtype=np.int64)
+        tensor), as a column. The changes from (or to) `lay` found for a value size are kept as a
+        row over every layout id (NaN: not yet priced), read by gathering; the new ones are
+        walked together (`redistribute.priced_pairs`: the same floats as `tcost`'s), or one by one
+        where a layout has no codes."""
+        key = (self.priced_as[v], lay, outward)
+        row = self._rows.get(key)
+        ids = lays.ids
+        if row is None or len(row) <= ids[-1]:
+            grown = np.full(max(len(self.layouts), 2 * ids[-1] + 1), np.nan)
+            if row is not None:
+                grown[:len(row)] = row
+            row = self._rows[key] = grown
+        found = row[lays.index]
+        new = np.flatnonzero(np.isnan(found) & lays.real)
+        if len(new):
+            xs = lays.index[new]
+            codes = self.codes
             numel, _, itemsize = self.priced_as[v]
-            priced = redistribute.priced_pairs(*((one, others) if outward else (others, one)), self.sizes, numel,
-                                               itemsize)
-            for (i, _, key), c in zip(new, priced.tolist()):
-                found[i] = costs[key] = c
-        else:
-            for i, _, key in new:
-                found[i] = self._tcost_new(v, key)
+            if len(new) >= PRICED_TOGETHER and codes[lay] is not None and all(codes[x] is not None for x in xs.tolist()):
+                one = np.array([codes[lay]], dtype=np.int64)
+                others = np.array([codes[x] for x in xs.tolist()], dtype=np.int64)
+                priced = redistribute.priced_pairs(*((one, others) if outward else (others, one)), self.sizes, numel,
+                                                   itemsize)
+            else:
+                priced = np.array([self.tcost(v, lay, x) if outward else self.tcost(v, x, lay) for x in xs.tolist()])
+            row[xs] = found[new] = priced
+        found[~lays.real | (lays.index == lay)] = 0.0
         return found
 
     @staticmethod
-    def _unpaid(column: torch.Tensor, lays: tuple, paid) -> torch.Tensor:
-        hits = [k for k, lay in enumerate(lays) if lay in paid] if paid else ()
+    def _unpaid(column: np.ndarray, lays: "_Lays", paid) -> np.ndarray:
+        hits = [k for k, lay in enumerate(lays.ids) if lay in paid] if paid else ()
         if not hits:
             return column
-        column = column.clone()
-        column[list(hits)] = 0.0
+        column = column.copy()
+        column[hits] = 0.0
         return column
 
-    def _work_column(self, n: int) -> torch.Tensor:
+    def _work_column(self, n: int) -> np.ndarray:
         work = self.c_work[n]
         known = self._columns.get(id(work))
         if known is None or known[0] is not work:
-            known = self._columns[id(work)] = (work, torch.tensor(work, dtype=torch.float64, device="cpu"))
+            known = self._columns[id(work)] = (work, np.array(work, dtype=np.float64))
         return known[1]
 
     def _input_terms(self, v: int, have: int, n: int, choice: list, forward: bool):
@@ -1004,6 +1000,16 @@ class Problem:
             choice[m] = i
         before = sum(self.value_cost(v, choice) for v in values) + sum(self.c_work[m][choice[m]] for m in old)
         return after - before, new
+
+
+class _Lays:
+    """The distinct layout ids of one column of candidates (-1: no tensor), sorted: as a tuple
+    (`ids`), and as an index array with the no-tensor entries pointing at id 0 (`index`, `real`)."""
+
+    def __init__(self, lays: np.ndarray):
+        self.ids = tuple(lays.tolist())
+        self.real = lays >= 0
+        self.index = np.where(self.real, lays, 0)
 
 
 def _priced_as(shape: tuple[int, ...], itemsize: int) -> tuple[int, int, int]:
