@@ -8,6 +8,7 @@ dim split it in mesh order, major to minor, as DTensor does.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from collections.abc import Sequence
@@ -55,10 +56,16 @@ def fits(layout: Layout, shape: Sequence[int], sizes: Sequence[int]) -> bool:
     return all(s % b == 0 for s, b in zip(shape, blocks))
 
 
-def all_layouts(shape: Sequence[int], sizes: Sequence[int], partial: bool = True) -> list[Layout]:
+def all_layouts(shape: Sequence[int], sizes: Sequence[int], partial: bool = True) -> tuple[Layout, ...]:
     """Every layout a value of `shape` can take (sum partials included if `partial`)."""
+    return _all_layouts(tuple(shape), tuple(sizes), partial)
+
+
+@functools.lru_cache(maxsize=4096)
+def _all_layouts(shape: tuple[int, ...], sizes: tuple[int, ...], partial: bool) -> tuple[Layout, ...]:
+    # made once per shape and mesh: a 4-axis mesh has hundreds, asked for by every view of the shape
     per_axis = [R] + ([Partial("sum")] if partial else []) + [Shard(d) for d in range(len(shape))]
-    return [lay for lay in itertools.product(per_axis, repeat=len(sizes)) if fits(lay, shape, sizes)]
+    return tuple(lay for lay in itertools.product(per_axis, repeat=len(sizes)) if fits(lay, shape, sizes))
 
 
 def describe(layout: Layout, names: Sequence[str]) -> str:

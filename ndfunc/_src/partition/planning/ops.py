@@ -40,7 +40,6 @@ from ndfunc._src.partition.planning import redistribute
 from ndfunc._src.partition.planning.layout import (
     MANUAL,
     all_layouts,
-    fits,
     local_shape,
     replicated,
 )
@@ -48,6 +47,7 @@ from ndfunc._src.partition.planning.strategies import (
     Fitted,
     NoStrategy,
     Strategy,
+    fitted,
     from_dtensor,
     from_op_strategy,
     signature,
@@ -202,16 +202,8 @@ def _candidates(node: torch.fx.Node, sizes: tuple[int, ...]) -> Sequence[Strateg
         if not found:
             raise NoStrategy(op)
         return found
-    shapes_in = [tuple(a.meta["val"].shape) for a in ins]
-    shapes_out = [None if o is None else tuple(o.shape) for o in outs]
-    kept, seen = [], set()
-    for s in found:
-        if len(s.ins) != len(ins) or len(s.outs) != len(outs) or s in seen:
-            continue
-        if all(fits(lay, shp, sizes) for lay, shp in zip(s.ins, shapes_in)) and all(
-                shp is None or (lay is not None and fits(lay, shp, sizes)) for lay, shp in zip(s.outs, shapes_out)):
-            kept.append(s)
-            seen.add(s)
+    kept = fitted(found, [tuple(a.meta["val"].shape) for a in ins], [None if o is None else tuple(o.shape) for o in outs],
+                  sizes)
     if not kept:
         raise NoStrategy(op)
     return kept

@@ -212,7 +212,8 @@ class Problem:
                 by_ins.setdefault(layouts, []).append(i)
             splits = [self._split(ins + tuple(lay for lay in outs if lay is not None))
                       for ins, outs in zip(c_ins, c_outs)]
-            late = () if isinstance(strategies, Fitted) else tuple(i for i, st in enumerate(strategies) if st.late)
+            late = tuple(sorted(strategies.late)) if isinstance(strategies, Fitted) else tuple(
+                i for i, st in enumerate(strategies) if st.late)
             known = self._as_ids[id(strategies)] = (strategies, c_ins, c_outs, by_ins, {}, splits, late)
         _, c_ins, c_outs, by_ins, work, splits, late = known
         self.c_ins.append(c_ins)

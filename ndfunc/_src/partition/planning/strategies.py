@@ -237,8 +237,10 @@ class Fitted(Sequence):
     layouts: the partitioner reads the indices (`Problem._add_node`), and a `Strategy` is made
     when one is read."""
 
-    def __init__(self, layouts: list[Layout], outs: list[tuple[int, ...]], ins: list[tuple[int, ...]]):
+    def __init__(self, layouts: list[Layout], outs: list[tuple[int, ...]], ins: list[tuple[int, ...]],
+                 late: frozenset[int] = frozenset()):
         self.layouts, self.outs, self.ins = layouts, outs, ins
+        self.late = late  # the strategies that are `Strategy.late`, by index
 
     def __len__(self) -> int:
         return len(self.ins)
@@ -247,7 +249,53 @@ class Fitted(Sequence):
         if isinstance(i, slice):
             return [self[j] for j in range(*i.indices(len(self)))]
         lays = self.layouts
-        return Strategy(tuple(None if k < 0 else lays[k] for k in self.outs[i]), tuple(lays[k] for k in self.ins[i]))
+        return Strategy(tuple(None if k < 0 else lays[k] for k in self.outs[i]), tuple(lays[k] for k in self.ins[i]),
+                        late=i in self.late)
+
+
+def fitted(found: Sequence[Strategy], shapes_in: list, shapes_out: list, sizes: tuple[int, ...]) -> Fitted:
+    """The strategies of `found` with one layout per tensor input and output that fits its value's
+    shape (an output the op leaves empty: None), each once (the first, `late` or not), in order, as a
+    `Fitted`: its layouts numbered as the strategies first read them, inputs before outputs."""
+    local: dict = {}  # a layout (by identity, then equality) -> a number, and whether it fits each shape
+    by_value: dict = {}
+    fits_of: dict = {}
+
+    def number(lay) -> int:
+        known = local.get(id(lay))
+        if known is None or known[0] is not lay:
+            known = local[id(lay)] = (lay, by_value.setdefault(lay, len(by_value)))
+        return known[1]
+
+    def fits_here(i: int, lay, shape) -> bool:
+        ok = fits_of.get((i, shape))
+        if ok is None:
+            ok = fits_of[i, shape] = fits(lay, shape, sizes)
+        return ok
+
+    n_ins, n_outs = len(shapes_in), len(shapes_out)
+    layouts, at, outs, ins, late, seen = [], {}, [], [], set(), set()
+    for s in found:
+        if len(s.ins) != n_ins or len(s.outs) != n_outs:
+            continue
+        in_ids = tuple(number(lay) for lay in s.ins)
+        out_ids = tuple(-1 if lay is None else number(lay) for lay in s.outs)
+        if (out_ids, in_ids) in seen:
+            continue
+        if not all(fits_here(i, lay, shp) for i, lay, shp in zip(in_ids, s.ins, shapes_in)) or not all(
+                shp is None or (lay is not None and fits_here(i, lay, shp))
+                for i, lay, shp in zip(out_ids, s.outs, shapes_out)):
+            continue
+        seen.add((out_ids, in_ids))
+        for i, lay in (*zip(in_ids, s.ins), *zip(out_ids, s.outs)):
+            if i >= 0 and i not in at:
+                at[i] = len(layouts)
+                layouts.append(lay)
+        if s.late:
+            late.add(len(ins))
+        ins.append(tuple(at[i] for i in in_ids))
+        outs.append(tuple(-1 if i < 0 else at[i] for i in out_ids))
+    return Fitted(layouts, outs, ins, frozenset(late))
 
 
 def _holds(p, shape: tuple[int, ...]) -> bool:
