@@ -137,6 +137,7 @@ class Problem:
         self._columns: dict = {}  # id(candidate list) -> (the list, its layout ids / work as tensors)
         self._priced_columns: dict = {}  # (value's size, id(layouts), term, layout) -> (layouts, costs)
         self._rows: dict = {}  # (value's size, layout, outward) -> its changes' costs by layout id (`_tcosts`)
+        self._taken_by: dict = {}  # value id -> `_taken`
         self.wary = False
         self.relaxed = False  # `_producer_moves`' ranking (the search's last phase)
         self._first_round = True  # of `_improve_together`
@@ -869,13 +870,31 @@ class Problem:
     def _layouts_for(self, v: int, choice: list) -> list[int]:
         """The layouts, other than those wanted now, that some consumer of `v` could take it in
         and that are cheapest to reach (a few per mesh axis: dearer ones rarely pay)."""
-        lays = set()
-        for m, slot in self.consumers[v]:
-            if len(self.c_ins[m]) > 1:
-                lays.update(ins[slot] for ins in self.c_ins[m])
+        lays = self._taken(v)
+        if not lays.ids:
+            return []
         have = self.out_layout(v, choice)
-        ranked = sorted(lays - self.demands(v, choice), key=lambda lay: (self.tcost(v, have, lay), lay))
-        return ranked[:len(self.sizes) + 2]
+        costs = self._tcosts(v, have, lays, outward=True)
+        demands = self.demands(v, choice)
+        order = np.argsort(costs, kind="stable")  # by cost, then layout: the ids are sorted
+        found = []
+        for k in order.tolist():
+            if lays.ids[k] not in demands:
+                found.append(lays.ids[k])
+                if len(found) == len(self.sizes) + 2:
+                    break
+        return found
+
+    def _taken(self, v: int) -> "_Lays":
+        """The layouts some consumer of `v` with a choice could take it in (`_Lays`)."""
+        known = self._taken_by.get(v)
+        if known is None:
+            lays = set()
+            for m, slot in self.consumers[v]:
+                if len(self.c_ins[m]) > 1:
+                    lays.update(self._taking(m, slot))
+            known = self._taken_by[v] = _Lays(np.array(sorted(lays), dtype=np.int64))
+        return known
 
     def _redirect(self, v: int, lay: int, choice: list) -> tuple[float, dict | None]:
         old: dict = {}
@@ -915,8 +934,8 @@ class Problem:
         demands = self.demands(v, choice)
         # a consumer taking a pending sum cannot take another layout's value as it is, but is
         # chosen again after the move (`_settle`): such demands rank nothing out
-        ranked = sorted(((sum(c for w in demands if (c := self.tcost(v, lay, w)) != math.inf)
-                          + self.output_cost(v, lay), lay, i) for lay, i in by_layout.items()))
+        lays = sorted(by_layout)
+        ranked = sorted(zip(self._reach(v, lays, demands), lays, map(by_layout.__getitem__, lays)))
         if self.relaxed:
             ranked = self._relaxed(v, choice, demands, ranked, below if self._first_round else None)
         moves = []
@@ -925,6 +944,20 @@ class Problem:
                 break
             moves.append((self._produce(n, i, choice), lay))
         return moves
+
+    def _reach(self, v: int, lays: list[int], demands: set) -> list[float]:
+        """For each of `lays`: what reaching `demands` from it costs, those it cannot reach left out,
+        plus a requested result layout's (`_producer_moves`' ranking), as columns: the same sums."""
+        if not lays:
+            return []
+        column = _Lays(np.array(lays, dtype=np.int64))
+        total = np.zeros(len(lays))
+        for w in demands:  # in the set's order, as a sum over it adds
+            costs = self._tcosts(v, w, column, outward=False)
+            total += np.where(costs == math.inf, 0.0, costs)
+        if v in self.final:
+            total += np.array([self.output_cost(v, lay) for lay in lays])
+        return total.tolist()
 
     def _relaxed(self, v: int, choice: list, demands: set, ranked: list, below: float | None) -> list:
         """`_producer_moves`' ranking in the search's last phase: a demand whose consumer has a
