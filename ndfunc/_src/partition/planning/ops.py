@@ -163,13 +163,46 @@ def candidates(node: torch.fx.Node, sizes: tuple[int, ...]) -> Sequence[Strategy
     # or on tp=4)
     sig = _sig(node)
     if sig not in cache:
+        alike = _pointwise_key(node, sig, sizes)
+        if alike is not None and alike in cache:
+            cache[sig] = cache[alike]
+            return cache[sig]
         try:
             cache[sig] = _candidates(node, sizes)
         except NoStrategy:  # no rule, or none that fits these shapes: the op whole
             cache[sig] = _replicated_rule(node, sizes)
             if not all(_constrained_replicated(a) for a in tensor_inputs(node)):  # (else the user chose it)
                 _WHOLE.setdefault(sizes, set()).add(sig)
+        else:
+            if alike is not None:
+                cache[alike] = cache[sig]
     return cache[sig]
+
+
+def _pointwise_key(node: torch.fx.Node, sig: tuple, sizes: tuple[int, ...]) -> tuple | None:
+    """For a pointwise op answered by DTensor's single-dim rule: a key shared by the nodes whose
+    candidate lists are the same, None for any other op. The rule reads the shapes only as they
+    broadcast (which dims are 1), and the candidates keep a split where its ranks divide the dim:
+    so each dim is read as whether it is 1 and which products of the mesh's sizes divide it. An
+    optimizer's update over parameters of many shapes asks once per such key, not per shape."""
+    op = node.target
+    if not isinstance(op, torch._ops.OpOverload) or torch.Tag.pointwise not in op.tags or op in _RULES or (
+            op not in propagator().op_single_dim_strategy_funcs):
+        return None
+    products = _products(sizes)
+    (target, spec, args), *rest = sig
+
+    def dim(d: int) -> tuple:
+        return (d == 1, *(d % q == 0 for q in products))
+    read = tuple((tuple(map(dim, a[0])), a[1]) if type(a) is tuple and len(a) == 2 and type(a[0]) is tuple else a
+                 for a in args)
+    return ("pointwise", (target, spec, read), *rest)
+
+
+@functools.cache
+def _products(sizes: tuple[int, ...]) -> tuple[int, ...]:
+    """The products of every nonempty set of mesh axes' sizes."""
+    return tuple(sorted({math.prod(c) for r in range(1, len(sizes) + 1) for c in itertools.combinations(sizes, r)}))
 
 
 def strategy_key(node: torch.fx.Node) -> tuple:
