@@ -746,8 +746,10 @@ class Problem:
             sources_tried: set = set()  # a pending sum feeds several reductions: its producer is tried once
             first_of: dict = {}  # class -> (its first value's surroundings, or the move that paid there)
             for v in range(len(self.values)):
+                if changed is not None and not self._near(v, changed):
+                    continue
                 cost = self.value_cost(v, choice)
-                if cost <= 0 or (changed is not None and not self._near(v, changed)):
+                if cost <= 0:
                     continue
                 first = first_of.get(classes[v])
                 if first is not None:
