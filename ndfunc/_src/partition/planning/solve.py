@@ -134,7 +134,7 @@ class Problem:
         self._best: dict = {}  # a node's situation -> its best candidate (see `best`)
         self._every: dict = {}  # a node's situation -> every candidate's cost (`_every_local_cost`)
         self._by_slot: dict = {}  # (id(candidate list), slot) -> (the list, layout -> candidates taking it)
-        self._columns: dict = {}  # id(candidate list) -> (the list, its layout ids / work as tensors)
+        self._columns: dict = {}  # id(candidate list) -> (the list, its layout ids / work as arrays)
         self._priced_columns: dict = {}  # (value's size, id(layouts), term, layout) -> (layouts, costs)
         self._rows: dict = {}  # (value's size, layout, outward) -> its changes' costs by layout id (`_tcosts`)
         self._taken_by: dict = {}  # value id -> `_taken`
