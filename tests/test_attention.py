@@ -163,8 +163,11 @@ def test_with_a_gpu_here_the_kernel_is_the_one_torchs_sdpa_picks(monkeypatch, ba
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(attention, "_PROBE_DEVICE", "cpu")
     monkeypatch.setattr(attention, "sdpa_choice", choice)
+    attention._asked_sdpa.cache_clear()  # (what other cases' torch answered)
     assert attention.choose("cuda", torch.float16, 64, masked) == expected
+    assert attention.choose("cuda", torch.float16, 64, masked) == expected  # asked once: eager calls choose each time
     assert asked == [((1, 1, 128, 64), torch.float16, (1, 1, 128, 128) if masked else None)]
+    attention._asked_sdpa.cache_clear()
     assert attention.choose("cpu", torch.float16, 64, masked) == "cpu_flash"  # the CPU is not asked
 
 

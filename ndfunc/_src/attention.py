@@ -29,6 +29,7 @@ memory-efficient kernel's is padded to a multiple of 32 queries, cuDNN's has a t
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable
 
@@ -240,8 +241,17 @@ _PROBE_DEVICE = "cuda"  # where `_sdpa_choice` asks torch
 
 
 def _sdpa_choice(dtype: torch.dtype, head_dim: int, masked: bool) -> str | None:
-    """What torch's SDPA runs on this GPU for such inputs, asked of torch over small tensors; None
-    where it is no kernel of ours (cuDNN with a mask: ours passes none)."""
+    """What torch's SDPA runs on this GPU for such inputs; None where it is no kernel of ours
+    (cuDNN with a mask: ours passes none). Asked once per inputs and `sdpa_kernel` flags: an eager
+    call ("auto") chooses on every call."""
+    flags = torch.backends.cuda
+    return _asked_sdpa(dtype, head_dim, masked, flags.flash_sdp_enabled(), flags.mem_efficient_sdp_enabled(),
+                       flags.cudnn_sdp_enabled(), flags.math_sdp_enabled())
+
+
+@functools.lru_cache(maxsize=256)
+def _asked_sdpa(dtype: torch.dtype, head_dim: int, masked: bool, *flags: bool) -> str | None:
+    """`_sdpa_choice`, asked of torch over small tensors (`flags`: part of the key only)."""
     q = torch.empty((1, 1, 128, head_dim), dtype=dtype, device=_PROBE_DEVICE)
     mask = torch.ones((1, 1, 128, 128), dtype=torch.bool, device=_PROBE_DEVICE) if masked else None
     picked = _SDPA_KERNELS.get(sdpa_choice(q, q, q, mask))
