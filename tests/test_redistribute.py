@@ -57,7 +57,7 @@ def layout_changes(src, dsts, mesh, rank_by_rank: bool) -> callable:
     plan = Plan(sizes, {x: Strategy((src,), ())}, [((x, 0), dst) for dst in dsts], 0.0)
     groups = [mesh.device_mesh.get_group(i).group_name for i in range(len(sizes))]
     # as nf.jit lowers: a run of one collective over several axes as one over them flattened
-    gm = lower.lower(graph, plan, mesh.axis_names, groups, group_of=flattened_groups(mesh))
+    gm = lower.lower(graph, plan, mesh.axis_names, groups, flattened_groups(mesh))
     if not rank_by_rank:
         return bind_ops(gm)
     ranks = tuple(sorted(local_tensor_mode().ranks))
@@ -218,7 +218,7 @@ def test_axes_moving_their_splits_in_turn_exchange_blocks_by_all_to_alls_alone()
             graph.output([x])
             plan = Plan(sizes, {x: Strategy((src,), ())}, [((x, 0), dst)], 0.0)
             groups = [dm.get_group(i).group_name for i in range(3)]
-            gm = bind_ops(lower.lower(graph, plan, mesh.axis_names, groups))
+            gm = bind_ops(lower.lower(graph, plan, mesh.axis_names, groups, flattened_groups(mesh)))
             (got,) = gm(distribute_tensor(full, dm, src).to_local(), coords)
             assert _close(got, distribute_tensor(full, dm, dst).to_local()), (src, dst)
 

@@ -103,8 +103,8 @@ def lower(p: Program) -> Program:
 
         def group_of(names: tuple[str, ...]) -> str:
             return ABSTRACT_GROUP + ",".join(names)
-    p.local = lowering.lower(p.traced.graph, p.plan, p.axis_names, group_names,
-                             dict(zip(mesh.axis_names, mesh.axis_sizes)), group_of)
+    p.local = lowering.lower(p.traced.graph, p.plan, p.axis_names, group_names, group_of,
+                             dict(zip(mesh.axis_names, mesh.axis_sizes)))
     return p
 
 

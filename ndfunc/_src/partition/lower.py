@@ -43,7 +43,7 @@ _MANUAL_COMMS = (c10d.all_reduce.default, c10d.all_gather_into_tensor.default, c
 
 class _Emitter:
     def __init__(self, plan: Plan, axis_names: Sequence[str], group_names: Sequence[str], mesh_sizes: dict[str, int],
-                 group_of: Callable[[tuple[str, ...]], str] | None = None):
+                 group_of: Callable[[tuple[str, ...]], str]):
         self.plan = plan
         self.group_of = group_of  # axis names (mesh order) -> the name of their flattened group
         self.mesh_sizes = mesh_sizes  # every mesh axis, size-1 ones too
@@ -66,9 +66,7 @@ class _Emitter:
             steps = redistribute.plan(have, layout, tuple(val.shape), self.sizes)
             if steps is None:  # the solver never picks an impossible change
                 raise AssertionError(f"no way from {have} to {layout} for {v[0].name}")
-            if self.group_of is not None:  # a run over several axes as one collective
-                steps = redistribute.merged(steps)
-            for step in steps:
+            for step in redistribute.merged(steps):  # a run over several axes as one collective
                 node = prog.note_local(self.emit(step, node, val), step.out_shape, val.dtype)
             self.env[key] = node
         return self.env[key]
@@ -218,13 +216,12 @@ def _carry_marks(since: torch.fx.Node, traced: torch.fx.Node) -> None:
 
 
 def lower(graph: torch.fx.Graph, plan: Plan, axis_names: Sequence[str], group_names: Sequence[str],
-          mesh_sizes: dict[str, int] | None = None,
-          group_of: Callable[[tuple[str, ...]], str] | None = None) -> torch.fx.GraphModule:
+          group_of: Callable[[tuple[str, ...]], str], mesh_sizes: dict[str, int] | None = None) -> torch.fx.GraphModule:
     """The local program of `graph` under `plan`: inputs are the local blocks of the original
-    inputs, then `coords`; outputs are local blocks in `plan.outputs`' layouts. `mesh_sizes`
-    (every mesh axis, size-1 ones too) places `nf.lax.axis_index` over several axes. With
-    `group_of` (axis names -> their flattened group's name), a layout change's collectives over
-    several axes run as one over those axes flattened (`redistribute.merged`)."""
+    inputs, then `coords`; outputs are local blocks in `plan.outputs`' layouts. A layout change's
+    collectives over several axes run as one over those axes flattened (`redistribute.merged`),
+    on the group `group_of(axis names)` names. `mesh_sizes` (every mesh axis, size-1 ones too)
+    places `nf.lax.axis_index` over several axes."""
     mesh_sizes = dict(mesh_sizes or dict(zip(axis_names, plan.sizes)))
     e = _Emitter(plan, axis_names, group_names, mesh_sizes, group_of)
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]

@@ -257,9 +257,9 @@ def fitted(found: Sequence[Strategy], shapes_in: list, shapes_out: list, sizes: 
     """The strategies of `found` with one layout per tensor input and output that fits its value's
     shape (an output the op leaves empty: None), each once (the first, `late` or not), in order, as a
     `Fitted`: its layouts numbered as the strategies first read them, inputs before outputs."""
-    local: dict = {}  # a layout (by identity, then equality) -> a number, and whether it fits each shape
-    by_value: dict = {}
-    fits_of: dict = {}
+    local: dict = {}  # id(layout) -> (the layout, its number): by identity first, placements hash slowly
+    by_value: dict = {}  # layout -> its number
+    fits_of: dict = {}  # (number, shape) -> whether it fits
 
     def number(lay) -> int:
         known = local.get(id(lay))
