@@ -40,7 +40,9 @@ those transitions have no plan.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
+import operator
 import math
 from collections.abc import Sequence
 
@@ -387,42 +389,44 @@ def priced_pairs(src: np.ndarray, dst: np.ndarray, sizes: Sequence[int], numel: 
     `dst` (codes as (N, k) int64 arrays, none None; a single row is broadcast), all rows at once:
     `coded_steps`' walk on columns, each step's cost added in the same order, so the same floats
     (inf where no plan). The partitioner prices a node's candidate layouts so, hundreds at a time."""
-    src, dst = np.broadcast_arrays(src, dst)
+    src, dst = (np.ascontiguousarray(a.T) for a in np.broadcast_arrays(src, dst))  # (k, N): one row an axis
     k = len(sizes)
     cur = src.copy()
     gather = (cur >= 0) & (dst != cur)
     for m in range(k - 1):  # later axes on a dim an axis gathers or newly splits gather first
-        c, d = cur[:, m], dst[:, m]
-        moved, split = gather[:, m], (d >= 0) & (c != d)
+        c, d = cur[m], dst[m]
+        moved, split = gather[m], (d >= 0) & (c != d)
         if moved.any() or split.any():
             for later in range(m + 1, k):
-                c2 = cur[:, later]
-                gather[:, later] |= (c2 >= 0) & ((moved & (c2 == c)) | (split & (c2 == d)))
-    div = np.where(cur >= 0, np.asarray(sizes, dtype=np.int64), 1).prod(axis=1)
-    total = np.zeros(len(cur))
+                c2 = cur[later]
+                gather[later] |= (c2 >= 0) & ((moved & (c2 == c)) | (split & (c2 == d)))
+    div = np.where(cur >= 0, np.asarray(sizes, dtype=np.int64)[:, None], 1).prod(axis=0)
+    total = np.zeros(cur.shape[1])
     for m in range(k - 1, -1, -1):
-        g, n = gather[:, m], sizes[m]
+        g, n = gather[m], sizes[m]
         if g.any():
             div = np.where(g, div // n, div)
             total += np.where(g, (numel // div) * ((n - 1) / n) * itemsize + ALPHA, 0.0)
-            cur[:, m] = np.where(g, _REPLICATE, cur[:, m])
+            cur[m][g] = _REPLICATE
     late = (cur <= -2) & (dst == _REPLICATE)
     changed = cur != dst
     for now in (changed & ~late, changed & late):  # sums that end replicated last, as `coded_steps` orders them
-        for m in np.flatnonzero(now.any(axis=0)):
-            c, d, n, on = cur[:, m], dst[:, m], sizes[m], now[:, m]
+        for m in np.flatnonzero(now.any(axis=1)).tolist():
+            c, d, n, on = cur[m], dst[m], sizes[m], now[m]
             pending = on & (c <= -2)
-            to_block = d != _REPLICATE
-            extrema = np.isin(c, _EXTREMA)
-            reduced = pending & (~to_block | extrema)  # all-reduced (then sliced, to a block)
-            scattered = pending & to_block & ~extrema  # reduce-scattered
             sliced = on & (c > -2)  # Replicate -> Shard: a local slice
-            q = numel // div
-            total += np.where(reduced, q * (2 * (n - 1) / n) * itemsize + ALPHA,
-                              np.where(scattered, q * ((n - 1) / n) * itemsize + ALPHA, 0.0))
-            grown = scattered | sliced | (reduced & to_block)
+            grown = then_sliced = sliced
+            if pending.any():  # (where none is, those sums add 0.0: nothing)
+                to_block = d != _REPLICATE
+                extrema = functools.reduce(operator.or_, (c == e for e in _EXTREMA))
+                reduced = pending & (~to_block | extrema)  # all-reduced (then sliced, to a block)
+                scattered = pending & to_block & ~extrema  # reduce-scattered
+                q = numel // div
+                total += np.where(reduced, q * (2 * (n - 1) / n) * itemsize + ALPHA,
+                                  np.where(scattered, q * ((n - 1) / n) * itemsize + ALPHA, 0.0))
+                grown = scattered | sliced | (reduced & to_block)
+                then_sliced = sliced | (reduced & to_block)
             div = np.where(grown, div * n, div)
-            then_sliced = sliced | (reduced & to_block)
             total += np.where(then_sliced, (numel // div) * SLICE * itemsize + 0.0, 0.0)
-    impossible = ((dst <= -2) & (src != dst)).any(axis=1)
+    impossible = ((dst <= -2) & (src != dst)).any(axis=0)
     return np.where(impossible, np.inf, total)

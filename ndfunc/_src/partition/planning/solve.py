@@ -135,6 +135,7 @@ class Problem:
         self._every: dict = {}  # a node's situation -> every candidate's cost (`_every_local_cost`)
         self._by_slot: dict = {}  # (id(candidate list), slot) -> (the list, layout -> candidates taking it)
         self._columns: dict = {}  # id(candidate list) -> (the list, its layout ids / work as arrays)
+        self._tables: dict = {}  # id(c_ins of a `Fitted`) -> (it, ids of inputs then outputs (-1: none), inputs)
         self._priced_columns: dict = {}  # (value's size, id(layouts), term, layout) -> (layouts, costs)
         self._rows: dict = {}  # (value's size, layout, outward) -> its changes' costs by layout id (`_tcosts`)
         self._taken_by: dict = {}  # value id -> `_taken`
@@ -169,6 +170,8 @@ class Problem:
         self.fixed_wants = [{self.c_ins[m][0][slot] for m, slot in self.consumers[v] if len(self.c_ins[m]) == 1}
                             for v in range(len(self.values))]
         self._fixed_key = [frozenset(wants) for wants in self.fixed_wants]  # as `_situation` keys them
+        self._kinds: dict = {}  # what a node's forward situation reads that never changes -> an int
+        self._kind: list[int | None] = [None] * len(self.nodes)  # node -> that int (`_forward_kind`)
 
     def _layout(self, lay: Layout) -> int:
         seen = self._layout_by_id.get(id(lay))  # by identity first: placements hash slowly
@@ -196,9 +199,17 @@ class Problem:
         known = self._as_ids.get(id(strategies))
         if known is None or known[0] is not strategies:
             if isinstance(strategies, Fitted):  # layouts and indices: each layout numbered once
-                number = [*map(self._layout, strategies.layouts), None].__getitem__  # -1: None
-                c_ins = [tuple(map(number, row)) for row in strategies.ins]
-                c_outs = [tuple(map(number, row)) for row in strategies.outs]
+                ids = np.array([*map(self._layout, strategies.layouts), -1], dtype=np.int64)  # -1: none
+                local_ins, local_outs = strategies.arrays()
+                table = ids[np.concatenate([local_ins, local_outs], axis=1)]
+                k = local_ins.shape[1]
+                c_ins = list(map(tuple, table[:, :k].tolist()))
+                c_outs = list(map(tuple, table[:, k:].tolist()))
+                if (local_outs < 0).any():  # an output the op leaves empty
+                    c_outs = [tuple(None if lay < 0 else lay for lay in outs) for outs in c_outs]
+                self._tables[id(c_ins)] = (c_ins, table, k)
+                masks = np.bitwise_or.reduce(np.array([*self.cut, 0], dtype=np.int64)[table], axis=1)  # -1: none
+                splits = list(map(self._mask_split, masks.tolist()))
             else:  # candidates that share layout objects: each numbered once, then by identity
                 ids: dict = {id(None): None}
                 for st in strategies:
@@ -208,11 +219,11 @@ class Problem:
                 number = ids.__getitem__
                 c_ins = [tuple(map(number, map(id, st.ins))) for st in strategies]
                 c_outs = [tuple(map(number, map(id, st.outs))) for st in strategies]
+                splits = [self._split(ins + tuple(lay for lay in outs if lay is not None))
+                          for ins, outs in zip(c_ins, c_outs)]
             by_ins: dict = {}
             for i, layouts in enumerate(c_ins):
                 by_ins.setdefault(layouts, []).append(i)
-            splits = [self._split(ins + tuple(lay for lay in outs if lay is not None))
-                      for ins, outs in zip(c_ins, c_outs)]
             late = tuple(sorted(strategies.late)) if isinstance(strategies, Fitted) else tuple(
                 i for i, st in enumerate(strategies) if st.late)
             known = self._as_ids[id(strategies)] = (strategies, c_ins, c_outs, by_ins, {}, splits, late)
@@ -248,6 +259,10 @@ class Problem:
         mask = 0
         for lay in layouts:
             mask |= self.cut[lay]
+        return self._mask_split(mask)
+
+    def _mask_split(self, mask: int) -> int:
+        """The product of the sizes of the mesh axes whose bits `mask` sets."""
         split = self._splits.get(mask)
         if split is None:
             split = self._splits[mask] = math.prod(n for m, n in enumerate(self.sizes) if mask >> m & 1)
@@ -445,15 +460,21 @@ class Problem:
         c_ins = self.c_ins[n]
         known = self._columns.get(id(c_ins))
         if known is None or known[0] is not c_ins:
-            def split(rows) -> list:
-                table = np.array(rows, dtype=np.int64).reshape(len(rows), -1)
+            def split(table) -> list:
                 out = []
                 for k in range(table.shape[1]):
                     lays, which = np.unique(table[:, k], return_inverse=True)
                     out.append((_Lays(lays), which.reshape(-1)))
                 return out
-            outs = [[-1 if lay is None else lay for lay in o] for o in self.c_outs[n]]
-            known = self._columns[id(c_ins)] = (c_ins, (split(c_ins), split(outs)))
+            made = self._tables.get(id(c_ins))
+            if made is not None and made[0] is c_ins:
+                _, table, k = made
+            else:
+                outs = [[-1 if lay is None else lay for lay in o] for o in self.c_outs[n]]
+                table = np.concatenate([np.array(c_ins, dtype=np.int64).reshape(len(c_ins), -1),
+                                        np.array(outs, dtype=np.int64).reshape(len(outs), -1)], axis=1)
+                k = len(c_ins[0])
+            known = self._columns[id(c_ins)] = (c_ins, (split(table[:, :k]), split(table[:, k:])))
         return known[1]
 
     def _from_column(self, v: int, have: int, lays: "_Lays", paid) -> np.ndarray:
@@ -583,6 +604,12 @@ class Problem:
         """Everything `local_cost(n, ., choice, forward)` reads, for every candidate (`own`: and the
         node's current candidate, which `best` keeps on ties)."""
         values, c_outs, meta = self.values, self.c_outs, self.value_meta
+        if forward:  # all it reads that changes is the inputs' layouts (and the node's own choice)
+            kind = self._kind[n]
+            if kind is None:
+                kind = self._forward_kind(n)
+            return kind, choice[n] if own else None, self.wary, tuple(
+                c_outs[p][choice[p]][j] if choice[p] >= 0 else -1 for p, j in map(values.__getitem__, self.inputs[n]))
         repeated = self.repeated[n]  # which slots read the same value matters; which value, no more
         first: dict = {}
         ins = []
@@ -600,6 +627,18 @@ class Problem:
             final = self.final.get(v)
             outs.append((wants, frozenset(final) if final else None, meta[v]))
         return (id(self.c_work[n]), choice[n] if own else None, forward, self.wary, tuple(ins), tuple(outs))
+
+    def _forward_kind(self, n: int) -> int:
+        """What `local_cost(n, ., forward=True)` reads that no choice changes, as an int shared by
+        nodes alike in it: the candidate list and work, which slots read one value, the inputs'
+        shapes, and the outputs' fixed consumers, requested layouts and shapes."""
+        first: dict = {}
+        ins = tuple((first.setdefault(v, slot) if self.repeated[n] else None, self.value_meta[v])
+                    for slot, v in enumerate(self.inputs[n]))
+        outs = tuple(None if v is None else (self._fixed_key[v], frozenset(self.final[v]) if self.final.get(v) else None,
+                                             self.value_meta[v]) for v in self.out_ids[n])
+        kind = self._kind[n] = self._kinds.setdefault((id(self.c_work[n]), ins, outs), len(self._kinds))
+        return kind
 
     def _best_uncached(self, n: int, choice: list, forward: bool) -> int:
         count = len(self.c_ins[n])
@@ -702,6 +741,7 @@ class Problem:
         """Each node of `works` priced by its work list there: (node, work per candidate)."""
         for n, work in works:
             self.c_work[n], self.min_work[n] = work, min(work)
+            self._kind[n] = None  # its work list is another
 
     def _search(self, wary: bool, max_rounds: int = 50) -> list:
         N = len(self.nodes)

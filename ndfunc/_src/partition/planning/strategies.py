@@ -19,6 +19,7 @@ import threading
 import weakref
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Partial, Replicate, Shard
@@ -244,6 +245,14 @@ class Fitted(Sequence):
 
     def __len__(self) -> int:
         return len(self.ins)
+
+    def arrays(self) -> tuple[np.ndarray, np.ndarray]:
+        """`ins` and `outs` as (strategies, slots) int64 arrays, made once."""
+        made = self.__dict__.get("_arrays")
+        if made is None:
+            made = self._arrays = tuple(np.array(rows, dtype=np.int64).reshape(len(rows), len(rows[0]) if rows else 0)
+                                        for rows in (self.ins, self.outs))
+        return made
 
     def __getitem__(self, i):
         if isinstance(i, slice):
