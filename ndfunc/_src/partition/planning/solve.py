@@ -166,6 +166,7 @@ class Problem:
         self.repeated = [len(set(ins)) < len(ins) for ins in self.inputs]  # a value in two slots
         self.out_ids = [[self.value_ids.get((n, j)) for j in range(len(self.c_outs[n][0]))]
                         for n in range(len(self.nodes))]
+        self._made = [[v for v in ids if v is not None] for ids in self.out_ids]  # `out_values`
         # what consumers with a single candidate want never changes
         self.fixed_wants = [{self.c_ins[m][0][slot] for m, slot in self.consumers[v] if len(self.c_ins[m]) == 1}
                             for v in range(len(self.values))]
@@ -324,11 +325,22 @@ class Problem:
             return 0.0
         costs = self._size_costs[v]  # `tcost`, inline: the search asks this hundreds of thousands of times
         total = 0
-        for w in self.demands(v, choice):
-            if w != lay:
-                c = costs.get(lay << 32 | w)
-                total += c if c is not None else self._tcost_new(v, lay << 32 | w)
-        return total + self.output_cost(v, lay)
+        consumers = self.consumers[v]
+        if len(consumers) <= 2:  # the demands as a set, without one: two terms add alike in either order
+            taken = lay
+            for m, slot in consumers:
+                if choice[m] >= 0:
+                    w = self.c_ins[m][choice[m]][slot]
+                    if w != lay and w != taken:
+                        c = costs.get(lay << 32 | w)
+                        total += c if c is not None else self._tcost_new(v, lay << 32 | w)
+                        taken = w
+        else:
+            for w in self.demands(v, choice):
+                if w != lay:
+                    c = costs.get(lay << 32 | w)
+                    total += c if c is not None else self._tcost_new(v, lay << 32 | w)
+        return total + (self.output_cost(v, lay) if v in self.final else 0.0)
 
     def local_cost(self, n: int, i: int, choice: list, forward: bool = False) -> float:
         """Cost terms that depend on node `n` taking candidate `i`, given every other node's
@@ -663,7 +675,7 @@ class Problem:
         return best
 
     def out_values(self, n: int) -> list[int]:
-        return [v for j in range(len(self.c_outs[n][0])) if (v := self.value_ids.get((n, j))) is not None]
+        return self._made[n]
 
     def neighbours(self, n: int) -> set:
         out = set()
