@@ -171,8 +171,8 @@ class Problem:
         self.fixed_wants = [{self.c_ins[m][0][slot] for m, slot in self.consumers[v] if len(self.c_ins[m]) == 1}
                             for v in range(len(self.values))]
         self._fixed_key = [frozenset(wants) for wants in self.fixed_wants]  # as `_situation` keys them
-        self._kinds: dict = {}  # what a node's forward situation reads that never changes -> an int
-        self._kind: list[int | None] = [None] * len(self.nodes)  # node -> that int (`_forward_kind`)
+        self._kinds: dict = {}  # what a node's situation reads that never changes -> an int
+        self._kind: list[int | None] = [None] * len(self.nodes)  # node -> that int (`_kind_of`)
 
     def _layout(self, lay: Layout) -> int:
         seen = self._layout_by_id.get(id(lay))  # by identity first: placements hash slowly
@@ -615,33 +615,20 @@ class Problem:
     def _situation(self, n: int, choice: list, forward: bool, own: bool = True) -> tuple:
         """Everything `local_cost(n, ., choice, forward)` reads, for every candidate (`own`: and the
         node's current candidate, which `best` keeps on ties)."""
-        values, c_outs, meta = self.values, self.c_outs, self.value_meta
+        values, c_outs = self.values, self.c_outs
+        kind = self._kind[n]
+        if kind is None:
+            kind = self._kind_of(n)
+        haves = tuple(c_outs[p][choice[p]][j] if choice[p] >= 0 else -1 for p, j in map(values.__getitem__, self.inputs[n]))
         if forward:  # all it reads that changes is the inputs' layouts (and the node's own choice)
-            kind = self._kind[n]
-            if kind is None:
-                kind = self._forward_kind(n)
-            return kind, choice[n] if own else None, self.wary, tuple(
-                c_outs[p][choice[p]][j] if choice[p] >= 0 else -1 for p, j in map(values.__getitem__, self.inputs[n]))
-        repeated = self.repeated[n]  # which slots read the same value matters; which value, no more
-        first: dict = {}
-        ins = []
-        for slot, v in enumerate(self.inputs[n]):
-            p, j = values[v]
-            have = c_outs[p][choice[p]][j] if choice[p] >= 0 else -1
-            others = None if forward else frozenset(self.demands(v, choice, skip=n))
-            ins.append((first.setdefault(v, slot), have, others, meta[v]) if repeated else (have, others, meta[v]))
-        outs = []
-        for v in self.out_ids[n]:
-            if v is None:
-                outs.append(None)
-                continue
-            wants = self._fixed_key[v] if forward else frozenset(self.demands(v, choice))
-            final = self.final.get(v)
-            outs.append((wants, frozenset(final) if final else None, meta[v]))
-        return (id(self.c_work[n]), choice[n] if own else None, forward, self.wary, tuple(ins), tuple(outs))
+            return kind, choice[n] if own else None, self.wary, haves
+        # and else what the other consumers of its inputs and outputs want
+        return (kind, choice[n] if own else None, self.wary, haves,
+                tuple(frozenset(self.demands(v, choice, skip=n)) for v in self.inputs[n]),
+                tuple(None if v is None else frozenset(self.demands(v, choice)) for v in self.out_ids[n]))
 
-    def _forward_kind(self, n: int) -> int:
-        """What `local_cost(n, ., forward=True)` reads that no choice changes, as an int shared by
+    def _kind_of(self, n: int) -> int:
+        """What `local_cost(n, ., ...)` reads that no choice changes, as an int shared by
         nodes alike in it: the candidate list and work, which slots read one value, the inputs'
         shapes, and the outputs' fixed consumers, requested layouts and shapes."""
         first: dict = {}
@@ -797,9 +784,7 @@ class Problem:
             touched: set = set()
             sources_tried: set = set()  # a pending sum feeds several reductions: its producer is tried once
             first_of: dict = {}  # class -> (its first value's surroundings, or the move that paid there)
-            for v in range(len(self.values)):
-                if changed is not None and not self._near(v, changed):
-                    continue
+            for v in range(len(self.values)) if changed is None else self._near_values(changed):
                 cost = self.value_cost(v, choice)
                 if cost <= 0:
                     continue
@@ -916,10 +901,17 @@ class Problem:
             frontier = step
         return found
 
-    def _near(self, v: int, changed: set) -> bool:
-        n = self.values[v][0]
-        return n in changed or any(m in changed for m, _ in self.consumers[v]) or any(
-            self.values[u][0] in changed for u in self.inputs[n])
+    def _near_values(self, changed: set) -> list[int]:
+        """The values, in order, made or read by a node of `changed`, or made by a node reading
+        what one of them made."""
+        near = set()
+        for n in changed:
+            near.update(self._made[n])
+            near.update(self.inputs[n])
+            for u in self._made[n]:
+                for m, _ in self.consumers[u]:
+                    near.update(self._made[m])
+        return sorted(near)
 
     def _layouts_for(self, v: int, choice: list) -> list[int]:
         """The layouts, other than those wanted now, that some consumer of `v` could take it in
