@@ -622,10 +622,14 @@ class Problem:
         haves = tuple(c_outs[p][choice[p]][j] if choice[p] >= 0 else -1 for p, j in map(values.__getitem__, self.inputs[n]))
         if forward:  # all it reads that changes is the inputs' layouts (and the node's own choice)
             return kind, choice[n] if own else None, self.wary, haves
-        # and else what the other consumers of its inputs and outputs want
+        # and else what the other consumers of its inputs and outputs want, in their order (which
+        # makes the sets `local_cost` reads)
+        c_ins, consumers = self.c_ins, self.consumers
         return (kind, choice[n] if own else None, self.wary, haves,
-                tuple(frozenset(self.demands(v, choice, skip=n)) for v in self.inputs[n]),
-                tuple(None if v is None else frozenset(self.demands(v, choice)) for v in self.out_ids[n]))
+                tuple(tuple(c_ins[m][choice[m]][slot] for m, slot in consumers[v] if m != n and choice[m] >= 0)
+                      for v in self.inputs[n]),
+                tuple(None if v is None else tuple(c_ins[m][choice[m]][slot] for m, slot in consumers[v] if choice[m] >= 0)
+                      for v in self.out_ids[n]))
 
     def _kind_of(self, n: int) -> int:
         """What `local_cost(n, ., ...)` reads that no choice changes, as an int shared by
