@@ -143,6 +143,7 @@ class Problem:
         self.relaxed = False  # `_producer_moves`' ranking (the search's last phase)
         self._first_round = True  # of `_improve_together`
         self._classes = None  # `_value_classes`, found once
+        self._held: dict = {}  # `_held_cost`
         self._late: list = []  # (node, its work with its late candidates admitted), until `solve` does
         node_ids: dict[torch.fx.Node, int] = {}
         placeholders = iter(input_layouts)
@@ -786,10 +787,11 @@ class Problem:
         for r in range(rounds):
             self._first_round = r == 0
             touched: set = set()
+            self._held = {}  # value -> its cost in `choice` as it stands (`_held_cost`)
             sources_tried: set = set()  # a pending sum feeds several reductions: its producer is tried once
             first_of: dict = {}  # class -> (its first value's surroundings, or the move that paid there)
             for v in range(len(self.values)) if changed is None else self._near_values(changed):
-                cost = self.value_cost(v, choice)
+                cost = self._held_cost(v, choice)
                 if cost <= 0:
                     continue
                 first = first_of.get(classes[v])
@@ -812,11 +814,19 @@ class Problem:
                 return
             changed = touched
 
-    @staticmethod
-    def _apply(changes: dict, choice: list, touched: set) -> None:
+    def _apply(self, changes: dict, choice: list, touched: set) -> None:
         for n, i in changes.items():
             choice[n] = i
         touched.update(changes)
+        self._held = {}
+
+    def _held_cost(self, v: int, choice: list) -> float:
+        """`value_cost(v, choice)` of the choice the moves start from, remembered until one is made:
+        every move tried is measured against it (`_settle`)."""
+        c = self._held.get(v)
+        if c is None:
+            c = self._held[v] = self.value_cost(v, choice)
+        return c
 
     def _best_move(self, v: int, choice: list, cost: float, sources_tried: set) -> tuple:
         """The move of many nodes that lowers the total most for value `v`, moved at `cost`:
@@ -857,7 +867,7 @@ class Problem:
         of a class have these in the same order)."""
         n = self.values[v][0]
         near = [n, *(self.values[u][0] for u in self.inputs[n]), *(m for m, _ in self.consumers[v])]
-        return cost, tuple(choice[m] for m in near), tuple(self.value_cost(u, choice) for u in self.inputs[n])
+        return cost, tuple(choice[m] for m in near), tuple(self._held_cost(u, choice) for u in self.inputs[n])
 
     def _value_classes(self, rounds: int = 6) -> list:
         """Per value: a class shared by values whose surroundings, `rounds` ops out, are the same
@@ -1082,7 +1092,7 @@ class Problem:
         new = {m: choice[m] for m in old}
         for m, i in old.items():
             choice[m] = i
-        before = sum(self.value_cost(v, choice) for v in values) + sum(self.c_work[m][choice[m]] for m in old)
+        before = sum(self._held_cost(v, choice) for v in values) + sum(self.c_work[m][choice[m]] for m in old)
         return after - before, new
 
 
