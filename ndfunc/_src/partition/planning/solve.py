@@ -200,18 +200,24 @@ class Problem:
         # their layouts as ids
         known = self._as_ids.get(id(strategies))
         if known is None or known[0] is not strategies:
-            if isinstance(strategies, Fitted):  # layouts and indices: each layout numbered once
-                ids = np.array([*map(self._layout, strategies.layouts), -1], dtype=np.int64)  # -1: none
+            splits = None
+            if isinstance(strategies, Fitted) and len(strategies) >= VECTOR_MIN:  # as int arrays
+                lids = [*map(self._layout, strategies.layouts)]  # each layout numbered once
                 local_ins, local_outs = strategies.arrays()
-                table = ids[np.concatenate([local_ins, local_outs], axis=1)]
+                local = np.concatenate([local_ins, local_outs], axis=1)  # -1: an output left empty
+                table = np.array([*lids, -1], dtype=np.int64)[local]
                 k = local_ins.shape[1]
                 c_ins = list(map(tuple, table[:, :k].tolist()))
                 c_outs = list(map(tuple, table[:, k:].tolist()))
-                if (local_outs < 0).any():  # an output the op leaves empty
+                if (local_outs < 0).any():
                     c_outs = [tuple(None if lay < 0 else lay for lay in outs) for outs in c_outs]
                 self._tables[id(c_ins)] = (c_ins, table, k)
-                masks = np.bitwise_or.reduce(np.array([*self.cut, 0], dtype=np.int64)[table], axis=1)  # -1: none
-                splits = list(map(self._mask_split, masks.tolist()))
+                cut = np.array([*(self.cut[i] for i in lids), 0], dtype=np.int64)
+                splits = list(map(self._mask_split, np.bitwise_or.reduce(cut[local], axis=1).tolist()))
+            elif isinstance(strategies, Fitted):  # layouts and indices: each layout numbered once
+                number = [*map(self._layout, strategies.layouts), None].__getitem__  # -1: None
+                c_ins = [tuple(map(number, row)) for row in strategies.ins]
+                c_outs = [tuple(map(number, row)) for row in strategies.outs]
             else:  # candidates that share layout objects: each numbered once, then by identity
                 ids: dict = {id(None): None}
                 for st in strategies:
@@ -221,6 +227,7 @@ class Problem:
                 number = ids.__getitem__
                 c_ins = [tuple(map(number, map(id, st.ins))) for st in strategies]
                 c_outs = [tuple(map(number, map(id, st.outs))) for st in strategies]
+            if splits is None:
                 splits = [self._split(ins + tuple(lay for lay in outs if lay is not None))
                           for ins, outs in zip(c_ins, c_outs)]
             by_ins: dict = {}
