@@ -29,16 +29,19 @@ What makes it fast enough, without changing a plan (`tests/test_plan_pins.py`): 
 rule-per-axis candidate list comes as its distinct layouts and each candidate's indices into them,
 `strategies.Fitted`, numbered once) and a layout change is walked on ints
 (`redistribute.coded_steps`), each pair once per process; a node's answer is remembered by
-everything it depends on (`best`), so identical layers are answered once, and so is the price of a
-move at a node (`_every_local_cost`); a node's candidates are priced with each input's and output's
+everything it depends on (`best`: an int for what no choice changes, `_kind_of`, with its inputs'
+layouts and what their other consumers want), so identical layers are answered once, and so is the
+price of a move at a node (`_every_local_cost`); a node's candidates are priced with each input's and output's
 terms found once per distinct layout, as float64 columns gathered to every candidate where there are
 many (numpy's: the same sums in the same order), leaving out those whose work alone exceeds a cost
 found; a walked change is priced once per value size (`_priced_as`), the changes from or to one
 layout kept as a row over every layout id that a column gathers from; a value in the same place of another
 layer (its class: colour refinement over the graph) is given the many-node move that paid for the
 first of its class, and passed over where none paid and it stands as that one did, so a layer's
-moves are searched once, not once per layer; a graph equal to one planned before gets its plan back
-(`partition`).
+moves are searched once, not once per layer; every move of a round is measured against the value
+costs of where it started, found once until a move is made (`_held_cost`), and a round after the
+first walks only the values near what the last changed (`_near_values`); a graph equal to one
+planned before gets its plan back (`partition`).
 """
 
 from __future__ import annotations
