@@ -96,11 +96,13 @@ class Stamps:
         if any(n is None for n in nodes):
             return fn(*args, **kwargs)
         grad = torch.is_grad_enabled()
-        if grad and not transforms and any(_differentiated(x, grad) for x in tensors):
+        with torch._C.DisableTorchFunction():  # a tensor's properties, read past every function mode
+            signatures = tuple(_signature(x, grad) for x in tensors)
+        if grad and not transforms and any(s[-1] for s in signatures):
             return fn(*args, **kwargs)  # plain autograd may differentiate twice (create_graph): op by op
         try:
-            key = (fn, spec, tuple(_signature(x, grad) for x in tensors),
-                   tuple(_constant(x) for x in leaves if not isinstance(x, torch.Tensor)), _context())
+            key = (fn, spec, signatures, tuple(_constant(x) for x in leaves if not isinstance(x, torch.Tensor)),
+                   _context())
             hash(key)
         except TypeError:  # an argument that is neither a tensor nor hashable: traced op by op
             return fn(*args, **kwargs)
