@@ -317,6 +317,25 @@ def test_new_node_is_the_node_create_node_makes():
     assert list(x.users) == made and g.python_code("self").src == h.python_code("self").src
 
 
+def test_eliminate_dead_code_removes_what_torchs_own_removes():
+    """Dead pure ops go (a chain of them too), a dead write in place and a dead random draw stay, as
+    `Graph.eliminate_dead_code` decides."""
+    def build():
+        g = torch.fx.Graph()
+        x = g.placeholder("x")
+        a = g.call_function(torch.ops.aten.relu.default, (x,))
+        g.call_function(torch.ops.aten.neg.default, (g.call_function(torch.ops.aten.sin.default, (x,)),))  # dead
+        g.call_function(torch.ops.aten.add_.Tensor, (x, a))  # dead, but writes into x
+        g.call_function(torch.ops.aten.rand.default, ([2],))  # dead, but draws
+        g.output((a,))
+        return g
+    ours, theirs = build(), build()
+    assert compat.eliminate_dead_code(ours) == theirs.eliminate_dead_code() is True
+    assert [(n.op, n.target) for n in ours.nodes] == [(n.op, n.target) for n in theirs.nodes]
+    assert [n.target for n in ours.nodes][1:4] == [torch.ops.aten.relu.default, torch.ops.aten.add_.Tensor,
+                                                  torch.ops.aten.rand.default]
+
+
 def test_runs_hooks_sees_a_modules_own_hooks_those_inside_it_and_global_ones():
     model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Sequential(torch.nn.ReLU()))
     assert not compat.runs_hooks(model)

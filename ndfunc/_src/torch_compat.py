@@ -413,6 +413,12 @@ def new_node(graph: torch.fx.Graph, op: str, target, args: tuple = (), kwargs: d
     return node
 
 
+def eliminate_dead_code(graph: torch.fx.Graph) -> bool:
+    """`graph.eliminate_dead_code()`, asking only the nodes nothing reads whether they are pure (its
+    own asks every node first: a lowering's tens of thousands)."""
+    return graph.eliminate_dead_code(lambda node: len(node.users) > 0 or node.is_impure())
+
+
 def runs_hooks(module: torch.nn.Module) -> bool:
     """Whether calling `module` runs a hook: one of its own or of a module inside it, or a global one."""
     m = torch.nn.modules.module

@@ -32,7 +32,7 @@ from ndfunc._src.partition.planning.strategies import (
 )
 from ndfunc._src.partition.program import Comm, LoweringContext
 from ndfunc._src.sharding.mesh import rank_at
-from ndfunc._src.torch_compat import LazyGraphModule, new_node
+from ndfunc._src.torch_compat import LazyGraphModule, eliminate_dead_code, new_node
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
@@ -289,7 +289,7 @@ def lower(graph: torch.fx.Graph, plan: Plan, axis_names: Sequence[str], group_na
             if (note := prog.local_note(r)) is not None:
                 prog.note_local(results[i], *note)
     e.graph.output(results)
-    e.graph.eliminate_dead_code()
+    eliminate_dead_code(e.graph)
     # passes rewrite it and recompile; its code is made only if read or called (the step runs
     # ops bound by `torch_compat.bind_ops`), not once per pass
     return LazyGraphModule(constants, e.graph)

@@ -29,6 +29,7 @@ from collections.abc import Callable, Iterable, Sequence
 import torch
 
 from ndfunc._src.partition import program as prog
+from ndfunc._src.torch_compat import eliminate_dead_code
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
@@ -220,7 +221,7 @@ def bucket_all_reduces(gm: torch.fx.GraphModule) -> int:
     for b in buckets:
         merge(gm, b, ALL_REDUCE, nodes, index, wait_at_once=True)
     if buckets:
-        gm.graph.eliminate_dead_code()
+        eliminate_dead_code(gm.graph)
         gm.graph.lint()
         gm.recompile()
     return sum(len(b) - 1 for b in buckets)
