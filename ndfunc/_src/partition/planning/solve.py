@@ -128,6 +128,7 @@ class Problem:
         self.layout_ids: dict[Layout, int] = {}
         self._layout_by_id: dict[int, tuple[Layout, int]] = {}  # id(layout) -> (it, its id)
         self.codes: list[tuple[int, ...] | None] = []  # layout id -> redistribute.codes (what costs read)
+        self._coded = None  # `_code_table`
         self._sized: dict = {}  # `_priced_as` -> (a << 32 | b) -> the cost of a change from layout a to b
         self._size_costs: list[dict] = []  # value id -> its size's entry of `_sized`
         self._steps: dict = {}  # (a << 32 | b) -> `redistribute.coded_steps` from layout a to b
@@ -473,8 +474,16 @@ class Problem:
             for want in (self.fixed_wants[v] if forward else self.demands(v, choice)):
                 total += self._to_column(v, want, lays)[which]
             if v in self.final:
-                total += np.array([0.0 if lay < 0 else self.output_cost(v, lay) for lay in lays.ids])[which]
+                total += self._output_column(v, lays)[which]
         return total.tolist()
+
+    def _output_column(self, v: int, lays: "_Lays") -> np.ndarray:
+        """`output_cost(v, lay)` for each of `lays` (0.0 for -1, no tensor), found once."""
+        known = self._priced_columns.get((v, id(lays), "output"))
+        if known is None or known[0] is not lays:
+            column = np.array([0.0 if lay < 0 else self.output_cost(v, lay) for lay in lays.ids])
+            known = self._priced_columns[(v, id(lays), "output")] = (lays, column)
+        return known[1]
 
     def _term_columns(self, n: int) -> tuple[list, list]:
         """Per input slot and per output of `n`'s candidates: the distinct layout ids there (-1: no
@@ -547,11 +556,10 @@ class Problem:
         new = np.flatnonzero(np.isnan(found) & lays.real)
         if len(new):
             xs = lays.index[new]
-            codes = self.codes
             numel, _, itemsize = self.priced_as[v]
-            if len(new) >= PRICED_TOGETHER and codes[lay] is not None and all(codes[x] is not None for x in xs.tolist()):
-                one = np.array([codes[lay]], dtype=np.int64)
-                others = np.array([codes[x] for x in xs.tolist()], dtype=np.int64)
+            coded, known = self._code_table() if len(new) >= PRICED_TOGETHER else (None, None)
+            if known is not None and known[lay] and known[xs].all():
+                one, others = coded[lay:lay + 1], coded[xs]
                 priced = redistribute.priced_pairs(*((one, others) if outward else (others, one)), self.sizes, numel,
                                                    itemsize)
             else:
@@ -559,6 +567,17 @@ class Problem:
             row[xs] = found[new] = priced
         found[~lays.real | (lays.index == lay)] = 0.0
         return found
+
+    def _code_table(self) -> tuple[np.ndarray, np.ndarray]:
+        """Every layout's codes as rows of an int array, and whether it has codes (a manual one has
+        none), kept as layouts are numbered."""
+        table = self._coded
+        if table is None or len(table[0]) < len(self.layouts):
+            width = len(self.sizes)
+            rows = [(-1,) * width if c is None else c for c in self.codes]
+            table = self._coded = (np.array(rows, dtype=np.int64).reshape(len(rows), width),
+                                   np.array([c is not None for c in self.codes]))
+        return table
 
     @staticmethod
     def _unpaid(column: np.ndarray, lays: "_Lays", paid) -> np.ndarray:
@@ -670,8 +689,11 @@ class Problem:
                 options = following if current < 0 or current in following else following + [current]
         costs = self.local_costs(n, options, choice, forward)
         # in order: the first least (options are distinct: all priced, or those that can be least)
-        best = min(options if len(costs) == len(options) else (i for i in options if i in costs),
-                   key=costs.__getitem__)
+        if isinstance(costs, list):  # every candidate, as a list: its first least, found in C
+            best = costs.index(min(costs))
+        else:
+            best = min(options if len(costs) == len(options) else (i for i in options if i in costs),
+                       key=costs.__getitem__)
         if current >= 0 and costs[current] <= costs[best] + EPS:
             return current  # keep on ties: the search only moves downhill
         return best
@@ -1054,6 +1076,15 @@ class Problem:
         by_layout: dict[int, int] = {}
         current = self.c_outs[n][choice[n]][j]
         costs = self._every_local_cost(n, choice)
+        if len(costs) >= VECTOR_MIN and not self.repeated[n]:  # as columns: by layout, cost, then order
+            lays, which = self._term_columns(n)[1][j]
+            ids = np.array(lays.ids)[which]
+            keep = np.flatnonzero((ids >= 0) & (ids != (-1 if current is None else current)))
+            if len(keep):
+                order = keep[np.lexsort((keep, np.asarray(costs)[keep], which[keep]))]
+                firsts = order[np.concatenate(([True], which[order[1:]] != which[order[:-1]]))]
+                by_layout = dict(zip(ids[firsts].tolist(), firsts.tolist()))
+            return by_layout
         for i, outs in enumerate(self.c_outs[n]):
             if outs[j] is None or outs[j] == current:
                 continue
