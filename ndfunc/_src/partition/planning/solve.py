@@ -387,12 +387,14 @@ class Problem:
                 total += self.output_cost(v, lay)
         return total
 
-    def local_costs(self, n: int, options, choice: list, forward: bool = False) -> dict[int, float] | list[float]:
+    def local_costs(self, n: int, options, choice: list,
+                    forward: bool = False) -> dict[int, float] | list[float] | np.ndarray:
         """`local_cost(n, i, choice, forward)` for the candidates `i` of `options` that can be the
         cheapest, the same sums in the same order, with each input's and output's terms found once
         per layout (a 4-axis op has hundreds of candidates). Every term is a cost, so a candidate
         whose work alone exceeds a cost already found is left out: it cannot be the least, and the
-        current candidate is always priced. Candidate -> cost; a list where all were asked and priced."""
+        current candidate is always priced. Candidate -> cost; a list or a float64 array (priced as
+        columns) where all were asked and priced."""
         work = self.c_work[n]
         if not self.repeated[n] and len(options) >= VECTOR_MIN:
             # forward, the costs read neither the node's own choice nor its consumers': remembered
@@ -436,7 +438,7 @@ class Problem:
                 bound = min(bound, costs[i])
         return costs
 
-    def _every_local_cost(self, n: int, choice: list) -> list[float]:
+    def _every_local_cost(self, n: int, choice: list) -> list[float] | np.ndarray:
         """`local_cost(n, i, choice, forward=True)` of every candidate `i`, as columns where there
         are many (the same floats); remembered by what they read (`_situation`, the node's own
         choice aside), so a move tried in one of identical layers, or from another candidate of
@@ -451,7 +453,7 @@ class Problem:
             self._every[key] = costs
         return costs
 
-    def _vector_costs(self, n: int, choice: list, forward: bool) -> list[float]:
+    def _vector_costs(self, n: int, choice: list, forward: bool) -> np.ndarray:
         """`local_costs` of every candidate of `n` as float64 columns (numpy's, whatever mode the
         step is lowered in): the work, then each input's terms, then each output's, added in
         `local_cost`'s order (a missing term adds 0.0, which changes no sum), so each total is the
@@ -475,7 +477,7 @@ class Problem:
                 total += self._to_column(v, want, lays)[which]
             if v in self.final:
                 total += self._output_column(v, lays)[which]
-        return total.tolist()
+        return total
 
     def _output_column(self, v: int, lays: "_Lays") -> np.ndarray:
         """`output_cost(v, lay)` for each of `lays` (0.0 for -1, no tensor), found once."""
@@ -689,7 +691,9 @@ class Problem:
                 options = following if current < 0 or current in following else following + [current]
         costs = self.local_costs(n, options, choice, forward)
         # in order: the first least (options are distinct: all priced, or those that can be least)
-        if isinstance(costs, list):  # every candidate, as a list: its first least, found in C
+        if isinstance(costs, np.ndarray):  # every candidate, as a column: its first least
+            best = int(costs.argmin())
+        elif isinstance(costs, list):  # every candidate, as a list: its first least, found in C
             best = costs.index(min(costs))
         else:
             best = min(options if len(costs) == len(options) else (i for i in options if i in costs),
