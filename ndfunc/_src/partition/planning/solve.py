@@ -583,7 +583,7 @@ class Problem:
 
     @staticmethod
     def _unpaid(column: np.ndarray, lays: "_Lays", paid) -> np.ndarray:
-        hits = [k for k, lay in enumerate(lays.ids) if lay in paid] if paid else ()
+        hits = [k for lay in paid if (k := lays.position.get(lay)) is not None] if paid else ()
         if not hits:
             return column
         column = column.copy()
@@ -1143,12 +1143,14 @@ class Problem:
 
 class _Lays:
     """The distinct layout ids of one column of candidates (-1: no tensor), sorted: as a tuple
-    (`ids`), and as an index array with the no-tensor entries pointing at id 0 (`index`, `real`)."""
+    (`ids`), and as an index array with the no-tensor entries pointing at id 0 (`index`, `real`);
+    each id's place among them (`position`)."""
 
     def __init__(self, lays: np.ndarray):
         self.ids = tuple(lays.tolist())
         self.real = lays >= 0
         self.index = np.where(self.real, lays, 0)
+        self.position = {lay: k for k, lay in enumerate(self.ids)}
 
 
 def _priced_as(shape: tuple[int, ...], itemsize: int) -> tuple[int, int, int]:
