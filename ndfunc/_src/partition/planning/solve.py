@@ -178,6 +178,7 @@ class Problem:
         self._fixed_key = [frozenset(wants) for wants in self.fixed_wants]  # as `_situation` keys them
         self._kinds: dict = {}  # what a node's situation reads that never changes -> an int
         self._kind: list[int | None] = [None] * len(self.nodes)  # node -> that int (`_kind_of`)
+        self._watched: list = [None] * len(self.nodes)  # node -> its values' other consumers (`_situation`)
 
     def _layout(self, lay: Layout) -> int:
         seen = self._layout_by_id.get(id(lay))  # by identity first: placements hash slowly
@@ -655,24 +656,25 @@ class Problem:
         if forward:  # all it reads that changes is the inputs' layouts (and the node's own choice)
             return kind, choice[n] if own else None, self.wary, haves
         # and else what the other consumers of its inputs and outputs want, in their order (which
-        # makes the sets `local_cost` reads)
-        c_ins, consumers = self.c_ins, self.consumers
+        # makes the sets `local_cost` reads; -1: not chosen yet), one flat tuple: the kind says
+        # how many each value has
+        c_ins = self.c_ins
         return (kind, choice[n] if own else None, self.wary, haves,
-                tuple(tuple(c_ins[m][choice[m]][slot] for m, slot in consumers[v] if m != n and choice[m] >= 0)
-                      for v in self.inputs[n]),
-                tuple(None if v is None else tuple(c_ins[m][choice[m]][slot] for m, slot in consumers[v] if choice[m] >= 0)
-                      for v in self.out_ids[n]))
+                tuple(c_ins[m][choice[m]][slot] if choice[m] >= 0 else -1 for m, slot in self._watched[n]))
 
     def _kind_of(self, n: int) -> int:
         """What `local_cost(n, ., ...)` reads that no choice changes, as an int shared by
         nodes alike in it: the candidate list and work, which slots read one value, the inputs'
-        shapes, and the outputs' fixed consumers, requested layouts and shapes."""
+        shapes and how many other consumers they have, and the outputs' fixed consumers, requested
+        layouts, shapes and how many consumers they have. Also lists those consumers (`_watched`)."""
         first: dict = {}
-        ins = tuple((first.setdefault(v, slot) if self.repeated[n] else None, self.value_meta[v])
-                    for slot, v in enumerate(self.inputs[n]))
+        ins = tuple((first.setdefault(v, slot) if self.repeated[n] else None, self.value_meta[v],
+                     sum(m != n for m, _ in self.consumers[v])) for slot, v in enumerate(self.inputs[n]))
         outs = tuple(None if v is None else (self._fixed_key[v], frozenset(self.final[v]) if self.final.get(v) else None,
-                                             self.value_meta[v]) for v in self.out_ids[n])
+                                             self.value_meta[v], len(self.consumers[v])) for v in self.out_ids[n])
         kind = self._kind[n] = self._kinds.setdefault((id(self.c_work[n]), ins, outs), len(self._kinds))
+        self._watched[n] = [(m, slot) for v in self.inputs[n] for m, slot in self.consumers[v] if m != n] + [
+            (m, slot) for v in self.out_ids[n] if v is not None for m, slot in self.consumers[v]]
         return kind
 
     def _best_uncached(self, n: int, choice: list, forward: bool) -> int:
