@@ -74,6 +74,27 @@ def test_the_plan_is_the_one_the_partitioner_made_before(name):
     assert all(node.graph is again.traced.graph for node in again.plan.strategy)
 
 
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_what_the_search_remembers_changes_no_answer(name):
+    """Every node decided afresh, and every candidate priced afresh, where the search would read a
+    remembered answer (`Problem.best`: by the node's situation, shared by nodes alike;
+    `_every_local_cost`): the plan the remembering search makes, so a situation holds all that an
+    answer reads."""
+    program = lowered(LAYOUTS[name])
+    args = (program.traced.graph, program.sizes, program.in_layouts, program.out_layouts)
+    remembered = table(solve.Problem(*args).solve())
+    fresh = solve.Problem(*args)
+    every = fresh._every_local_cost
+
+    def priced_afresh(n, choice):
+        fresh._every.clear()
+        return every(n, choice)
+    fresh.best = lambda n, choice, forward=False: 0 if len(fresh.c_ins[n]) == 1 else fresh._best_uncached(
+        n, choice, forward)
+    fresh._every_local_cost = priced_afresh
+    assert table(fresh.solve()) == remembered == json.loads(TABLE.read_text())[name]
+
+
 def test_identical_layers_are_searched_once_and_the_plan_is_a_full_searchs(monkeypatch):
     """The many-node moves of a value in the same place of another layer are the first one's
     replayed (`Problem._improve_together`): on four layers, the plan is the one a search that
