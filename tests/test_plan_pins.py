@@ -33,7 +33,7 @@ from models import llama, train
 from ndfunc._src.partition.planning import solve
 from ndfunc.sharding import P
 
-pytestmark = pytest.mark.slow  # three lowerings of the 4-axis llama step: about a minute
+pytestmark = pytest.mark.slow  # lowerings and searches of the 4-axis llama step: about a minute and a half
 
 TABLE = pathlib.Path(__file__).parent / "data" / "plans" / "llama_tiny.json"
 LAYOUTS = {"fsdp+tp": (1, 4, 1, 2), "hsdp+tp": (2, 2, 1, 2), "4d": (1, 2, 2, 2)}  # (dp_replicate, dp_shard, cp, tp)
