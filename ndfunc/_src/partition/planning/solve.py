@@ -506,9 +506,9 @@ class Problem:
                 _, table, k = made
             else:
                 outs = [[-1 if lay is None else lay for lay in o] for o in self.c_outs[n]]
-                table = np.concatenate([np.array(c_ins, dtype=np.int64).reshape(len(c_ins), -1),
-                                        np.array(outs, dtype=np.int64).reshape(len(outs), -1)], axis=1)
                 k = len(c_ins[0])
+                table = np.concatenate([np.array(c_ins, dtype=np.int64).reshape(len(c_ins), k),
+                                        np.array(outs, dtype=np.int64).reshape(len(outs), len(outs[0]))], axis=1)
             known = self._columns[id(c_ins)] = (c_ins, (split(table[:, :k]), split(table[:, k:])))
         return known[1]
 
