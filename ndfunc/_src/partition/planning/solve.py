@@ -734,18 +734,21 @@ class Problem:
         N = len(self.nodes)
         late, self._late = self._late, []
         choice = self._settled(late)
+        cost = self.total(choice)
         if self._moves_what_late_would_not(late, choice):  # (`_settled` admitted them)
             # the last phase only lowers a total: run where it may pay
             other = self._settled((), relax=False, rounds=SECOND_ROUNDS)
-            if self.total(other) < self.total(choice) and self._moves(other) < (1 - SECOND_GAIN) * self._moves(choice):
+            other_cost = self.total(other)
+            if other_cost < cost and self._moves(other, other_cost) < (1 - SECOND_GAIN) * self._moves(choice, cost):
                 choice = self._relax(other)
+                cost = self.total(choice)
         strategy = {self.nodes[n]: self.strategies[n][choice[n]] for n in range(N)}
         outputs = []
         for v, want in zip(self.output_values, self.requested):
             n, j = self.values[v]
             value = (self.nodes[n], j)
             outputs.append((value, finished(strategy[value[0]].outs[j]) if want is None else want))
-        return Plan(self.sizes, strategy, outputs, self.total(choice))
+        return Plan(self.sizes, strategy, outputs, cost)
 
     def _settled(self, late: list, relax: bool = True, rounds: int = 8) -> list:
         """From the cheaper of the two greedy starts, moves of many nodes at once; then the `late`
@@ -765,9 +768,9 @@ class Problem:
         self.relaxed = False
         return choice
 
-    def _moves(self, choice: list) -> float:
-        """What a plan's layout changes cost, its work left out."""
-        return self.total(choice) - sum(self.c_work[n][choice[n]] for n in range(len(self.nodes)))
+    def _moves(self, choice: list, total: float) -> float:
+        """What a plan's layout changes cost (its `total` given), its work left out."""
+        return total - sum(self.c_work[n][choice[n]] for n in range(len(self.nodes)))
 
     def _moves_what_late_would_not(self, late: list, choice: list) -> bool:
         """Whether some node with late candidates has an input moved to it that one of them would
