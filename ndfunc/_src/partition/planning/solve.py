@@ -923,12 +923,15 @@ class Problem:
             outs = tuple(None if v is None else (self.value_meta[v], tuple(self.final.get(v, ())))
                          for v in self.out_ids[n])
             color.append(codes.setdefault((what, outs), len(codes)))
+        # who each node reads (producer, output) and who reads it (consumer, slot), found once
+        reads = [[self.values[u] for u in ins] for ins in self.inputs]
+        read_by = [[None if v is None else self.consumers[v] for v in ids] for ids in self.out_ids]
         for _ in range(rounds):
             codes = {}
-            color = [codes.setdefault((color[n], tuple((color[self.values[u][0]], self.values[u][1]) for u in ins),
-                                       tuple(None if v is None else tuple((color[m], s) for m, s in self.consumers[v])
-                                             for v in self.out_ids[n])), len(codes))
-                     for n, ins in enumerate(self.inputs)]
+            color = [codes.setdefault((color[n], tuple((color[p], j) for p, j in reads[n]),
+                                       tuple(None if by is None else tuple((color[m], s) for m, s in by)
+                                             for by in read_by[n])), len(codes))
+                     for n in range(len(reads))]
         return [(color[n], j) for n, j in self.values]
 
     def _bytes(self, v: int) -> int:
