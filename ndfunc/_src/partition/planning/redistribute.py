@@ -42,8 +42,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
-import operator
 import math
+import operator
 from collections.abc import Sequence
 
 import numpy as np

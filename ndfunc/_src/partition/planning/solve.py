@@ -175,7 +175,6 @@ class Problem:
         # what consumers with a single candidate want never changes
         self.fixed_wants = [{self.c_ins[m][0][slot] for m, slot in self.consumers[v] if len(self.c_ins[m]) == 1}
                             for v in range(len(self.values))]
-        self._fixed_key = [frozenset(wants) for wants in self.fixed_wants]  # as `_situation` keys them
         self._kinds: dict = {}  # what a node's situation reads that never changes -> an int
         self._kind: list[int | None] = [None] * len(self.nodes)  # node -> that int (`_kind_of`)
         self._watched: list = [None] * len(self.nodes)  # node -> its values' other consumers (`_situation`)
@@ -208,7 +207,7 @@ class Problem:
             splits = None
             if isinstance(strategies, Fitted) and len(strategies) >= VECTOR_MIN:  # as int arrays
                 lids = [*map(self._layout, strategies.layouts)]  # each layout numbered once
-                local_ins, local_outs = strategies.arrays()
+                local_ins, local_outs = strategies.arrays
                 local = np.concatenate([local_ins, local_outs], axis=1)  # -1: an output left empty
                 table = np.array([*lids, -1], dtype=np.int64)[local]
                 k = local_ins.shape[1]
@@ -316,13 +315,9 @@ class Problem:
         n, j = self.values[v]
         return self.c_outs[n][choice[n]][j]
 
-    def demands(self, v: int, choice: list, skip: int = -1, forward: bool = False) -> set:
-        """Layouts `v` must take for its decided consumers (except `skip`; `forward`: only those
-        that cannot change)."""
+    def demands(self, v: int, choice: list, skip: int = -1) -> set:
+        """Layouts `v` must take for its decided consumers (except `skip`)."""
         c_ins = self.c_ins
-        if forward:
-            return {c_ins[m][choice[m]][slot] for m, slot in self.consumers[v]
-                    if m != skip and choice[m] >= 0 and len(c_ins[m]) == 1}
         return {c_ins[m][choice[m]][slot] for m, slot in self.consumers[v] if m != skip and choice[m] >= 0}
 
     def output_cost(self, v: int, lay: int) -> float:
@@ -337,22 +332,18 @@ class Problem:
         if lay is None:
             return 0.0
         costs = self._size_costs[v]  # `tcost`, inline: the search asks this hundreds of thousands of times
-        total = 0
         consumers = self.consumers[v]
-        if len(consumers) <= 2:  # the demands as a set, without one: two terms add alike in either order
-            taken = lay
-            for m, slot in consumers:
-                if choice[m] >= 0:
-                    w = self.c_ins[m][choice[m]][slot]
-                    if w != lay and w != taken:
-                        c = costs.get(lay << 32 | w)
-                        total += c if c is not None else self._tcost_new(v, lay << 32 | w)
-                        taken = w
+        if len(consumers) <= 2:  # the demands without a set: two terms add alike in either order
+            wants = [self.c_ins[m][choice[m]][slot] for m, slot in consumers if choice[m] >= 0]
+            if len(wants) == 2 and wants[0] == wants[1]:
+                wants.pop()
         else:
-            for w in self.demands(v, choice):
-                if w != lay:
-                    c = costs.get(lay << 32 | w)
-                    total += c if c is not None else self._tcost_new(v, lay << 32 | w)
+            wants = self.demands(v, choice)
+        total = 0
+        for w in wants:
+            if w != lay:
+                c = costs.get(lay << 32 | w)
+                total += c if c is not None else self._tcost_new(v, lay << 32 | w)
         return total + (self.output_cost(v, lay) if v in self.final else 0.0)
 
     def local_cost(self, n: int, i: int, choice: list, forward: bool = False) -> float:
@@ -670,7 +661,7 @@ class Problem:
         first: dict = {}
         ins = tuple((first.setdefault(v, slot) if self.repeated[n] else None, self.value_meta[v],
                      sum(m != n for m, _ in self.consumers[v])) for slot, v in enumerate(self.inputs[n]))
-        outs = tuple(None if v is None else (self._fixed_key[v], frozenset(self.final[v]) if self.final.get(v) else None,
+        outs = tuple(None if v is None else (frozenset(self.fixed_wants[v]), frozenset(self.final[v]) if self.final.get(v) else None,
                                              self.value_meta[v], len(self.consumers[v])) for v in self.out_ids[n])
         kind = self._kind[n] = self._kinds.setdefault((id(self.c_work[n]), ins, outs), len(self._kinds))
         self._watched[n] = [(m, slot) for v in self.inputs[n] for m, slot in self.consumers[v] if m != n] + [

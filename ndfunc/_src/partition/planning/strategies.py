@@ -246,13 +246,11 @@ class Fitted(Sequence):
     def __len__(self) -> int:
         return len(self.ins)
 
+    @functools.cached_property
     def arrays(self) -> tuple[np.ndarray, np.ndarray]:
-        """`ins` and `outs` as (strategies, slots) int64 arrays, made once."""
-        made = self.__dict__.get("_arrays")
-        if made is None:
-            made = self._arrays = tuple(np.array(rows, dtype=np.int64).reshape(len(rows), len(rows[0]) if rows else 0)
-                                        for rows in (self.ins, self.outs))
-        return made
+        """`ins` and `outs` as (strategies, slots) int64 arrays."""
+        return tuple(np.array(rows, dtype=np.int64).reshape(len(rows), len(rows[0]) if rows else 0)
+                     for rows in (self.ins, self.outs))
 
     def __getitem__(self, i):
         if isinstance(i, slice):
