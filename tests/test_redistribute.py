@@ -21,6 +21,7 @@ from torch.distributed.tensor import (
 )
 
 import ndfunc as nf
+from ndfunc._src import pipeline
 from ndfunc._src.partition import lower
 from ndfunc._src.partition.planning import redistribute
 from ndfunc._src.partition.planning.layout import (
@@ -38,7 +39,6 @@ from ndfunc._src.torch_compat import (
     LocalTensor,
     bind_ops,
     local_blocks,
-    flattened,
     local_tensor_mode,
 )
 
@@ -55,9 +55,8 @@ def layout_changes(src, dsts, mesh, rank_by_rank: bool) -> callable:
     graph.output([x] * len(dsts))
     sizes = tuple(mesh.axis_sizes)
     plan = Plan(sizes, {x: Strategy((src,), ())}, [((x, 0), dst) for dst in dsts], 0.0)
-    groups = [mesh.device_mesh.get_group(i).group_name for i in range(len(sizes))]
     # as nf.jit lowers: a run of one collective over several axes as one over them flattened
-    gm = lower.lower(graph, plan, mesh.axis_names, groups, flattened_groups(mesh))
+    gm = lower.lower(graph, plan, mesh.axis_names, *pipeline.process_groups(mesh, range(len(sizes))))
     if not rank_by_rank:
         return bind_ops(gm)
     ranks = tuple(sorted(local_tensor_mode().ranks))
@@ -68,11 +67,6 @@ def layout_changes(src, dsts, mesh, rank_by_rank: bool) -> callable:
         with simulation_paused():
             return run_on_ranks(program, ranks, args)
     return run
-
-
-def flattened_groups(mesh):
-    """Axis names -> the name of their flattened group, as `nf.jit` makes it."""
-    return lambda names: flattened(mesh.device_mesh[names]).get_group().group_name
 
 
 def check_every_pair(axes: dict, against_redistribute: bool, rank_by_rank: bool) -> tuple[int, list]:
@@ -217,8 +211,7 @@ def test_axes_moving_their_splits_in_turn_exchange_blocks_by_all_to_alls_alone()
             x.meta["val"] = torch.empty(shape)
             graph.output([x])
             plan = Plan(sizes, {x: Strategy((src,), ())}, [((x, 0), dst)], 0.0)
-            groups = [dm.get_group(i).group_name for i in range(3)]
-            gm = bind_ops(lower.lower(graph, plan, mesh.axis_names, groups, flattened_groups(mesh)))
+            gm = bind_ops(lower.lower(graph, plan, mesh.axis_names, *pipeline.process_groups(mesh, range(3))))
             (got,) = gm(distribute_tensor(full, dm, src).to_local(), coords)
             assert _close(got, distribute_tensor(full, dm, dst).to_local()), (src, dst)
 

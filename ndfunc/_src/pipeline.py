@@ -92,20 +92,23 @@ def transforms_partitioned(p: Program) -> Program:
 def lower(p: Program) -> Program:
     """The local program: each op on local blocks, each layout change as its collectives."""
     mesh = p.mesh
-    if isinstance(mesh, Mesh):
-        group_names = [mesh.device_mesh.get_group(i).group_name for i in p.axes]
-
-        def group_of(names: tuple[str, ...]) -> str:  # made by the first program that needs it, on every rank
-            with unset_fake_temporarily():
-                return flattened(mesh.device_mesh[names]).get_group().group_name
-    else:  # no process group behind an abstract mesh: the program names its axes, to be read, not run
-        group_names = [f"{ABSTRACT_GROUP}{mesh.axis_names[i]}" for i in p.axes]
-
-        def group_of(names: tuple[str, ...]) -> str:
-            return ABSTRACT_GROUP + ",".join(names)
+    group_names, group_of = process_groups(mesh, p.axes)
     p.local = lowering.lower(p.traced.graph, p.plan, p.axis_names, group_names, group_of,
                              dict(zip(mesh.axis_names, mesh.axis_sizes)))
     return p
+
+
+def process_groups(mesh, axes) -> tuple[list[str], Callable[[tuple[str, ...]], str]]:
+    """The names of the process groups a program over `mesh` runs on: one per axis of `axes`
+    (indices), and axis names (mesh order) -> their group flattened, made by the first program
+    that needs it, on every rank. An abstract mesh has no process group: the program names its
+    axes, to be read, not run."""
+    if isinstance(mesh, Mesh):
+        def group_of(names: tuple[str, ...]) -> str:
+            with unset_fake_temporarily():
+                return flattened(mesh.device_mesh[names]).get_group().group_name
+        return [mesh.device_mesh.get_group(i).group_name for i in axes], group_of
+    return [f"{ABSTRACT_GROUP}{mesh.axis_names[i]}" for i in axes], lambda names: ABSTRACT_GROUP + ",".join(names)
 
 
 # --- the local program -----------------------------------------------------------------------------
