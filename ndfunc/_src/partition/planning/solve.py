@@ -380,19 +380,19 @@ class Problem:
         return total
 
     def local_costs(self, n: int, options, choice: list,
-                    forward: bool = False) -> dict[int, float] | list[float] | np.ndarray:
+                    forward: bool = False) -> dict[int, float] | np.ndarray:
         """`local_cost(n, i, choice, forward)` for the candidates `i` of `options` that can be the
         cheapest, the same sums in the same order, with each input's and output's terms found once
         per layout (a 4-axis op has hundreds of candidates). Every term is a cost, so a candidate
         whose work alone exceeds a cost already found is left out: it cannot be the least, and the
-        current candidate is always priced. Candidate -> cost; a list or a float64 array (priced as
-        columns) where all were asked and priced."""
+        current candidate is always priced. Candidate -> cost; a float64 array (priced as columns)
+        where all were asked and priced."""
         work = self.c_work[n]
         if not self.repeated[n] and len(options) >= VECTOR_MIN:
             # forward, the costs read neither the node's own choice nor its consumers': remembered
             totals = self._every_local_cost(n, choice) if forward else self._vector_costs(n, choice, forward)
             if isinstance(options, range) and len(options) == len(totals):
-                return totals  # every candidate: the list is the map
+                return totals  # every candidate: the column is the map
             return {i: totals[i] for i in options}
         if self.repeated[n]:  # which slots pay for a value shared between them depends on them all
             def cost_of(i):
@@ -686,8 +686,6 @@ class Problem:
         # in order: the first least (options are distinct: all priced, or those that can be least)
         if isinstance(costs, np.ndarray):  # every candidate, as a column: its first least
             best = int(costs.argmin())
-        elif isinstance(costs, list):  # every candidate, as a list: its first least, found in C
-            best = costs.index(min(costs))
         else:
             best = min(options if len(costs) == len(options) else (i for i in options if i in costs),
                        key=costs.__getitem__)
