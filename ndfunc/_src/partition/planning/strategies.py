@@ -76,7 +76,7 @@ def _read(node: torch.fx.Node) -> tuple[tuple, tuple]:
     if known is not None and known[0] is node.args and known[1] is node.kwargs and all(
             a.meta.get("val") is v for a, v in known[2]):
         return known[3]
-    leaves, spec = pytree.tree_flatten((node.args, node.kwargs))
+    leaves, spec = _flattened((node.args, node.kwargs))
     ins, key = [], []
     for a in leaves:
         if isinstance(a, torch.fx.Node):
@@ -88,9 +88,40 @@ def _read(node: torch.fx.Node) -> tuple[tuple, tuple]:
                 key.append(("N", repr(v)))
         else:
             key.append(a if isinstance(a, (int, float, bool, str, type(None))) else repr(a))
-    read = (tuple(ins), (node.target, str(spec), tuple(key)))
+    read = (tuple(ins), (node.target, spec, tuple(key)))
     _READ[node] = (node.args, node.kwargs, [(a, a.meta.get("val")) for a in node.all_input_nodes], read)
     return read
+
+
+def _flattened(tree) -> tuple[list, object]:
+    """`tree`'s leaves in pytree's order (DTensor's OpSchema lists tensors in it) and a key equal
+    for trees of one structure. Arguments made of tuples, lists and dicts of plain leaves (nearly
+    every node's) are walked here, several times faster than pytree builds a TreeSpec; anything
+    else by pytree."""
+    leaves: list = []
+    shape: list = []
+
+    def walk(x) -> bool:
+        t = type(x)
+        if t in _SEQUENCES:
+            shape.append((_SEQUENCES[t], len(x)))
+            return all(walk(y) for y in x)
+        if t in _MAPPINGS:
+            shape.append((_MAPPINGS[t], tuple(x)))
+            return all(walk(y) for y in x.values())
+        leaves.append(x)
+        return t in _PLAIN_LEAVES
+    if walk(tree):
+        return leaves, tuple(shape)
+    leaves, spec = pytree.tree_flatten(tree)
+    return leaves, str(spec)
+
+
+_SEQUENCES = {tuple: "T", list: "L", torch.fx.immutable_collections.immutable_list: "L"}
+_MAPPINGS = {dict: "D", torch.fx.immutable_collections.immutable_dict: "D"}
+# leaves pytree does not look into (its own registered types, namedtuples among them, it does)
+_PLAIN_LEAVES = frozenset({torch.fx.Node, int, float, bool, str, type(None), torch.dtype, torch.device,
+                           torch.layout, torch.memory_format})
 
 
 _READ: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
