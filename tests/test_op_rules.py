@@ -43,3 +43,36 @@ def test_a_pointwise_op_is_asked_once_per_broadcast_pattern_and_divisibility(siz
     assert got[broadcast] is not got[first]
     for n in got:
         assert (got[n].layouts, got[n].outs, got[n].ins) == fresh(n)
+
+
+def _step_of_every_by_axis_op(x, w):
+    """One of each op the registry asks axis by axis: reductions by sum, slices, splits, transposes,
+    copies, and views that only rename dims or add and drop ones of size 1."""
+    a, b = torch.split(x, 3, dim=1)  # (6, 3, 10, 12) each, then sliced
+    y = a[:, :, 2:8].sum(dim=(1,), keepdim=True) + b[:, :, :6].sum(dim=1, keepdim=True)
+    z = y.permute(0, 3, 2, 1).squeeze(-1).transpose(1, 2).unsqueeze(0).clone()
+    m = torch.mm(w.t(), w).contiguous().detach()
+    return z.sum(), torch.empty_like(m).fill_(1.0) + m.sum()
+
+
+@pytest.mark.parametrize("sizes", [(2, 2), (2, 3), (2, 2, 2), (2, 2, 2, 2)])
+def test_rules_asked_axis_by_axis_give_what_asking_every_layout_gives(sizes, monkeypatch):
+    """The registry asks some of DTensor's rules once per placement of each mesh axis, not once per
+    layout (thousands on four axes), and makes the product: the same strategies, in the same order,
+    as DTensor's rule asked for every layout of the input."""
+    gm = make_fx(_step_of_every_by_axis_op)(torch.ones(6, 6, 10, 12), torch.ones(12, 8))
+    nodes = [n for n in gm.graph.nodes if n.op == "call_function" and (
+        n.target in strategies.AXIS_BY_AXIS or n.target in (torch.ops.aten.permute.default,
+                                                            torch.ops.aten.squeeze.dim,
+                                                            torch.ops.aten.transpose.int,
+                                                            torch.ops.aten.unsqueeze.default))]
+    assert {n.target for n in nodes} >= strategies.AXIS_BY_AXIS - {  # (a trace drops a contiguous no-op)
+        torch.ops.aten.alias.default, torch.ops.aten.zero_.default, torch.ops.aten.contiguous.default}
+    by_axis = {n: ops._candidates(n, sizes) for n in nodes}
+    monkeypatch.setattr(strategies, "AXIS_BY_AXIS", frozenset())  # every layout asked, each answer DTensor's
+    monkeypatch.setattr(strategies, "renames_dims_only", lambda rules: False)
+    for n, got in by_axis.items():
+        assert isinstance(got, strategies.Fitted), n.target
+        every = ops._candidates(n, sizes)
+        assert list(got) == list(every), n.target
+        assert got.layouts == every.layouts, n.target  # numbered alike too

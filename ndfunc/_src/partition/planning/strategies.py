@@ -198,7 +198,7 @@ def _from_single_dim(node, ins, outs, sizes) -> list[Strategy]:
     # each distinct placement as an int, each distinct layout made once in the process: the
     # partitioner numbers layouts by identity first (`Problem._layout`), and a 4-axis op has thousands
     codes = [[_placement_code(p) for p in r] for r in rules]
-    return _combined(codes, cut, shapes, sizes, len(outs), [o is None for o in outs])
+    return _combined([codes] * len(sizes), [cut] * len(sizes), shapes, sizes, len(outs), [o is None for o in outs])
 
 
 def _placement_code(p) -> int:
@@ -220,21 +220,30 @@ _LAYOUTS: dict = {}  # placement codes -> the layout (two threads making one at 
 _INTERNING = threading.Lock()
 
 
-def _combined(codes, cut, shapes, sizes, n_outs, empty) -> Fitted:
+def _combined(codes, cut, shapes, sizes, n_outs, empty, n_checked: int = 0) -> Fitted:
     """Every combination of one rule per mesh axis, in `itertools.product`'s order, whose cuts
-    divide the shapes. Walked axis by axis: a product of cuts that does not divide a dim is not
-    extended (a prefix's product divides every extension's, so nothing that fits is lost), and
-    each tensor's placements so far are carried as a tuple of codes."""
+    divide the shapes. `codes[axis]` and `cut[axis]` list that axis's rules (the same list on
+    every axis for a single-dim rule). Walked axis by axis: a product of cuts that does not divide
+    a dim is not extended (a prefix's product divides every extension's, so nothing that fits is
+    lost), and each tensor's placements so far are carried as a tuple of codes. The last
+    `n_checked` tensors are only held to their shapes, not part of a strategy; a strategy made
+    again by another combination is kept once, the first."""
     layouts: list = []  # each distinct layout once, in the order strategies first read them
     made: dict = {}  # placement codes -> index into `layouts`
     outs, ins = [], []
+    seen: set = set()
     # inputs first, then outputs: the order in which the partitioner numbers a list's layouts
-    reads = [*range(n_outs, len(shapes)), *(t for t in range(n_outs) if not empty[t])]
+    n_real = len(shapes) - n_checked
+    reads = [*range(n_outs, n_real), *(t for t in range(n_outs) if not empty[t])]
     k = len(sizes)
 
     def walk(axis: int, blocks: dict, keys: list) -> None:
         if axis == k:
-            at = [-1] * len(keys)
+            if n_checked:
+                if tuple(keys[:n_real]) in seen:
+                    return
+                seen.add(tuple(keys[:n_real]))
+            at = [-1] * n_real
             for t in reads:
                 i = made.get(keys[t])
                 if i is None:
@@ -248,15 +257,16 @@ def _combined(codes, cut, shapes, sizes, n_outs, empty) -> Fitted:
             ins.append(tuple(at[n_outs:]))
             return
         n = sizes[axis]
-        for r in range(len(codes)):
+        rules, cuts = codes[axis], cut[axis]
+        for r in range(len(rules)):
             grown = blocks
-            if cut[r]:
+            if cuts[r]:
                 grown = dict(blocks)
-                for t, d in cut[r]:
+                for t, d in cuts[r]:
                     grown[t, d] = grown.get((t, d), 1) * n
-                if any(shapes[t][d] % grown[t, d] for t, d in cut[r]):
+                if any(shapes[t][d] % grown[t, d] for t, d in cuts[r]):
                     continue
-            walk(axis + 1, grown, [key + (c,) for key, c in zip(keys, codes[r])])
+            walk(axis + 1, grown, [key + (c,) for key, c in zip(keys, rules[r])])
 
     walk(0, {}, [()] * len(shapes))
     return Fitted(layouts, outs, ins)
@@ -343,9 +353,12 @@ def _holds(p, shape: tuple[int, ...]) -> bool:
     return fits((p,), shape, (1,))
 
 
-def from_op_strategy(node, ins, outs, sizes) -> list[Strategy]:
+def from_op_strategy(node, ins, outs, sizes) -> Sequence[Strategy]:
     """DTensor's full op strategies expect each input to arrive in one layout (they follow it).
-    Ask once per layout of each input, the others replicated, and pool the answers."""
+    Ask once per layout of each input, the others replicated, and pool the answers (a rule of
+    `AXIS_BY_AXIS`: once per placement of each mesh axis, `_asked_by_axis`)."""
+    if len(ins) == 1 and node.target in AXIS_BY_AXIS and (made := _asked_by_axis(node, ins[0], outs, sizes)):
+        return made
     found: list[Strategy] = []
     errors = []
     asking = _Asking(node, sizes)
@@ -359,6 +372,53 @@ def from_op_strategy(node, ins, outs, sizes) -> list[Strategy]:
     if not found:
         raise NoStrategy(node.target) from (errors[0] if errors else None)
     return found
+
+
+# Ops whose DTensor rule maps each mesh axis's placement of their one input on its own, whatever
+# the other axes hold: it follows the input (clone, fill_, empty_like), transposes it, unshards one
+# dim (slice, split) or turns a split of a summed dim into a pending sum (sum: a pending sum stays
+# one). Not a mean's, a max's or a product's: theirs replicate every axis once any axis holds a
+# pending sum of another kind, or a split that does not divide.
+AXIS_BY_AXIS = frozenset({
+    aten.slice.Tensor, aten.split.Tensor, aten.t.default, aten.sum.default, aten.sum.dim_IntList,
+    aten.clone.default, aten.contiguous.default, aten.detach.default, aten.alias.default, aten.fill_.Scalar,
+    aten.zero_.default, aten.empty_like.default})
+
+
+def _asked_by_axis(node, a: torch.fx.Node, outs: list, sizes: tuple[int, ...]) -> Fitted | None:
+    """`from_op_strategy`'s strategies for a rule of `AXIS_BY_AXIS`, asked once per placement of
+    each mesh axis (the other axes replicated) and made as the product of the answers
+    (`_combined`): the same strategies in the same order as asking every layout (`all_layouts`'
+    order is the product's), each once. None where an answer is not one strategy that keeps the
+    other axes replicated, or an output is empty: then every layout is asked."""
+    k = len(sizes)
+    shape = tuple(a.meta["val"].shape)
+    if any(o is None for o in outs):
+        return None
+    shapes = [*(tuple(o.shape) for o in outs), shape, shape]  # the outputs, the input, the layout asked (only checked)
+    asking = _Asking(node, sizes)
+    codes, cuts = [], []
+    with rules_without_costs():
+        for m in range(k):
+            rules, cut = [], []
+            for p in (R, Partial("sum"), *(Shard(d) for d in range(len(shape)))):  # `all_layouts`' order
+                asked = tuple(p if i == m else R for i in range(k))
+                if not fits(asked, shape, sizes):
+                    continue  # no layout that holds it fits
+                try:
+                    found = asking.ask(0, asked, len(outs))
+                except Exception:  # noqa: BLE001 - a layout the rule rejects has no strategy
+                    continue
+                if len(found) != 1 or any(lay is None or any(q != R for i, q in enumerate(lay) if i != m)
+                                          for lay in (*found[0].outs, *found[0].ins)):
+                    return None
+                row = (*(lay[m] for lay in found[0].outs), found[0].ins[0][m], p)
+                if all(_holds(q, shp) for q, shp in zip(row, shapes)):
+                    rules.append([_placement_code(q) for q in row])
+                    cut.append([(t, q.dim) for t, q in enumerate(row) if type(q) is Shard])
+            codes.append(rules)
+            cuts.append(cut)
+    return _combined(codes, cuts, shapes, sizes, len(outs), [False] * len(outs), n_checked=1)
 
 
 def _from_view_rule(node, outs, sizes, dim_map, strict_view, propagate) -> list[Strategy]:
@@ -383,10 +443,12 @@ def _from_view_rule(node, outs, sizes, dim_map, strict_view, propagate) -> list[
             return propagate(asked, shape, rules, mesh_shape, strict_view)
         except Exception:  # noqa: BLE001 - a layout the rule rejects has no strategy
             return None
-    by_axis = _by_axis(rules, answer, len(sizes))
+    part = _by_axis(rules, answer, len(sizes))
     # A reshape also takes as they are the splits DTensor's rule moves but whose blocks stay
     # contiguous (`views`): after the rule's own, and `late`
     reshape = node.target in RESHAPES
+    if part is not None and not reshape and len(outs) == 1 and out_shape is not None:
+        return _by_axis_product(part, shape, out_shape, sizes)
     as_is: dict = {}
     contiguous: list[Strategy] = []
 
@@ -399,7 +461,7 @@ def _from_view_rule(node, outs, sizes, dim_map, strict_view, propagate) -> list[
         sums = [i for i, p in enumerate(lay) if type(p) is Partial]
         asked = tuple(R if type(p) is Partial else p for p in lay) if sums else lay
         if asked not in answers:
-            answers[asked] = answer(asked) if by_axis is None else by_axis(asked)
+            answers[asked] = answer(asked) if part is None else _joined(part, asked)
             if reshape and not _takes(answers[asked], asked, out_shape, sizes):
                 as_is[asked] = contiguous_view(rules, shape, asked, sizes)
         if answers[asked] is not None:
@@ -421,8 +483,9 @@ def _dim_map_of(asking: "_Asking", dim_map) -> tuple:
 def _by_axis(rules, answer, k: int):
     """For a rule that only renames dims or adds and drops ones of size 1 (permute, transpose,
     squeeze, unsqueeze: each output dim an input dim or a singleton), `answer` of a layout from
-    each axis's placement asked alone: DTensor's propagation then treats each mesh axis on its
-    own (a split dim stays one dim, with no strides between axes). None for other rules."""
+    each axis's placement asked alone, as `part(axis, placement)` -> (the input's placement asked
+    for, the output's), or None: DTensor's propagation then treats each mesh axis on its own (a
+    split dim stays one dim, with no strides between axes). None for other rules."""
     if not renames_dims_only(rules):
         return None
     alone = {}  # (axis, placement) -> (the input's placement asked for, the output's), or None
@@ -432,13 +495,38 @@ def _by_axis(rules, answer, k: int):
             found = answer(tuple(p if i == m else R for i in range(k)))
             alone[m, p] = None if found is None else (found[0][m], found[1][m])
         return alone[m, p]
+    return part
 
-    def by_axis(asked):
-        parts = [part(m, p) for m, p in enumerate(asked)]
-        if None in parts:
-            return None
-        return [p for p, _ in parts], [q for _, q in parts]
-    return by_axis
+
+def _joined(part, asked: Layout):
+    """`answer(asked)` of a rule `_by_axis` reads axis by axis: (input, output placements) or None."""
+    parts = [part(m, p) for m, p in enumerate(asked)]
+    if None in parts:
+        return None
+    return [p for p, _ in parts], [q for _, q in parts]
+
+
+def _by_axis_product(part, shape: tuple, out_shape: tuple, sizes: tuple[int, ...]) -> Fitted:
+    """`_from_view_rule`'s strategies for a rule `_by_axis` reads axis by axis, made as the product
+    of each axis's (input, output) placements (`_combined`), not layout by layout: the same
+    strategies in the same order (`all_layouts`' order is the product's), each once. A pending sum
+    passes as it is where the rule takes Replicate; the layout asked is held to the input's shape,
+    as `all_layouts` holds it."""
+    shapes = [out_shape, shape, shape]  # the output, the input, the layout asked (only checked)
+    codes, cuts = [], []
+    for m in range(len(sizes)):
+        rules, cut = [], []
+        for p in (R, Partial("sum"), *(Shard(d) for d in range(len(shape)))):  # `all_layouts`' order
+            pair = part(m, R if type(p) is Partial else p)
+            if pair is None:
+                continue
+            row = (p, p, p) if type(p) is Partial else (pair[1], pair[0], p)
+            if all(_holds(q, shp) for q, shp in zip(row, shapes)):
+                rules.append([_placement_code(q) for q in row])
+                cut.append([(t, q.dim) for t, q in enumerate(row) if type(q) is Shard])
+        codes.append(rules)
+        cuts.append(cut)
+    return _combined(codes, cuts, shapes, sizes, 1, [False], n_checked=1)
 
 
 class _Asking:
