@@ -38,6 +38,7 @@ def cold() -> None:
     ops._CACHE.clear()
     ops._WHOLE.clear()
     strategies._LAYOUTS.clear()
+    strategies._COMBINED.clear()
     solve._TRANSITIONS.clear()
     solve._PLANS.clear()
 

@@ -76,3 +76,27 @@ def test_rules_asked_axis_by_axis_give_what_asking_every_layout_gives(sizes, mon
         every = ops._candidates(n, sizes)
         assert list(got) == list(every), n.target
         assert got.layouts == every.layouts, n.target  # numbered alike too
+
+
+def test_a_product_of_rules_is_walked_once_per_rules_and_divisibility():
+    """The product of one rule per mesh axis reads the shapes only as which products of the axes'
+    sizes divide each split dim: ops with the same rules over shapes alike in that share one list,
+    the list a walk of their own makes."""
+    sizes = (2, 2, 2)  # blocks of 2, 4 or 8
+
+    def add_of(*shapes):
+        gm = make_fx(torch.add)(*(torch.ones(s) for s in shapes))
+        (n,) = gm.graph.find_nodes(op="call_function", target=torch.ops.aten.add.Tensor)
+        return n
+
+    first, alike, other = add_of((8, 4), (8, 4)), add_of((16, 12), (16, 12)), add_of((8, 6), (8, 6))
+    strategies._COMBINED.clear()
+    got = {n: strategies.from_dtensor(n, strategies.tensor_inputs(n), strategies.tensor_outputs(n), sizes)
+           for n in (first, alike, other)}
+    assert got[alike] is got[first]
+    assert got[other] is not got[first]  # 6 is split in two, not in four
+    for n, found in got.items():
+        strategies._COMBINED.clear()
+        fresh = strategies.from_dtensor(n, strategies.tensor_inputs(n), strategies.tensor_outputs(n), sizes)
+        assert fresh is not found
+        assert (fresh.layouts, fresh.outs, fresh.ins) == (found.layouts, found.outs, found.ins)

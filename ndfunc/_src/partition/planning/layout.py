@@ -33,7 +33,12 @@ def split(layout: Layout, sizes: Sequence[int], dim: int) -> int:
 
 
 def local_shape(shape: Sequence[int], layout: Layout, sizes: Sequence[int]) -> tuple[int, ...]:
-    return tuple(s // split(layout, sizes, d) for d, s in enumerate(shape))
+    """Each dim over `split` (in one pass over the axes: a lowering asks this per value)."""
+    out = list(shape)
+    for p, n in zip(layout, sizes):
+        if isinstance(p, Shard) and 0 <= p.dim < len(out):
+            out[p.dim] //= n  # (floor divisions in turn: the product's)
+    return tuple(out)
 
 
 def fits(layout: Layout, shape: Sequence[int], sizes: Sequence[int]) -> bool:

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
+import math
 import operator
 import threading
 import weakref
@@ -227,7 +229,33 @@ def _combined(codes, cut, shapes, sizes, n_outs, empty, n_checked: int = 0) -> F
     a dim is not extended (a prefix's product divides every extension's, so nothing that fits is
     lost), and each tensor's placements so far are carried as a tuple of codes. The last
     `n_checked` tensors are only held to their shapes, not part of a strategy; a strategy made
-    again by another combination is kept once, the first."""
+    again by another combination is kept once, the first.
+
+    Remembered by what the walk reads (`_COMBINED`): the rules, and which products of the axes'
+    sizes divide each cut dim. Ops with the same rules over shapes that divide alike (an add and a
+    mul of one layer's activations) share one list."""
+    products = _subset_products(tuple(sizes))
+    cut_dims = sorted({td for rows in cut for row in rows for td in row})
+    key = (tuple(sizes), n_outs, tuple(empty), n_checked, tuple(tuple(map(tuple, rows)) for rows in codes),
+           tuple(tuple(map(tuple, rows)) for rows in cut),
+           tuple(tuple(shapes[t][d] % q == 0 for q in products) for t, d in cut_dims))
+    known = _COMBINED.get(key)
+    if known is None:
+        known = _COMBINED[key] = _walked(codes, cut, shapes, sizes, n_outs, empty, n_checked)
+    return known
+
+
+@functools.cache
+def _subset_products(sizes: tuple[int, ...]) -> tuple[int, ...]:
+    """The products of every nonempty set of mesh axes' sizes: what a cut dim's blocks can be."""
+    return tuple(sorted({math.prod(c) for r in range(1, len(sizes) + 1) for c in itertools.combinations(sizes, r)}))
+
+
+_COMBINED: dict = {}  # what `_combined` reads -> its list
+
+
+def _walked(codes, cut, shapes, sizes, n_outs, empty, n_checked) -> Fitted:
+    """`_combined`, walked."""
     layouts: list = []  # each distinct layout once, in the order strategies first read them
     made: dict = {}  # placement codes -> index into `layouts`
     outs, ins = [], []
