@@ -4,6 +4,7 @@ and refuses a mesh without its axes. Then nf.jit's own checks of what it is give
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import optree
@@ -70,7 +71,9 @@ def without():
 @pytest.mark.parametrize("name", list(TRANSFORMS))
 def test_a_transform_composes_with_jit_keeps_results_and_placements(name, without):
     transforms, remat, tol = TRANSFORMS[name]
-    params, loss, kept = run(transforms, remat)
+    with pytest.warns(nf.sharding.ShardingWarning, match="sequences a rank, and where it flattens") if (
+            name == "ring_attention") else contextlib.nullcontext():  # (two sequences a rank: gathered to tokens)
+        params, loss, kept = run(transforms, remat)
     expected_params, expected_loss, _ = without
     assert kept  # every result laid out as out_shardings asked
     assert loss == pytest.approx(expected_loss, rel=1e-2 if name == "mixed_precision" else 1e-6)

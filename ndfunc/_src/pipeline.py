@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import os
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -28,7 +27,7 @@ from ndfunc._src.partition.passes import bucket, inplace, schedule
 from ndfunc._src.partition.planning import solve
 from ndfunc._src.partition.program import Program
 from ndfunc._src.runtime import simulation_paused
-from ndfunc._src.sharding.errors import ShardingWarning
+from ndfunc._src.sharding.errors import ShardingWarning, user_stacklevel
 from ndfunc._src.sharding.mesh import Mesh
 from ndfunc._src.sharding.named_sharding import NamedSharding
 from ndfunc._src.torch_compat import FakeTensorMode, flattened, unset_fake_temporarily
@@ -78,7 +77,7 @@ def partition(p: Program) -> Program:
     p.plan = solve.partition(p.traced.graph, p.sizes, p.in_layouts, p.out_layouts)
     whole = list(dict.fromkeys(n.target for n in p.plan.whole))
     if whole:
-        warnings.warn(_runs_whole_message(p, whole), ShardingWarning, stacklevel=_user_stacklevel())
+        warnings.warn(_runs_whole_message(p, whole), ShardingWarning, stacklevel=user_stacklevel())
     return p
 
 
@@ -253,16 +252,6 @@ def _mark_regions(graph: torch.fx.Graph) -> bool:
             prog.mark_manual(node)
             any_region = True
     return any_region
-
-
-def _user_stacklevel() -> int:
-    """The `stacklevel` of the innermost caller outside ndfunc (where a warning points)."""
-    import sys
-
-    here, frame, level = os.path.dirname(os.path.dirname(__file__)), sys._getframe(1), 1
-    while frame is not None and frame.f_code.co_filename.startswith(here):
-        frame, level = frame.f_back, level + 1
-    return level
 
 
 def _runs_whole_message(p: Program, whole: list) -> str:

@@ -6,6 +6,9 @@ Every error says what was expected, what came, and what to do. They all derive f
 
 from __future__ import annotations
 
+import os
+import sys
+
 
 class ShardingError(ValueError):
     """A PartitionSpec, mesh or sharding that cannot be honoured."""
@@ -34,4 +37,13 @@ def where(path: str | None) -> str:
 
 class ShardingWarning(UserWarning):
     """A program runs part of its work less sharded than its layouts allow (an op with no sharding
-    rule runs whole on every rank): correct, but slower or bigger than it need be."""
+    rule runs whole on every rank, a sequence gathered where a ring would keep it split): correct,
+    but slower or bigger than it need be."""
+
+
+def user_stacklevel() -> int:
+    """The `stacklevel` of the innermost caller outside ndfunc (where a warning points)."""
+    here, frame, level = os.path.dirname(os.path.dirname(os.path.dirname(__file__))), sys._getframe(1), 1
+    while frame is not None and frame.f_code.co_filename.startswith(here):
+        frame, level = frame.f_back, level + 1
+    return level

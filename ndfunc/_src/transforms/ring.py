@@ -20,14 +20,20 @@ may then keep its keys and values split over the axis, and the lowering writes t
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
+import operator
+import warnings
 
 import torch
+from torch.distributed.tensor import Shard
 
 from ndfunc._src import attention
 from ndfunc._src.partition import program as prog
 from ndfunc._src.partition.planning.layout import local_shape
+from ndfunc._src.partition.planning.strategies import RESHAPES, tensor_inputs, value_of
 from ndfunc._src.point_to_point import across_ranks, permute_blocks
+from ndfunc._src.sharding.errors import ShardingWarning, user_stacklevel
 from ndfunc._src.torch_compat import FakeTensor, LocalTensor
 from ndfunc._src.transforms.base import Transform
 
@@ -83,6 +89,71 @@ class ring_attention(Transform):  # noqa: N801 - a transform is named like the f
                 f"attn_implementation='eager') is not one op: use torch.nn.functional.scaled_dot_product_attention "
                 f"(attn_implementation='sdpa'), or leave the transform out (the sequence split then gathers keys "
                 f"and values).")
+
+
+    def partitioned(self, program) -> None:
+        gathered = strided_gathers(program, self.axis)
+        sequences = sequences_a_rank(program, self.axis)
+        if gathered and sequences > 1:  # (with one, a gather there is the plan's choice, not the batch's)
+            names = ", ".join(n.name for n in gathered[:3]) + (", ..." if len(gathered) > 3 else "")
+            warnings.warn(
+                f"nf.ring_attention({self.axis!r}): {program.name} takes {sequences} sequences a rank, and where "
+                f"it flattens (batch, sequence) to tokens (before each linear layer) a rank's tokens are "
+                f"strided, which no layout holds: the plan gathers the sequence over {self.axis!r} before "
+                f"{len(gathered)} such flattens ({names}), moving (and often computing) what one sequence a rank "
+                f"keeps split. Pass one sequence a rank per step under context parallelism, and nf.accumulate "
+                f"micro-batches for a larger batch (as nf.plan and torchtitan do).",
+                ShardingWarning, stacklevel=user_stacklevel())
+
+
+def strided_gathers(program, axis: str) -> list[torch.fx.Node]:
+    """The flattens of `program` (a view or reshape) whose input the plan holds split over mesh
+    axis `axis` on a dim merged with the dims before it, where a rank's block would be two or more
+    runs of the merged dim (its sequences, each a run of tokens: strided in the result, which a
+    layout cannot hold), and gathers there first."""
+    live = program.axis_position(axis)
+    if live is None or program.plan is None:
+        return []
+    plan, found = program.plan, []
+    for node in program.traced.graph.nodes:
+        if node.target not in RESHAPES or node not in plan.strategy:
+            continue
+        (x,) = tensor_inputs(node)
+        have, want = plan.out_layout(value_of(x)), plan.strategy[node].ins[0]
+        if not isinstance(have[live], Shard) or isinstance(want[live], Shard):
+            continue
+        shape = tuple(x.meta["val"].shape)
+        if _runs(shape, tuple(node.meta["val"].shape), local_shape(shape, have, program.sizes), have[live].dim) > 1:
+            found.append(node)
+    return found
+
+
+def sequences_a_rank(program, axis: str) -> int:
+    """The most sequences a rank takes of an input of integers (token ids, positions, targets)
+    whose second dim, the sequence, is split over mesh axis `axis`: its first dim's block; 0 if
+    none is."""
+    live = program.axis_position(axis)
+    most = 0
+    for node in program.traced.graph.find_nodes(op="placeholder"):
+        val = node.meta.get("val")
+        if live is None or node not in program.plan.strategy or not isinstance(val, torch.Tensor) or (
+                val.ndim < 2 or val.is_floating_point() or val.is_complex()):
+            continue
+        lay = program.plan.strategy[node].outs[0]
+        if isinstance(lay[live], Shard) and lay[live].dim == 1:
+            most = max(most, local_shape(tuple(val.shape), lay, program.sizes)[0])
+    return most
+
+
+def _runs(shape: tuple, out_shape: tuple, local: tuple, d: int) -> int:
+    """Into how many runs a block (`local`) of `shape` split on dim `d` falls in the reshape to
+    `out_shape`: the product of its sizes on the dims `d` is merged with before it (1 where `d`
+    starts an output dim)."""
+    ends = set(itertools.accumulate(out_shape, operator.mul, initial=1))  # where output dims start
+    start = d
+    while start > 0 and math.prod(shape[:start]) not in ends:
+        start -= 1
+    return math.prod(local[start:d])
 
 
 @dataclasses.dataclass(frozen=True)
