@@ -90,10 +90,11 @@ class ring_attention(Transform):  # noqa: N801 - a transform is named like the f
                 f"(attn_implementation='sdpa'), or leave the transform out (the sequence split then gathers keys "
                 f"and values).")
 
-
     def partitioned(self, program) -> None:
-        gathered = strided_gathers(program, self.axis)
-        sequences = sequences_a_rank(program, self.axis)
+        """Warn where the batch's sequences, two or more a rank, are gathered over the axis to be
+        flattened to tokens (`_strided_gathers`)."""
+        gathered = _strided_gathers(program, self.axis)
+        sequences = _sequences_a_rank(program, self.axis)
         if gathered and sequences > 1:  # (with one, a gather there is the plan's choice, not the batch's)
             names = ", ".join(n.name for n in gathered[:3]) + (", ..." if len(gathered) > 3 else "")
             warnings.warn(
@@ -106,7 +107,7 @@ class ring_attention(Transform):  # noqa: N801 - a transform is named like the f
                 ShardingWarning, stacklevel=user_stacklevel())
 
 
-def strided_gathers(program, axis: str) -> list[torch.fx.Node]:
+def _strided_gathers(program, axis: str) -> list[torch.fx.Node]:
     """The flattens of `program` (a view or reshape) whose input the plan holds split over mesh
     axis `axis` on a dim merged with the dims before it, where a rank's block would be two or more
     runs of the merged dim (its sequences, each a run of tokens: strided in the result, which a
@@ -128,15 +129,15 @@ def strided_gathers(program, axis: str) -> list[torch.fx.Node]:
     return found
 
 
-def sequences_a_rank(program, axis: str) -> int:
+def _sequences_a_rank(program, axis: str) -> int:
     """The most sequences a rank takes of an input of integers (token ids, positions, targets)
     whose second dim, the sequence, is split over mesh axis `axis`: its first dim's block; 0 if
     none is."""
     live = program.axis_position(axis)
     most = 0
-    for node in program.traced.graph.find_nodes(op="placeholder"):
+    for node in program.traced.graph.find_nodes(op="placeholder") if live is not None else ():
         val = node.meta.get("val")
-        if live is None or node not in program.plan.strategy or not isinstance(val, torch.Tensor) or (
+        if node not in program.plan.strategy or not isinstance(val, torch.Tensor) or (
                 val.ndim < 2 or val.is_floating_point() or val.is_complex()):
             continue
         lay = program.plan.strategy[node].outs[0]

@@ -232,8 +232,8 @@ def _combined(codes, cut, shapes, sizes, n_outs, empty, n_checked: int = 0) -> F
     again by another combination is kept once, the first.
 
     Remembered by what the walk reads (`_COMBINED`): the rules, and which products of the axes'
-    sizes divide each cut dim. Ops with the same rules over shapes that divide alike (an add and a
-    mul of one layer's activations) share one list."""
+    sizes divide each cut dim. Ops with the same rules over shapes that divide alike (the adds of
+    values of different widths, each width a multiple of every product) share one list."""
     products = _subset_products(tuple(sizes))
     cut_dims = sorted({td for rows in cut for row in rows for td in row})
     key = (tuple(sizes), n_outs, tuple(empty), n_checked, tuple(tuple(map(tuple, rows)) for rows in codes),
