@@ -193,3 +193,25 @@ def test_two_sequences_a_rank_under_the_ring_warn_that_the_plan_gathers_them_ove
     # what the program does: twice the tokens would move twice the bytes over cp if they stayed
     # split; gathered before every linear layer, they move more than ten times
     assert gathered_over_cp(two) > 10 * gathered_over_cp(one)
+
+
+def test_a_reshape_inside_a_shard_map_region_is_no_flatten_the_ring_warns_of():
+    # inside an nf.shard_map region every value is a rank's own block (a layout of its own), so the
+    # ring's look for gathered flattens passes its reshapes by (cp second on the mesh: it used to
+    # index that layout by cp's place and fail to lower)
+
+    with nf.simulate(4):
+        mesh = nf.make_mesh(dp_shard=2, cp=2)
+
+        def step(q, x):
+            out = F.scaled_dot_product_attention(q, q, q, is_causal=True)
+            flat = nf.shard_map(lambda t: t.reshape(-1) * 2, mesh, in_specs=P("dp_shard", "cp"),
+                                out_specs=P(("dp_shard", "cp")))(x)
+            return out.sum() + flat.sum()
+
+        f = nf.jit(step, mesh=mesh, in_shardings=(P("dp_shard", None, "cp"), P("dp_shard", "cp")), out_shardings=P(),
+                   transforms=[nf.ring_attention("cp", load_balance=None)])
+        g = torch.Generator().manual_seed(0)
+        q, x = torch.randn(2, 2, 8, 4, generator=g), torch.randn(4, 8, generator=g)
+        got = nf.device_get(f(q, x))
+    torch.testing.assert_close(got, F.scaled_dot_product_attention(q, q, q, is_causal=True).sum() + 2 * x.sum())

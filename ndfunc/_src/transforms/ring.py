@@ -117,8 +117,8 @@ def _strided_gathers(program, axis: str) -> list[torch.fx.Node]:
         return []
     plan, found = program.plan, []
     for node in program.traced.graph.nodes:
-        if node.target not in RESHAPES or node not in plan.strategy:
-            continue
+        if node.target not in RESHAPES or node not in plan.strategy or prog.is_manual(node):
+            continue  # (inside an nf.shard_map region every value is a rank's own block)
         (x,) = tensor_inputs(node)
         have, want = plan.out_layout(value_of(x)), plan.strategy[node].ins[0]
         if not isinstance(have[live], Shard) or isinstance(want[live], Shard):

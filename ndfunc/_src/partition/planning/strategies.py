@@ -112,6 +112,7 @@ def _flattened(tree) -> tuple[list, object]:
             shape.append((_MAPPINGS[t], tuple(x)))
             return all(walk(y) for y in x.values())
         leaves.append(x)
+        shape.append(None)  # where each leaf sits, as pytree's spec says
         return t in _PLAIN_LEAVES
     if walk(tree):
         return leaves, tuple(shape)
