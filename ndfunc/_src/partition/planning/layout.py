@@ -61,6 +61,12 @@ def fits(layout: Layout, shape: Sequence[int], sizes: Sequence[int]) -> bool:
     return all(s % b == 0 for s, b in zip(shape, blocks))
 
 
+@functools.cache
+def subset_products(sizes: tuple[int, ...]) -> tuple[int, ...]:
+    """The products of every nonempty set of mesh axes' sizes: what a split dim's blocks can be."""
+    return tuple(sorted({math.prod(c) for r in range(1, len(sizes) + 1) for c in itertools.combinations(sizes, r)}))
+
+
 def all_layouts(shape: Sequence[int], sizes: Sequence[int], partial: bool = True) -> tuple[Layout, ...]:
     """Every layout a value of `shape` can take (sum partials included if `partial`)."""
     return _all_layouts(tuple(shape), tuple(sizes), partial)

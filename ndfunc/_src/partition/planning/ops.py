@@ -42,6 +42,7 @@ from ndfunc._src.partition.planning.layout import (
     all_layouts,
     local_shape,
     replicated,
+    subset_products,
 )
 from ndfunc._src.partition.planning.strategies import (
     Fitted,
@@ -189,7 +190,7 @@ def _pointwise_key(node: torch.fx.Node, sig: tuple, sizes: tuple[int, ...]) -> t
     if not isinstance(op, torch._ops.OpOverload) or torch.Tag.pointwise not in op.tags or op in _RULES or (
             op not in propagator().op_single_dim_strategy_funcs):
         return None
-    products = _products(sizes)
+    products = subset_products(sizes)
     (target, spec, args), *rest = sig
 
     def dim(d: int) -> tuple:
@@ -197,12 +198,6 @@ def _pointwise_key(node: torch.fx.Node, sig: tuple, sizes: tuple[int, ...]) -> t
     read = tuple((tuple(map(dim, a[0])), a[1]) if type(a) is tuple and len(a) == 2 and type(a[0]) is tuple else a
                  for a in args)
     return ("pointwise", (target, spec, read), *rest)
-
-
-@functools.cache
-def _products(sizes: tuple[int, ...]) -> tuple[int, ...]:
-    """The products of every nonempty set of mesh axes' sizes."""
-    return tuple(sorted({math.prod(c) for r in range(1, len(sizes) + 1) for c in itertools.combinations(sizes, r)}))
 
 
 def strategy_key(node: torch.fx.Node) -> tuple:

@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import itertools
-import math
 import operator
 import threading
 import weakref
@@ -26,7 +24,15 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Partial, Replicate, Shard
 
-from ndfunc._src.partition.planning.layout import R, Layout, all_layouts, fits, local_shape, replicated
+from ndfunc._src.partition.planning.layout import (
+    R,
+    Layout,
+    all_layouts,
+    fits,
+    local_shape,
+    replicated,
+    subset_products,
+)
 from ndfunc._src.partition.planning.views import contiguous_view
 from ndfunc._src.torch_compat import (
     DTensorSpec,
@@ -191,17 +197,27 @@ def _from_single_dim(node, ins, outs, sizes) -> list[Strategy]:
     all_replicate = [None if o is None else Replicate() for o in outs] + [Replicate()] * len(ins)
     if all_replicate not in rules:
         rules.insert(0, all_replicate)
-    # one rule per mesh axis, in every combination; only those whose layouts fit the shapes are
-    # made (`fits`, asked here on ints: a 4-axis mesh makes thousands of combinations, most of
-    # them repeats of a rule or cuts of a dim that does not divide). The order is the product's.
+    # one rule per mesh axis, in every combination (a repeated rule only repeats strategies)
     shapes = [None if o is None else tuple(o.shape) for o in outs] + [tuple(a.meta["val"].shape) for a in ins]
-    rules = list({tuple(r): None for r in rules})  # a repeated rule only repeats strategies
-    rules = [r for r in rules if all(shp is None or _holds(p, shp) for p, shp in zip(r, shapes))]
-    cut = [[(t, p.dim) for t, p in enumerate(r) if type(p) is Shard and shapes[t] is not None] for r in rules]
-    # each distinct placement as an int, each distinct layout made once in the process: the
-    # partitioner numbers layouts by identity first (`Problem._layout`), and a 4-axis op has thousands
-    codes = [[_placement_code(p) for p in r] for r in rules]
-    return _combined([codes] * len(sizes), [cut] * len(sizes), shapes, sizes, len(outs), [o is None for o in outs])
+    rules = list({tuple(r): None for r in rules})
+    return _axis_product([rules] * len(sizes), shapes, sizes, len(outs), [o is None for o in outs])
+
+
+def _axis_product(rows: list[list[tuple]], shapes: list, sizes: tuple[int, ...], n_outs: int, empty: list[bool],
+                  n_checked: int = 0) -> Fitted:
+    """The strategies of one row of placements per mesh axis (`rows[axis]`: a placement per
+    tensor, outputs first, as `_combined` reads them), in every combination that fits the shapes
+    (a tensor of shape None: an output the op leaves empty). A row no layout that fits can hold is
+    dropped first. Each distinct placement goes as an int and each distinct layout is made once in
+    the process: the partitioner numbers layouts by identity first (`Problem._layout`), and a
+    4-axis op has thousands."""
+    codes, cuts = [], []
+    for axis_rows in rows:
+        kept = [r for r in axis_rows if all(shp is None or _holds(p, shp) for p, shp in zip(r, shapes))]
+        codes.append([[_placement_code(p) for p in r] for r in kept])
+        cuts.append([[(t, p.dim) for t, p in enumerate(r) if type(p) is Shard and shapes[t] is not None]
+                     for r in kept])
+    return _combined(codes, cuts, shapes, sizes, n_outs, empty, n_checked)
 
 
 def _placement_code(p) -> int:
@@ -235,7 +251,7 @@ def _combined(codes, cut, shapes, sizes, n_outs, empty, n_checked: int = 0) -> F
     Remembered by what the walk reads (`_COMBINED`): the rules, and which products of the axes'
     sizes divide each cut dim. Ops with the same rules over shapes that divide alike (the adds of
     values of different widths, each width a multiple of every product) share one list."""
-    products = _subset_products(tuple(sizes))
+    products = subset_products(tuple(sizes))
     cut_dims = sorted({td for rows in cut for row in rows for td in row})
     key = (tuple(sizes), n_outs, tuple(empty), n_checked, tuple(tuple(map(tuple, rows)) for rows in codes),
            tuple(tuple(map(tuple, rows)) for rows in cut),
@@ -244,12 +260,6 @@ def _combined(codes, cut, shapes, sizes, n_outs, empty, n_checked: int = 0) -> F
     if known is None:
         known = _COMBINED[key] = _walked(codes, cut, shapes, sizes, n_outs, empty, n_checked)
     return known
-
-
-@functools.cache
-def _subset_products(sizes: tuple[int, ...]) -> tuple[int, ...]:
-    """The products of every nonempty set of mesh axes' sizes: what a cut dim's blocks can be."""
-    return tuple(sorted({math.prod(c) for r in range(1, len(sizes) + 1) for c in itertools.combinations(sizes, r)}))
 
 
 _COMBINED: dict = {}  # what `_combined` reads -> its list
@@ -426,10 +436,10 @@ def _asked_by_axis(node, a: torch.fx.Node, outs: list, sizes: tuple[int, ...]) -
         return None
     shapes = [*(tuple(o.shape) for o in outs), shape, shape]  # the outputs, the input, the layout asked (only checked)
     asking = _Asking(node, sizes)
-    codes, cuts = [], []
+    rows = []
     with rules_without_costs():
         for m in range(k):
-            rules, cut = [], []
+            rows.append([])
             for p in (R, Partial("sum"), *(Shard(d) for d in range(len(shape)))):  # `all_layouts`' order
                 asked = tuple(p if i == m else R for i in range(k))
                 if not fits(asked, shape, sizes):
@@ -441,13 +451,8 @@ def _asked_by_axis(node, a: torch.fx.Node, outs: list, sizes: tuple[int, ...]) -
                 if len(found) != 1 or any(lay is None or any(q != R for i, q in enumerate(lay) if i != m)
                                           for lay in (*found[0].outs, *found[0].ins)):
                     return None
-                row = (*(lay[m] for lay in found[0].outs), found[0].ins[0][m], p)
-                if all(_holds(q, shp) for q, shp in zip(row, shapes)):
-                    rules.append([_placement_code(q) for q in row])
-                    cut.append([(t, q.dim) for t, q in enumerate(row) if type(q) is Shard])
-            codes.append(rules)
-            cuts.append(cut)
-    return _combined(codes, cuts, shapes, sizes, len(outs), [False] * len(outs), n_checked=1)
+                rows[m].append((*(lay[m] for lay in found[0].outs), found[0].ins[0][m], p))
+    return _axis_product(rows, shapes, sizes, len(outs), [False] * len(outs), n_checked=1)
 
 
 def _from_view_rule(node, outs, sizes, dim_map, strict_view, propagate) -> list[Strategy]:
@@ -541,21 +546,15 @@ def _by_axis_product(part, shape: tuple, out_shape: tuple, sizes: tuple[int, ...
     strategies in the same order (`all_layouts`' order is the product's), each once. A pending sum
     passes as it is where the rule takes Replicate; the layout asked is held to the input's shape,
     as `all_layouts` holds it."""
-    shapes = [out_shape, shape, shape]  # the output, the input, the layout asked (only checked)
-    codes, cuts = [], []
+    rows = []
     for m in range(len(sizes)):
-        rules, cut = [], []
+        rows.append([])
         for p in (R, Partial("sum"), *(Shard(d) for d in range(len(shape)))):  # `all_layouts`' order
             pair = part(m, R if type(p) is Partial else p)
-            if pair is None:
-                continue
-            row = (p, p, p) if type(p) is Partial else (pair[1], pair[0], p)
-            if all(_holds(q, shp) for q, shp in zip(row, shapes)):
-                rules.append([_placement_code(q) for q in row])
-                cut.append([(t, q.dim) for t, q in enumerate(row) if type(q) is Shard])
-        codes.append(rules)
-        cuts.append(cut)
-    return _combined(codes, cuts, shapes, sizes, 1, [False], n_checked=1)
+            if pair is not None:
+                rows[m].append((p, p, p) if type(p) is Partial else (pair[1], pair[0], p))
+    # the output, the input, the layout asked (only checked)
+    return _axis_product(rows, [out_shape, shape, shape], sizes, 1, [False], n_checked=1)
 
 
 class _Asking:
