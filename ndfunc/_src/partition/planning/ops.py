@@ -144,25 +144,29 @@ def _takes_tensors(op) -> bool:
                and "Tensor" in str(a.type) for a in op._schema.arguments)
 
 
-def runs_whole(node: torch.fx.Node, sizes: tuple[int, ...]) -> bool:
-    """Whether `node` runs whole for want of a sharding rule (`candidates` fell back to it)."""
+def runs_whole(node: torch.fx.Node, sizes: tuple[int, ...], sig: tuple | None = None) -> bool:
+    """Whether `node` runs whole for want of a sharding rule (`candidates` fell back to it).
+    `sig`: `strategy_key(node)[0]`, where the caller has it."""
     if node.op != "call_function" or not sizes or prog.is_manual(node) or not tensor_inputs(node):
         return False
-    candidates(node, sizes)
-    return _sig(node) in _WHOLE.get(sizes, ())
+    sig = _sig(node) if sig is None else sig
+    candidates(node, sizes, sig)
+    return sig in _WHOLE.get(sizes, ())
 
 
 # --- what the partitioner asks -------------------------------------------------------------------
 
-def candidates(node: torch.fx.Node, sizes: tuple[int, ...]) -> Sequence[Strategy]:
-    """Every strategy for `node` on a mesh of `sizes` whose layouts fit the values' shapes."""
+def candidates(node: torch.fx.Node, sizes: tuple[int, ...], sig: tuple | None = None) -> Sequence[Strategy]:
+    """Every strategy for `node` on a mesh of `sizes` whose layouts fit the values' shapes.
+    `sig`: `strategy_key(node)[0]`, where the caller has it (the partitioner reads each node's
+    once, for its plan's key, its candidates and which nodes run whole)."""
     if prog.is_manual(node) or node.target is manual.exit_op:
         return _manual_rule(node, sizes)
     cache = _CACHE.setdefault(sizes, {})
     # a sharding constraint's layout (its own, or an input's) is resolved on the mesh: the same
     # spec is another layout on another mesh of these sizes (('dp_replicate', 'dp_shard') on dp=4
     # or on tp=4)
-    sig = _sig(node)
+    sig = _sig(node) if sig is None else sig
     if sig not in cache:
         alike = _pointwise_key(node, sig, sizes)
         if alike is not None and alike in cache:

@@ -108,7 +108,9 @@ class Problem:
     """The graph as integers: nodes, values and layouts are indices, so the search hashes ints."""
 
     def __init__(self, graph: torch.fx.Graph, sizes: tuple[int, ...], input_layouts: list[Layout],
-                 output_layouts: list[Layout | None]):
+                 output_layouts: list[Layout | None], signatures: dict | None = None):
+        """`signatures`: node -> `strategy_key(node)[0]`, where the caller has them (`partition`)."""
+        signatures = signatures or {}
         self.sizes = sizes
         self.nodes: list[torch.fx.Node] = []
         self.strategies: list[list[Strategy]] = []
@@ -161,7 +163,8 @@ class Problem:
                 if node.target is operator.getitem and isinstance(node.args[0].meta.get("val"), (tuple, list)):
                     continue
                 ins = [self._value(value_of(a), node_ids) for a in tensor_inputs(node)]
-                self._add_node(node, node_ids, candidates(node, sizes), ins, tensor_outputs(node), node_flops(node))
+                self._add_node(node, node_ids, candidates(node, sizes, signatures.get(node)), ins, tensor_outputs(node),
+                               node_flops(node))
             elif node.op == "output":
                 self.output_values = [self._value(value_of(a), node_ids) for a in node.args[0]]
                 self.requested = list(output_layouts)
@@ -178,6 +181,8 @@ class Problem:
         self._kinds: dict = {}  # what a node's situation reads that never changes -> an int
         self._kind: list[int | None] = [None] * len(self.nodes)  # node -> that int (`_kind_of`)
         self._watched: list = [None] * len(self.nodes)  # node -> its values' other consumers (`_situation`)
+        # node -> (producer's candidate outputs, producer, output index) per input slot (`_situation`)
+        self._reads = [[(self.c_outs[p], p, j) for p, j in map(self.values.__getitem__, ins)] for ins in self.inputs]
 
     def _layout(self, lay: Layout) -> int:
         seen = self._layout_by_id.get(id(lay))  # by identity first: placements hash slowly
@@ -639,19 +644,18 @@ class Problem:
     def _situation(self, n: int, choice: list, forward: bool, own: bool = True) -> tuple:
         """Everything `local_cost(n, ., choice, forward)` reads, for every candidate (`own`: and the
         node's current candidate, which `best` keeps on ties)."""
-        values, c_outs = self.values, self.c_outs
         kind = self._kind[n]
         if kind is None:
             kind = self._kind_of(n)
-        haves = tuple(c_outs[p][choice[p]][j] if choice[p] >= 0 else -1 for p, j in map(values.__getitem__, self.inputs[n]))
+        # (lists, then tuples: a list display is faster than a generator where this runs ~10^5 times)
+        haves = tuple([outs[choice[p]][j] if choice[p] >= 0 else -1 for outs, p, j in self._reads[n]])
         if forward:  # all it reads that changes is the inputs' layouts (and the node's own choice)
             return kind, choice[n] if own else None, self.wary, haves
         # and else what the other consumers of its inputs and outputs want, in their order (which
         # makes the sets `local_cost` reads; -1: not chosen yet), one flat tuple: the kind says
         # how many each value has
-        c_ins = self.c_ins
         return (kind, choice[n] if own else None, self.wary, haves,
-                tuple(c_ins[m][choice[m]][slot] if choice[m] >= 0 else -1 for m, slot in self._watched[n]))
+                tuple([ins[choice[m]][slot] if choice[m] >= 0 else -1 for ins, m, slot in self._watched[n]]))
 
     def _kind_of(self, n: int) -> int:
         """What `local_cost(n, ., ...)` reads that no choice changes, as an int shared by
@@ -664,8 +668,8 @@ class Problem:
         outs = tuple(None if v is None else (frozenset(self.fixed_wants[v]), frozenset(self.final[v]) if self.final.get(v) else None,
                                              self.value_meta[v], len(self.consumers[v])) for v in self.out_ids[n])
         kind = self._kind[n] = self._kinds.setdefault((id(self.c_work[n]), ins, outs), len(self._kinds))
-        self._watched[n] = [(m, slot) for v in self.inputs[n] for m, slot in self.consumers[v] if m != n] + [
-            (m, slot) for v in self.out_ids[n] if v is not None for m, slot in self.consumers[v]]
+        self._watched[n] = [(self.c_ins[m], m, slot) for v in self.inputs[n] for m, slot in self.consumers[v] if m != n] + [
+            (self.c_ins[m], m, slot) for v in self.out_ids[n] if v is not None for m, slot in self.consumers[v]]
         return kind
 
     def _best_uncached(self, n: int, choice: list, forward: bool) -> int:
@@ -912,15 +916,25 @@ class Problem:
             outs = tuple(None if v is None else (self.value_meta[v], tuple(self.final.get(v, ())))
                          for v in self.out_ids[n])
             color.append(codes.setdefault((what, outs), len(codes)))
-        # who each node reads (producer, output) and who reads it (consumer, slot), found once
-        reads = [[self.values[u] for u in ins] for ins in self.inputs]
-        read_by = [[None if v is None else self.consumers[v] for v in ids] for ids in self.out_ids]
+        # Each round a node's colour is its own and its neighbours' before: the nodes it reads
+        # (producer, output index) and those reading it (consumer, slot) per output. What never
+        # changes (the output indices, the slots, how many read each output) is one int per node,
+        # `wiring`, and the neighbours' colours one tuple, read by `itemgetter`: a round is a few
+        # C calls per node, and the classes are those of keys holding each (colour, index) pair.
+        wiring_codes: dict = {}
+        wiring, neighbours = [], []
+        for n, ins in enumerate(self.inputs):
+            reads = [self.values[u] for u in ins]
+            read_by = [None if v is None else self.consumers[v] for v in self.out_ids[n]]
+            wiring.append(wiring_codes.setdefault(
+                (tuple(j for _, j in reads), tuple(None if by is None else tuple(s for _, s in by) for by in read_by)),
+                len(wiring_codes)))
+            ids = [p for p, _ in reads] + [m for by in read_by if by is not None for m, _ in by]
+            neighbours.append(operator.itemgetter(*ids) if len(ids) > 1 else
+                              (lambda c, m=ids[0]: (c[m],)) if ids else (lambda c: ()))
         for _ in range(rounds):
             codes = {}
-            color = [codes.setdefault((color[n], tuple((color[p], j) for p, j in reads[n]),
-                                       tuple(None if by is None else tuple((color[m], s) for m, s in by)
-                                             for by in read_by[n])), len(codes))
-                     for n in range(len(reads))]
+            color = [codes.setdefault((c, w, get(color)), len(codes)) for c, w, get in zip(color, wiring, neighbours)]
         return [(color[n], j) for n, j in self.values]
 
     def _bytes(self, v: int) -> int:
@@ -1175,10 +1189,12 @@ def partition(graph: torch.fx.Graph, sizes: tuple[int, ...], input_layouts: list
         kept = plan_cache.entry(key)
         known = plan_cache.load(kept, len(nodes))  # a plan another process made (NDFUNC_PLAN_CACHE_DIR)
         if known is None:
-            plan = Problem(graph, sizes, input_layouts, output_layouts).solve()
+            # each node's signature as the key read it (`strategy_key`): read once, not three times
+            signatures = {n: entry[0][0] for n, entry in zip(nodes, key[3]) if n.op == "call_function"}
+            plan = Problem(graph, sizes, input_layouts, output_layouts, signatures).solve()
             at = {n: i for i, n in enumerate(nodes)}
             # which nodes run whole is kept with the plan: a plan read back asks for no candidates
-            whole = [i for i, n in enumerate(nodes) if runs_whole(n, sizes)]
+            whole = [i for i, n in enumerate(nodes) if runs_whole(n, sizes, signatures.get(n))]
             known = ([plan.strategy.get(n) for n in nodes], [(at[v[0]], v[1], lay) for v, lay in plan.outputs],
                      plan.cost, whole)
             plan_cache.store(kept, known)
