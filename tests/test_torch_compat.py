@@ -352,3 +352,19 @@ def test_runs_hooks_sees_a_modules_own_hooks_those_inside_it_and_global_ones():
         assert compat.runs_hooks(model[0])
         handle.remove()
     assert not compat.runs_hooks(model)
+
+
+
+def test_known_fakes_are_taken_as_they_are():
+    # make_fx asks the inputs' fake mode for a fake of each input (`from_tensor`); one the mode
+    # knows is given back as it is, where any other is made again field by field
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    mode = compat.FakeTensorMode(allow_non_fake_inputs=True)
+    with mode:
+        fakes = [torch.empty(2, 3), torch.empty(4)]
+    compat.known_fakes(mode, fakes[:1])
+    assert mode.from_tensor(fakes[0]) is fakes[0]
+    assert mode.from_tensor(fakes[1]) is not fakes[1]
+    gm = make_fx(lambda a, b: (a * 2, b + 1), tracing_mode="fake")(*fakes)
+    assert [tuple(n.meta["val"].shape) for n in gm.graph.nodes if n.op == "placeholder"] == [(2, 3), (4,)]

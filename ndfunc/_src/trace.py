@@ -53,6 +53,7 @@ from ndfunc._src.torch_compat import (
     FakeTensorMode,
     LocalTensor,
     TorchDispatchMode,
+    known_fakes,
     lazy_graph_modules,
     traced_as_compiling,
 )
@@ -150,6 +151,7 @@ def trace(fn: Callable, args: Sequence[Any], kwargs: dict | None = None, *, stat
     with simulation_paused():
         with (fake_mode := FakeTensorMode(allow_non_fake_inputs=True)):
             fakes = [torch.empty(s.shape, dtype=s.dtype, device=d) for s, d in zip(in_specs, devices)]
+            known_fakes(fake_mode, fakes)
         token = _tracing.set(True)
         try:
             # annotations (nf.remat's regions) reach the nodes; the graph's Python code is written

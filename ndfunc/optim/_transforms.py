@@ -61,6 +61,9 @@ def _times(value: Any, g: torch.Tensor) -> torch.Tensor:
     return g * (value.to(g.dtype) if isinstance(value, torch.Tensor) else value)
 
 
+_scaled = leafwise(_times)  # (a factor the step did not compute, a tensor closed over: op by op)
+
+
 def _check_scalar(value: Any, name: str, example: str = "1e-3") -> None:
     if isinstance(value, torch.Tensor):
         if value.dim() == 0:
@@ -91,7 +94,7 @@ def scale(step_size: float | torch.Tensor) -> GradientTransformation:
 
     def update(updates, state, params=None):
         del params
-        return optree.tree_map(lambda g: _times(step_size, g), updates), state
+        return optree.tree_map(lambda g: _scaled(step_size, g), updates), state
 
     return GradientTransformation(init, update)
 
@@ -118,7 +121,7 @@ def scale_by_schedule(step_size_fn: Schedule) -> GradientTransformation:
     def update(updates, state, params=None):
         del params
         step_size = step_size_fn(state.count)
-        updates = optree.tree_map(lambda g: _times(step_size, g), updates)
+        updates = optree.tree_map(lambda g: _scaled(step_size, g), updates)
         return updates, ScaleByScheduleState(count=safe_increment(state.count))
 
     return GradientTransformation(init, update)
