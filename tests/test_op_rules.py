@@ -100,3 +100,61 @@ def test_a_product_of_rules_is_walked_once_per_rules_and_divisibility():
         fresh = strategies.from_dtensor(n, strategies.tensor_inputs(n), strategies.tensor_outputs(n), sizes)
         assert fresh is not found
         assert (fresh.layouts, fresh.outs, fresh.ins) == (found.layouts, found.outs, found.ins)
+
+
+def _product_by_hand(codes, cut, shapes, sizes, n_outs, empty, n_checked):
+    """What `strategies._combined` makes, by `itertools.product` and dicts: each combination of one
+    rule per axis whose splits divide the dims (with tensors held to their shapes only, each
+    strategy once: the first), the layouts numbered as the strategies read them (inputs, then the
+    outputs made)."""
+    import itertools
+
+    n_real = len(shapes) - n_checked
+    reads = [*range(n_outs, n_real), *(t for t in range(n_outs) if not empty[t])]
+    numbered, outs, ins, seen = {}, [], [], set()
+    for combo in itertools.product(*(range(len(rules)) for rules in codes)):
+        blocks = {}
+        for axis, r in enumerate(combo):
+            for t, d in cut[axis][r]:
+                blocks[t, d] = blocks.get((t, d), 1) * sizes[axis]
+        if any(shapes[t][d] % n for (t, d), n in blocks.items()):
+            continue
+        keys = [tuple(codes[axis][r][t] for axis, r in enumerate(combo)) for t in range(len(shapes))]
+        if n_checked and tuple(keys[:n_real]) in seen:  # (two combinations alike otherwise: two rows alike)
+            continue
+        seen.add(tuple(keys[:n_real]))
+        at = [-1] * n_real
+        for t in reads:
+            at[t] = numbered.setdefault(keys[t], len(numbered))
+        outs.append(tuple(at[:n_outs]))
+        ins.append(tuple(at[n_outs:]))
+    placements = strategies._PLACEMENTS_BY_CODE
+    return [tuple(placements[c] for c in key) for key in numbered], outs, ins
+
+
+def test_a_product_of_rules_keeps_what_divides_in_product_order():
+    # random rows of placements per axis (some axes with none), outputs the op leaves empty,
+    # tensors held to their shapes only: the arrays' walk against one by hand
+    import random
+
+    from torch.distributed.tensor import Partial, Replicate, Shard
+
+    places = [Replicate(), Shard(0), Shard(1), Partial()]
+    code = [strategies._placement_code(p) for p in places]
+    rng = random.Random(0)
+    for trial in range(400):
+        k, n = rng.randint(1, 4), rng.randint(1, 4)
+        n_outs = rng.randint(0, n)
+        n_checked = rng.randint(0, n - n_outs)
+        sizes = tuple(rng.choice([2, 3, 4]) for _ in range(k))
+        empty = [rng.random() < 0.2 for _ in range(n_outs)]
+        shapes = [None if t < n_outs and empty[t] else tuple(rng.choice([1, 2, 4, 6, 8, 12]) for _ in range(2))
+                  for t in range(n)]
+        codes, cut = [], []
+        for _ in range(k):
+            rows = [[rng.randrange(4) for _ in range(n)] for _ in range(rng.randint(0 if trial % 20 == 0 else 1, 5))]
+            codes.append([[code[c] for c in row] for row in rows])
+            cut.append([[(t, places[c].dim) for t, c in enumerate(row) if c in (1, 2) and shapes[t] is not None]
+                        for row in rows])
+        got = strategies._walked(codes, cut, shapes, sizes, n_outs, empty, n_checked)
+        assert (got.layouts, got.outs, got.ins) == _product_by_hand(codes, cut, shapes, sizes, n_outs, empty, n_checked)

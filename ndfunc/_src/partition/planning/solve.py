@@ -252,12 +252,14 @@ class Problem:
             # work on one rank, in bytes-worth: divided over each mesh axis the strategy splits
             # or leaves partial, whole on axes where all its values are replicated
             work[flops] = [flops / split / FLOPS_PER_BYTE for split in splits] if flops else [0.0] * len(splits)
+            work[flops, "least"] = min(work[flops])
             if late:  # and, until `solve` admits them, late candidates out of reach
                 work[flops, "late"] = [math.inf if i in late else w for i, w in enumerate(work[flops])]
+                work[flops, "late", "least"] = min(work[flops, "late"])
         if late:
             self._late.append((n, work[flops]))
         self.c_work.append(work[flops, "late"] if late else work[flops])
-        self.min_work.append(min(self.c_work[-1]))
+        self.min_work.append(work[flops, "late", "least"] if late else work[flops, "least"])
         self.by_ins.append(by_ins)
         self.inputs.append(ins)
         for slot, v in enumerate(ins):
@@ -266,8 +268,9 @@ class Problem:
             if t is not None:
                 v = self.value_ids[(n, j)] = len(self.values)
                 self.values.append((n, j))
-                self.value_meta.append((tuple(t.shape), t.element_size()))
-                self.priced_as.append(_priced_as(tuple(t.shape), t.element_size()))
+                meta = (tuple(t.shape), t.element_size())
+                self.value_meta.append(meta)
+                self.priced_as.append(_priced_as(*meta))
                 self._size_costs.append(self._sized.setdefault(self.priced_as[-1], {}))
                 self.consumers.append([])
 

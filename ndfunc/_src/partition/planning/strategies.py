@@ -242,11 +242,9 @@ _INTERNING = threading.Lock()
 def _combined(codes, cut, shapes, sizes, n_outs, empty, n_checked: int = 0) -> Fitted:
     """Every combination of one rule per mesh axis, in `itertools.product`'s order, whose cuts
     divide the shapes. `codes[axis]` and `cut[axis]` list that axis's rules (the same list on
-    every axis for a single-dim rule). Walked axis by axis: a product of cuts that does not divide
-    a dim is not extended (a prefix's product divides every extension's, so nothing that fits is
-    lost), and each tensor's placements so far are carried as a tuple of codes. The last
+    every axis for a single-dim rule). The combinations are walked as arrays (`_walked`). The last
     `n_checked` tensors are only held to their shapes, not part of a strategy; a strategy made
-    again by another combination is kept once, the first.
+    again by another combination is then kept once, the first.
 
     Remembered by what the walk reads (`_COMBINED`): the rules, and which products of the axes'
     sizes divide each cut dim. Ops with the same rules over shapes that divide alike (the adds of
@@ -266,49 +264,50 @@ _COMBINED: dict = {}  # what `_combined` reads -> its list
 
 
 def _walked(codes, cut, shapes, sizes, n_outs, empty, n_checked) -> Fitted:
-    """`_combined`, walked."""
-    layouts: list = []  # each distinct layout once, in the order strategies first read them
-    made: dict = {}  # placement codes -> index into `layouts`
-    outs, ins = [], []
-    seen: set = set()
-    # inputs first, then outputs: the order in which the partitioner numbers a list's layouts
-    n_real = len(shapes) - n_checked
+    """`_combined`, as arrays: every combination of one rule per axis (rows in `itertools.product`'s
+    order), those whose products of cuts divide the dims kept, each tensor's placements along the
+    axes as one int (placement codes as digits), and the layouts numbered in the order the
+    strategies read them (inputs, then the outputs made). A 4-axis op walks 10^4 combinations."""
+    k, n_tensors = len(sizes), len(shapes)
+    counts = [len(rules) for rules in codes]
+    combos = np.indices(counts).reshape(k, -1)  # (axis, combination): each axis's rule
+    kept = np.ones(combos.shape[1], dtype=bool)
+    for t, d in sorted({td for rows in cut for row in rows for td in row}):
+        split = np.ones(combos.shape[1], dtype=np.int64)
+        for axis in range(k):
+            cuts_it = np.array([(t, d) in row for row in cut[axis]], dtype=bool)
+            split *= np.where(cuts_it[combos[axis]], sizes[axis], 1)
+        kept &= shapes[t][d] % split == 0
+    combos = combos[:, kept]
+    used = sorted({c for rules in codes for rule in rules for c in rule})  # the placements here, as digits
+    digit_of = {c: i for i, c in enumerate(used)}
+    base = len(used)
+    if base ** k >= 2 ** 63:  # (a dozen placements over 17 partitioned axes)
+        raise ValueError(f"{k} partitioned mesh axes with {base} placements each: more layouts than an int64 numbers")
+    keys = np.zeros((n_tensors, combos.shape[1]), dtype=np.int64)  # (tensor, combination): its layout's code
+    for axis in range(k):
+        table = np.array([[digit_of[c] for c in rule] for rule in codes[axis]], dtype=np.int64)
+        keys = keys * base + table.reshape(counts[axis], n_tensors)[combos[axis]].T
+    n_real = n_tensors - n_checked
+    if n_checked:  # a strategy made again by another combination: the first kept
+        _, first = np.unique(keys[:n_real].T, axis=0, return_index=True)
+        keys = keys[:, np.sort(first)]
     reads = [*range(n_outs, n_real), *(t for t in range(n_outs) if not empty[t])]
-    k = len(sizes)
-
-    def walk(axis: int, blocks: dict, keys: list) -> None:
-        if axis == k:
-            if n_checked:
-                if tuple(keys[:n_real]) in seen:
-                    return
-                seen.add(tuple(keys[:n_real]))
-            at = [-1] * n_real
-            for t in reads:
-                i = made.get(keys[t])
-                if i is None:
-                    i = made[keys[t]] = len(layouts)
-                    lay = _LAYOUTS.get(keys[t])
-                    if lay is None:
-                        lay = _LAYOUTS[keys[t]] = tuple(_PLACEMENTS_BY_CODE[c] for c in keys[t])
-                    layouts.append(lay)
-                at[t] = i
-            outs.append(tuple(at[:n_outs]))
-            ins.append(tuple(at[n_outs:]))
-            return
-        n = sizes[axis]
-        rules, cuts = codes[axis], cut[axis]
-        for r in range(len(rules)):
-            grown = blocks
-            if cuts[r]:
-                grown = dict(blocks)
-                for t, d in cuts[r]:
-                    grown[t, d] = grown.get((t, d), 1) * n
-                if any(shapes[t][d] % grown[t, d] for t, d in cuts[r]):
-                    continue
-            walk(axis + 1, grown, [key + (c,) for key, c in zip(keys, rules[r])])
-
-    walk(0, {}, [()] * len(shapes))
-    return Fitted(layouts, outs, ins)
+    read = keys[reads].T.ravel()  # strategy by strategy, in the order each reads its layouts
+    distinct, first, number = np.unique(read, return_index=True, return_inverse=True)
+    order = np.argsort(first, kind="stable")  # the layouts as first read
+    renumber = np.empty(len(distinct), dtype=np.int64)
+    renumber[order] = np.arange(len(distinct))
+    at = np.full((keys.shape[1], n_real), -1, dtype=np.int64)
+    at[:, reads] = renumber[number].reshape(keys.shape[1], len(reads))
+    digits = distinct[order][:, None] // base ** np.arange(k - 1, -1, -1) % base  # (layout, axis)
+    layouts = []
+    for placement_codes in map(tuple, np.array(used, dtype=np.int64)[digits].tolist()):
+        lay = _LAYOUTS.get(placement_codes)
+        if lay is None:
+            lay = _LAYOUTS[placement_codes] = tuple(_PLACEMENTS_BY_CODE[c] for c in placement_codes)
+        layouts.append(lay)
+    return Fitted(layouts, list(map(tuple, at[:, :n_outs].tolist())), list(map(tuple, at[:, n_outs:].tolist())))
 
 
 class Fitted(Sequence):
