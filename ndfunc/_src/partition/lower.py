@@ -54,22 +54,34 @@ class _Emitter:
         self.env: dict = {}  # (value, layout) -> local node
         self.produced: dict = {}  # value -> local node in its produced layout
         self.coords = None
+        self._steps: dict = {}  # (id(have), id(want), shape) -> (have, want, the steps): `steps`
 
     def call(self, op, *args, **kwargs) -> torch.fx.Node:
         return new_node(self.graph, "call_function", op, args, kwargs)
 
     def local(self, v, layout: Layout, val: torch.Tensor) -> torch.fx.Node:
         key = (v, layout)
-        if key not in self.env:
+        node = self.env.get(key)
+        if node is None:
             have = self.plan.out_layout(v)
             node = self.produced[v]
-            steps = redistribute.plan(have, layout, tuple(val.shape), self.sizes)
-            if steps is None:  # the solver never picks an impossible change
-                raise AssertionError(f"no way from {have} to {layout} for {v[0].name}")
-            for step in redistribute.merged(steps):  # a run over several axes as one collective
-                node = prog.note_local(self.emit(step, node, val), step.out_shape, val.dtype)
+            if have is not layout:  # (the same object: nothing to move, as most inputs are)
+                steps = self.steps(have, layout, tuple(val.shape))
+                if steps is None:  # the solver never picks an impossible change
+                    raise AssertionError(f"no way from {have} to {layout} for {v[0].name}")
+                for step in redistribute.merged(steps):  # a run over several axes as one collective
+                    node = prog.note_local(self.emit(step, node, val), step.out_shape, val.dtype)
             self.env[key] = node
-        return self.env[key]
+        return node
+
+    def steps(self, have: Layout, want: Layout, shape: tuple[int, ...]) -> list | None:
+        """`redistribute.plan(have, want, shape)`, asked once per layouts and shape (identical layers
+        ask the same; layouts by identity first: placements compare slowly)."""
+        key = (id(have), id(want), shape)
+        known = self._steps.get(key)
+        if known is None or known[0] is not have or known[1] is not want:
+            known = self._steps[key] = (have, want, redistribute.plan(have, want, shape, self.sizes))
+        return known[2]
 
     def axis_index(self, names: Sequence[str]) -> torch.fx.Node:
         """This rank's position along `names` (major to minor), from `coords`."""
