@@ -209,7 +209,7 @@ def closed_forms(cfg, sizes, seq: int) -> dict[str, float]:
     if cp > 1:
         out["ppermute cp"] = cfg.n_layers * 2 * seq * cfg.n_kv_heads * cfg.head_dim * F32 * (4 * (cp - 1) + 1)
     if replicas > 1:
-        out["all_reduce dp_replicate"] = 2 * (replicas - 1) / replicas * F32 * params / shards
+        out["all_reduce dp_replicate"] = 2 * (replicas - 1) / replicas * F32 * params / ranks  # each rank's shard
     return out
 
 
