@@ -671,8 +671,9 @@ class Problem:
         outs = tuple(None if v is None else (frozenset(self.fixed_wants[v]), frozenset(self.final[v]) if self.final.get(v) else None,
                                              self.value_meta[v], len(self.consumers[v])) for v in self.out_ids[n])
         kind = self._kind[n] = self._kinds.setdefault((id(self.c_work[n]), ins, outs), len(self._kinds))
-        self._watched[n] = [(self.c_ins[m], m, slot) for v in self.inputs[n] for m, slot in self.consumers[v] if m != n] + [
-            (self.c_ins[m], m, slot) for v in self.out_ids[n] if v is not None for m, slot in self.consumers[v]]
+        c_ins = self.c_ins
+        self._watched[n] = [(c_ins[m], m, slot) for v in self.inputs[n] for m, slot in self.consumers[v] if m != n] + [
+            (c_ins[m], m, slot) for v in self.out_ids[n] if v is not None for m, slot in self.consumers[v]]
         return kind
 
     def _best_uncached(self, n: int, choice: list, forward: bool) -> int:
