@@ -181,8 +181,12 @@ class Problem:
         self._kinds: dict = {}  # what a node's situation reads that never changes -> an int
         self._kind: list[int | None] = [None] * len(self.nodes)  # node -> that int (`_kind_of`)
         self._watched: list = [None] * len(self.nodes)  # node -> its values' other consumers (`_situation`)
-        # node -> (producer's candidate outputs, producer, output index) per input slot (`_situation`)
-        self._reads = [[(self.c_outs[p], p, j) for p, j in map(self.values.__getitem__, ins)] for ins in self.inputs]
+        # node -> (producer's candidate outputs, producer, output index) per input slot (`_situation`);
+        # value -> the same of its producer, and (consumer's candidate inputs, consumer, slot) per
+        # consumer (`value_cost`)
+        self._made_by = [(self.c_outs[p], p, j) for p, j in self.values]
+        self._reads = [[self._made_by[v] for v in ins] for ins in self.inputs]
+        self._read_by = [[(self.c_ins[m], m, slot) for m, slot in consumers] for consumers in self.consumers]
 
     def _layout(self, lay: Layout) -> int:
         seen = self._layout_by_id.get(id(lay))  # by identity first: placements hash slowly
@@ -335,14 +339,14 @@ class Problem:
         return sum(self.tcost(v, lay, self.finish(lay) if w is None else w) for w in set(wants))
 
     def value_cost(self, v: int, choice: list) -> float:
-        n, j = self.values[v]
-        lay = self.c_outs[n][choice[n]][j]
+        outs, n, j = self._made_by[v]  # (the search asks this hundreds of thousands of times)
+        lay = outs[choice[n]][j]
         if lay is None:
             return 0.0
-        costs = self._size_costs[v]  # `tcost`, inline: the search asks this hundreds of thousands of times
-        consumers = self.consumers[v]
+        costs = self._size_costs[v]  # `tcost`, inline
+        consumers = self._read_by[v]
         if len(consumers) <= 2:  # the demands without a set: two terms add alike in either order
-            wants = [self.c_ins[m][choice[m]][slot] for m, slot in consumers if choice[m] >= 0]
+            wants = [ins[choice[m]][slot] for ins, m, slot in consumers if choice[m] >= 0]
             if len(wants) == 2 and wants[0] == wants[1]:
                 wants.pop()
         else:
@@ -715,8 +719,9 @@ class Problem:
         return out
 
     def total(self, choice: list) -> float:
-        return sum(self.c_work[n][choice[n]] for n in range(len(self.nodes))) + sum(
-            self.value_cost(v, choice) for v in range(len(self.values)))
+        c_work, value_cost = self.c_work, self.value_cost
+        return sum([c_work[n][i] for n, i in enumerate(choice)]) + sum(
+            [value_cost(v, choice) for v in range(len(self.values))])
 
     # --- search --------------------------------------------------------------------------------
     def solve(self) -> Plan:
