@@ -329,8 +329,7 @@ class Problem:
 
     def demands(self, v: int, choice: list, skip: int = -1) -> set:
         """Layouts `v` must take for its decided consumers (except `skip`)."""
-        c_ins = self.c_ins
-        return {c_ins[m][choice[m]][slot] for m, slot in self.consumers[v] if m != skip and choice[m] >= 0}
+        return {ins[choice[m]][slot] for ins, m, slot in self._read_by[v] if m != skip and choice[m] >= 0}
 
     def output_cost(self, v: int, lay: int) -> float:
         wants = self.final.get(v)
