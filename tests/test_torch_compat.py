@@ -354,7 +354,6 @@ def test_runs_hooks_sees_a_modules_own_hooks_those_inside_it_and_global_ones():
     assert not compat.runs_hooks(model)
 
 
-
 def test_known_fakes_are_taken_as_they_are():
     # make_fx asks the inputs' fake mode for a fake of each input (`from_tensor`); one the mode
     # knows is given back as it is, where any other is made again field by field
