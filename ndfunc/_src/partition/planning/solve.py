@@ -171,6 +171,11 @@ class Problem:
                 for v, lay in zip(self.output_values, output_layouts):
                     self.final.setdefault(v, []).append(None if lay is None else self._layout(lay))
         self.finished = {}
+        # an output's cost reads its size and the layouts requested of it (`output_cost`)
+        kinds: dict = {}
+        self._output_kind = {v: kinds.setdefault((self.priced_as[v], tuple(wants)), len(kinds))
+                             for v, wants in self.final.items()}
+        self._output_costs: dict = {}  # (kind << 32 | layout) -> its cost
         self.repeated = [len(set(ins)) < len(ins) for ins in self.inputs]  # a value in two slots
         self.out_ids = [[self.value_ids.get((n, j)) for j in range(len(self.c_outs[n][0]))]
                         for n in range(len(self.nodes))]
@@ -332,10 +337,18 @@ class Problem:
         return {ins[choice[m]][slot] for ins, m, slot in self._read_by[v] if m != skip and choice[m] >= 0}
 
     def output_cost(self, v: int, lay: int) -> float:
-        wants = self.final.get(v)
-        if not wants:
+        """What a step's output `v` made in `lay` costs to leave in the layouts requested of it;
+        remembered by what that reads (`_output_kind`: a parameter and its optimizer state read
+        alike), as every candidate of every node making an output asks it."""
+        kind = self._output_kind.get(v)
+        if kind is None:
             return 0.0
-        return sum(self.tcost(v, lay, self.finish(lay) if w is None else w) for w in set(wants))
+        key = kind << 32 | lay
+        c = self._output_costs.get(key)
+        if c is None:
+            c = self._output_costs[key] = sum(self.tcost(v, lay, self.finish(lay) if w is None else w)
+                                              for w in set(self.final[v]))
+        return c
 
     def value_cost(self, v: int, choice: list) -> float:
         outs, n, j = self._made_by[v]  # (the search asks this hundreds of thousands of times)
@@ -483,11 +496,14 @@ class Problem:
         return total
 
     def _output_column(self, v: int, lays: "_Lays") -> np.ndarray:
-        """`output_cost(v, lay)` for each of `lays` (0.0 for -1, no tensor), found once."""
-        known = self._priced_columns.get((v, id(lays), "output"))
+        """`output_cost(v, lay)` for each of `lays` (0.0 for -1, no tensor), found once per what it
+        reads of the value: its size (`_priced_as`) and the layouts requested of it, in order (a
+        parameter and its optimizer state are alike in both)."""
+        key = (self.priced_as[v], tuple(self.final[v]), id(lays), "output")
+        known = self._priced_columns.get(key)
         if known is None or known[0] is not lays:
             column = np.array([0.0 if lay < 0 else self.output_cost(v, lay) for lay in lays.ids])
-            known = self._priced_columns[(v, id(lays), "output")] = (lays, column)
+            known = self._priced_columns[key] = (lays, column)
         return known[1]
 
     def _term_columns(self, n: int) -> tuple[list, list]:
