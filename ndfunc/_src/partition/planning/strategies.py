@@ -345,7 +345,6 @@ def fitted(found: Sequence[Strategy], shapes_in: list, shapes_out: list, sizes: 
     `Fitted`: its layouts numbered as the strategies first read them, inputs before outputs."""
     local: dict = {}  # id(layout) -> (the layout, its number): by identity first, placements hash slowly
     by_value: dict = {}  # layout -> its number
-    fits_of: dict = {}  # (number, shape) -> whether it fits
 
     def number(lay) -> int:
         known = local.get(id(lay))
@@ -353,24 +352,30 @@ def fitted(found: Sequence[Strategy], shapes_in: list, shapes_out: list, sizes: 
             known = local[id(lay)] = (lay, by_value.setdefault(lay, len(by_value)))
         return known[1]
 
-    def fits_here(i: int, lay, shape) -> bool:
-        ok = fits_of.get((i, shape))
-        if ok is None:
-            ok = fits_of[i, shape] = fits(lay, shape, sizes)
-        return ok
+    def fit(slots: list, ids: tuple, lays: tuple, shapes: list) -> bool:
+        """Whether each layout fits its tensor's shape (None: an output the op leaves empty, which
+        takes no layout), remembered per slot and layout number."""
+        for memo, i, lay, shape in zip(slots, ids, lays, shapes):
+            if shape is None:
+                continue
+            ok = memo.get(i)
+            if ok is None:
+                ok = memo[i] = lay is not None and fits(lay, shape, sizes)
+            if not ok:
+                return False
+        return True
 
     n_ins, n_outs = len(shapes_in), len(shapes_out)
+    fit_in, fit_out = [{} for _ in shapes_in], [{} for _ in shapes_out]  # slot -> layout number -> fits
     layouts, at, outs, ins, late, seen = [], {}, [], [], set(), set()
     for s in found:
         if len(s.ins) != n_ins or len(s.outs) != n_outs:
             continue
-        in_ids = tuple(number(lay) for lay in s.ins)
-        out_ids = tuple(-1 if lay is None else number(lay) for lay in s.outs)
+        in_ids = tuple([number(lay) for lay in s.ins])
+        out_ids = tuple([-1 if lay is None else number(lay) for lay in s.outs])
         if (out_ids, in_ids) in seen:
             continue
-        if not all(fits_here(i, lay, shp) for i, lay, shp in zip(in_ids, s.ins, shapes_in)) or not all(
-                shp is None or (lay is not None and fits_here(i, lay, shp))
-                for i, lay, shp in zip(out_ids, s.outs, shapes_out)):
+        if not fit(fit_in, in_ids, s.ins, shapes_in) or not fit(fit_out, out_ids, s.outs, shapes_out):
             continue
         seen.add((out_ids, in_ids))
         for i, lay in (*zip(in_ids, s.ins), *zip(out_ids, s.outs)):
