@@ -497,9 +497,8 @@ class Problem:
 
     def _output_column(self, v: int, lays: "_Lays") -> np.ndarray:
         """`output_cost(v, lay)` for each of `lays` (0.0 for -1, no tensor), found once per what it
-        reads of the value: its size (`_priced_as`) and the layouts requested of it, in order (a
-        parameter and its optimizer state are alike in both)."""
-        key = (self.priced_as[v], tuple(self.final[v]), id(lays), "output")
+        reads of the value (`_output_kind`)."""
+        key = (self._output_kind[v], id(lays), "output")
         known = self._priced_columns.get(key)
         if known is None or known[0] is not lays:
             column = np.array([0.0 if lay < 0 else self.output_cost(v, lay) for lay in lays.ids])
@@ -690,9 +689,9 @@ class Problem:
         outs = tuple(None if v is None else (frozenset(self.fixed_wants[v]), frozenset(self.final[v]) if self.final.get(v) else None,
                                              self.value_meta[v], len(self.consumers[v])) for v in self.out_ids[n])
         kind = self._kind[n] = self._kinds.setdefault((id(self.c_work[n]), ins, outs), len(self._kinds))
-        c_ins = self.c_ins
-        self._watched[n] = [(c_ins[m], m, slot) for v in self.inputs[n] for m, slot in self.consumers[v] if m != n] + [
-            (c_ins[m], m, slot) for v in self.out_ids[n] if v is not None for m, slot in self.consumers[v]]
+        read_by = self._read_by
+        self._watched[n] = [e for v in self.inputs[n] for e in read_by[v] if e[1] != n] + [
+            e for v in self.out_ids[n] if v is not None for e in read_by[v]]
         return kind
 
     def _best_uncached(self, n: int, choice: list, forward: bool) -> int:
@@ -1207,14 +1206,12 @@ def partition(graph: torch.fx.Graph, sizes: tuple[int, ...], input_layouts: list
     all of that gets that plan again, node by node, without a search: a step jitted afresh on the
     same model and mesh (a notebook's re-run, a test suite) plans once; with
     `NDFUNC_PLAN_CACHE_DIR` set, once across processes too (`plan_cache`)."""
-    nodes, key = _problem_key(graph, sizes, input_layouts, output_layouts)
+    nodes, key, signatures = _problem_key(graph, sizes, input_layouts, output_layouts)
     known = _PLANS.get(key)
     if known is None:
         kept = plan_cache.entry(key)
         known = plan_cache.load(kept, len(nodes))  # a plan another process made (NDFUNC_PLAN_CACHE_DIR)
         if known is None:
-            # each node's signature as the key read it (`strategy_key`): read once, not three times
-            signatures = {n: entry[0][0] for n, entry in zip(nodes, key[3]) if n.op == "call_function"}
             plan = Problem(graph, sizes, input_layouts, output_layouts, signatures).solve()
             at = {n: i for i, n in enumerate(nodes)}
             # which nodes run whole is kept with the plan: a plan read back asks for no candidates
@@ -1234,19 +1231,24 @@ def partition(graph: torch.fx.Graph, sizes: tuple[int, ...], input_layouts: list
 _PLANS: collections.OrderedDict = collections.OrderedDict()  # problem key -> plan by node position
 
 
-def _problem_key(graph: torch.fx.Graph, sizes, input_layouts, output_layouts) -> tuple[list, tuple]:
-    """The graph's nodes, and a key equal for two problems the search cannot tell apart."""
+def _problem_key(graph: torch.fx.Graph, sizes, input_layouts, output_layouts) -> tuple[list, tuple, dict]:
+    """The graph's nodes, a key equal for two problems the search cannot tell apart, and each
+    op's signature as the key read it (node -> `strategy_key(node)[0]`: the candidates' and
+    `runs_whole`'s, read once)."""
     nodes = list(graph.nodes)
     at = {n: i for i, n in enumerate(nodes)}
     entries = []
+    signatures = {}
     for node in nodes:
         val = node.meta.get("val")
         if node.op == "call_function":
             ins = tuple((at[p], j) for p, j in map(value_of, tensor_inputs(node)))
             outs = tuple(None if t is None else (tuple(t.shape), t.dtype) for t in tensor_outputs(node))
-            entries.append((strategy_key(node), ins, outs))
+            key = strategy_key(node)
+            signatures[node] = key[0]
+            entries.append((key, ins, outs))
         elif node.op == "output":
             entries.append(("output", tuple((at[p], j) for p, j in map(value_of, node.args[0]))))
         else:
             entries.append((node.op, (tuple(val.shape), val.dtype) if isinstance(val, torch.Tensor) else None))
-    return nodes, (tuple(sizes), tuple(input_layouts), tuple(output_layouts), tuple(entries))
+    return nodes, (tuple(sizes), tuple(input_layouts), tuple(output_layouts), tuple(entries)), signatures
