@@ -134,7 +134,7 @@ def _product_by_hand(codes, cut, shapes, sizes, n_outs, empty, n_checked):
 
 def test_a_product_of_rules_keeps_what_divides_in_product_order():
     # random rows of placements per axis (some axes with none), outputs the op leaves empty,
-    # tensors held to their shapes only: the arrays' walk against one by hand
+    # tensors held to their shapes only: the product (walked as arrays, remembered) against one by hand
     import random
 
     from torch.distributed.tensor import Partial, Replicate, Shard
@@ -156,5 +156,5 @@ def test_a_product_of_rules_keeps_what_divides_in_product_order():
             codes.append([[code[c] for c in row] for row in rows])
             cut.append([[(t, places[c].dim) for t, c in enumerate(row) if c in (1, 2) and shapes[t] is not None]
                         for row in rows])
-        got = strategies._walked(codes, cut, shapes, sizes, n_outs, empty, n_checked)
+        got = strategies._combined(codes, cut, shapes, sizes, n_outs, empty, n_checked)
         assert (got.layouts, got.outs, got.ins) == _product_by_hand(codes, cut, shapes, sizes, n_outs, empty, n_checked)

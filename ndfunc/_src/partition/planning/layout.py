@@ -75,8 +75,14 @@ def all_layouts(shape: Sequence[int], sizes: Sequence[int], partial: bool = True
 @functools.lru_cache(maxsize=4096)
 def _all_layouts(shape: tuple[int, ...], sizes: tuple[int, ...], partial: bool) -> tuple[Layout, ...]:
     # made once per shape and mesh: a 4-axis mesh has hundreds, asked for by every view of the shape
-    per_axis = [R] + ([Partial("sum")] if partial else []) + [Shard(d) for d in range(len(shape))]
-    return tuple(lay for lay in itertools.product(per_axis, repeat=len(sizes)) if fits(lay, shape, sizes))
+    return tuple(lay for lay in itertools.product(axis_placements(len(shape), partial), repeat=len(sizes))
+                 if fits(lay, shape, sizes))
+
+
+def axis_placements(ndim: int, partial: bool = True) -> tuple:
+    """What one mesh axis can hold of a value of `ndim` dims, in the order `all_layouts` takes them
+    (so a product over the axes lists layouts in its order)."""
+    return (R, *((Partial("sum"),) if partial else ()), *(Shard(d) for d in range(ndim)))
 
 
 def describe(layout: Layout, names: Sequence[str]) -> str:

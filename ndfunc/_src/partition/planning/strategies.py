@@ -28,6 +28,7 @@ from ndfunc._src.partition.planning.layout import (
     R,
     Layout,
     all_layouts,
+    axis_placements,
     fits,
     local_shape,
     replicated,
@@ -256,23 +257,24 @@ def _combined(codes, cut, shapes, sizes, n_outs, empty, n_checked: int = 0) -> F
            tuple(tuple(shapes[t][d] % q == 0 for q in products) for t, d in cut_dims))
     known = _COMBINED.get(key)
     if known is None:
-        known = _COMBINED[key] = _walked(codes, cut, shapes, sizes, n_outs, empty, n_checked)
+        known = _COMBINED[key] = _walked(codes, cut, cut_dims, shapes, sizes, n_outs, empty, n_checked)
     return known
 
 
 _COMBINED: dict = {}  # what `_combined` reads -> its list
 
 
-def _walked(codes, cut, shapes, sizes, n_outs, empty, n_checked) -> Fitted:
+def _walked(codes, cut, cut_dims, shapes, sizes, n_outs, empty, n_checked) -> Fitted:
     """`_combined`, as arrays: every combination of one rule per axis (rows in `itertools.product`'s
-    order), those whose products of cuts divide the dims kept, each tensor's placements along the
+    order), those whose products of cuts divide the dims kept (`cut_dims`: each (tensor, dim) some
+    rule splits), each tensor's placements along the
     axes as one int (placement codes as digits), and the layouts numbered in the order the
     strategies read them (inputs, then the outputs made). A 4-axis op walks 10^4 combinations."""
     k, n_tensors = len(sizes), len(shapes)
     counts = [len(rules) for rules in codes]
     combos = np.indices(counts).reshape(k, -1)  # (axis, combination): each axis's rule
     kept = np.ones(combos.shape[1], dtype=bool)
-    for t, d in sorted({td for rows in cut for row in rows for td in row}):
+    for t, d in cut_dims:
         split = np.ones(combos.shape[1], dtype=np.int64)
         for axis in range(k):
             cuts_it = np.array([(t, d) in row for row in cut[axis]], dtype=bool)
@@ -444,7 +446,7 @@ def _asked_by_axis(node, a: torch.fx.Node, outs: list, sizes: tuple[int, ...]) -
     with rules_without_costs():
         for m in range(k):
             rows.append([])
-            for p in (R, Partial("sum"), *(Shard(d) for d in range(len(shape)))):  # `all_layouts`' order
+            for p in axis_placements(len(shape)):
                 asked = tuple(p if i == m else R for i in range(k))
                 if not fits(asked, shape, sizes):
                     continue  # no layout that holds it fits
@@ -553,7 +555,7 @@ def _by_axis_product(part, shape: tuple, out_shape: tuple, sizes: tuple[int, ...
     rows = []
     for m in range(len(sizes)):
         rows.append([])
-        for p in (R, Partial("sum"), *(Shard(d) for d in range(len(shape)))):  # `all_layouts`' order
+        for p in axis_placements(len(shape)):
             pair = part(m, R if type(p) is Partial else p)
             if pair is not None:
                 rows[m].append((p, p, p) if type(p) is Partial else (pair[1], pair[0], p))
