@@ -281,9 +281,9 @@ def train(args: argparse.Namespace, config: nf.ParallelConfig, sequences: data.S
         loss_fn = nf.sharding.axis_rules(config.rules)(loss_of)
         grads_fn = nf.accumulate(nf.value_and_grad(loss_fn), args.grad_accum, reduce=args.reduce_grads,
                                  transforms=transforms, compile=args.compile)
-        # (the update has no attention to run as a ring)
-        kw["transforms"] = [t for t in transforms if not isinstance(t, nf.ring_attention)]
-        update = nf.jit(make_update(opt), in_shardings=(pspec, sspec, pspec), out_shardings=(pspec, sspec), **kw)
+        no_ring = [t for t in transforms if not isinstance(t, nf.ring_attention)]  # (the update has no attention)
+        update = nf.jit(make_update(opt), in_shardings=(pspec, sspec, pspec), out_shardings=(pspec, sspec),
+                        **{**kw, "transforms": no_ring})
 
     say = print if nf.rank() == 0 else (lambda *a, **k: None)
     say(f"{name}\n{n_params / 1e6:.2f}M parameters; layout {config.sizes} on {config.total_size} "
