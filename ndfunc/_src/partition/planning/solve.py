@@ -1096,15 +1096,25 @@ class Problem:
         vocabulary like the scores, not made whole on every rank and sliced). With `below` (the
         phase's first round), only the layouts this admits that the first ranking did not: the
         others were tried before."""
+        kept = [(reach, lay, i) for reach, lay, i in ranked if below is None or reach >= below]  # (else admitted before)
+        if not kept:
+            return []
+        lays = sorted(lay for _, lay, _ in kept)
+        column = _Lays(np.array(lays, dtype=np.int64))
         takers = [(self.c_ins[m][choice[m]][slot], self._taking(m, slot)) for m, slot in self.consumers[v]
                   if len(self.c_ins[m]) > 1]
-        found = []
-        for reach, lay, i in ranked:
-            if below is not None and reach < below:
-                continue  # admitted before
-            found.append((sum(c for w in demands if (c := self.tcost(v, lay, w)) != math.inf
-                              and not any(w == want and lay in taking for want, taking in takers))
-                          + self.output_cost(v, lay), reach, lay, i))
+        total = np.zeros(len(lays))
+        for w in demands:  # in the set's order, as a sum over it adds; 0.0 for a term left out
+            costs = self._tcosts(v, w, column, outward=False)
+            counted = costs != math.inf
+            for want, taking in takers:
+                if want == w:  # its consumer has a candidate taking these as they are
+                    counted[[k for lay in taking if (k := column.position.get(lay)) is not None]] = False
+            total += np.where(counted, costs, 0.0)
+        if v in self.final:
+            total += np.array([self.output_cost(v, lay) for lay in lays])
+        relaxed = dict(zip(lays, total.tolist()))
+        found = [(relaxed[lay], reach, lay, i) for reach, lay, i in kept]
         # most layouts reach every consumer so: among equals, those the first ranking put first
         return [(relaxed, lay, i) for relaxed, _, lay, i in sorted(found)]
 
