@@ -1056,67 +1056,61 @@ class Problem:
     def _producer_moves(self, v: int, choice: list, below: float | None = None) -> list:
         """Change the producer of `v` to make it in another layout (the best candidate per layout):
         [((delta, new choices), layout)]; `below`: only layouts from which its consumers (and a
-        requested result layout) are reached for less than that."""
+        requested result layout) are reached for less than that (`_reach`). In the search's last
+        phase, ranked as `_reach` relaxes it, among equals as the first ranking would; in that
+        phase's first round, only the layouts this admits that the first ranking did not (the
+        others were tried before)."""
         n, j = self.values[v]
         if len(self.c_ins[n]) == 1:
             return []
         by_layout = self._by_out_layout(n, j, choice)
-        demands = self.demands(v, choice)
-        # a consumer taking a pending sum cannot take another layout's value as it is, but is
-        # chosen again after the move (`_settle`): such demands rank nothing out
-        lays = sorted(by_layout)
-        ranked = sorted(zip(self._reach(v, lays, demands), lays, map(by_layout.__getitem__, lays)))
+        if not by_layout:
+            return []
+        lays = _Lays(np.array(sorted(by_layout), dtype=np.int64))
+        reach, relaxed = self._reach(v, lays, self.demands(v, choice), choice)
         if self.relaxed:
-            ranked = self._relaxed(v, choice, demands, ranked, below if self._first_round else None)
+            ranked, order = relaxed, np.lexsort((lays.index, reach, relaxed))
+            if self._first_round and below is not None:
+                order = order[reach[order] >= below]
+        else:
+            ranked, order = reach, np.lexsort((lays.index, reach))
         moves = []
-        for reach, lay, i in ranked[:len(self.sizes) + 2]:
-            if below is not None and reach >= below:
+        for k in order[:len(self.sizes) + 2].tolist():
+            if below is not None and ranked[k] >= below:
                 break
-            moves.append((self._produce(n, i, choice), lay))
+            lay = lays.ids[k]
+            moves.append((self._produce(n, by_layout[lay], choice), lay))
         return moves
 
-    def _reach(self, v: int, lays: list[int], demands: set) -> list[float]:
-        """For each of `lays`: what reaching `demands` from it costs, those it cannot reach left out,
-        plus a requested result layout's (`_producer_moves`' ranking), as columns: the same sums."""
-        if not lays:
-            return []
-        column = _Lays(np.array(lays, dtype=np.int64))
-        total = np.zeros(len(lays))
-        for w in demands:  # in the set's order, as a sum over it adds
-            costs = self._tcosts(v, w, column, outward=False)
-            total += np.where(costs == math.inf, 0.0, costs)
-        if v in self.final:
-            total += np.array([self.output_cost(v, lay) for lay in lays])
-        return total.tolist()
-
-    def _relaxed(self, v: int, choice: list, demands: set, ranked: list, below: float | None) -> list:
-        """`_producer_moves`' ranking in the search's last phase: a demand whose consumer has a
-        candidate taking the new layout as it is ranks nothing out either (a sum over the dim the
-        move splits, which then leaves a sum pending: a cross-entropy's gradient split over the
-        vocabulary like the scores, not made whole on every rank and sliced). With `below` (the
-        phase's first round), only the layouts this admits that the first ranking did not: the
-        others were tried before."""
-        kept = [(reach, lay, i) for reach, lay, i in ranked if below is None or reach >= below]  # (else admitted before)
-        if not kept:
-            return []
-        lays = sorted(lay for _, lay, _ in kept)
-        column = _Lays(np.array(lays, dtype=np.int64))
-        takers = [(self.c_ins[m][choice[m]][slot], self._taking(m, slot)) for m, slot in self.consumers[v]
-                  if len(self.c_ins[m]) > 1]
-        total = np.zeros(len(lays))
-        for w in demands:  # in the set's order, as a sum over it adds; 0.0 for a term left out
-            costs = self._tcosts(v, w, column, outward=False)
+    def _reach(self, v: int, lays: "_Lays", demands: set, choice: list) -> tuple[np.ndarray, np.ndarray | None]:
+        """For each of `lays`: what reaching `demands` from it costs, those it cannot reach left
+        out, plus a requested result layout's, as a column (`_producer_moves`' ranking). A consumer
+        taking a pending sum cannot take another layout's value as it is, but is chosen again after
+        the move (`_settle`): such demands rank nothing out. In the search's last phase (`relaxed`),
+        also the same sums with a demand left out where its consumer has a candidate taking the
+        layout as it is (a sum over the dim the move splits, which then leaves a sum pending: a
+        cross-entropy's gradient split over the vocabulary like the scores, not made whole on every
+        rank and sliced); else None. Each term added in the demands' order: `tcost`'s sums."""
+        reach = np.zeros(len(lays.ids))
+        relaxed = np.zeros(len(lays.ids)) if self.relaxed else None
+        if relaxed is not None:
+            takers = [(self.c_ins[m][choice[m]][slot], self._taking(m, slot)) for m, slot in self.consumers[v]
+                      if len(self.c_ins[m]) > 1]
+        for w in demands:
+            costs = self._tcosts(v, w, lays, outward=False)
             counted = costs != math.inf
-            for want, taking in takers:
-                if want == w:  # its consumer has a candidate taking these as they are
-                    counted[[k for lay in taking if (k := column.position.get(lay)) is not None]] = False
-            total += np.where(counted, costs, 0.0)
+            reach += np.where(counted, costs, 0.0)
+            if relaxed is not None:
+                for want, taking in takers:
+                    if want == w:
+                        counted[[k for lay in taking if (k := lays.position.get(lay)) is not None]] = False
+                relaxed += np.where(counted, costs, 0.0)
         if v in self.final:
-            total += np.array([self.output_cost(v, lay) for lay in lays])
-        relaxed = dict(zip(lays, total.tolist()))
-        found = [(relaxed[lay], reach, lay, i) for reach, lay, i in kept]
-        # most layouts reach every consumer so: among equals, those the first ranking put first
-        return [(relaxed, lay, i) for relaxed, _, lay, i in sorted(found)]
+            out = np.array([self.output_cost(v, lay) for lay in lays.ids])
+            reach += out
+            if relaxed is not None:
+                relaxed += out
+        return reach, relaxed
 
     def _by_out_layout(self, n: int, j: int, choice: list) -> dict[int, int]:
         """Layout -> the candidate of `n` making its output `j` so at the least local cost (other
