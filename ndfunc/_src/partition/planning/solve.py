@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import heapq
 import math
 import operator
@@ -1182,13 +1183,16 @@ class Problem:
 class _Lays:
     """The distinct layout ids of one column of candidates (-1: no tensor), sorted: as a tuple
     (`ids`), and as an index array with the no-tensor entries pointing at id 0 (`index`, `real`);
-    each id's place among them (`position`)."""
+    each id's place among them (`position`, made when first read)."""
 
     def __init__(self, lays: np.ndarray):
         self.ids = tuple(lays.tolist())
         self.real = lays >= 0
         self.index = np.where(self.real, lays, 0)
-        self.position = {lay: k for k, lay in enumerate(self.ids)}
+
+    @functools.cached_property
+    def position(self) -> dict[int, int]:
+        return {lay: k for k, lay in enumerate(self.ids)}
 
 
 def _priced_as(shape: tuple[int, ...], itemsize: int) -> tuple[int, int, int]:
