@@ -303,12 +303,7 @@ def _walked(codes, cut, cut_dims, shapes, sizes, n_outs, empty, n_checked) -> Fi
     at = np.full((keys.shape[1], n_real), -1, dtype=np.int64)
     at[:, reads] = renumber[number].reshape(keys.shape[1], len(reads))
     digits = distinct[order][:, None] // base ** np.arange(k - 1, -1, -1) % base  # (layout, axis)
-    layouts = []
-    for placement_codes in map(tuple, np.array(used, dtype=np.int64)[digits].tolist()):
-        lay = _LAYOUTS.get(placement_codes)
-        if lay is None:
-            lay = _LAYOUTS[placement_codes] = tuple(_PLACEMENTS_BY_CODE[c] for c in placement_codes)
-        layouts.append(lay)
+    layouts = [*map(_layout_of, map(tuple, np.array(used, dtype=np.int64)[digits].tolist()))]
     return Fitted(layouts, list(map(tuple, at[:, :n_outs].tolist())), list(map(tuple, at[:, n_outs:].tolist())))
 
 
@@ -461,7 +456,7 @@ def _asked_by_axis(node, a: torch.fx.Node, outs: list, sizes: tuple[int, ...]) -
     return _axis_product(rows, shapes, sizes, len(outs), [False] * len(outs), n_checked=1)
 
 
-def _from_view_rule(node, outs, sizes, dim_map, strict_view, propagate) -> list[Strategy]:
+def _from_view_rule(node, outs, sizes, dim_map, strict_view, propagate) -> Fitted:
     """`from_op_strategy` for a view-like op, by the function DTensor's rule applies per input
     layout: the same strategies in the same order, without a spec or a cost built per question."""
     asking = _Asking(node, sizes)
@@ -472,11 +467,6 @@ def _from_view_rule(node, outs, sizes, dim_map, strict_view, propagate) -> list[
     shape = tuple(asking.metas[0].shape)
     mesh_shape = asking.mesh.shape
     out_shape = tuple(node.meta["val"].shape) if isinstance(node.meta.get("val"), torch.Tensor) else None
-    found = []
-    # The rule moves shards only: a pending sum passes a view as it is, where Replicate would
-    # (a view is linear, and neither changes a block's shape). So each layout is asked with its
-    # sums as Replicate, once per such layout, and the sums are put back on both sides.
-    answers: dict = {}
 
     def answer(asked):
         try:
@@ -489,29 +479,80 @@ def _from_view_rule(node, outs, sizes, dim_map, strict_view, propagate) -> list[
     reshape = node.target in RESHAPES
     if part is not None and not reshape and len(outs) == 1 and out_shape is not None:
         return _by_axis_product(part, shape, out_shape, sizes)
-    as_is: dict = {}
-    contiguous: list[Strategy] = []
+    return _asked_layout_by_layout(answer if part is None else functools.partial(_joined, part), shape, out_shape,
+                                   sizes, len(outs), rules if reshape else None)
 
-    def add(into: list, answered, lay: Layout, sums: list, late: bool = False) -> None:
-        ins, out = (tuple(side) for side in answered)
-        if sums:
-            ins, out = (tuple(lay[i] if i in sums else p for i, p in enumerate(side)) for side in (ins, out))
-        into.append(Strategy(((out,) * max(len(outs), 1))[:len(outs)], (ins,), late=late))
-    for lay in all_layouts(shape, sizes):
-        sums = [i for i, p in enumerate(lay) if type(p) is Partial]
-        asked = tuple(R if type(p) is Partial else p for p in lay) if sums else lay
-        if asked not in answers:
-            answers[asked] = answer(asked) if part is None else _joined(part, asked)
-            if reshape and not _takes(answers[asked], asked, out_shape, sizes):
-                as_is[asked] = contiguous_view(rules, shape, asked, sizes)
-        if answers[asked] is not None:
-            add(found, answers[asked], lay, sums)
-        if as_is.get(asked) is not None:
-            add(contiguous, as_is[asked], lay, sums, late=True)
-    found += contiguous
-    if not found:
-        raise NoStrategy(node.target)
-    return found
+
+def _asked_layout_by_layout(answer, shape: tuple, out_shape: tuple | None, sizes: tuple[int, ...], n_outs: int,
+                            rules) -> Fitted:
+    """`_from_view_rule`'s strategies asked layout by layout, each layout with its pending sums
+    as Replicate (`answer` once per such layout) and the sums put back on both sides; with a
+    reshape's `rules`, then those taking as it is a split the rule moves (`contiguous_view`,
+    `late`). Kept as `fitted` keeps them: each once, fitting the shapes, the layouts numbered as
+    first read. Walked on placement codes: a 4-axis view has hundreds of layouts, and placements
+    hash slowly."""
+    # The rule moves shards only: a pending sum passes a view as it is, where Replicate would (a
+    # view is linear, and neither changes a block's shape).
+    partial, replicate = _placement_code(Partial("sum")), _placement_code(R)
+    answers: dict = {}  # asked codes -> (input codes, output codes) or None, and the same taken as it is
+    ruled, late = [], []  # (input codes, output codes), layout by layout
+    for codes in _layout_codes(shape, sizes):
+        sums = [i for i, c in enumerate(codes) if c == partial]
+        asked = tuple(replicate if c == partial else c for c in codes) if sums else codes
+        known = answers.get(asked)
+        if known is None:
+            lay = _layout_of(asked)
+            found = answer(lay)
+            as_is = None
+            if rules is not None and not _takes(found, lay, out_shape, sizes):
+                as_is = contiguous_view(rules, shape, lay, sizes)
+            known = answers[asked] = tuple(None if f is None else (_codes(f[0]), _codes(f[1])) for f in (found, as_is))
+        for into, got in zip((ruled, late), known):
+            if got is not None:
+                if sums:
+                    got = tuple(tuple(codes[i] if i in sums else c for i, c in enumerate(side)) for side in got)
+                into.append(got)
+    memo: dict = {}  # (codes, on the input) -> whether the layout fits that side's shape
+
+    def fit(codes, on_input: bool) -> bool:
+        ok = memo.get((codes, on_input))
+        if ok is None:
+            side = shape if on_input else out_shape
+            ok = memo[codes, on_input] = side is None or fits(_layout_of(codes), side, sizes)
+        return ok
+    at: dict = {}  # codes -> number, as first read (the input, then the output)
+    outs, ins, made_late, seen = [], [], set(), set()
+    for rows, is_late in ((ruled, False), (late, True)):
+        for got in rows:
+            read = got if n_outs else got[:1]  # (an op with no tensor output reads the input only)
+            if read in seen or not all(fit(codes, k == 0) for k, codes in enumerate(read)):
+                continue
+            seen.add(read)
+            for codes in read:
+                at.setdefault(codes, len(at))
+            if is_late:
+                made_late.add(len(ins))
+            ins.append((at[got[0]],))
+            outs.append((at[got[1]],) * n_outs)
+    return Fitted([_layout_of(codes) for codes in at], outs, ins, frozenset(made_late))
+
+
+def _codes(layout) -> tuple[int, ...]:
+    return tuple(map(_placement_code, layout))
+
+
+def _layout_of(codes: tuple[int, ...]) -> Layout:
+    """The layout of these placement codes, one object for each in the process."""
+    lay = _LAYOUTS.get(codes)
+    if lay is None:
+        lay = _LAYOUTS[codes] = tuple(_PLACEMENTS_BY_CODE[c] for c in codes)
+    return lay
+
+
+@functools.lru_cache(maxsize=4096)
+def _layout_codes(shape: tuple[int, ...], sizes: tuple[int, ...]) -> tuple[tuple[int, ...], ...]:
+    """`all_layouts(shape, sizes)` as placement codes, in its order."""
+    return tuple(map(_codes, all_layouts(shape, sizes)))
 
 
 def _dim_map_of(asking: "_Asking", dim_map) -> tuple:
