@@ -397,9 +397,8 @@ def priced_pairs(src: np.ndarray, dst: np.ndarray, sizes: Sequence[int], numel: 
         c, d = cur[m], dst[m]
         moved, split = gather[m], (d >= 0) & (c != d)
         if moved.any() or split.any():
-            for later in range(m + 1, k):
-                c2 = cur[later]
-                gather[later] |= (c2 >= 0) & ((moved & (c2 == c)) | (split & (c2 == d)))
+            later = cur[m + 1:]  # every later axis at once
+            gather[m + 1:] |= (later >= 0) & ((moved & (later == c)) | (split & (later == d)))
     div = np.where(cur >= 0, np.asarray(sizes, dtype=np.int64)[:, None], 1).prod(axis=0)
     total = np.zeros(cur.shape[1])
     for m in range(k - 1, -1, -1):
