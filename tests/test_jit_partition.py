@@ -375,3 +375,54 @@ def test_a_half_precision_cross_entropy_over_targets_ignored_unevenly_is_not_a_m
         jitted = nf.jit(loss, mesh=nf.make_mesh(dp=4), in_shardings=(P("dp"), P("dp")), out_shardings=P())
         got = nf.device_get(jitted(logits, targets))
     assert torch.equal(got, loss(logits, targets))
+
+
+def test_what_the_consumers_of_a_value_read_by_many_want_is_counted_as_the_search_chooses():
+    # one input read by two dozen matmuls, each free to take it whole or split (AdamW's bias
+    # corrections are read so, by every parameter's update): the search counts what those
+    # consumers want (`_Choice`) rather than reading each of them for each one. Held to `demands`,
+    # which reads each, over random choices; and each answer the search remembers for a situation
+    # to one decided afresh in it, so a situation leaves out nothing the answer reads.
+    import random
+
+    from ndfunc._src.partition.planning import solve
+
+    def loss(ws, x):
+        return sum(torch.tanh(x @ w).sum() for w in ws)
+
+    g = torch.Generator().manual_seed(0)
+    ws = [torch.randn(D, F, generator=g) / 4 for _ in range(24)]
+    x = torch.randn(B, D, generator=g)
+    with nf.simulate(4):
+        jitted = nf.jit(nf.grad(loss), mesh=nf.make_mesh(dp=2, tp=2),
+                        in_shardings=([P(None, "tp"), P("tp", None)] * 12, P("dp")))
+        program = jitted.lower(ws, x).program
+    args = (program.traced.graph, program.sizes, program.in_layouts, program.out_layouts)
+    problem = solve.Problem(*args)
+    hubs = {v for slots in problem._hub_slots for v, _ in slots}
+    readers = sorted({m for v in hubs for m, _ in problem.consumers[v]})
+    makers = sorted({problem.values[v][0] for v in hubs})
+    assert any(len({ins[slot] for ins in problem.c_ins[m]}) > 2 for v in hubs for m, slot in problem.consumers[v])
+    rng = random.Random(0)
+    choice = solve._Choice(problem, len(problem.nodes))
+    for m in makers + readers:
+        choice[m] = 0
+    for _ in range(1000):
+        m = rng.choice(readers + makers)
+        choice[m] = rng.randrange(-1 if m in readers else 0, len(problem.c_ins[m]))
+        for v in hubs:
+            for n in rng.sample(readers, 5):
+                assert problem.paid(v, choice, n) == problem.demands(v, choice, skip=n)
+        n = rng.choice(readers)
+        if len(problem.c_ins[n]) > 1 and all(choice[problem.values[v][0]] >= 0 for v in problem.inputs[n]):
+            assert problem.best(n, choice) == problem._best_uncached(n, choice, False)
+    searched = solve.Problem(*args)
+    remembered, asked = searched.best, []
+
+    def best(n, choice, forward=False):
+        i = remembered(n, choice, forward)
+        asked.append(i == (0 if len(searched.c_ins[n]) == 1 else searched._best_uncached(n, choice, forward)))
+        return i
+    searched.best = best
+    searched.solve()
+    assert len(asked) > 100 and all(asked)

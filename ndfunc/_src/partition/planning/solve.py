@@ -83,6 +83,7 @@ SECOND_ROUNDS = 1
 SECOND_GAIN = 0.01
 VECTOR_MIN = 64  # a node with this many candidates has them priced as columns (`_vector_costs`)
 PRICED_TOGETHER = 64  # this many new layout changes in a column are walked together (`_tcosts`)
+HUB = 16  # a value with more consumers has what they want counted as the search chooses (`_Choice`)
 
 
 def finished(layout: Layout) -> Layout:
@@ -193,6 +194,12 @@ class Problem:
         self._made_by = [(self.c_outs[p], p, j) for p, j in self.values]
         self._reads = [[self._made_by[v] for v in ins] for ins in self.inputs]
         self._read_by = [[(self.c_ins[m], m, slot) for m, slot in consumers] for consumers in self.consumers]
+        # node -> (value, slot) per input slot reading a value with many consumers (a step count's
+        # bias correction, read by every parameter's update): a search counts what they want as it
+        # chooses (`_Choice`), so a consumer asks what the others want (`paid`) without reading
+        # each of them, and the search stays linear in the number of parameters
+        self._hub_slots = [[(v, slot) for slot, v in enumerate(ins) if len(self.consumers[v]) > HUB]
+                           for ins in self.inputs]
 
     def _layout(self, lay: Layout) -> int:
         seen = self._layout_by_id.get(id(lay))  # by identity first: placements hash slowly
@@ -337,6 +344,17 @@ class Problem:
         """Layouts `v` must take for its decided consumers (except `skip`)."""
         return {ins[choice[m]][slot] for ins, m, slot in self._read_by[v] if m != skip and choice[m] >= 0}
 
+    def paid(self, v: int, choice: "_Choice", n: int):
+        """`demands(v, choice, skip=n)` as `local_cost` reads it, for its consumer `n`: whether a
+        layout is among them (another consumer pays for moving `v` there). For a value with many
+        consumers, from the search's counts (`_Choice`)."""
+        if len(self._read_by[v]) <= HUB:
+            return self.demands(v, choice, skip=n)
+        counts = choice.wants.get(v, {})
+        i = choice[n]
+        own = [self.c_ins[n][i][slot] for u, slot in self._hub_slots[n] if u == v] if i >= 0 else []
+        return {w for w, c in counts.items() if c > own.count(w)}
+
     def output_cost(self, v: int, lay: int) -> float:
         """What a step's output `v` made in `lay` costs to leave in the layouts requested of it;
         remembered by what that reads (`_output_kind`: a parameter and its optimizer state read
@@ -386,7 +404,7 @@ class Problem:
             want = ins[slot]
             if repeated and any(inputs[s] == v and ins[s] == want for s in range(slot)):
                 continue  # the same value, wanted the same way by another slot: already paid
-            if not forward and want in self.demands(v, choice, skip=n):
+            if not forward and want in self.paid(v, choice, n):
                 continue
             have = self.c_outs[p][cp][j]
             if want != have:
@@ -482,7 +500,7 @@ class Problem:
             if choice[p] >= 0:
                 lays, which = columns[0][slot]
                 have = self.c_outs[p][choice[p]][j]
-                paid = () if forward else self.demands(v, choice, skip=n)
+                paid = () if forward else self.paid(v, choice, n)
                 total += self._from_column(v, have, lays, paid)[which]
                 if self.wary:  # and what undoing it would cost
                     total += self._back_column(v, have, lays, paid)[which]
@@ -618,7 +636,7 @@ class Problem:
 
     def _input_terms(self, v: int, have: int, n: int, choice: list, forward: bool):
         """want -> what `local_cost` adds for input `v` (made in `have`) wanted as `want` by `n`."""
-        paid = () if forward else self.demands(v, choice, skip=n)
+        paid = () if forward else self.paid(v, choice, n)
         memo: dict = {}
 
         def terms(want: int) -> tuple:
@@ -675,9 +693,13 @@ class Problem:
             return kind, choice[n] if own else None, self.wary, haves
         # and else what the other consumers of its inputs and outputs want, in their order (which
         # makes the sets `local_cost` reads; -1: not chosen yet), one flat tuple: the kind says
-        # how many each value has
-        return (kind, choice[n] if own else None, self.wary, haves,
-                tuple([ins[choice[m]][slot] if choice[m] >= 0 else -1 for ins, m, slot in self._watched[n]]))
+        # how many each value has. Of an input with many consumers, only the layouts the others
+        # pay for (`paid`: all `local_cost` reads of them)
+        wanted = tuple([ins[choice[m]][slot] if choice[m] >= 0 else -1 for ins, m, slot in self._watched[n]])
+        if self._hub_slots[n]:
+            return (kind, choice[n] if own else None, self.wary, haves, wanted,
+                    tuple([frozenset(self.paid(v, choice, n)) for v, _ in self._hub_slots[n]]))
+        return kind, choice[n] if own else None, self.wary, haves, wanted
 
     def _kind_of(self, n: int) -> int:
         """What `local_cost(n, ., ...)` reads that no choice changes, as an int shared by
@@ -691,7 +713,7 @@ class Problem:
                                              self.value_meta[v], len(self.consumers[v])) for v in self.out_ids[n])
         kind = self._kind[n] = self._kinds.setdefault((id(self.c_work[n]), ins, outs), len(self._kinds))
         read_by = self._read_by
-        self._watched[n] = [e for v in self.inputs[n] for e in read_by[v] if e[1] != n] + [
+        self._watched[n] = [e for v in self.inputs[n] if len(read_by[v]) <= HUB for e in read_by[v] if e[1] != n] + [
             e for v in self.out_ids[n] if v is not None for e in read_by[v]]
         return kind
 
@@ -807,7 +829,7 @@ class Problem:
 
     def _search(self, wary: bool, max_rounds: int = 50) -> list:
         N = len(self.nodes)
-        choice = [-1] * N
+        choice = _Choice(self, N)
         self.wary = wary
         for n in range(N):  # greedy, in program order
             choice[n] = self.best(n, choice)
@@ -1178,6 +1200,34 @@ class Problem:
             choice[m] = i
         before = sum(self._held_cost(v, choice) for v in values) + sum(self.c_work[m][choice[m]] for m in old)
         return after - before, new
+
+
+class _Choice(list):
+    """A search's choice of candidate per node (-1: none yet), counting for each value with many
+    consumers (`Problem._hub_slots`) how many of their slots want each layout, as it changes."""
+
+    __slots__ = ("_problem", "wants")
+
+    def __init__(self, problem: Problem, n: int):
+        super().__init__([-1] * n)
+        self._problem = problem
+        self.wants: dict[int, dict[int, int]] = {}  # value -> layout -> how many consumer slots want it
+
+    def __setitem__(self, n: int, i: int) -> None:
+        slots = self._problem._hub_slots[n]
+        if slots:
+            old = list.__getitem__(self, n)
+            c_ins = self._problem.c_ins[n]
+            for v, slot in slots:
+                counts = self.wants.setdefault(v, {})
+                if old >= 0:
+                    w = c_ins[old][slot]
+                    counts[w] -= 1
+                    if not counts[w]:
+                        del counts[w]
+                if i >= 0:
+                    counts[c_ins[i][slot]] = counts.get(c_ins[i][slot], 0) + 1
+        list.__setitem__(self, n, i)
 
 
 class _Lays:
