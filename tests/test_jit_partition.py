@@ -381,8 +381,9 @@ def test_what_the_consumers_of_a_value_read_by_many_want_is_counted_as_the_searc
     # one input read by two dozen matmuls, each free to take it whole or split (AdamW's bias
     # corrections are read so, by every parameter's update): the search counts what those
     # consumers want (`_Choice`) rather than reading each of them for each one. Held to `demands`,
-    # which reads each, over random choices; and each answer the search remembers for a situation
-    # to one decided afresh in it, so a situation leaves out nothing the answer reads.
+    # which reads each, over random choices (and the value's cost to a sum over them); and each
+    # answer the search remembers for a situation to one decided afresh in it, so a situation
+    # leaves out nothing the answer reads.
     import random
 
     from ndfunc._src.partition.planning import solve
@@ -413,6 +414,11 @@ def test_what_the_consumers_of_a_value_read_by_many_want_is_counted_as_the_searc
         for v in hubs:
             for n in rng.sample(readers, 5):
                 assert problem.paid(v, choice, n) == problem.demands(v, choice, skip=n)
+            lay = problem.out_layout(v, choice)
+            cost = 0
+            for w in problem.demands(v, choice):
+                cost += problem.tcost(v, lay, w) if w != lay else 0.0
+            assert problem.value_cost(v, choice) == cost + (problem.output_cost(v, lay) if v in problem.final else 0.0)
         n = rng.choice(readers)
         if len(problem.c_ins[n]) > 1 and all(choice[problem.values[v][0]] >= 0 for v in problem.inputs[n]):
             assert problem.best(n, choice) == problem._best_uncached(n, choice, False)

@@ -380,6 +380,8 @@ class Problem:
             wants = [ins[choice[m]][slot] for ins, m, slot in consumers if choice[m] >= 0]
             if len(wants) == 2 and wants[0] == wants[1]:
                 wants.pop()
+        elif len(consumers) > HUB and len(wants := [w for w in choice.wants.get(v, ()) if w != lay]) <= 2:
+            pass  # the demands counted (`_Choice`), in any order: two terms add alike either way
         else:
             wants = self.demands(v, choice)
         total = 0
