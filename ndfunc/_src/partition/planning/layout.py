@@ -36,7 +36,9 @@ def local_shape(shape: Sequence[int], layout: Layout, sizes: Sequence[int]) -> t
     """Each dim over `split` (in one pass over the axes: a lowering asks this per value)."""
     out = list(shape)
     for p, n in zip(layout, sizes):
-        if isinstance(p, Shard) and 0 <= p.dim < len(out):
+        kind = type(p)  # exact types first: isinstance on placements is slow (DTensor's are opaque types)
+        if (kind is Shard or (kind is not Replicate and kind is not Partial and isinstance(p, Shard))) and (
+                0 <= p.dim < len(out)):
             out[p.dim] //= n  # (floor divisions in turn: the product's)
     return tuple(out)
 
