@@ -340,50 +340,49 @@ def fitted(found: Sequence[Strategy], shapes_in: list, shapes_out: list, sizes: 
     """The strategies of `found` with one layout per tensor input and output that fits its value's
     shape (an output the op leaves empty: None), each once (the first, `late` or not), in order, as a
     `Fitted`: its layouts numbered as the strategies first read them, inputs before outputs."""
-    local: dict = {}  # id(layout) -> (the layout, its number): by identity first, placements hash slowly
-    by_value: dict = {}  # layout -> its number
+    coded: dict = {}  # id(layout) -> (the layout, its placement codes): by identity first, placements hash slowly
 
-    def number(lay) -> int:
-        known = local.get(id(lay))
+    def codes(lay) -> tuple[int, ...] | None:
+        if lay is None:
+            return None
+        known = coded.get(id(lay))
         if known is None or known[0] is not lay:
-            known = local[id(lay)] = (lay, by_value.setdefault(lay, len(by_value)))
+            known = coded[id(lay)] = (lay, _codes(lay))
         return known[1]
-
-    def fit(slots: list, ids: tuple, lays: tuple, shapes: list) -> bool:
-        """Whether each layout fits its tensor's shape (None: an output the op leaves empty, which
-        takes no layout), remembered per slot and layout number."""
-        for memo, i, lay, shape in zip(slots, ids, lays, shapes):
-            if shape is None:
-                continue
-            ok = memo.get(i)
-            if ok is None:
-                ok = memo[i] = lay is not None and fits(lay, shape, sizes)
-            if not ok:
-                return False
-        return True
-
     n_ins, n_outs = len(shapes_in), len(shapes_out)
-    fit_in, fit_out = [{} for _ in shapes_in], [{} for _ in shapes_out]  # slot -> layout number -> fits
-    layouts, at, outs, ins, late, seen = [], {}, [], [], set(), set()
-    for s in found:
-        if len(s.ins) != n_ins or len(s.outs) != n_outs:
+    return _kept(((tuple(map(codes, s.ins)), tuple(map(codes, s.outs)), s.late) for s in found
+                  if len(s.ins) == n_ins and len(s.outs) == n_outs), shapes_in, shapes_out, sizes)
+
+
+def _kept(rows, shapes_in: list, shapes_out: list, sizes: tuple[int, ...]) -> Fitted:
+    """`fitted` of strategies given as placement codes: rows of (each input's codes, each output's
+    (None: an output the op leaves empty), late)."""
+    memo: dict = {}  # (codes, shape) -> whether the layout fits
+
+    def fit(codes, shape) -> bool:
+        if shape is None:  # an output the op leaves empty takes any layout
+            return True
+        if codes is None:
+            return False
+        ok = memo.get((codes, shape))
+        if ok is None:
+            ok = memo[codes, shape] = fits(_layout_of(codes), shape, sizes)
+        return ok
+    at: dict = {}  # codes -> number, as first read (inputs, then outputs)
+    outs, ins, late, seen = [], [], set(), set()
+    for in_codes, out_codes, is_late in rows:
+        if (in_codes, out_codes) in seen or not (all(map(fit, in_codes, shapes_in))
+                                                 and all(map(fit, out_codes, shapes_out))):
             continue
-        in_ids = tuple([number(lay) for lay in s.ins])
-        out_ids = tuple([-1 if lay is None else number(lay) for lay in s.outs])
-        if (out_ids, in_ids) in seen:
-            continue
-        if not fit(fit_in, in_ids, s.ins, shapes_in) or not fit(fit_out, out_ids, s.outs, shapes_out):
-            continue
-        seen.add((out_ids, in_ids))
-        for i, lay in (*zip(in_ids, s.ins), *zip(out_ids, s.outs)):
-            if i >= 0 and i not in at:
-                at[i] = len(layouts)
-                layouts.append(lay)
-        if s.late:
+        seen.add((in_codes, out_codes))
+        for codes in (*in_codes, *out_codes):
+            if codes is not None and codes not in at:
+                at[codes] = len(at)
+        if is_late:
             late.add(len(ins))
-        ins.append(tuple(at[i] for i in in_ids))
-        outs.append(tuple(-1 if i < 0 else at[i] for i in out_ids))
-    return Fitted(layouts, outs, ins, frozenset(late))
+        ins.append(tuple([at[c] for c in in_codes]))
+        outs.append(tuple([-1 if c is None else at[c] for c in out_codes]))
+    return Fitted([*map(_layout_of, at)], outs, ins, frozenset(late))
 
 
 def _holds(p, shape: tuple[int, ...]) -> bool:
@@ -480,20 +479,20 @@ def _from_view_rule(node, outs, sizes, dim_map, strict_view, propagate) -> Fitte
     if part is not None and not reshape and len(outs) == 1 and out_shape is not None:
         return _by_axis_product(part, shape, out_shape, sizes)
     return _asked_layout_by_layout(answer if part is None else functools.partial(_joined, part), shape, out_shape,
-                                   sizes, len(outs), rules if reshape else None)
+                                   sizes, outs, rules if reshape else None)
 
 
-def _asked_layout_by_layout(answer, shape: tuple, out_shape: tuple | None, sizes: tuple[int, ...], n_outs: int,
+def _asked_layout_by_layout(answer, shape: tuple, out_shape: tuple | None, sizes: tuple[int, ...], outs: list,
                             rules) -> Fitted:
     """`_from_view_rule`'s strategies asked layout by layout, each layout with its pending sums
     as Replicate (`answer` once per such layout) and the sums put back on both sides; with a
     reshape's `rules`, then those taking as it is a split the rule moves (`contiguous_view`,
-    `late`). Kept as `fitted` keeps them: each once, fitting the shapes, the layouts numbered as
-    first read. Walked on placement codes: a 4-axis view has hundreds of layouts, and placements
-    hash slowly."""
+    `late`); kept as `fitted` keeps them. Walked on placement codes: a 4-axis view has hundreds of
+    layouts, and placements hash slowly."""
     # The rule moves shards only: a pending sum passes a view as it is, where Replicate would (a
     # view is linear, and neither changes a block's shape).
     partial, replicate = _placement_code(Partial("sum")), _placement_code(R)
+    n_outs = len(outs)
     answers: dict = {}  # asked codes -> (input codes, output codes) or None, and the same taken as it is
     ruled, late = [], []  # (input codes, output codes), layout by layout
     for codes in _layout_codes(shape, sizes):
@@ -512,29 +511,8 @@ def _asked_layout_by_layout(answer, shape: tuple, out_shape: tuple | None, sizes
                 if sums:
                     got = tuple(tuple(codes[i] if i in sums else c for i, c in enumerate(side)) for side in got)
                 into.append(got)
-    memo: dict = {}  # (codes, on the input) -> whether the layout fits that side's shape
-
-    def fit(codes, on_input: bool) -> bool:
-        ok = memo.get((codes, on_input))
-        if ok is None:
-            side = shape if on_input else out_shape
-            ok = memo[codes, on_input] = side is None or fits(_layout_of(codes), side, sizes)
-        return ok
-    at: dict = {}  # codes -> number, as first read (the input, then the output)
-    outs, ins, made_late, seen = [], [], set(), set()
-    for rows, is_late in ((ruled, False), (late, True)):
-        for got in rows:
-            read = got if n_outs else got[:1]  # (an op with no tensor output reads the input only)
-            if read in seen or not all(fit(codes, k == 0) for k, codes in enumerate(read)):
-                continue
-            seen.add(read)
-            for codes in read:
-                at.setdefault(codes, len(at))
-            if is_late:
-                made_late.add(len(ins))
-            ins.append((at[got[0]],))
-            outs.append((at[got[1]],) * n_outs)
-    return Fitted([_layout_of(codes) for codes in at], outs, ins, frozenset(made_late))
+    rows = [((i,), (o,) * n_outs, is_late) for made, is_late in ((ruled, False), (late, True)) for i, o in made]
+    return _kept(rows, [shape], [None if o is None else tuple(o.shape) for o in outs], sizes)
 
 
 def _codes(layout) -> tuple[int, ...]:
