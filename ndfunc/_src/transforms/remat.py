@@ -59,8 +59,9 @@ def rematerialize(graph: torch.fx.Graph) -> int:
         if mark is not None and node.op == "call_function":
             regions.setdefault(mark, []).append(node)
     copied = 0
+    order = {n: i for i, n in enumerate(graph.nodes)}  # (numbered once: the copies keep the others' order)
     for (_, policy), inside in regions.items():
-        copied += _recompute(graph, inside, policy)
+        copied += _recompute(graph, inside, policy, order)
     if copied:
         graph.lint()
     return copied
@@ -70,7 +71,9 @@ def _forward(node: torch.fx.Node) -> bool:
     return bool((node.meta.get("custom") or {}).get(FORWARD))
 
 
-def _recompute(graph: torch.fx.Graph, inside: list, policy: str) -> int:
+def _recompute(graph: torch.fx.Graph, inside: list, policy: str, order: dict) -> int:
+    """Copy before backward what backward reads of one region. `order`: the graph's nodes
+    numbered in order (as they were, or since: copies are added between them)."""
     members = set(inside)
     kept = {n for n in inside if policy == "save_dots" and saved_by_remat(n.target)}
     # what backward reads of the region: values with a reader outside forward
@@ -85,8 +88,10 @@ def _recompute(graph: torch.fx.Graph, inside: list, policy: str) -> int:
             continue
         need.add(n)
         todo.extend(a for a in n.all_input_nodes if a in members and a not in kept)
-    order = {n: i for i, n in enumerate(graph.nodes)}
     readers = [u for n in read for u in n.users if not _forward(u)]
+    if any(u not in order for u in readers):  # a copy made for another region reads this one
+        order.clear()
+        order.update((n, i) for i, n in enumerate(graph.nodes))
     first = min(readers, key=order.__getitem__)
     env: dict = {}
     with graph.inserting_before(first):
