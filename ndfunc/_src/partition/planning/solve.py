@@ -56,7 +56,7 @@ from collections import deque
 
 import numpy as np
 import torch
-from torch.distributed.tensor import Partial, Replicate
+from torch.distributed.tensor import Partial, Replicate, Shard
 
 from ndfunc._src.partition.planning import plan_cache, redistribute
 from ndfunc._src.partition.planning.flops import node_flops
@@ -84,6 +84,11 @@ SECOND_GAIN = 0.01
 VECTOR_MIN = 64  # a node with this many candidates has them priced as columns (`_vector_costs`)
 PRICED_TOGETHER = 64  # this many new layout changes in a column are walked together (`_tcosts`)
 HUB = 16  # a value with more consumers has what they want counted as the search chooses (`_Choice`)
+
+
+def _replicated(p) -> bool:
+    kind = type(p)  # exact types first: isinstance on placements is slow (DTensor's are opaque types)
+    return kind is Replicate or (kind is not Shard and kind is not Partial and isinstance(p, Replicate))
 
 
 def finished(layout: Layout) -> Layout:
@@ -210,8 +215,8 @@ class Problem:
             i = self.layout_ids[lay] = len(self.layouts)
             self.layouts.append(lay)
             self.codes.append(redistribute.codes(lay))
-            self.cut.append(sum(1 << m for m in range(len(self.sizes))
-                                if lay == MANUAL or not isinstance(lay[m], Replicate)))
+            self.cut.append((1 << len(self.sizes)) - 1 if lay == MANUAL else
+                            sum(1 << m for m, p in enumerate(lay) if not _replicated(p)))
         self._layout_by_id[id(lay)] = (lay, i)
         return i
 
