@@ -55,7 +55,7 @@ def fits(layout: Layout, shape: Sequence[int], sizes: Sequence[int]) -> bool:
                 blocks[p.dim] *= sizes[i]
         elif kind is Replicate:
             continue
-        elif isinstance(p, Partial):
+        elif kind is Partial or isinstance(p, Partial):
             if p.reduce_op not in PARTIAL_OPS:
                 return False
         elif not isinstance(p, Replicate):
