@@ -144,6 +144,7 @@ class Problem:
         self._as_ids: dict = {}  # id(candidate list) -> (the list, c_ins, c_outs, by_ins, work by flops, splits)
         self.cut: list[int] = []  # layout id -> the mesh axes it does not replicate, as bits
         self._splits: dict = {}  # those bits -> the product of their axes' sizes
+        self._split_table = np.array([self._mask_split(mask) for mask in range(1 << len(sizes))], dtype=np.int64)
         self._best: dict = {}  # a node's situation -> its best candidate (see `best`)
         self._every: dict = {}  # a node's situation -> every candidate's cost (`_every_local_cost`)
         self._by_slot: dict = {}  # (id(candidate list), slot) -> (the list, layout -> candidates taking it)
@@ -244,7 +245,7 @@ class Problem:
                     c_outs = [tuple(None if lay < 0 else lay for lay in outs) for outs in c_outs]
                 self._tables[id(c_ins)] = (c_ins, table, k)
                 cut = np.array([*(self.cut[i] for i in lids), 0], dtype=np.int64)
-                splits = list(map(self._mask_split, np.bitwise_or.reduce(cut[local], axis=1).tolist()))
+                splits = self._split_table[np.bitwise_or.reduce(cut[local], axis=1)].tolist()
             elif isinstance(strategies, Fitted):  # layouts and indices: each layout numbered once
                 number = [*map(self._layout, strategies.layouts), None].__getitem__  # -1: None
                 c_ins = [tuple(map(number, row)) for row in strategies.ins]
