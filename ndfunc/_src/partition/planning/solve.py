@@ -143,8 +143,8 @@ class Problem:
         self._steps: dict = {}  # (a << 32 | b) -> `redistribute.coded_steps` from layout a to b
         self._as_ids: dict = {}  # id(candidate list) -> (the list, c_ins, c_outs, by_ins, work by flops, splits)
         self.cut: list[int] = []  # layout id -> the mesh axes it does not replicate, as bits
-        self._splits: dict = {}  # those bits -> the product of their axes' sizes
-        self._split_table = np.array([self._mask_split(mask) for mask in range(1 << len(sizes))], dtype=np.int64)
+        # those bits -> the product of their axes' sizes, for every set of axes
+        self._split_of = [math.prod(n for m, n in enumerate(sizes) if mask >> m & 1) for mask in range(1 << len(sizes))]
         self._best: dict = {}  # a node's situation -> its best candidate (see `best`)
         self._every: dict = {}  # a node's situation -> every candidate's cost (`_every_local_cost`)
         self._by_slot: dict = {}  # (id(candidate list), slot) -> (the list, layout -> candidates taking it)
@@ -245,7 +245,7 @@ class Problem:
                     c_outs = [tuple(None if lay < 0 else lay for lay in outs) for outs in c_outs]
                 self._tables[id(c_ins)] = (c_ins, table, k)
                 cut = np.array([*(self.cut[i] for i in lids), 0], dtype=np.int64)
-                splits = self._split_table[np.bitwise_or.reduce(cut[local], axis=1)].tolist()
+                splits = np.array(self._split_of)[np.bitwise_or.reduce(cut[local], axis=1)].tolist()
             elif isinstance(strategies, Fitted):  # layouts and indices: each layout numbered once
                 number = [*map(self._layout, strategies.layouts), None].__getitem__  # -1: None
                 c_ins = [tuple(map(number, row)) for row in strategies.ins]
@@ -303,14 +303,7 @@ class Problem:
         mask = 0
         for lay in layouts:
             mask |= self.cut[lay]
-        return self._mask_split(mask)
-
-    def _mask_split(self, mask: int) -> int:
-        """The product of the sizes of the mesh axes whose bits `mask` sets."""
-        split = self._splits.get(mask)
-        if split is None:
-            split = self._splits[mask] = math.prod(n for m, n in enumerate(self.sizes) if mask >> m & 1)
-        return split
+        return self._split_of[mask]
 
     # --- costs ---------------------------------------------------------------------------------
     def tcost(self, v: int, a: int, b: int) -> float:
@@ -1234,7 +1227,8 @@ class _Choice(list):
                     if not counts[w]:
                         del counts[w]
                 if i >= 0:
-                    counts[c_ins[i][slot]] = counts.get(c_ins[i][slot], 0) + 1
+                    w = c_ins[i][slot]
+                    counts[w] = counts.get(w, 0) + 1
         list.__setitem__(self, n, i)
 
 

@@ -267,9 +267,9 @@ _COMBINED: dict = {}  # what `_combined` reads -> its list
 def _walked(codes, cut, cut_dims, shapes, sizes, n_outs, empty, n_checked) -> Fitted:
     """`_combined`, as arrays: every combination of one rule per axis (rows in `itertools.product`'s
     order), those whose products of cuts divide the dims kept (`cut_dims`: each (tensor, dim) some
-    rule splits), each tensor's placements along the
-    axes as one int (placement codes as digits), and the layouts numbered in the order the
-    strategies read them (inputs, then the outputs made). A 4-axis op walks 10^4 combinations."""
+    rule splits), each tensor's placements along the axes as one int (placement codes as digits),
+    and the layouts numbered in the order the strategies read them (inputs, then the outputs
+    made). A 4-axis op walks 10^4 combinations."""
     k, n_tensors = len(sizes), len(shapes)
     counts = [len(rules) for rules in codes]
     combos = np.indices(counts).reshape(k, -1)  # (axis, combination): each axis's rule
