@@ -61,18 +61,26 @@ def abstract_batch(config: nf.ParallelConfig, mesh, batch_size: int, seq_len: in
 
 
 def lower_abstract(cfg: llama.LlamaConfig, config: nf.ParallelConfig, seq_len: int, transforms=(),
-                   batch_per_rank: int = 1, opt: nf.optim.GradientTransformation | None = None):
+                   batch_per_rank: int = 1, opt: nf.optim.GradientTransformation | None = None,
+                   positions: bool = True):
     """The job's step (`make_step`, AdamW unless `opt`) lowered over stand-ins on `config`'s
     abstract mesh: parameters, optimizer state and a batch of `batch_per_rank` sequences of `seq_len`
-    tokens per data-parallel rank, laid out as the job lays them out, nothing of their size
-    allocated. Its `memory_analysis()` and `cost_analysis()` are a rank's on that cluster."""
+    tokens per data-parallel rank, laid out as the job lays them out (the updated parameters and
+    state leave as they came, ready for the next step), nothing of their size allocated. Its
+    `memory_analysis()` and `cost_analysis()` are a rank's on that cluster. Without `positions` the
+    batch has none: attention is told `is_causal` (a kernel skips the masked blocks), where the job
+    passes positions so that the causal mask follows them (an explicit mask, every block computed)."""
     mesh = config.build_abstract_mesh()
     specs = nf.sharding.logical_to_mesh(llama.param_axes(cfg), config.rules)
     params = llama.abstract_params(cfg, optree.tree_map(lambda s: NamedSharding(mesh, s), specs))
     opt = opt if opt is not None else nf.optim.adamw(3e-4)
     state = opt.init(params)  # stand-ins in, stand-ins out, laid out like the parameters
     batch = abstract_batch(config, mesh, batch_per_rank * config.dp_world_size, seq_len)
-    step = nf.jit(make_step(cfg, opt, config.rules), mesh=mesh, transforms=list(transforms))
+    if not positions:
+        del batch["positions"]
+    laid_out = lambda tree: optree.tree_map(lambda x: x.sharding, tree)  # noqa: E731
+    step = nf.jit(make_step(cfg, opt, config.rules), mesh=mesh, transforms=list(transforms),
+                  out_shardings=(laid_out(params), laid_out(state), P()))
     return step.lower(params, state, batch)
 
 
