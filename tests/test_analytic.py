@@ -156,6 +156,26 @@ def test_ring_attention_passes_the_key_value_heads_around_the_ring(shape):
     assert moved["ppermute"] == pytest.approx(cfg.n_layers * kv * (3 * (cp - 1) + 1), rel=0.05)
 
 
+@pytest.mark.parametrize("transforms", [[], [nf.ring_attention("cp")]], ids=["gathered", "ring"])
+def test_a_rank_computes_its_queries_against_the_whole_sequence_whether_the_keys_are_gathered_or_ring_borne(transforms):
+    # per layer 4·B·H·Lq·Lk·K forward, Lq a rank's share of the sequence and Lk the whole of it,
+    # and 2.5 times that backward (torch's flash formulas): the ring's local op counts the blocks
+    # it computes as the gathered program's attention op does
+    import dataclasses
+
+    from models import llama
+
+    from ndfunc._src.partition.planning.flops import is_attention, node_flops
+
+    cp, seq = 4, 64
+    tiny = lambda **changes: dataclasses.replace(llama.LlamaConfig.tiny(), **changes)  # noqa: E731
+    cfg, lowered, _ = _llama_step(tiny, (1, 1, cp, 1), seq, transforms=transforms)
+    lowered.program.ensure_meta()
+    attention = sum(node_flops(n) for n in lowered.program.local.graph.nodes if is_attention(n.target))
+    forward = 4 * cfg.n_heads * seq * (seq * cp) * (cfg.dim // cfg.n_heads)
+    assert attention == cfg.n_layers * forward * 7 // 2
+
+
 STRATEGIES = {  # (dp_replicate, dp_shard, cp, tp), as the Hugging Face ND-parallel guide names them
     "fsdp8": (1, 8, 1, 1), "tp8": (1, 1, 1, 8), "fsdp4_tp2": (1, 4, 1, 2), "hsdp2x4": (2, 4, 1, 1), "cp4": (1, 1, 4, 1)}
 

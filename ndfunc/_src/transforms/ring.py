@@ -31,6 +31,7 @@ from torch.distributed.tensor import Shard
 from ndfunc._src import attention
 from ndfunc._src.partition import program as prog
 from ndfunc._src.partition.planning.layout import local_shape
+from ndfunc._src.partition.planning.ops import attention_flops, register
 from ndfunc._src.partition.planning.strategies import RESHAPES, tensor_inputs, value_of
 from ndfunc._src.point_to_point import across_ranks, permute_blocks
 from ndfunc._src.sharding.errors import ShardingWarning, user_stacklevel
@@ -278,6 +279,20 @@ def ring_backward(grad_out, q, k, v, out, lse, *, mask, scale, kernel, coords, a
             k, v = _shift(k, peers), _shift(v, peers)
         dk, dv = _shift(dk, peers), _shift(dv, peers)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+def _ring_flops(node: torch.fx.Node) -> int:
+    """A rank's queries against every rank's keys: `size` blocks of the kernel's work (blocks the
+    mask hides are counted: which ones depends on the rank); backward 2.5 times forward, as the
+    kernels' own formulas."""
+    backward = node.target is ring_backward
+    q, k = node.args[1:3] if backward else node.args[:2]
+    work = node.kwargs["size"] * attention_flops(q.meta["val"], k.meta["val"])
+    return work * 5 // 2 if backward else work
+
+
+register(ring_forward, flops=_ring_flops, attention=True)
+register(ring_backward, flops=_ring_flops, attention=True)
 
 
 # --- the zigzag layout -----------------------------------------------------------------------

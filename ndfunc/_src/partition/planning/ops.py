@@ -69,6 +69,7 @@ class OpRule:
 
     strategies: Callable | None = None
     flops: Callable[[torch.fx.Node], int] | None = None
+    attention: bool = False  # its flops are attention's (a program's time prices them at its kernels' rate)
     saved_by_remat: bool = False
     lower: Callable | None = None
     local: Callable | None = None
@@ -78,7 +79,8 @@ _RULES: dict = {}
 
 
 def register(op, **fields) -> None:
-    """Register what ndfunc knows of `op` (an OpOverload): `OpRule`'s fields."""
+    """Register what ndfunc knows of `op` (an OpOverload, or a transform's local function that a
+    lowered program calls: its `flops`): `OpRule`'s fields."""
     if op in _RULES:
         raise ValueError(f"{op} has an OpRule already; change that registration instead of adding one.")
     _RULES[op] = OpRule(**fields)
@@ -529,19 +531,20 @@ def _axis_index(emitter, node, locals_):
 
 # --- work ----------------------------------------------------------------------------------------
 
-def _attention(q: torch.Tensor, k: torch.Tensor) -> int:
+def attention_flops(q: torch.Tensor, k: torch.Tensor) -> int:
+    """Attention of queries `q` (B, H, Lq, K) over keys `k` (.., Lk, K): 4·B·H·Lq·Lk·K."""
     b, h, lq, d = q.shape
     return 4 * b * h * lq * k.shape[-2] * d
 
 
 def _attention_flops(node) -> int:
     """Attention: 4·B·H·Lq·Lk·K, as torch's formula for its flash kernels."""
-    return _attention(node.args[0].meta["val"], node.args[1].meta["val"])
+    return attention_flops(node.args[0].meta["val"], node.args[1].meta["val"])
 
 
 def _attention_backward_flops(node) -> int:
     """Its backward: 2.5 times the forward, as for torch's flash kernels."""
-    return _attention(node.args[1].meta["val"], node.args[2].meta["val"]) * 5 // 2
+    return attention_flops(node.args[1].meta["val"], node.args[2].meta["val"]) * 5 // 2
 
 
 def _attention_kernel(node, args) -> tuple:
@@ -554,8 +557,9 @@ def _attention_kernel(node, args) -> tuple:
 
 # --- the registrations ---------------------------------------------------------------------------
 
-register(attention.attention_op, strategies=_attention_rule, flops=_attention_flops, local=_attention_kernel)
-register(attention.attention_backward_op, strategies=_attention_rule, flops=_attention_backward_flops,
+register(attention.attention_op, strategies=_attention_rule, flops=_attention_flops, local=_attention_kernel,
+         attention=True)
+register(attention.attention_backward_op, strategies=_attention_rule, flops=_attention_backward_flops, attention=True,
          local=_attention_kernel)
 register(aten.nll_loss_forward.default, strategies=_mean_loss_rule)
 register(aten.embedding.default, strategies=_vocab_parallel_rule, lower=_vocab_parallel)
