@@ -30,10 +30,16 @@ from ndfunc._src.planner.model import TransformerShape as TransformerShape
 from ndfunc._src.planner.model import model_names as model_names
 from ndfunc._src.planner.search import Plan as Plan
 from ndfunc._src.planner.search import plan as plan
+from ndfunc._src.planner.steps import StepEstimate as StepEstimate
+from ndfunc._src.planner.steps import StepPlan as StepPlan
+from ndfunc._src.planner.steps import plan_step as plan_step
+from ndfunc._src.planner.timeline import ProgramTime as ProgramTime
+from ndfunc._src.planner.timeline import program_time as program_time
 
 __all__ = [
-    "Cluster", "Device", "Efficiency", "Estimate", "Layout", "Link", "Memory", "Options", "Plan", "StepTime",
-    "TransformerShape", "estimate", "gpu_names", "memory_per_rank", "model_names", "plan",
+    "Cluster", "Device", "Efficiency", "Estimate", "Layout", "Link", "Memory", "Options", "Plan", "ProgramTime",
+    "StepEstimate", "StepPlan", "StepTime", "TransformerShape", "estimate", "gpu_names", "memory_per_rank",
+    "model_names", "plan", "plan_step", "program_time",
 ]
 
 if __name__ == "__main__":

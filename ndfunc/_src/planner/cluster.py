@@ -31,7 +31,11 @@ class Device:
         peak_bf16_flops: dense bf16 tensor-core peak, flop/s.
         peak_fp8_flops: dense fp8 peak, flop/s; `None` where the device has no fp8 tensor cores
             (A100), so a float8 layout cannot be priced on it.
-        memory_bandwidth: HBM bytes/s; prices the memory-bound optimizer step.
+        memory_bandwidth: HBM bytes/s; prices the memory-bound optimizer step (and, reading a
+            program, every op that moves more than it computes).
+        peak_fp32_flops: dense fp32 peak without tensor cores (torch multiplies fp32 so unless
+            TF32 is allowed), flop/s, for programs that compute in fp32; `None`: the bf16 figure
+            (a CPU measured at its own fp32 rate).
 
     Example:
         >>> Device.cpu(memory_bytes=64 * GiB, peak_flops=2e12, memory_bandwidth=100e9).name
@@ -43,11 +47,16 @@ class Device:
     peak_bf16_flops: float
     peak_fp8_flops: float | None
     memory_bandwidth: float
+    peak_fp32_flops: float | None = None
 
     def __post_init__(self) -> None:
         for field in ("memory_bytes", "peak_bf16_flops", "memory_bandwidth"):
             if not getattr(self, field) > 0:
                 raise ValueError(f"Device.{field} must be > 0, got {getattr(self, field)!r}.")
+
+    @property
+    def peak_fp32(self) -> float:
+        return self.peak_bf16_flops if self.peak_fp32_flops is None else self.peak_fp32_flops
 
     @classmethod
     def cpu(cls, *, memory_bytes: float, peak_flops: float, memory_bandwidth: float) -> Device:
@@ -150,8 +159,12 @@ class Cluster:
 
     def crosses_nodes(self, size: int, stride: int) -> bool:
         """Whether a group of `size` ranks, `stride` apart, spans more than one node."""
-        span = size * stride
-        return size > 1 and not (span <= self.gpus_per_node and self.gpus_per_node % span == 0)
+        return size > 1 and self.spans_nodes(size * stride)
+
+    def spans_nodes(self, span: int) -> bool:
+        """Whether `span` consecutive ranks (row-major, from a multiple of `span`) lie on more than
+        one node: unless they tile a node evenly."""
+        return not (span <= self.gpus_per_node and self.gpus_per_node % span == 0)
 
     @classmethod
     def of(cls, gpu: str | Device, num_gpus: int, gpus_per_node: int = 8) -> Cluster:
@@ -187,12 +200,13 @@ def device(name: str) -> Device:
 # Datasheets: NVIDIA A100 Tensor Core GPU (SXM4 80GB: 312 TFLOPS bf16 dense, 2,039 GB/s, no FP8);
 # H100 Tensor Core GPU (SXM5: 989 TFLOPS bf16 and 1,979 TFLOPS FP8 dense, 80 GB, 3.35 TB/s);
 # H200 (SXM: same tensor cores as H100, 141 GB HBM3e, 4.8 TB/s); DGX B200 (per GPU: 2.25 PFLOPS
-# bf16 and 4.5 PFLOPS FP8 dense, 1,440 GB for 8 GPUs = 180 GB each, 8 TB/s).
+# bf16 and 4.5 PFLOPS FP8 dense, 1,440 GB for 8 GPUs = 180 GB each, 8 TB/s). FP32 without tensor
+# cores: A100 19.5, H100 and H200 SXM 67, HGX B200 75 TFLOPS per GPU.
 _DEVICES = {
-    "a100": Device("A100-SXM-80GB", 80 * GiB, 312 * TFLOPS, None, 2039 * GB),
-    "h100": Device("H100-SXM-80GB", 80 * GiB, 989 * TFLOPS, 1979 * TFLOPS, 3350 * GB),
-    "h200": Device("H200-SXM-141GB", 141 * GB, 989 * TFLOPS, 1979 * TFLOPS, 4800 * GB),
-    "b200": Device("B200-180GB", 180 * GB, 2250 * TFLOPS, 4500 * TFLOPS, 8000 * GB),
+    "a100": Device("A100-SXM-80GB", 80 * GiB, 312 * TFLOPS, None, 2039 * GB, 19.5 * TFLOPS),
+    "h100": Device("H100-SXM-80GB", 80 * GiB, 989 * TFLOPS, 1979 * TFLOPS, 3350 * GB, 67 * TFLOPS),
+    "h200": Device("H200-SXM-141GB", 141 * GB, 989 * TFLOPS, 1979 * TFLOPS, 4800 * GB, 67 * TFLOPS),
+    "b200": Device("B200-180GB", 180 * GB, 2250 * TFLOPS, 4500 * TFLOPS, 8000 * GB, 75 * TFLOPS),
 }
 
 # (intra bandwidth, intra latency, inter bandwidth, inter latency), per GPU and per direction.

@@ -15,6 +15,14 @@ from ndfunc._src.torch_compat import pytree
 
 aten = torch.ops.aten
 
+# PyTorch's own attention kernels, forward and backward, as a program on CUDA may call them
+_TORCH_ATTENTION = frozenset(getattr(aten, name) for name in (
+    "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_backward",
+    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_efficient_attention_backward",
+    "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_cudnn_attention_backward",
+    "_flash_attention_forward", "_flash_attention_backward", "_efficient_attention_forward",
+    "_efficient_attention_backward") if hasattr(aten, name))
+
 
 def node_flops(node: torch.fx.Node) -> int:
     if node.op != "call_function":
@@ -33,6 +41,13 @@ def node_flops(node: torch.fx.Node) -> int:
         return int(formula(*vals[0], out_val=node.meta.get("val"), **vals[1]))
     except Exception:  # noqa: BLE001 - a formula that does not take these arguments counts nothing
         return 0
+
+
+def is_attention(target) -> bool:
+    """Whether `target`'s flops are attention's: ndfunc's attention ops and the transforms' rings
+    (registered so), PyTorch's attention kernels."""
+    rule = rule_of(target)
+    return (rule is not None and rule.attention) or getattr(target, "overloadpacket", None) in _TORCH_ATTENTION
 
 
 def graph_flops(graph: torch.fx.Graph) -> int:

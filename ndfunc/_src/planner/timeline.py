@@ -1,0 +1,198 @@
+"""A lowered step's time on a cluster, read from the program each rank runs.
+
+`estimate` prices a Llama shape by closed forms. `program_time` prices what ndfunc will run: any
+step lowered shape-only (`nf.jit(step).lower(*stand_ins)` over an `AbstractMesh`), a Hugging Face
+model's as well as the project's Llama, replayed op by op as a GPU runs it:
+
+- one compute stream runs the ops in program order. An op takes its roofline time: the larger of
+  its flops over the peak for its dtype times the efficiency for its kind (`Efficiency.matmul`;
+  `Efficiency.attention` for attention kernels and rings), and the bytes it reads and writes over
+  the memory bandwidth. Views, `getitem`s and waits take none.
+- A collective is issued when the compute stream reaches it. It runs on the stream of the link
+  its group crosses (NVLink, or the fabric where its mesh axes span nodes): after what was issued
+  before it there, for `steps x latency + bytes a rank sends / bandwidth` (`Comm.moved`, a ring's
+  share), the alpha-beta model of `Link`.
+- A `wait_tensor` holds the compute stream until its collective is done. A collective nothing
+  waits for (a ring attention: its hops run beside the blocks it computes) holds the compute
+  stream for the longer of its compute and its communication.
+
+The step takes until every stream is idle. Overlap is what the program's schedule allows and no
+more: `nf.fsdp`'s prefetched gathers hide behind the layer before them; a tensor-parallel
+all-reduce that the next op waits for hides behind nothing. What it leaves out: kernel launch
+overheads (an eager program of small ops runs slower than its roofline) and link contention
+between streams of one level beyond the order they are issued in.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import operator
+
+import torch
+
+from ndfunc._src import attention
+from ndfunc._src.partition import program as prog
+from ndfunc._src.partition.planning.flops import is_attention, node_flops
+from ndfunc._src.planner.cluster import Cluster, Device
+from ndfunc._src.planner.estimate import Efficiency
+
+# What kernels sustain of the datasheet peak, op by op. The closed forms' `Efficiency()` folds the
+# ops that are not matmuls into its matmul figure; a replay prices those ops itself, by their bytes.
+# Attention 0.35: FlashAttention-2's utilisation of an H100 (Shah et al. 2024, "FlashAttention-3",
+# sec. 1). Matmuls 0.6: a round figure for cuBLAS's bf16 GEMMs at a training step's shapes on a
+# Hopper part (about 600 of H100's 989 TFLOPS). Assumptions, not fitted to the validation rows.
+KERNELS = Efficiency(matmul=0.6, attention=0.35)
+
+_WAIT = torch.ops._c10d_functional.wait_tensor.default
+# Ops that move no bytes of their own: they alias their input (a reshape views where it can, and
+# the lowering asks for one only where a view of the global value was traced)
+_FREE = frozenset({operator.getitem, torch.ops.aten.reshape.default, torch.ops.aten._unsafe_view.default})
+# Ring steps per collective: a ring all-reduce is a reduce-scatter then an all-gather
+_STEPS = {"all_gather": 1, "reduce_scatter": 1, "all_to_all": 1, "all_reduce": 2}
+
+
+@dataclasses.dataclass(frozen=True)
+class ProgramTime:
+    """Seconds one run of a local program takes on a cluster, and where they go.
+
+    `total`: until every stream is idle. `compute`: the compute stream's own work (ops' roofline
+    times). `exposed`: what the compute stream waited on collectives, `total - compute` (with the
+    tail of collectives still running when it finished). `links`: seconds each link level
+    (`intra`, `inter`) was busy; `sent`: bytes a rank sent over each. `flops`: per rank.
+    """
+
+    total: float
+    compute: float
+    links: dict[str, float]
+    sent: dict[str, float]
+    flops: float
+
+    @property
+    def exposed(self) -> float:
+        return self.total - self.compute
+
+    def times(self, n: int) -> ProgramTime:
+        """`n` runs one after another (a micro-batch's program under gradient accumulation)."""
+        return ProgramTime(n * self.total, n * self.compute, {k: n * v for k, v in self.links.items()},
+                           {k: n * v for k, v in self.sent.items()}, n * self.flops)
+
+    def __add__(self, other: ProgramTime) -> ProgramTime:
+        """This run, then `other`'s."""
+        return ProgramTime(self.total + other.total, self.compute + other.compute,
+                           {k: v + other.links[k] for k, v in self.links.items()},
+                           {k: v + other.sent[k] for k, v in self.sent.items()}, self.flops + other.flops)
+
+    def __str__(self) -> str:
+        busy = ", ".join(f"{k} {v:.3f}" for k, v in self.links.items() if v)
+        return f"{self.total:.3f} s (compute {self.compute:.3f}, exposed comm {self.exposed:.3f}; links busy: {busy or 'none'})"
+
+
+def program_time(lowered, cluster: Cluster, efficiency: Efficiency = KERNELS) -> ProgramTime:
+    """`lowered`'s local program (a `Lowered` or a `Program`) replayed on `cluster`'s devices and
+    links (see the module's text), at `efficiency` (`KERNELS`: kernels' own rates); its mesh is
+    the cluster's ranks, row-major.
+
+    Example:
+        >>> import ndfunc as nf, torch
+        >>> from ndfunc.plan import Cluster, program_time
+        >>> mesh = nf.sharding.AbstractMesh({"dp_shard": 8})
+        >>> w = nf.ShapeDtypeStruct((4096, 4096), torch.bfloat16, sharding=nf.sharding.NamedSharding(mesh, nf.sharding.P("dp_shard")))
+        >>> x = nf.ShapeDtypeStruct((8, 4096), torch.bfloat16, sharding=nf.sharding.NamedSharding(mesh, nf.sharding.P("dp_shard")))
+        >>> t = program_time(nf.jit(lambda w, x: x @ w, mesh=mesh).lower(w, x), Cluster.of("h100", 8))
+        >>> t.links["intra"] > 0 and t.total >= t.compute
+        True
+    """
+    program = getattr(lowered, "program", lowered)
+    program.ensure_meta()
+    mesh = program.mesh
+    sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
+    if math.prod(sizes.values()) != cluster.num_gpus:
+        raise ValueError(f"program_time: the program's mesh {sizes} has {math.prod(sizes.values())} ranks; the cluster "
+                         f"has {cluster.num_gpus} GPUs. Lower the step on a mesh of the cluster's size.")
+    strides = {a: math.prod(list(sizes.values())[i + 1:]) for i, a in enumerate(sizes)}
+    device = cluster.device
+    t = 0.0  # the compute stream
+    compute = 0.0
+    free = {"intra": 0.0, "inter": 0.0}  # when each link's stream is next idle
+    busy = {"intra": 0.0, "inter": 0.0}
+    sent = {"intra": 0.0, "inter": 0.0}
+    done: dict[torch.fx.Node, float] = {}  # a collective -> when it finishes
+    flops = 0.0
+    for node in program.local.graph.nodes:
+        if node.op != "call_function":
+            continue
+        if node.target is _WAIT:
+            t = max(t, done.get(node.args[0], 0.0))
+            continue
+        work, f = op_seconds(node, device, efficiency)
+        flops += f
+        c = prog.comm(node)
+        if c is None:
+            t += work
+            compute += work
+            continue
+        level, seconds = _collective(c, sizes, strides, cluster)
+        start = max(t, free[level])
+        free[level] = done[node] = start + seconds
+        busy[level] += seconds
+        sent[level] += c.moved
+        if not any(u.target is _WAIT for u in node.users):  # nothing waits for it: it runs in line
+            compute += work
+            t = max(t + work, done[node])
+    total = max(t, *free.values())
+    return ProgramTime(total, compute, busy, sent, flops)
+
+
+def op_seconds(node: torch.fx.Node, device: Device, efficiency: Efficiency) -> tuple[float, float]:
+    """`(seconds, flops)` of one op of a local program on `device`: its roofline time (module text)."""
+    if node.target in _FREE or getattr(node.target, "is_view", False):
+        return 0.0, 0.0
+    flops = node_flops(node)
+    moved = _bytes(node.meta.get("val")) + sum(_bytes(a.meta.get("val")) for a in node.all_input_nodes)
+    seconds = moved / device.memory_bandwidth
+    if flops:
+        kind = efficiency.attention if is_attention(node.target) else efficiency.matmul
+        executed = flops / 2 if _causal(node) else flops  # a causal kernel skips the blocks above the diagonal
+        seconds = max(seconds, executed / (_peak(device, node) * kind))
+    return seconds, float(flops)
+
+
+def _causal(node: torch.fx.Node) -> bool:
+    """Whether an op is an attention kernel told `is_causal` (its flops formula counts every block)."""
+    schema = getattr(node.target, "_schema", None)
+    if schema is None or not any(a.name == "is_causal" for a in schema.arguments):
+        return False
+    return bool(attention.argument(node, "is_causal"))
+
+
+def _peak(device: Device, node: torch.fx.Node) -> float:
+    """The peak rate for the dtype an op multiplies in: its first tensor input's."""
+    dtype = next((a.meta["val"].dtype for a in node.all_input_nodes if isinstance(a.meta.get("val"), torch.Tensor)),
+                 torch.bfloat16)
+    if dtype.itemsize == 1 and dtype.is_floating_point and device.peak_fp8_flops is not None:
+        return device.peak_fp8_flops
+    if dtype in (torch.float32, torch.float64):
+        return device.peak_fp32
+    return device.peak_bf16_flops
+
+
+def _collective(c: prog.Comm, sizes: dict, strides: dict, cluster: Cluster) -> tuple[str, float]:
+    """`(link level, seconds)` of one collective: the alpha-beta cost on the link its group crosses."""
+    n = math.prod(sizes[a] for a in c.axes)
+    span = max(sizes[a] * strides[a] for a in c.axes)  # ranks from the group's first to past its last
+    level = "inter" if cluster.spans_nodes(span) else "intra"
+    link = cluster.inter if level == "inter" else cluster.intra
+    if n <= 1:
+        return level, 0.0
+    # a ppermute's hops: one, or a ring's n - 1 (what it sends over one hop's block)
+    steps = _STEPS[c.kind] * (n - 1) if c.kind in _STEPS else max(1, round(c.moved / c.bytes)) if c.bytes else 1
+    return level, steps * link.latency + c.moved / link.bandwidth
+
+
+def _bytes(val) -> int:
+    if isinstance(val, torch.Tensor):
+        return val.numel() * val.element_size()
+    if isinstance(val, (tuple, list)):
+        return sum(_bytes(v) for v in val)
+    return 0

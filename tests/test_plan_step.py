@@ -1,0 +1,137 @@
+"""nf.plan from a step: a lowered program replayed on a cluster (`program_time`) against times
+worked out here by hand from the cluster's figures, its links chosen by the nodes a group spans,
+and `plan_step`'s ranking against the closed forms' (`estimate`, a model written independently)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+import ndfunc as nf
+from ndfunc.plan import Cluster, Device, Efficiency, Layout, Options, TransformerShape, estimate, plan_step, program_time
+from ndfunc.sharding import AbstractMesh, NamedSharding, P
+
+REL = 1e-12
+H100 = Cluster.of("h100", 8)
+
+
+def _stand_in(mesh, shape, spec, dtype=torch.bfloat16):
+    return nf.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec))
+
+
+def test_a_gather_waited_for_at_once_adds_its_time_to_the_ops_after_it():
+    # each rank gathers a 4096 x 4096 bf16 weight from 8 blocks over NVLink (7 ring steps of 1 us,
+    # 7/8 of 32 MiB at 450 GB/s), then doubles it in place (32 MiB read and written at 3.35 TB/s)
+    mesh = AbstractMesh({"dp_shard": 8})
+    w = _stand_in(mesh, (4096, 4096), P("dp_shard"))
+    t = program_time(nf.jit(lambda w: w * 2, mesh=mesh, out_shardings=P()).lower(w), H100)
+    whole = 4096 * 4096 * 2
+    gather = 7 * 1e-6 + whole * 7 / 8 / 450e9
+    double = 2 * whole / 3350e9
+    assert t.total == pytest.approx(gather + double, rel=REL)
+    assert t.compute == pytest.approx(double, rel=REL) and t.exposed == pytest.approx(gather, rel=REL)
+    assert t.sent == {"intra": whole * 7 / 8, "inter": 0.0} and t.links["intra"] == pytest.approx(gather, rel=REL)
+
+
+@pytest.mark.parametrize("dtype, peak", [(torch.bfloat16, 989e12), (torch.float32, 67e12)])
+def test_a_matmul_takes_its_flops_at_the_peak_for_its_dtype(dtype, peak):
+    # one GPU, one 8192^3 matmul: 2 x 8192^3 flops at the dtype's datasheet peak (fp32 without
+    # tensor cores) times the matmul efficiency; its bytes would take far less
+    mesh = AbstractMesh({"dp_shard": 1})
+    x = _stand_in(mesh, (8192, 8192), P(), dtype)
+    t = program_time(nf.jit(lambda x: x @ x, mesh=mesh).lower(x), Cluster.of("h100", 1), Efficiency(matmul=0.5))
+    assert t.flops == 2 * 8192**3
+    assert t.total == pytest.approx(2 * 8192**3 / (peak * 0.5), rel=REL)
+
+
+def test_a_group_that_spans_nodes_runs_on_the_fabric():
+    # 16 GPUs, 8 a node, dp_shard 2 x tp 8: tp's 8 ranks are a node, dp_shard's 2 are 8 apart
+    cluster = Cluster.of("h100", 16)
+    mesh = AbstractMesh({"dp_shard": 2, "tp": 8})
+    a, b = _stand_in(mesh, (1024, 1024), P("dp_shard")), _stand_in(mesh, (1024, 1024), P("tp"))
+    lowered = nf.jit(lambda a, b: (a * 2, b * 2), mesh=mesh, out_shardings=(P(), P())).lower(a, b)
+    t = program_time(lowered, cluster)
+    whole = 1024 * 1024 * 2
+    assert t.sent == pytest.approx({"inter": whole / 2, "intra": whole * 7 / 8}, rel=REL)
+    assert t.links["inter"] == pytest.approx(10e-6 + whole / 2 / 50e9, rel=REL)
+    assert t.links["intra"] == pytest.approx(7 * 1e-6 + whole * 7 / 8 / 450e9, rel=REL)
+
+
+def test_prefetched_gathers_hide_behind_compute():
+    # nf.fsdp gathers the next layer while this one computes: the compute stream waits for less
+    # than the link is busy
+    from models import llama, train
+
+    cfg = llama.LlamaConfig.llama3_8b(n_layers=2)
+    config = nf.ParallelConfig(dp_shard_size=8)
+    lowered = train.lower_abstract(cfg, config, 4096, [nf.fsdp("dp_shard"), nf.mixed_precision(torch.bfloat16)])
+    t = program_time(lowered, H100)
+    assert 0 < t.exposed < t.links["intra"]
+    assert max(t.compute, t.links["intra"]) <= t.total <= t.compute + t.links["intra"]
+
+
+def test_a_step_of_several_programs_adds_them_up():
+    mesh = AbstractMesh({"dp_shard": 8})
+    w = _stand_in(mesh, (4096, 4096), P("dp_shard"))
+    lowered = nf.jit(lambda w: w * 2, mesh=mesh, out_shardings=P()).lower(w)
+    one = program_time(lowered, H100)
+    planned = plan_step(lambda layout: [(lowered, 3), (lowered, 1)], [Layout(dp_shard=8)], cluster=H100,
+                        tokens_per_step=100)
+    (row,) = planned.rows
+    assert row.time.total == pytest.approx(4 * one.total, rel=REL) and row.time.flops == 4 * one.flops
+    assert row.tokens_per_s_per_gpu == pytest.approx(100 / row.time.total / 8, rel=REL)
+
+
+def test_plan_step_keeps_what_does_not_fit_or_lower_apart():
+    mesh = AbstractMesh({"dp_shard": 8})
+    small = dataclasses.replace(H100, device=dataclasses.replace(H100.device, memory_bytes=3.5 * 2**30))
+
+    def lower(layout):
+        if layout.tp > 1:
+            raise ValueError("no tp here")
+        w = _stand_in(mesh, (16384, 16384), P("dp_shard"))  # 512 MiB gathered, over the 0.5 GiB left
+        return nf.jit(lambda w: w * 2, mesh=mesh, out_shardings=P()).lower(w)
+    planned = plan_step(lower, [Layout(dp_shard=8), Layout(dp_shard=4, tp=2)], cluster=small, tokens_per_step=1)
+    assert planned.rows == () and [e.layout for e in planned.too_big] == [Layout(dp_shard=8)]
+    assert planned.failed == ((Layout(dp_shard=4, tp=2), "ValueError: no tp here"),)
+    assert str(planned).endswith("\nnot lowered: dp_shard 4 x tp 2: ValueError: no tp here")
+    with pytest.raises(ValueError, match=r"^no layout fits: the step on 8 x H100-SXM-80GB"):
+        planned.best
+
+
+def test_bad_inputs_say_what_to_do():
+    mesh = AbstractMesh({"dp_shard": 8})
+    lowered = nf.jit(lambda w: w * 2, mesh=mesh).lower(_stand_in(mesh, (64, 64), P("dp_shard")))
+    with pytest.raises(ValueError, match=r"^program_time: the program's mesh \{'dp_shard': 8\} has 8 ranks; the "
+                                         r"cluster has 16 GPUs\. Lower the step on a mesh of the cluster's size\.$"):
+        program_time(lowered, Cluster.of("h100", 16))
+    with pytest.raises(ValueError, match=r"^plan_step: tokens_per_step must be an int >= 1, got 0\.$"):
+        plan_step(lambda layout: lowered, [Layout(dp_shard=8)], cluster=H100, tokens_per_step=0)
+    with pytest.raises(ValueError, match=r"^plan_step: Layout\(dp_shard=4\) uses 4 GPUs; the cluster has 8\.$"):
+        plan_step(lambda layout: lowered, [Layout(dp_shard=4)], cluster=H100, tokens_per_step=1)
+
+
+@pytest.mark.slow  # five Llama-3-8B-shaped steps lowered: seconds each
+def test_the_replayed_programs_rank_layouts_as_the_closed_forms_do():
+    # two layers of Llama 3 8B on 16 H100s (two nodes), 16 sequences of 4096 tokens a step: the
+    # closed forms (`estimate`) and the replayed programs are two models of the same runs, written
+    # apart; they agree on the order, though not on the times (the replay prices every op)
+    from models import llama, train
+
+    cfg = llama.LlamaConfig.llama3_8b(n_layers=2)
+    cluster, seq, batch = Cluster.of("h100", 16), 4096, 16
+    layouts = [Layout(dp_shard=16), Layout(dp_shard=8, tp=2), Layout(dp_shard=2, tp=8),
+               Layout(dp_replicate=2, dp_shard=8), Layout(dp_replicate=16)]
+
+    def lower(layout):
+        config = nf.ParallelConfig(layout.dp_replicate, layout.dp_shard, layout.cp, layout.tp)
+        transforms = [nf.fsdp("dp_shard")] if layout.dp_shard > 1 else []
+        return train.lower_abstract(cfg, config, seq, [*transforms, nf.mixed_precision(torch.bfloat16, torch.float32)],
+                                    batch // layout.dp_size, positions=False)
+    replayed = [e.layout for e in plan_step(lower, layouts, cluster=cluster, tokens_per_step=batch * seq).rows]
+    shape = TransformerShape.from_config(cfg)
+    closed = sorted(layouts, key=lambda lay: estimate(shape, lay, Options("none", micro_batch=batch // lay.dp_size),
+                                                      cluster=cluster, global_batch=batch, seq_len=seq).time.total)
+    assert replayed == closed
