@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import json
 import pathlib
 import sys
 
@@ -54,6 +55,32 @@ def test_from_config_reads_the_repos_llama_config():
     assert dataclasses.replace(TransformerShape.from_config(cfg), name="llama3-8b") == LLAMA_8B
     with pytest.raises(TypeError, match=r"lacks \['vocab_size'"):
         TransformerShape.from_config(object())
+
+
+def test_from_config_reads_a_hugging_face_config():
+    # Meta's Llama 3.1 8B config.json as transformers reads it; a config without key/value heads of
+    # its own (multi-head attention) has as many as query heads
+    from transformers import LlamaConfig as HFLlamaConfig
+
+    hf = HFLlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                       num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=False)
+    assert dataclasses.replace(TransformerShape.from_config(hf), name="llama3-8b") == LLAMA_8B
+    mha = TransformerShape.from_config(HFLlamaConfig(hidden_size=256, num_attention_heads=4, num_key_value_heads=None))
+    assert mha.n_kv_heads == 4
+    with pytest.raises(TypeError, match=r"lacks \['vocab_size', 'num_hidden_layers'"):
+        TransformerShape.from_config(type("Half", (), {"hidden_size": 8})())
+
+
+def test_cli_plans_a_hugging_face_config_json(tmp_path, capsys):
+    (tmp_path / "config.json").write_text(json.dumps({
+        "_name_or_path": "my-llama", "vocab_size": 128256, "hidden_size": 4096, "intermediate_size": 14336,
+        "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8}))
+    main(["--model", str(tmp_path), "--gpus", "16", "--global-batch", "32", "--seq-len", "8192", "--top", "3"])
+    assert "my-llama on 16 x H100-SXM-80GB" in capsys.readouterr().out
+    (tmp_path / "bad.json").write_text("{}")
+    with pytest.raises(SystemExit):
+        main(["--model", str(tmp_path / "bad.json"), "--gpus", "8", "--global-batch", "8", "--seq-len", "128"])
+    assert "cannot read a model shape from" in capsys.readouterr().err
 
 
 def test_ring_costs_by_hand():
@@ -202,7 +229,8 @@ def test_cli_prints_the_table(capsys):
 
 @pytest.mark.parametrize("argv, message", [
     (["--gpu", "v100"], "--gpu 'v100' is not a built-in GPU; expected one of a100, h100, h200, b200"),
-    (["--model", "gpt2"], "--model 'gpt2' is not a built-in model; expected one of llama3-8b, llama3-70b"),
+    (["--model", "gpt2"], "--model 'gpt2' is neither a built-in model (llama3-8b, llama3-70b, llama3-405b) nor a "
+                          "file; pass one of those names or the path of a Hugging Face config.json."),
     (["--gpus", "12"], "--gpus 12 is not a whole number of nodes of --gpus-per-node 8; use a multiple of 8"),
 ])
 def test_cli_errors(capsys, argv, message):

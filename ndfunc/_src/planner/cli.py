@@ -1,4 +1,5 @@
-"""`python -m ndfunc.plan`: rank the layouts of a built-in model on a built-in cluster, print a table.
+"""`python -m ndfunc.plan`: rank the layouts of a built-in model (or one a Hugging Face config.json
+describes) on a built-in cluster, print a table.
 
 Bad input is an argparse error (exit code 2) that says what was expected, what came and what to do.
 """
@@ -6,7 +7,10 @@ Bad input is an argparse error (exit code 2) that says what was expected, what c
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import sys
+import types
 
 from ndfunc._src.planner.cluster import Cluster, gpu_names
 from ndfunc._src.planner.estimate import Efficiency
@@ -20,7 +24,9 @@ def parser() -> argparse.ArgumentParser:
         description="Rank ND-parallel layouts (dp_replicate x dp_shard x cp x tp) of a Llama-shaped model by "
                     "predicted step time; layouts that do not fit memory are dropped.",
     )
-    p.add_argument("--model", default="llama3-8b", help=f"one of: {', '.join(model_names())}")
+    p.add_argument("--model", default="llama3-8b",
+                   help=f"one of: {', '.join(model_names())}; or a Hugging Face config.json (or the directory "
+                        f"holding one) of a Llama-shaped model")
     p.add_argument("--gpus", type=int, required=True, help="number of GPUs")
     p.add_argument("--gpus-per-node", type=int, default=8)
     p.add_argument("--gpu", default="h100", help=f"one of: {', '.join(gpu_names())}")
@@ -35,13 +41,29 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def _from_hf_config(p: argparse.ArgumentParser, path: str) -> TransformerShape:
+    """The shape in a Hugging Face config.json (or the directory holding one)."""
+    file = os.path.join(path, "config.json") if os.path.isdir(path) else path
+    try:
+        with open(file) as f:
+            cfg = json.load(f)
+        return TransformerShape.from_config(types.SimpleNamespace(**cfg), name=cfg.get("_name_or_path") or
+                                            os.path.basename(os.path.dirname(os.path.abspath(file))))
+    except (OSError, ValueError, TypeError) as err:
+        p.error(f"--model {path!r}: cannot read a model shape from {file} ({err}).")
+
+
 def main(argv: list[str] | None = None) -> None:
     """Parse `argv` (default `sys.argv[1:]`), plan, print the table."""
     p = parser()
     args = p.parse_args(argv)
-    if args.model.lower() not in model_names():
-        p.error(f"--model {args.model!r} is not a built-in model; expected one of {', '.join(model_names())} "
-                f"(for another shape call ndfunc.plan.plan with TransformerShape.from_config(cfg)).")
+    if args.model.lower() in model_names():
+        model = TransformerShape.named(args.model)
+    elif os.path.exists(args.model):
+        model = _from_hf_config(p, args.model)
+    else:
+        p.error(f"--model {args.model!r} is neither a built-in model ({', '.join(model_names())}) nor a file; pass "
+                f"one of those names or the path of a Hugging Face config.json.")
     if args.gpu.lower() not in gpu_names():
         p.error(f"--gpu {args.gpu!r} is not a built-in GPU; expected one of {', '.join(gpu_names())} "
                 f"(for other hardware call ndfunc.plan.plan with your own Cluster(...)).")
@@ -55,7 +77,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         efficiency = Efficiency(args.efficiency, args.attention_efficiency)
         cluster = Cluster.of(args.gpu, args.gpus, args.gpus_per_node)
-        result = plan(TransformerShape.named(args.model), cluster=cluster, global_batch=args.global_batch,
+        result = plan(model, cluster=cluster, global_batch=args.global_batch,
                       seq_len=args.seq_len, float8=args.float8, efficiency=efficiency)
     except ValueError as err:
         p.error(str(err))

@@ -53,13 +53,20 @@ class TransformerShape:
     @classmethod
     def from_config(cls, cfg: object, name: str = "custom") -> TransformerShape:
         """The shape of any config with `vocab_size, dim, n_layers, n_heads, n_kv_heads, ffn_dim`
-        (and optionally `tie_embeddings`), e.g. `models.llama.LlamaConfig`, read by attribute so
-        the planner never imports a model."""
-        fields = ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim")
-        missing = [f for f in fields if not hasattr(cfg, f)]
+        (and optionally `tie_embeddings`), e.g. `models.llama.LlamaConfig`, or with Hugging Face's
+        names for them (`hidden_size, num_hidden_layers, num_attention_heads, num_key_value_heads,
+        intermediate_size, tie_word_embeddings`: a transformers `LlamaConfig`, Mistral's, Qwen2's),
+        read by attribute so the planner never imports a model."""
+        ours = ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "tie_embeddings")
+        fields = ours if not hasattr(cfg, "hidden_size") else _HF_NAMES
+        missing = [f for f in fields[:-1] if not hasattr(cfg, f)]
         if missing:
-            raise TypeError(f"{type(cfg).__name__} lacks {missing}; a TransformerShape needs {list(fields)}.")
-        return cls(*(getattr(cfg, f) for f in fields), bool(getattr(cfg, "tie_embeddings", False)), name)
+            raise TypeError(f"{type(cfg).__name__} lacks {missing}; a TransformerShape needs {list(ours[:-1])}, or "
+                            f"Hugging Face's {list(_HF_NAMES[:-1])}.")
+        values = [getattr(cfg, f) for f in fields[:-1]]
+        if values[4] is None:  # transformers' configs: no key/value heads of their own (multi-head attention)
+            values[4] = values[3]
+        return cls(*values, bool(getattr(cfg, fields[-1], False)), name)
 
     @property
     def head_dim(self) -> int:
@@ -142,6 +149,10 @@ class TransformerShape:
         d, k, f = self.dim, self.kv_dim, self.ffn_dim
         elements = {"none": 6 * d + 2 * k + 4 * f, "selective": 4 * d + 2 * k + 2 * f, "full": d}[remat]
         return float(element_bytes * elements)
+
+
+_HF_NAMES = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+             "intermediate_size", "tie_word_embeddings")
 
 
 def check_remat(remat: str) -> None:
