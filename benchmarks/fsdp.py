@@ -109,17 +109,38 @@ def torch_step(cfg, path, config: nf.ParallelConfig, mesh, lr, wd):
     return step
 
 
-def jit_step(cfg, config: nf.ParallelConfig, mesh, params, lr, wd):
+def _jitted(cfg, config: nf.ParallelConfig, mesh, params, lr, wd):
+    """nf.jit's step, its optimizer state for `params` (tensors or stand-ins) and the specs of both."""
     opt = nf.optim.adamw(lr, weight_decay=wd)
     pspec = nf.sharding.logical_to_mesh(llama.param_axes(cfg), config.rules)
     state = opt.init(params)
-    sspec = nf.optim.state_shardings(state, pspec)
-    named = lambda specs: optree.tree_map(lambda s: NamedSharding(mesh, s), specs,  # noqa: E731
-                                          is_leaf=lambda s: isinstance(s, P))
+    # (over stand-ins, state_shardings gives stand-ins: their shardings are the specs)
+    sspec = optree.tree_map(lambda x: getattr(x, "sharding", x), nf.optim.state_shardings(state, pspec),
+                            is_leaf=lambda x: isinstance(x, (P, nf.ShapeDtypeStruct)))
     bspec = {"tokens": config.batch_spec, "targets": config.batch_spec}
     jitted = nf.jit(train.make_step(cfg, opt, config.rules), mesh=mesh, in_shardings=(pspec, sspec, bspec),
                     out_shardings=(pspec, sspec, P()), donate_argnums=(0, 1), transforms=[nf.fsdp("dp_shard")])
-    carry = [nf.device_put(params, named(pspec)), nf.device_put(state, named(sspec))]
+    return jitted, state, pspec, sspec
+
+
+def named(mesh, specs):
+    return optree.tree_map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda s: isinstance(s, P))
+
+
+def lowered_abstract(model: str, config: nf.ParallelConfig, batch: int, seq: int):
+    """The nf.jit step `worker` runs, lowered over stand-ins on `config`'s abstract mesh (no ranks)."""
+    cfg = CONFIGS[model]
+    mesh = config.build_abstract_mesh()
+    pspec = nf.sharding.logical_to_mesh(llama.param_axes(cfg), config.rules)
+    params = llama.abstract_params(cfg, named(mesh, pspec))
+    jitted, state, _, _ = _jitted(cfg, config, mesh, params, 1e-3, 0.1)
+    tokens = nf.ShapeDtypeStruct((batch, seq), torch.long, sharding=NamedSharding(mesh, config.batch_spec))
+    return jitted.lower(params, state, {"tokens": tokens, "targets": tokens})
+
+
+def jit_step(cfg, config: nf.ParallelConfig, mesh, params, lr, wd):
+    jitted, state, pspec, sspec = _jitted(cfg, config, mesh, params, lr, wd)
+    carry = [nf.device_put(params, named(mesh, pspec)), nf.device_put(state, named(mesh, sspec))]
 
     def step(batch):
         placed = nf.device_put(batch, {k: NamedSharding(mesh, config.batch_spec) for k in batch})

@@ -39,10 +39,15 @@ gloo processes) in the order their measured step times put them?
    processes under torchrun, nf.jit, `--steps` steps after the compiling one): the slowest rank's
    median step time, as fsdp.py reports it; `--rounds` runs alternate the layouts' order, and the
    median over rounds counts.
+4. Each layout's step as a program (`ndfunc.plan.plan_step`): benchmarks/fsdp.py's nf.jit step
+   lowered over stand-ins on an abstract 4-rank mesh, replayed op by op on the same figures (each
+   op's roofline time, each collective on the fitted link, waits where the program waits). It
+   reads what the closed forms leave out (norms, rotary, softmax, casts: their bytes at the
+   measured bandwidth) and the program's own schedule.
 
 Prints the machine's figures, then per layout: predicted s/step (compute, TP, FSDP, optimizer
 parts), measured s/step, predicted / measured, and whether the predicted order of the layouts is
-the measured one. Exits 0 either way.
+the measured one, for the closed forms and for the replayed programs. Exits 0 either way.
 
 Timings need a quiet machine: the ranks share the cores with anything else running, and so do the
 probes that describe the machine. The 1-minute load average is printed at the start and the end.
@@ -65,7 +70,8 @@ import torch.nn.functional as F
 
 import fsdp as bench  # benchmarks/fsdp.py (this directory is on sys.path when run as a script)
 from _llama import CONFIGS
-from ndfunc.plan import Cluster, Device, Efficiency, Layout, Options, TransformerShape, estimate
+import ndfunc as nf
+from ndfunc.plan import Cluster, Device, Efficiency, Layout, Options, TransformerShape, estimate, plan_step
 
 LAYOUTS = bench.LAYOUTS  # (dp_replicate, dp_shard, cp, tp)
 SIZES = (2**12, 2**14, 2**16, 2**18, 2**20, 2**22)  # bytes: a collective's whole (gathered) buffer
@@ -251,6 +257,22 @@ def predict(args, cluster: Cluster, efficiency: Efficiency, nbytes: int) -> dict
     return out
 
 
+def replay(args, cluster: Cluster, efficiency: Efficiency) -> dict:
+    """Each layout's nf.jit step (fsdp.py's, lowered over stand-ins, no ranks) replayed op by op
+    on this box's figures (`plan_step`): the program's own flops, bytes and schedule."""
+    layouts = {name: Layout(*sizes) for name, sizes in LAYOUTS.items()}
+    by_layout = {lay: name for name, lay in layouts.items()}
+
+    def lower(layout):
+        sizes = (layout.dp_replicate, layout.dp_shard, layout.cp, layout.tp)
+        return bench.lowered_abstract(args.model, nf.ParallelConfig(*sizes), args.batch, args.seq)
+    planned = plan_step(lower, layouts.values(), cluster=cluster, tokens_per_step=args.batch * args.seq,
+                        efficiency=efficiency)
+    if planned.failed:
+        raise SystemExit(f"not lowered: {planned.failed}")
+    return {by_layout[e.layout]: e for e in (*planned.rows, *planned.too_big)}
+
+
 def measure(args) -> dict:
     """The slowest rank's median step time per layout (fsdp.py's `_run` and `_figures`), median over rounds."""
     ns = argparse.Namespace(model=args.model, batch=args.batch, seq=args.seq, steps=args.steps,
@@ -305,6 +327,7 @@ def main() -> int:
 
     fp32 = predict(args, cluster, efficiency, 4)
     bf16 = predict(args, cluster, efficiency, 2)
+    replayed = replay(args, cluster, efficiency)
     print(f"\nMeasuring benchmarks/fsdp.py's nf.jit step ({args.model}, batch {args.batch} x {args.seq}, "
           f"{args.steps} steps, {args.rounds} round(s)):", flush=True)
     measured = measure(args)
@@ -320,6 +343,12 @@ def main() -> int:
           "them; 'planner bf16' is the planner's own 2-byte pricing)")
     for name in LAYOUTS:
         print(f"  measured {name}: median of {', '.join(f'{s * 1e3:.1f}' for s in measured[name][1])} ms")
+    print(f"\nThe programs replayed (`plan_step`: each op's roofline time on the figures above, each collective "
+          f"on the fitted link, in the program's order):")
+    print(f"{'layout':>8} {'replayed':>9} {'compute':>8} {'exposed':>8} {'measured':>9} {'replay/meas':>11}")
+    for name in LAYOUTS:
+        t, step = replayed[name].time, measured[name][0]
+        print(f"{name:>8} {t.total:9.4f} {t.compute:8.4f} {t.exposed:8.4f} {step:9.4f} {t.total / step:11.2f}")
     want = _order({k: v[0] for k, v in measured.items()})
     got = _order({k: v.time.total for k, v in fp32.items()})
     got_bf16 = _order({k: v.time.total for k, v in bf16.items()})
@@ -328,6 +357,9 @@ def main() -> int:
           f"{'MATCHES' if got == want else 'DOES NOT MATCH'} the measured order")
     print(f"planner's bf16-byte order:      {' < '.join(got_bf16)}  -> "
           f"{'matches' if got_bf16 == want else 'does not match'}")
+    got_replay = _order({k: v.time.total for k, v in replayed.items()})
+    print(f"replayed programs' order:       {' < '.join(got_replay)}  -> "
+          f"{'MATCHES' if got_replay == want else 'DOES NOT MATCH'} the measured order")
     print(f"load average (1 min): {load0:.2f} at start, {os.getloadavg()[0]:.2f} at end")
     return 0
 
