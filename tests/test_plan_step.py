@@ -97,6 +97,8 @@ def test_plan_step_keeps_what_does_not_fit_or_lower_apart():
     assert planned.rows == () and [e.layout for e in planned.too_big] == [Layout(dp_shard=8)]
     assert planned.failed == ((Layout(dp_shard=4, tp=2), "ValueError: no tp here"),)
     assert str(planned).endswith("\nnot lowered: dp_shard 4 x tp 2: ValueError: no tp here")
+    (row,) = planned.cells()
+    assert row[:3] == ("-", "dp_shard 8", "3.6 > mem")  # 3 GiB of allowance, 512 MiB gathered, 64 MiB a block
     with pytest.raises(ValueError, match=r"^no layout fits: the step on 8 x H100-SXM-80GB"):
         planned.best
 

@@ -69,11 +69,12 @@ class StepPlan:
                 f"a step: {len(self.rows)} fit, {len(self.too_big)} too big, {len(self.failed)} not lowered")
 
     def cells(self) -> list[tuple[str, ...]]:
-        """The table's rows as strings, `STEP_COLUMNS` order."""
-        return [(str(i), str(e.layout), f"{e.memory_bytes / GiB:.1f}", f"{e.time.total:.3f}",
-                 f"{e.tokens_per_s_per_gpu:,.0f}", f"{e.hfu:.1%}", f"{e.time.exposed:.3f}",
+        """The table's rows as strings, `STEP_COLUMNS` order: those that fit, ranked, then those that
+        do not (no rank, their memory marked)."""
+        return [(str(i) if e.fits else "-", str(e.layout), f"{e.memory_bytes / GiB:.1f}" + ("" if e.fits else " > mem"),
+                 f"{e.time.total:.3f}", f"{e.tokens_per_s_per_gpu:,.0f}", f"{e.hfu:.1%}", f"{e.time.exposed:.3f}",
                  f"{e.time.sent['intra'] / GB:.1f}", f"{e.time.sent['inter'] / GB:.1f}", f"{e.lowered_s:.1f}")
-                for i, e in enumerate(self.rows, 1)]
+                for i, e in enumerate((*self.rows, *self.too_big), 1)]
 
     def table(self):
         """A `rich.table.Table` of the rows (print it with `rich.print` or a Console)."""
