@@ -1,6 +1,6 @@
 """The planner's predictions against torchtitan's published Llama 3.1 throughput on H100s.
 
-    python benchmarks/plan_validation.py
+    python benchmarks/plan_validation.py [--replay]
 
 Source: pytorch/torchtitan, `benchmarks/llama3_h100_202412_torchtitan.md` (last changed in commit
 820504e20d1149fbf0b98c567af24c4b0433b22d; https://github.com/pytorch/torchtitan/blob/main/benchmarks/
@@ -26,6 +26,7 @@ Known differences the planner does not model, stated rather than corrected for:
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import math
 import sys
@@ -77,12 +78,46 @@ def predict(row: Row, peak_bf16: float = 912 * TFLOPS, efficiency: Efficiency = 
                     global_batch=row.local_batch * row.layout.dp_size, seq_len=row.seq_len, efficiency=efficiency)
 
 
+def replay(row: Row, peak_bf16: float = 912 * TFLOPS):
+    """ndfunc's own program for the row, replayed (`plan_step`) on the same cluster at the replay's
+    kernel efficiencies (`timeline.KERNELS`): the project's Llama at the row's shape, layout, local
+    batch, sequence and checkpointing (selective: `save_dots`, every matmul output kept), computed
+    in bf16 (`nf.mixed_precision`), FSDP over dp_shard x cp (`nf.fsdp`), CP as `nf.ring_attention`;
+    lowered over stand-ins. Always bf16 and never compiled: rows 3-7's fp8 and torch.compile are
+    not in it."""
+    import torch
+
+    import ndfunc as nf
+    from models import llama, train
+    from ndfunc.plan import plan_step
+
+    base = llama.LlamaConfig.llama3_8b if row.model == "llama3-8b" else llama.LlamaConfig.llama3_70b
+    cfg = base(remat={"selective": "save_dots", "full": "full", "none": None}[row.remat])
+    lay = row.layout
+    transforms = [nf.ring_attention("cp", load_balance=None)] if lay.cp > 1 else []
+    transforms += [nf.fsdp(("dp_shard", "cp")), nf.mixed_precision(torch.bfloat16, torch.float32)]
+
+    def lower(layout):
+        config = nf.ParallelConfig(layout.dp_replicate, layout.dp_shard, layout.cp, layout.tp)
+        return train.lower_abstract(cfg, config, row.seq_len, transforms, row.local_batch, positions=False)
+    planned = plan_step(lower, [lay], cluster=grand_teton(row.gpus, peak_bf16),
+                        tokens_per_step=row.local_batch * row.seq_len * lay.dp_size)
+    if planned.failed:
+        raise SystemExit(f"{row.table}: not lowered: {planned.failed[0][1]}")
+    return (*planned.rows, *planned.too_big)[0]
+
+
 def same_order(published: list[float], predicted: list[float]) -> bool:
     return sorted(range(len(published)), key=lambda i: -published[i]) == \
         sorted(range(len(predicted)), key=lambda i: -predicted[i])
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--replay", action="store_true",
+                        help="also lower ndfunc's own program for each row and replay it (nf.plan.plan_step; "
+                             "seconds a row)")
+    args = parser.parse_args(argv)
     print(f"Source: {SOURCE} (commit 820504e); planner Efficiency: {Efficiency()}; H100 peak 912 TFLOPS bf16\n")
     head = (f"{'row':22} {'model':10} {'GPUs':>4} {'layout':18} {'lbs':>3} {'seq':>6} {'AC':9} {'prec':8} "
             f"{'compile':7} {'published':>9} {'predicted':>9} {'ratio':>6} {'GiB pub':>7} {'GiB pred':>8}")
@@ -111,6 +146,18 @@ def main() -> int:
     for label, peak in (("SXM 989", 989 * TFLOPS), ("NVL 835", 835 * TFLOPS)):
         rs = [predict(row, peak).tokens_per_s_per_gpu / row.published_tps for row in ROWS]
         print(f"at the {label} TFLOPS end of the stated range: ratios {min(rs):.3f} .. {max(rs):.3f}")
+    if args.replay:
+        print("\nndfunc's own program for each row, lowered over stand-ins and replayed (plan_step, kernel "
+              "efficiencies matmul 0.6, attention 0.35); bf16, not compiled:")
+        print(f"{'row':22} {'published':>9} {'replayed':>9} {'ratio':>6} {'GiB':>6} {'compute s':>9} "
+              f"{'exposed s':>9} {'lowered s':>9}")
+        for row in ROWS:
+            e = replay(row)
+            note = "" if not (row.float8 or row.compile) else "  (published: fp8, compiled)"
+            print(f"{row.table:22} {row.published_tps:>9,.0f} {e.tokens_per_s_per_gpu:>9,.0f} "
+                  f"{e.tokens_per_s_per_gpu / row.published_tps:>6.3f} {e.memory_bytes / GiB:>6.1f} "
+                  f"{e.time.compute:>9.3f} {e.time.exposed:>9.3f} {e.lowered_s:>9.1f}"
+                  f"{'' if e.fits else ' (does not fit)'}{note}", flush=True)
     return 0 if within and fsdp_order and cp_order else 1
 
 
