@@ -66,6 +66,19 @@ def test_mixed_precision_steps_keep_fp32_parameters_and_state_and_train(name, sc
     assert all(x.dtype == torch.float32 for x in optree.tree_leaves(got_params))
 
 
+def test_a_gradient_summed_in_fp32_reaches_its_fp32_parameter_unrounded():
+    # each of 4 ranks' bf16 gradient is exact in bf16 (1, then 2**-9 three times); their sum in fp32,
+    # 1 + 3 * 2**-9, is not: the fp32 parameter gets that sum, as FSDP2's reduce_dtype keeps it, not
+    # the sum rounded to bf16 (1 + 2**-7) and cast back
+    x = torch.tensor([[1.0] * 4] + [[2.0**-9] * 4] * 3)
+    with nf.simulate(4):
+        grad = nf.jit(nf.grad(lambda w, x: (x @ w).sum()), mesh=nf.make_mesh(dp=4),
+                      in_shardings=(nf.sharding.P(), nf.sharding.P("dp")), out_shardings=nf.sharding.P(),
+                      transforms=[nf.mixed_precision(torch.bfloat16, torch.float32)])
+        got = nf.device_get(grad(torch.ones(4), x))
+    assert got.dtype == torch.float32 and torch.equal(got, torch.full((4,), 1 + 3 * 2.0**-9))
+
+
 def test_the_program_computes_in_bf16_and_sums_gradients_in_fp32():
     cfg, opt, step, params, batches = setup()
     config = nf.ParallelConfig(1, 4, 1, 1)

@@ -13,7 +13,8 @@ aten = torch.ops.aten
 def reduce_in(gm: torch.fx.GraphModule, dtype: torch.dtype, axes: tuple[str, ...] | None = None,
               kinds=REDUCTIONS, only_from: torch.dtype | None = None) -> int:
     """Make each reduction of `kinds` (over `axes`, all if None; of `only_from` values, any dtype
-    if None) sum in `dtype`: cast before, cast back after; its recorded bytes follow. How many."""
+    if None) sum in `dtype`: cast before, cast back after, except for what casts the sum up to
+    `dtype` anyway (it reads the sum in `dtype`, unrounded); its recorded bytes follow. How many."""
     changed = 0
     for op in kinds:
         for node in list(gm.graph.find_nodes(op="call_function", target=op)):
@@ -30,10 +31,25 @@ def reduce_in(gm: torch.fx.GraphModule, dtype: torch.dtype, axes: tuple[str, ...
                 prog.note_local(cast, sent[0], dtype)
             node.replace_input_with(node.args[0], cast)
             prog.set_comm(node, comm.in_dtype(dtype))
-            with gm.graph.inserting_after(wait):
-                back = gm.graph.call_function(aten._to_copy.default, (wait,), {"dtype": given})
-            wait.replace_all_uses_with(back, delete_user_cb=lambda u: u is not back)
+            readers = list(wait.users)
+            if rest := [u for u in readers if not _cast_to(u, dtype)]:
+                with gm.graph.inserting_after(wait):
+                    back = gm.graph.call_function(aten._to_copy.default, (wait,), {"dtype": given})
+                for u in rest:
+                    u.replace_input_with(wait, back)
+            for up in readers:
+                if up not in rest:
+                    # the step casts the sum up to `dtype` itself (a bf16 gradient's way back to its
+                    # fp32 parameter): it takes the sum as it came, not rounded to `given` and back
+                    up.replace_all_uses_with(wait)
+                    gm.graph.erase_node(up)
             changed += 1
     if changed:
         gm.recompile()
     return changed
+
+
+def _cast_to(node: torch.fx.Node, dtype: torch.dtype) -> bool:
+    """Whether `node` only casts its one input to `dtype` (on its own device, strided)."""
+    return (node.target is aten._to_copy.default and len(node.args) == 1 and node.kwargs.get("dtype") == dtype
+            and set(node.kwargs) <= {"dtype", "layout", "device"} and node.kwargs.get("layout", torch.strided) is torch.strided)
