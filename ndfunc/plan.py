@@ -1,10 +1,13 @@
-"""An analytic ND-parallel layout planner for Llama-shaped transformers.
+"""ND-parallel layout planning: closed forms for Llama-shaped transformers, and any step's program.
 
-Give it a model shape, a cluster and a batch; it enumerates the layouts
+`plan`: give it a model shape, a cluster and a batch; it enumerates the layouts
 (dp_replicate x dp_shard x cp x tp) with the options that matter (remat, FSDP reshard and prefetch,
 micro-batch), drops those that do not fit memory and ranks the rest by predicted step time. Pure
 functions of numbers: no process group, no tensors. `python -m ndfunc.plan --model llama3-8b
 --gpus 128 --gpu h100 --global-batch 1024 --seq-len 8192` prints the table.
+
+`plan_step`: give it a function that lowers your step over stand-ins for a layout, and the layouts
+to check; it replays each rank's program on the cluster (`program_time`) and ranks them.
 
 Example:
     >>> from ndfunc.plan import Cluster, TransformerShape, plan
@@ -30,11 +33,11 @@ from ndfunc._src.planner.model import TransformerShape as TransformerShape
 from ndfunc._src.planner.model import model_names as model_names
 from ndfunc._src.planner.search import Plan as Plan
 from ndfunc._src.planner.search import plan as plan
-from ndfunc._src.planner.steps import StepEstimate as StepEstimate
-from ndfunc._src.planner.steps import StepPlan as StepPlan
-from ndfunc._src.planner.steps import plan_step as plan_step
-from ndfunc._src.planner.timeline import ProgramTime as ProgramTime
-from ndfunc._src.planner.timeline import program_time as program_time
+from ndfunc._src.replay.steps import StepEstimate as StepEstimate
+from ndfunc._src.replay.steps import StepPlan as StepPlan
+from ndfunc._src.replay.steps import plan_step as plan_step
+from ndfunc._src.replay.timeline import ProgramTime as ProgramTime
+from ndfunc._src.replay.timeline import program_time as program_time
 
 __all__ = [
     "Cluster", "Device", "Efficiency", "Estimate", "Layout", "Link", "Memory", "Options", "Plan", "ProgramTime",

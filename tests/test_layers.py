@@ -13,16 +13,16 @@ PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "ndfunc"
 LAYERS = [
     ["_src.torch_compat", "_src.regions"],
     ["tree", "_src.sharding", "optim", "random", "_src.buffers", "_src.planner"],
-    ["_src.host_memory", "_src.runtime", "_src.point_to_point", "_src.transfer", "_src.config", "_src.visualize", "sharding", "_src.repeated_layers", "_src.module", "plan",
+    ["_src.host_memory", "_src.runtime", "_src.point_to_point", "_src.transfer", "_src.config", "_src.visualize", "sharding", "_src.repeated_layers", "_src.module",
      "_src.attention",
      "nn", "_src.checkpoint", "checkpoint"],
     ["_src.autodiff", "_src.constraints", "_src.manual", "_src.stamp", "_src.trace", "lax", "_src.shard_map"],
     ["_src.partition.planning", "_src.partition.program"],  # the record the planner's node marks live in
-    ["_src.partition.lower", "_src.partition.passes", "_src.partition.backends"],
+    ["_src.partition.lower", "_src.partition.passes", "_src.partition.backends", "_src.replay"],
     ["_src.transforms", "transforms"],
     ["_src.donation", "_src.arguments", "_src.pipeline", "_src.simulated_program", "_src.stages", "_src.agreement", "_src.jit"],
     ["_src.transforms.accumulate"],  # a function transform that builds jitted programs
-    [""],  # ndfunc itself
+    ["", "plan"],  # ndfunc itself; nf.plan re-exports the closed forms and the replay
 ]
 
 

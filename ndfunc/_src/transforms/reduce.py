@@ -52,4 +52,5 @@ def reduce_in(gm: torch.fx.GraphModule, dtype: torch.dtype, axes: tuple[str, ...
 def _cast_to(node: torch.fx.Node, dtype: torch.dtype) -> bool:
     """Whether `node` only casts its one input to `dtype` (on its own device, strided)."""
     return (node.target is aten._to_copy.default and len(node.args) == 1 and node.kwargs.get("dtype") == dtype
-            and set(node.kwargs) <= {"dtype", "layout", "device"} and node.kwargs.get("layout", torch.strided) is torch.strided)
+            and set(node.kwargs) <= {"dtype", "layout", "device"}
+            and node.kwargs.get("layout", torch.strided) is torch.strided)

@@ -48,7 +48,7 @@ _WAIT = torch.ops._c10d_functional.wait_tensor.default
 # Ops that move no bytes of their own: they alias their input (a reshape views where it can, and
 # the lowering asks for one only where a view of the global value was traced)
 _FREE = frozenset({operator.getitem, torch.ops.aten.reshape.default, torch.ops.aten._unsafe_view.default})
-# Ring steps per collective: a ring all-reduce is a reduce-scatter then an all-gather
+# A collective's ring steps over n ranks, per n - 1: an all-reduce is a reduce-scatter then an all-gather
 _STEPS = {"all_gather": 1, "reduce_scatter": 1, "all_to_all": 1, "all_reduce": 2}
 
 
@@ -85,7 +85,8 @@ class ProgramTime:
 
     def __str__(self) -> str:
         busy = ", ".join(f"{k} {v:.3f}" for k, v in self.links.items() if v)
-        return f"{self.total:.3f} s (compute {self.compute:.3f}, exposed comm {self.exposed:.3f}; links busy: {busy or 'none'})"
+        return (f"{self.total:.3f} s (compute {self.compute:.3f}, exposed comm {self.exposed:.3f}; links busy: "
+                f"{busy or 'none'})")
 
 
 def program_time(lowered, cluster: Cluster, efficiency: Efficiency = KERNELS) -> ProgramTime:
@@ -96,9 +97,11 @@ def program_time(lowered, cluster: Cluster, efficiency: Efficiency = KERNELS) ->
     Example:
         >>> import ndfunc as nf, torch
         >>> from ndfunc.plan import Cluster, program_time
-        >>> mesh = nf.sharding.AbstractMesh({"dp_shard": 8})
-        >>> w = nf.ShapeDtypeStruct((4096, 4096), torch.bfloat16, sharding=nf.sharding.NamedSharding(mesh, nf.sharding.P("dp_shard")))
-        >>> x = nf.ShapeDtypeStruct((8, 4096), torch.bfloat16, sharding=nf.sharding.NamedSharding(mesh, nf.sharding.P("dp_shard")))
+        >>> from ndfunc.sharding import AbstractMesh, NamedSharding, P
+        >>> mesh = AbstractMesh({"dp_shard": 8})
+        >>> split = NamedSharding(mesh, P("dp_shard"))
+        >>> w = nf.ShapeDtypeStruct((4096, 4096), torch.bfloat16, sharding=split)
+        >>> x = nf.ShapeDtypeStruct((8, 4096), torch.bfloat16, sharding=split)
         >>> t = program_time(nf.jit(lambda w, x: x @ w, mesh=mesh).lower(w, x), Cluster.of("h100", 8))
         >>> t.links["intra"] > 0 and t.total >= t.compute
         True
@@ -185,7 +188,7 @@ def _collective(c: prog.Comm, sizes: dict, strides: dict, cluster: Cluster) -> t
     link = cluster.inter if level == "inter" else cluster.intra
     if n <= 1:
         return level, 0.0
-    # a ppermute's hops: one, or a ring's n - 1 (what it sends over one hop's block)
+    # a ppermute's hops: one, or a ring attention's (what a rank sends over one hop's bytes)
     steps = _STEPS[c.kind] * (n - 1) if c.kind in _STEPS else max(1, round(c.moved / c.bytes)) if c.bytes else 1
     return level, steps * link.latency + c.moved / link.bandwidth
 

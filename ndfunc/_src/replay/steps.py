@@ -17,7 +17,7 @@ from ndfunc._src.planner.cluster import GB, GiB, Cluster
 from ndfunc._src.planner.estimate import Efficiency
 from ndfunc._src.planner.layout import Layout
 from ndfunc._src.planner.memory import OVERHEAD_BYTES
-from ndfunc._src.planner.timeline import KERNELS, ProgramTime, program_time
+from ndfunc._src.replay.timeline import KERNELS, ProgramTime, program_time
 
 STEP_COLUMNS = ("#", "layout", "GiB/rank", "step s", "tok/s/GPU", "HFU", "exposed comm s", "NVLink GB",
                 "fabric GB", "lowered s")
@@ -71,7 +71,7 @@ class StepPlan:
     def cells(self) -> list[tuple[str, ...]]:
         """The table's rows as strings, `STEP_COLUMNS` order: those that fit, ranked, then those that
         do not (no rank, their memory marked)."""
-        return [(str(i) if e.fits else "-", str(e.layout), f"{e.memory_bytes / GiB:.1f}" + ("" if e.fits else " > mem"),
+        return [(str(i) if e.fits else "-", str(e.layout), f"{e.memory_bytes / GiB:.1f}{'' if e.fits else ' > mem'}",
                  f"{e.time.total:.3f}", f"{e.tokens_per_s_per_gpu:,.0f}", f"{e.hfu:.1%}", f"{e.time.exposed:.3f}",
                  f"{e.time.sent['intra'] / GB:.1f}", f"{e.time.sent['inter'] / GB:.1f}", f"{e.lowered_s:.1f}")
                 for i, e in enumerate((*self.rows, *self.too_big), 1)]
@@ -90,7 +90,8 @@ class StepPlan:
     def __str__(self) -> str:
         rows = [STEP_COLUMNS, *self.cells()]
         widths = [max(len(r[i]) for r in rows) for i in range(len(STEP_COLUMNS))]
-        lines = ["  ".join(c.ljust(w) if i == 1 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in rows]
+        lines = ["  ".join(c.ljust(w) if i == 1 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
+                 for r in rows]
         lines += [f"not lowered: {lay}: {why}" for lay, why in self.failed]
         return "\n".join([self.title(), *lines])
 
@@ -109,11 +110,12 @@ def plan_step(lower: Callable[[Layout], object], layouts: Iterable[Layout], *, c
     Example:
         >>> import ndfunc as nf, torch
         >>> from ndfunc.plan import Cluster, Layout, plan_step
+        >>> from ndfunc.sharding import NamedSharding, P
         >>> def lower(layout):
-        ...     mesh, spec = layout.mesh, nf.sharding.P(("dp_shard", "tp"))
-        ...     w = nf.ShapeDtypeStruct((4096, 4096), torch.bfloat16, sharding=nf.sharding.NamedSharding(mesh, spec))
-        ...     x = nf.ShapeDtypeStruct((64, 4096), torch.bfloat16, sharding=nf.sharding.NamedSharding(mesh, spec))
-        ...     return nf.jit(lambda w, x: (x @ w).sum(), mesh=mesh).lower(w, x)
+        ...     split = NamedSharding(layout.mesh, P(("dp_shard", "tp")))
+        ...     w = nf.ShapeDtypeStruct((4096, 4096), torch.bfloat16, sharding=split)
+        ...     x = nf.ShapeDtypeStruct((64, 4096), torch.bfloat16, sharding=split)
+        ...     return nf.jit(lambda w, x: (x @ w).sum(), mesh=layout.mesh).lower(w, x)
         >>> p = plan_step(lower, [Layout(dp_shard=8), Layout(dp_shard=2, tp=4)], cluster=Cluster.of("h100", 8),
         ...               tokens_per_step=64)
         >>> len(p.rows), p.best.time.total > 0
