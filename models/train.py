@@ -162,6 +162,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     layout.add_argument("--dp-shard", type=_shard_size, default=2, help="FSDP shards; -1 takes what the others leave")
     layout.add_argument("--cp", type=_at_least(1), default=2, help="context-parallel ranks (the sequence split)")
     layout.add_argument("--tp", type=_at_least(1), default=2, help="tensor-parallel ranks")
+    layout.add_argument("--sequence-parallel", action="store_true",
+                        help="the residual stream's sequence split over tp too (Megatron's sequence parallelism: "
+                             "1/tp of the saved activations)")
     layout.add_argument("--simulate", type=_at_least(1), default=None,
                         help="ranks to simulate in this process when not under torchrun (default: the layout's)")
     parser.add_argument("--config", choices=["tiny", "small"], default="tiny")
@@ -215,7 +218,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> list[float]:
     args = parse(argv)
-    config = nf.ParallelConfig(args.dp_replicate, args.dp_shard, args.cp, args.tp)
+    config = nf.ParallelConfig(args.dp_replicate, args.dp_shard, args.cp, args.tp, args.sequence_parallel)
     under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     if under_torchrun:
         nf.init()

@@ -176,6 +176,24 @@ def test_a_rank_computes_its_queries_against_the_whole_sequence_whether_the_keys
     assert attention == cfg.n_layers * forward * 7 // 2
 
 
+@pytest.mark.slow  # four Llama-3-8B-shaped steps lowered
+@pytest.mark.parametrize("sequence_parallel, share", [(False, 1), (True, 8)])
+def test_sequence_parallelism_keeps_a_tpth_of_each_layers_input(sequence_parallel, share):
+    # every layer recomputed: each keeps only its input, b x s x h bf16 (Korthikanti et al. 2022), whole
+    # on every tp rank under Megatron's TP, 1/tp of it under sequence parallelism (sec. 4.2.2)
+    import torch
+    from models import llama, train
+
+    seq, tp, kept = 8192, 8, []
+    for n_layers in (2, 4):
+        cfg = llama.LlamaConfig.llama3_8b(remat="full", n_layers=n_layers)
+        config = nf.ParallelConfig(tp_size=tp, sequence_parallel=sequence_parallel)
+        lowered = train.lower_abstract(cfg, config, seq, [nf.mixed_precision(torch.bfloat16, torch.float32)],
+                                       positions=False)
+        kept.append(lowered.memory_analysis().breakdown.activations)
+    assert (kept[1] - kept[0]) / 2 == seq * cfg.dim * 2 / share
+
+
 STRATEGIES = {  # (dp_replicate, dp_shard, cp, tp), as the Hugging Face ND-parallel guide names them
     "fsdp8": (1, 8, 1, 1), "tp8": (1, 1, 1, 8), "fsdp4_tp2": (1, 4, 1, 2), "hsdp2x4": (2, 4, 1, 1), "cp4": (1, 1, 4, 1)}
 

@@ -34,6 +34,7 @@ INVALID = [
     ({"dp_shard_size": -2}, None, ValueError, r"dp_shard_size must be >= 1 \(or -1 to take the rest of the world\), got -2"),
     ({"cp_size": -1}, None, ValueError, r"ParallelConfig.cp_size must be >= 1, got -1"),
     ({"tp_size": 2.0}, None, TypeError, r"ParallelConfig.tp_size must be an int, got 2.0"),
+    ({"sequence_parallel": 1}, None, TypeError, r"^ParallelConfig.sequence_parallel must be a bool, got 1\.$"),
     ({"dp_shard_size": 2, "tp_size": 2}, 8, ValueError,
      r"dp_replicate\(1\) x dp_shard\(2\) x cp\(1\) x tp\(2\) = 4, but the world has 8 ranks; choose sizes whose product is 8"),
     ({"dp_shard_size": -1, "tp_size": 3}, 8, ValueError,

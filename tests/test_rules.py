@@ -65,6 +65,22 @@ def test_logical_to_mesh_default_rules(names, expected):
     assert logical_to_mesh({"w": names}, DEFAULT)["w"] == expected
 
 
+@pytest.mark.parametrize("names, expected", [
+    (("batch", "seq"), P(("dp_replicate", "dp_shard"), ("cp", "tp"))),  # the residual stream: split over tp too
+    (("batch", "seq", None), P(("dp_replicate", "dp_shard"), ("cp", "tp"), None)),
+    (("batch", "seq", "heads"), P(("dp_replicate", "dp_shard"), "cp", "tp")),  # heads take tp first
+    (("batch", "seq", "mlp"), P(("dp_replicate", "dp_shard"), "cp", "tp")),
+    (("batch", "seq", "vocab"), P(("dp_replicate", "dp_shard"), "cp", "tp")),
+    (("vocab", "embed"), P("tp", ("dp_shard", "cp"))),  # parameters as without it
+    (("embed", "heads", "head_dim"), P(("dp_shard", "cp"), "tp", None)),
+])
+def test_sequence_parallel_rules_split_a_sequence_beside_no_tp_dim_over_tp_too(names, expected):
+    rules = nf.ParallelConfig(sequence_parallel=True).rules
+    assert logical_to_mesh({"w": names}, rules)["w"] == expected
+    # the same rules without the sequence's first rule are the Flax-checked defaults, reordered
+    assert sorted(r for r in rules if r != ("seq", ("cp", "tp"))) == sorted(DEFAULT)
+
+
 def test_rules_are_priorities_with_fallbacks():
     rules = [("embed", "tp"), ("mlp", "tp"), ("mlp", "dp"), ("embed", "dp")]
     # embed's rule comes first, so it takes tp even though mlp is the earlier dim; mlp falls back.

@@ -41,6 +41,8 @@ def test_the_4d_run_and_the_one_device_run_agree_with_and_without_the_transform_
     with pytest.warns(nf.sharding.ShardingWarning, match="takes 4 sequences a rank, and where it flattens"):
         transformed = train.main(["--steps", "3", "--remat", "full", "--ring-attention", "--fsdp-schedule", *QUICK])
     assert transformed == pytest.approx(one, rel=1e-5)
+    # so does sequence parallelism: the residual stream split over tp between the layers
+    assert train.main(["--steps", "3", "--sequence-parallel", *QUICK]) == pytest.approx(one, rel=1e-5)
 
 
 @pytest.mark.slow  # Inductor compiles two programs
