@@ -139,3 +139,39 @@ def test_the_replayed_programs_rank_layouts_as_the_closed_forms_do():
     closed = sorted(layouts, key=lambda lay: estimate(shape, lay, Options("none", micro_batch=batch // lay.dp_size),
                                                       cluster=cluster, global_batch=batch, seq_len=seq).time.total)
     assert replayed == closed
+
+
+@pytest.mark.slow  # transformers' Llama traced and lowered
+def test_a_hugging_face_model_as_it_is_is_planned_from_its_step():
+    # transformers' LlamaForCausalLM (made on the meta device: stand-ins only), the train job's step
+    # for it; under FSDP each rank runs a whole model on its sequence: 6 flops per parameter and
+    # token in its matmuls, and torch's formula for attention, forward and backward (3.5 x 4BHL^2K)
+    import optree
+    import transformers
+    from models import hf, llama, train
+
+    cfg, seq = llama.LlamaConfig.tiny(), 128
+
+    def lower(layout):
+        config = nf.ParallelConfig(layout.dp_replicate, layout.dp_shard, layout.cp, layout.tp)
+        mesh = config.build_abstract_mesh()
+        with torch.device("meta"):
+            model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**hf.config_to_hf(cfg, torch.float32)))
+        for name, buffer in list(model.named_buffers()):  # rotary tables: made, not loaded
+            owner, _, leaf = name.rpartition(".")
+            model.get_submodule(owner).register_buffer(leaf, torch.empty(buffer.shape, dtype=buffer.dtype))
+        _, params, specs, loss, _ = train.hf_model(model, mesh)
+        params = {k: _stand_in(mesh, tuple(v.shape), specs[k], v.dtype) for k, v in params.items()}
+        opt = nf.optim.adamw(1e-3)
+        state = opt.init(params)
+        laid_out = lambda tree: optree.tree_map(lambda x: x.sharding, tree)  # noqa: E731
+        step = nf.jit(train.make_loss_step(loss, opt), mesh=mesh, out_shardings=(laid_out(params), laid_out(state), P()))
+        return step.lower(params, state, train.abstract_batch(config, mesh, config.dp_world_size, seq))
+
+    planned = plan_step(lower, [Layout(dp_shard=8), Layout(dp_shard=4, tp=2)], cluster=H100, tokens_per_step=8 * seq)
+    assert len(planned.rows) == 2 and not planned.failed
+    (fsdp,) = [e for e in planned.rows if e.layout == Layout(dp_shard=8)]
+    shape = TransformerShape.from_config(cfg)
+    matmuls = 6 * seq * (shape.n_layers * shape.layer_linear_params + shape.output_params)
+    attention = 7 * 2 * shape.n_heads * seq * seq * shape.head_dim * shape.n_layers
+    assert fsdp.time.flops == matmuls + attention
