@@ -153,26 +153,11 @@ class ParallelConfig:
         is asked for, not the default. Rules are priorities, as Flax's: a dim takes the first rule
         whose axes are still free, so a sequence beside heads or an MLP dim (which take `tp`
         first) falls back to `cp`."""
+        batch, fsdp = ("batch", ("dp_replicate", "dp_shard")), ("embed", ("dp_shard", "cp"))
+        tp = [("vocab", "tp"), ("heads", "tp"), ("kv_heads", "tp"), ("mlp", "tp")]
         if not self.sequence_parallel:
-            return [
-                ("batch", ("dp_replicate", "dp_shard")),
-                ("seq", "cp"),
-                ("vocab", "tp"),
-                ("heads", "tp"),
-                ("kv_heads", "tp"),
-                ("mlp", "tp"),
-                ("embed", ("dp_shard", "cp")),
-            ]
-        return [
-            ("batch", ("dp_replicate", "dp_shard")),
-            ("vocab", "tp"),
-            ("heads", "tp"),
-            ("kv_heads", "tp"),
-            ("mlp", "tp"),
-            ("seq", ("cp", "tp")),
-            ("seq", "cp"),
-            ("embed", ("dp_shard", "cp")),
-        ]
+            return [batch, ("seq", "cp"), *tp, fsdp]
+        return [batch, *tp, ("seq", ("cp", "tp")), ("seq", "cp"), fsdp]
 
     @property
     def batch_spec(self) -> PartitionSpec:

@@ -33,6 +33,7 @@ import torch
 
 from ndfunc._src import attention
 from ndfunc._src.partition import program as prog
+from ndfunc._src.partition.passes.breakdown import value_bytes
 from ndfunc._src.partition.planning.flops import is_attention, node_flops
 from ndfunc._src.planner.cluster import Cluster, Device
 from ndfunc._src.planner.estimate import Efficiency
@@ -152,7 +153,7 @@ def op_seconds(node: torch.fx.Node, device: Device, efficiency: Efficiency) -> t
     if node.target in _FREE or getattr(node.target, "is_view", False):
         return 0.0, 0.0
     flops = node_flops(node)
-    moved = _bytes(node.meta.get("val")) + sum(_bytes(a.meta.get("val")) for a in node.all_input_nodes)
+    moved = value_bytes(node.meta.get("val")) + sum(value_bytes(a.meta.get("val")) for a in node.all_input_nodes)
     seconds = moved / device.memory_bandwidth
     if flops:
         kind = efficiency.attention if is_attention(node.target) else efficiency.matmul
@@ -191,11 +192,3 @@ def _collective(c: prog.Comm, sizes: dict, strides: dict, cluster: Cluster) -> t
     # a ppermute's hops: one, or a ring attention's (what a rank sends over one hop's bytes)
     steps = _STEPS[c.kind] * (n - 1) if c.kind in _STEPS else max(1, round(c.moved / c.bytes)) if c.bytes else 1
     return level, steps * link.latency + c.moved / link.bandwidth
-
-
-def _bytes(val) -> int:
-    if isinstance(val, torch.Tensor):
-        return val.numel() * val.element_size()
-    if isinstance(val, (tuple, list)):
-        return sum(_bytes(v) for v in val)
-    return 0
