@@ -175,3 +175,23 @@ def test_a_hugging_face_model_as_it_is_is_planned_from_its_step():
     matmuls = 6 * seq * (shape.n_layers * shape.layer_linear_params + shape.output_params)
     attention = 7 * 2 * shape.n_heads * seq * seq * shape.head_dim * shape.n_layers
     assert fsdp.time.flops == matmuls + attention
+
+
+@pytest.mark.slow  # two Llama-3-8B-shaped steps lowered
+def test_a_zigzag_ring_runs_2n_plus_1_of_its_4n_quarter_blocks():
+    # the same ring over 4 cp ranks, with and without zigzag's skipping: attention-bound at 8,192
+    # tokens a rank, its time falls to 9/16 (tests/test_ring.py counts the quarters from the mask)
+    from models import llama, train
+
+    from ndfunc._src.partition.planning.flops import is_attention
+    from ndfunc._src.replay.timeline import KERNELS, op_seconds
+
+    cfg, cp = llama.LlamaConfig.llama3_8b(n_layers=2), 4
+    seconds = []
+    for balance in ("zigzag", None):
+        lowered = train.lower_abstract(cfg, nf.ParallelConfig(cp_size=cp), 8192 * cp,
+                                       [nf.ring_attention("cp", load_balance=balance), nf.mixed_precision(torch.bfloat16)])
+        lowered.program.ensure_meta()
+        rings = [n for n in lowered.program.local.graph.nodes if n.op == "call_function" and is_attention(n.target)]
+        seconds.append(sum(op_seconds(n, H100.device, KERNELS)[0] for n in rings))
+    assert seconds[0] / seconds[1] == pytest.approx((2 * cp + 1) / (4 * cp), rel=1e-12)

@@ -91,18 +91,22 @@ def test_ring_in_bf16_is_within_bf16_rounding_of_fp32_attention():
         torch.testing.assert_close(a.float(), b, rtol=2e-2, atol=2e-2)
 
 
-@pytest.mark.parametrize("layout,ratio", [("zigzag", 1.0), ("contiguous", N)])
-def test_zigzag_balances_the_blocks_each_rank_computes(layout, ratio):
-    # a real rank skips the key blocks its queries cannot see; count them as it would
+@pytest.mark.parametrize("layout,most,least", [("zigzag", 2 * N + 1, 2 * N + 1), ("contiguous", 4 * N - 1, 3)])
+def test_zigzag_balances_and_halves_the_quarter_blocks_each_rank_computes(layout, most, least):
+    # a real rank computes each key block in quarters (its two chunks of queries by the block's two
+    # of keys) and skips the quarters its queries cannot see; count them as it would. Under zigzag
+    # a rank's chunks r and 2N-1-r see half of every other rank's block and three quarters of
+    # their own: 2N + 1 of 4N on every rank, where a block at a time computes all 4N. In order,
+    # rank r sees its own block's three quarters and the r blocks before it
     _, positions = inputs(layout=layout)
     mask = positions[:, None, :, None] >= positions[:, None, None, :]
     work = []
     for r in range(N):
-        rows = mask.chunk(N, 2)[r]
-        work.append(sum(ring._visible(ring._block(rows, torch.tensor([r]), 0, N, s)[0]) for s in range(N)))
-    assert max(work) / min(work) == ratio  # attention FLOPs per rank, max over min
-    if layout == "zigzag":
-        assert max(work) / min(work) <= 1.1
+        block_rows = mask.chunk(N, 2)[r]
+        blocks = [ring._block(block_rows, torch.tensor([r]), 0, N, s)[0] for s in range(N)]
+        halves = ring._halves(block_rows.shape[2], True)
+        work.append(sum(ring._visible(b[:, :, i, j]) for b in blocks for i in halves for j in halves))
+    assert (max(work), min(work)) == (most, least)  # attention FLOPs per rank, in quarter blocks
 
 
 def test_zigzag_lays_out_and_undoes():

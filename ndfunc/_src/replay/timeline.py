@@ -5,9 +5,10 @@ step lowered shape-only (`nf.jit(step).lower(*stand_ins)` over an `AbstractMesh`
 model's as well as the project's Llama, replayed op by op as a GPU runs it:
 
 - one compute stream runs the ops in program order. An op takes its roofline time: the larger of
-  its flops over the peak for its dtype times the efficiency for its kind (`Efficiency.matmul`;
-  `Efficiency.attention` for attention kernels and rings), and the bytes it reads and writes over
-  the memory bandwidth. Views, `getitem`s and waits take none.
+  the flops it runs (`executed_share` of those counted: half for a causal kernel, 2n + 1 of 4n
+  quarter blocks for a zigzag ring over n ranks) over the peak for its dtype times the efficiency
+  for its kind (`Efficiency.matmul`; `Efficiency.attention` for attention kernels and rings), and
+  the bytes it reads and writes over the memory bandwidth. Views, `getitem`s and waits take none.
 - A collective is issued when the compute stream reaches it. It runs on the stream of the link
   its group crosses (NVLink, or the fabric where its mesh axes span nodes): after what was issued
   before it there, for `steps x latency + bytes a rank sends / bandwidth` (`Comm.moved`, a ring's
@@ -31,10 +32,9 @@ import operator
 
 import torch
 
-from ndfunc._src import attention
 from ndfunc._src.partition import program as prog
 from ndfunc._src.partition.passes.breakdown import value_bytes
-from ndfunc._src.partition.planning.flops import is_attention, node_flops
+from ndfunc._src.partition.planning.flops import executed_share, is_attention, node_flops
 from ndfunc._src.planner.cluster import Cluster, Device
 from ndfunc._src.planner.estimate import Efficiency
 
@@ -157,17 +157,8 @@ def op_seconds(node: torch.fx.Node, device: Device, efficiency: Efficiency) -> t
     seconds = moved / device.memory_bandwidth
     if flops:
         kind = efficiency.attention if is_attention(node.target) else efficiency.matmul
-        executed = flops / 2 if _causal(node) else flops  # a causal kernel skips the blocks above the diagonal
-        seconds = max(seconds, executed / (_peak(device, node) * kind))
+        seconds = max(seconds, flops * executed_share(node) / (_peak(device, node) * kind))
     return seconds, float(flops)
-
-
-def _causal(node: torch.fx.Node) -> bool:
-    """Whether an op is an attention kernel told `is_causal` (its flops formula counts every block)."""
-    schema = getattr(node.target, "_schema", None)
-    if schema is None or not any(a.name == "is_causal" for a in schema.arguments):
-        return False
-    return bool(attention.argument(node, "is_causal"))
 
 
 def _peak(device: Device, node: torch.fx.Node) -> float:

@@ -231,32 +231,45 @@ def _visible(m) -> bool:
     return bool((m if m.dtype == torch.bool else m > -math.inf).any())
 
 
+def _halves(n: int, skip: bool) -> list[slice]:
+    """The parts a block's rows or columns are computed in: with `skip`, its two halves (a zigzag
+    rank's two chunks), so that a rank skips the quarters its queries cannot see; else the whole."""
+    return [slice(0, n // 2), slice(n // 2, n)] if skip and n % 2 == 0 else [slice(0, n)]
+
+
 @across_ranks
 def ring_forward(q, k, v, *, mask, scale, kernel, coords, axis, size, peers, skip):
     """(out, logsumexp) of this rank's queries against every rank's keys, the keys and values
     travelling the ring. Each block by `kernel` (the device's attention kernel; no score matrix
-    held); the blocks merge by their log-sum-exps, in fp32 (fp64 for fp64)."""
+    held), in quarters with `skip` (those no query sees skipped on real ranks: half of every
+    other rank's block under zigzag); the parts merge by their log-sum-exps, in fp32 (fp64 for
+    fp64)."""
     acc, run, scale = attention.accumulator(q.dtype), attention.KERNELS[kernel], attention.default_scale(q, scale)
     mask = _causal_mask(q, coords, axis, size) if mask is None else mask
-    out = torch.zeros(q.shape, dtype=acc, device=q.device)
-    lse = torch.full(q.shape[:-1], -math.inf, dtype=acc, device=q.device)
+    rows, cols = _halves(q.shape[2], skip), _halves(k.shape[2], skip)
+    out = [torch.zeros(q[:, :, r].shape, dtype=acc, device=q.device) for r in rows]
+    lse = [torch.full(q[:, :, r].shape[:-1], -math.inf, dtype=acc, device=q.device) for r in rows]
     for step in range(size):
-        m, _ = _block(mask, coords, axis, size, step)
-        if not skip or _visible(m):
-            m = attention.additive(m, q.dtype)
-            block_out, block_lse = run.forward(q, k, v, m, False, scale)
-            # a row that sees no key of this block: kernels say lse 0 (or -inf) and out 0 (or
-            # nan); it is -inf, and adds nothing
-            seen = (m > -math.inf).any(-1).expand(block_lse.shape)
-            block_lse = block_lse.to(acc).masked_fill(~seen, -math.inf)
-            new = torch.logaddexp(lse, block_lse)
-            keep = torch.exp(lse - new).nan_to_num(0.0).unsqueeze(-1)
-            take = torch.exp(block_lse - new).nan_to_num(0.0).unsqueeze(-1)
-            out = out * keep + block_out.to(acc).masked_fill(~seen.unsqueeze(-1), 0.0) * take
-            lse = new
+        block, _ = _block(mask, coords, axis, size, step)
+        for i, r in enumerate(rows):
+            for c in cols:
+                m = block[:, :, r, c]
+                if skip and not _visible(m):
+                    continue
+                m = attention.additive(m, q.dtype)
+                part_out, part_lse = run.forward(q[:, :, r], k[:, :, c], v[:, :, c], m, False, scale)
+                # a row that sees no key of this part: kernels say lse 0 (or -inf) and out 0 (or
+                # nan); it is -inf, and adds nothing
+                seen = (m > -math.inf).any(-1).expand(part_lse.shape)
+                part_lse = part_lse.to(acc).masked_fill(~seen, -math.inf)
+                new = torch.logaddexp(lse[i], part_lse)
+                keep = torch.exp(lse[i] - new).nan_to_num(0.0).unsqueeze(-1)
+                take = torch.exp(part_lse - new).nan_to_num(0.0).unsqueeze(-1)
+                out[i] = out[i] * keep + part_out.to(acc).masked_fill(~seen.unsqueeze(-1), 0.0) * take
+                lse[i] = new
         if step < size - 1:
             k, v = _shift(k, peers), _shift(v, peers)
-    return out.to(q.dtype), lse
+    return torch.cat(out, 2).to(q.dtype), torch.cat(lse, 2)
 
 
 @across_ranks
@@ -266,19 +279,29 @@ def ring_backward(grad_out, q, k, v, out, lse, *, mask, scale, kernel, coords, a
     values, in fp32 (fp64 for fp64), and are home after `size` steps."""
     acc, run, scale = attention.accumulator(q.dtype), attention.KERNELS[kernel], attention.default_scale(q, scale)
     mask = _causal_mask(q, coords, axis, size) if mask is None else mask
-    dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+    rows, cols = _halves(q.shape[2], skip), _halves(k.shape[2], skip)
+    dq = [torch.zeros(q[:, :, r].shape, dtype=acc, device=q.device) for r in rows]
     dk = torch.zeros(k.shape, dtype=acc, device=k.device)
     dv = torch.zeros(v.shape, dtype=acc, device=v.device)
     for step in range(size):
-        m, _ = _block(mask, coords, axis, size, step)
-        if not skip or _visible(m):
-            dq_block, dk_block, dv_block = run.backward(grad_out, q, k, v, out, lse, attention.additive(m, q.dtype),
-                                                        False, scale)
-            dq, dk, dv = dq + dq_block.to(acc), dk + dk_block.to(acc), dv + dv_block.to(acc)
+        block, _ = _block(mask, coords, axis, size, step)
+        dk_parts = [torch.zeros(k[:, :, c].shape, dtype=acc, device=k.device) for c in cols]
+        dv_parts = [torch.zeros(v[:, :, c].shape, dtype=acc, device=v.device) for c in cols]
+        for i, r in enumerate(rows):
+            for j, c in enumerate(cols):
+                m = block[:, :, r, c]
+                if skip and not _visible(m):
+                    continue
+                dq_part, dk_part, dv_part = run.backward(
+                    grad_out[:, :, r], q[:, :, r], k[:, :, c], v[:, :, c], out[:, :, r], lse[:, :, r],
+                    attention.additive(m, q.dtype), False, scale)
+                dq[i] = dq[i] + dq_part.to(acc)
+                dk_parts[j], dv_parts[j] = dk_parts[j] + dk_part.to(acc), dv_parts[j] + dv_part.to(acc)
+        dk, dv = dk + torch.cat(dk_parts, 2), dv + torch.cat(dv_parts, 2)
         if step < size - 1:
             k, v = _shift(k, peers), _shift(v, peers)
         dk, dv = _shift(dk, peers), _shift(dv, peers)
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+    return torch.cat(dq, 2).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
 def _ring_flops(node: torch.fx.Node) -> int:
@@ -291,8 +314,16 @@ def _ring_flops(node: torch.fx.Node) -> int:
     return work * 5 // 2 if backward else work
 
 
-register(ring_forward, flops=_ring_flops, attention=True)
-register(ring_backward, flops=_ring_flops, attention=True)
+def _ring_executed(node: torch.fx.Node) -> float:
+    """The share of `_ring_flops` a rank runs: with `skip` under zigzag, 2 x size + 1 of the
+    4 x size quarter blocks (`ring_forward`), on every rank; else all."""
+    size, q = node.kwargs["size"], (node.args[1] if node.target is ring_backward else node.args[0])
+    halved = node.kwargs["skip"] and len(_halves(q.meta["val"].shape[2], True)) == 2
+    return (2 * size + 1) / (4 * size) if halved else 1.0
+
+
+register(ring_forward, flops=_ring_flops, attention=True, executed=_ring_executed)
+register(ring_backward, flops=_ring_flops, attention=True, executed=_ring_executed)
 
 
 # --- the zigzag layout -----------------------------------------------------------------------

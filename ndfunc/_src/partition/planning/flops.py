@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 from torch.utils.flop_counter import flop_registry
 
+from ndfunc._src import attention
 from ndfunc._src.partition.planning.ops import rule_of
 from ndfunc._src.torch_compat import pytree
 
@@ -48,6 +49,20 @@ def is_attention(target) -> bool:
     (registered so), PyTorch's attention kernels."""
     rule = rule_of(target)
     return (rule is not None and rule.attention) or getattr(target, "overloadpacket", None) in _TORCH_ATTENTION
+
+
+def executed_share(node: torch.fx.Node) -> float:
+    """The share of `node_flops` the op's slowest rank runs: what its registered rule says (a ring
+    skipping what no query sees, `OpRule.executed`); half for an attention kernel told
+    `is_causal`, which skips the blocks above the diagonal its formula counts; else all."""
+    rule = rule_of(node.target)
+    if rule is not None and rule.executed is not None:
+        return rule.executed(node)
+    schema = getattr(node.target, "_schema", None)
+    if (is_attention(node.target) and schema is not None and any(a.name == "is_causal" for a in schema.arguments)
+            and attention.argument(node, "is_causal")):
+        return 0.5
+    return 1.0
 
 
 def graph_flops(graph: torch.fx.Graph) -> int:

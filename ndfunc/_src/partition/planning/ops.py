@@ -70,6 +70,7 @@ class OpRule:
     strategies: Callable | None = None
     flops: Callable[[torch.fx.Node], int] | None = None
     attention: bool = False  # its flops are attention's (a program's time prices them at its kernels' rate)
+    executed: Callable[[torch.fx.Node], float] | None = None  # the share of its flops the slowest rank runs
     saved_by_remat: bool = False
     lower: Callable | None = None
     local: Callable | None = None
