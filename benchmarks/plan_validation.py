@@ -82,7 +82,8 @@ def replay(row: Row, peak_bf16: float = 912 * TFLOPS):
     """ndfunc's own program for the row, replayed (`plan_step`) on the same cluster at the replay's
     kernel efficiencies (`timeline.KERNELS`): the project's Llama at the row's shape, layout, local
     batch, sequence and checkpointing (selective: `save_dots`, every matmul output kept), computed
-    in bf16 (`nf.mixed_precision`), FSDP over dp_shard x cp (`nf.fsdp`), CP as `nf.ring_attention`,
+    in bf16 (`nf.mixed_precision`), FSDP over dp_shard x cp (`nf.fsdp`), CP as `nf.ring_attention`
+    over zigzag batches (torchtitan balances its CP ranks' work too),
     TP sequence-parallel (`ParallelConfig(sequence_parallel=True)`); lowered over stand-ins. Always bf16 and never compiled: rows 3-7's fp8 and torch.compile are
     not in it."""
     import torch
@@ -94,13 +95,14 @@ def replay(row: Row, peak_bf16: float = 912 * TFLOPS):
     base = llama.LlamaConfig.llama3_8b if row.model == "llama3-8b" else llama.LlamaConfig.llama3_70b
     cfg = base(remat={"selective": "save_dots", "full": "full", "none": None}[row.remat])
     lay = row.layout
-    transforms = [nf.ring_attention("cp", load_balance=None)] if lay.cp > 1 else []
+    transforms = [nf.ring_attention("cp")] if lay.cp > 1 else []  # zigzag: batches laid out by nf.zigzag
     transforms += [nf.fsdp(("dp_shard", "cp")), nf.mixed_precision(torch.bfloat16, torch.float32)]
 
     def lower(layout):
         config = nf.ParallelConfig(layout.dp_replicate, layout.dp_shard, layout.cp, layout.tp,
                                    sequence_parallel=layout.tp > 1)  # torchtitan's TP is sequence-parallel
-        return train.lower_abstract(cfg, config, row.seq_len, transforms, row.local_batch, positions=False)
+        # under CP the causal mask follows the zigzag positions; else attention is told is_causal
+        return train.lower_abstract(cfg, config, row.seq_len, transforms, row.local_batch, positions=layout.cp > 1)
     planned = plan_step(lower, [lay], cluster=grand_teton(row.gpus, peak_bf16),
                         tokens_per_step=row.local_batch * row.seq_len * lay.dp_size)
     if planned.failed:
