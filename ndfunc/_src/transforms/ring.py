@@ -7,8 +7,9 @@ merges into the running one by an online softmax on the log-sum-exp, in fp32 (fp
 too: each rank computes its blocks' gradients from the saved output and log-sum-exp, and the
 key/value gradients travel with their blocks until they are home. The causal mask comes from
 positions (the mask the model builds from them), so any layout of the sequence is right;
-`nf.zigzag` lays a batch out so that rank r holds chunks r and 2n-1-r, which balances the work when
-fully masked blocks are skipped (`load_balance='zigzag'`, on real ranks).
+`nf.zigzag` lays a batch out so that rank r holds chunks r and 2n-1-r; with `load_balance='zigzag'`
+each block is computed in quarters (a rank's two chunks of queries by the block's two of keys) and,
+on real ranks, the quarters no query sees are skipped: 2n + 1 of 4n on every rank, half the work.
 
 `is_causal=True` without a mask (Hugging Face's sdpa path) is the causal mask of the sequence in
 order: each rank's queries are positions `rank * block ..`, and the mask comes from those.
@@ -45,9 +46,9 @@ ATTENTION, ATTENTION_BACKWARD = attention.attention_op, attention.attention_back
 class ring_attention(Transform):  # noqa: N801 - a transform is named like the function it stands for
     """Attention with its sequence split over `axis` runs as a ring over that axis.
 
-    `load_balance='zigzag'`: the batch is laid out by `nf.zigzag` and a rank skips the key/value
-    blocks its queries cannot see (on real ranks; simulated ranks compute every block). `None`:
-    every block is computed, whatever the layout.
+    `load_balance='zigzag'`: the batch is laid out by `nf.zigzag` and a rank skips the quarters of
+    key/value blocks its queries cannot see, about half of them (on real ranks; simulated ranks
+    compute every one, to the same result). `None`: every block is computed, whatever the layout.
 
     Use: `nf.jit(step, mesh=mesh, ..., transforms=[nf.ring_attention('cp')])`, with a batch that
     carries `positions` (the causal mask is built from them).
