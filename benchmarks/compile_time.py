@@ -60,14 +60,7 @@ def hf_row(cfg: llama.LlamaConfig, sizes: tuple[int, ...], seq: int = 64) -> dic
 
     config = nf.ParallelConfig(*sizes)
     mesh = config.build_abstract_mesh()
-    with torch.device("meta"):
-        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**hf.config_to_hf(cfg, torch.float32)))
-    for name, buffer in list(model.named_buffers()):
-        owner, _, leaf = name.rpartition(".")
-        model.get_submodule(owner).register_buffer(leaf, torch.empty(buffer.shape, dtype=buffer.dtype))
-    _, params, specs, loss, _ = train.hf_model(model, mesh)
-    params = {k: nf.ShapeDtypeStruct(tuple(v.shape), v.dtype, sharding=NamedSharding(mesh, specs[k]))
-              for k, v in params.items()}
+    params, loss = train.abstract_hf_model(transformers.LlamaConfig(**hf.config_to_hf(cfg, torch.float32)), mesh)
     return timed(config, mesh, params, lambda opt: train.make_loss_step(loss, opt), cfg.n_layers, seq)
 
 

@@ -155,13 +155,7 @@ def test_a_hugging_face_model_as_it_is_is_planned_from_its_step():
     def lower(layout):
         config = nf.ParallelConfig(layout.dp_replicate, layout.dp_shard, layout.cp, layout.tp)
         mesh = config.build_abstract_mesh()
-        with torch.device("meta"):
-            model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**hf.config_to_hf(cfg, torch.float32)))
-        for name, buffer in list(model.named_buffers()):  # rotary tables: made, not loaded
-            owner, _, leaf = name.rpartition(".")
-            model.get_submodule(owner).register_buffer(leaf, torch.empty(buffer.shape, dtype=buffer.dtype))
-        _, params, specs, loss, _ = train.hf_model(model, mesh)
-        params = {k: _stand_in(mesh, tuple(v.shape), specs[k], v.dtype) for k, v in params.items()}
+        params, loss = train.abstract_hf_model(transformers.LlamaConfig(**hf.config_to_hf(cfg, torch.float32)), mesh)
         opt = nf.optim.adamw(1e-3)
         state = opt.init(params)
         laid_out = lambda tree: optree.tree_map(lambda x: x.sharding, tree)  # noqa: E731
