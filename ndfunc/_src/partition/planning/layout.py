@@ -27,6 +27,16 @@ def replicated(k: int) -> Layout:
     return (R,) * k
 
 
+_EXACT = frozenset({Shard, Replicate, Partial})
+
+
+def placement_is(p, kind: type) -> bool:
+    """`isinstance(p, kind)` for a placement, its exact type read first: DTensor's placements are
+    opaque types whose `isinstance` runs Python, and the partitioner asks this per candidate."""
+    exact = type(p)
+    return exact is kind if exact in _EXACT else isinstance(p, kind)
+
+
 def split(layout: Layout, sizes: Sequence[int], dim: int) -> int:
     """How many blocks `dim` is cut into."""
     return math.prod(n for p, n in zip(layout, sizes) if isinstance(p, Shard) and p.dim == dim)
@@ -36,9 +46,7 @@ def local_shape(shape: Sequence[int], layout: Layout, sizes: Sequence[int]) -> t
     """Each dim over `split` (in one pass over the axes: a lowering asks this per value)."""
     out = list(shape)
     for p, n in zip(layout, sizes):
-        kind = type(p)  # exact types first: isinstance on placements is slow (DTensor's are opaque types)
-        if (kind is Shard or (kind is not Replicate and kind is not Partial and isinstance(p, Shard))) and (
-                0 <= p.dim < len(out)):
+        if placement_is(p, Shard) and 0 <= p.dim < len(out):
             out[p.dim] //= n  # (floor divisions in turn: the product's)
     return tuple(out)
 

@@ -56,11 +56,11 @@ from collections import deque
 
 import numpy as np
 import torch
-from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.distributed.tensor import Partial, Replicate
 
 from ndfunc._src.partition.planning import plan_cache, redistribute
 from ndfunc._src.partition.planning.flops import node_flops
-from ndfunc._src.partition.planning.layout import MANUAL, Layout, replicated
+from ndfunc._src.partition.planning.layout import MANUAL, Layout, placement_is, replicated
 from ndfunc._src.partition.planning.ops import candidates, runs_whole, strategy_key
 from ndfunc._src.partition.planning.strategies import (
     Fitted,
@@ -84,11 +84,6 @@ SECOND_GAIN = 0.01
 VECTOR_MIN = 64  # a node with this many candidates has them priced as columns (`_vector_costs`)
 PRICED_TOGETHER = 64  # this many new layout changes in a column are walked together (`_tcosts`)
 HUB = 16  # a value with more consumers has what they want counted as the search chooses (`_Choice`)
-
-
-def _replicated(p) -> bool:
-    kind = type(p)  # exact types first: isinstance on placements is slow (DTensor's are opaque types)
-    return kind is Replicate or (kind is not Shard and kind is not Partial and isinstance(p, Replicate))
 
 
 def finished(layout: Layout) -> Layout:
@@ -217,7 +212,7 @@ class Problem:
             self.layouts.append(lay)
             self.codes.append(redistribute.codes(lay))
             self.cut.append((1 << len(self.sizes)) - 1 if lay == MANUAL else
-                            sum(1 << m for m, p in enumerate(lay) if not _replicated(p)))
+                            sum(1 << m for m, p in enumerate(lay) if not placement_is(p, Replicate)))
         self._layout_by_id[id(lay)] = (lay, i)
         return i
 
@@ -245,7 +240,7 @@ class Problem:
                     c_outs = [tuple(None if lay < 0 else lay for lay in outs) for outs in c_outs]
                 self._tables[id(c_ins)] = (c_ins, table, k)
                 cut = np.array([*(self.cut[i] for i in lids), 0], dtype=np.int64)
-                splits = np.array(self._split_of)[np.bitwise_or.reduce(cut[local], axis=1)].tolist()
+                splits = [*map(self._split_of.__getitem__, np.bitwise_or.reduce(cut[local], axis=1).tolist())]
             elif isinstance(strategies, Fitted):  # layouts and indices: each layout numbered once
                 number = [*map(self._layout, strategies.layouts), None].__getitem__  # -1: None
                 c_ins = [tuple(map(number, row)) for row in strategies.ins]
