@@ -264,8 +264,7 @@ def replay(args, cluster: Cluster, efficiency: Efficiency) -> dict:
     by_layout = {lay: name for name, lay in layouts.items()}
 
     def lower(layout):
-        sizes = (layout.dp_replicate, layout.dp_shard, layout.cp, layout.tp)
-        return bench.lowered_abstract(args.model, nf.ParallelConfig(*sizes), args.batch, args.seq)
+        return bench.lowered_abstract(args.model, nf.ParallelConfig(*layout.axis_sizes), args.batch, args.seq)
     planned = plan_step(lower, layouts.values(), cluster=cluster, tokens_per_step=args.batch * args.seq,
                         efficiency=efficiency)
     if planned.failed:

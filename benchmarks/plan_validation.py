@@ -99,8 +99,8 @@ def replay(row: Row, peak_bf16: float = 912 * TFLOPS):
     transforms += [nf.fsdp(("dp_shard", "cp")), nf.mixed_precision(torch.bfloat16, torch.float32)]
 
     def lower(layout):
-        config = nf.ParallelConfig(layout.dp_replicate, layout.dp_shard, layout.cp, layout.tp,
-                                   sequence_parallel=layout.tp > 1)  # torchtitan's TP is sequence-parallel
+        # torchtitan's TP is sequence-parallel
+        config = nf.ParallelConfig(*layout.axis_sizes, sequence_parallel=layout.tp > 1)
         # under CP the causal mask follows the zigzag positions; else attention is told is_causal
         return train.lower_abstract(cfg, config, row.seq_len, transforms, row.local_batch, positions=layout.cp > 1)
     planned = plan_step(lower, [lay], cluster=grand_teton(row.gpus, peak_bf16),

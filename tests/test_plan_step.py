@@ -130,7 +130,7 @@ def test_the_replayed_programs_rank_layouts_as_the_closed_forms_do():
                Layout(dp_replicate=16)]
 
     def lower(layout):
-        config = nf.ParallelConfig(layout.dp_replicate, layout.dp_shard, layout.cp, layout.tp)
+        config = nf.ParallelConfig(*layout.axis_sizes)
         transforms = [nf.fsdp("dp_shard")] if layout.dp_shard > 1 else []
         return train.lower_abstract(cfg, config, seq, [*transforms, nf.mixed_precision(torch.bfloat16, torch.float32)],
                                     batch // layout.dp_size, positions=False)
@@ -153,7 +153,7 @@ def test_a_hugging_face_model_as_it_is_is_planned_from_its_step():
     cfg, seq = llama.LlamaConfig.tiny(), 128
 
     def lower(layout):
-        config = nf.ParallelConfig(layout.dp_replicate, layout.dp_shard, layout.cp, layout.tp)
+        config = nf.ParallelConfig(*layout.axis_sizes)
         mesh = config.build_abstract_mesh()
         params, loss = train.abstract_hf_model(transformers.LlamaConfig(**hf.config_to_hf(cfg, torch.float32)), mesh)
         opt = nf.optim.adamw(1e-3)

@@ -26,6 +26,8 @@ class Layout:
         >>> lay = Layout(dp_shard=32, tp=8)
         >>> lay, lay.num_gpus, lay.fsdp_size, lay.dp_size
         (Layout(dp_shard=32, tp=8), 256, 32, 32)
+        >>> lay.axis_sizes  # dp_replicate, dp_shard, cp, tp
+        (1, 32, 1, 8)
     """
 
     dp_replicate: int = 1
@@ -64,8 +66,13 @@ class Layout:
         return self.dp_shard * self.cp
 
     @property
+    def axis_sizes(self) -> tuple[int, int, int, int]:
+        """The four sizes in mesh order: `nf.ParallelConfig(*layout.axis_sizes)`."""
+        return tuple(getattr(self, axis) for axis in AXES)
+
+    @property
     def mesh(self) -> AbstractMesh:
-        return AbstractMesh({axis: getattr(self, axis) for axis in AXES})
+        return AbstractMesh(dict(zip(AXES, self.axis_sizes)))
 
     def stride(self, axis: str) -> int:
         """Rank distance between neighbours along `axis`: the product of the inner axes' sizes."""
