@@ -78,9 +78,9 @@ def lower_abstract(cfg: llama.LlamaConfig, config: nf.ParallelConfig, seq_len: i
     batch = abstract_batch(config, mesh, batch_per_rank * config.dp_world_size, seq_len)
     if not positions:
         del batch["positions"]
-    laid_out = lambda tree: optree.tree_map(lambda x: x.sharding, tree)  # noqa: E731
+    laid_out = optree.tree_map(nf.sharding_of, (params, state))  # results leave as they came
     step = nf.jit(make_step(cfg, opt, config.rules), mesh=mesh, transforms=list(transforms),
-                  out_shardings=(laid_out(params), laid_out(state), P()))
+                  out_shardings=(*laid_out, P()))
     return step.lower(params, state, batch)
 
 

@@ -98,9 +98,9 @@ def _llama_step(base, sizes, seq=8192, remat=None, transforms=(), n_layers=2):
     params = llama.abstract_params(cfg, optree.tree_map(lambda s: NamedSharding(mesh, s), specs))
     opt = nf.optim.adamw(3e-4)
     state = opt.init(params)
-    laid_out = lambda tree: optree.tree_map(lambda x: x.sharding, tree)  # noqa: E731
+    laid_out = optree.tree_map(nf.sharding_of, (params, state))  # results leave as they came
     step = nf.jit(train.make_step(cfg, opt, config.rules), mesh=mesh, transforms=list(transforms),
-                  out_shardings=(laid_out(params), laid_out(state), P()))
+                  out_shardings=(*laid_out, P()))
     batch = train.abstract_batch(config, mesh, config.dp_world_size, seq * config.cp_size)
     lowered = step.lower(params, state, batch)
     moved: dict = {}

@@ -158,8 +158,8 @@ def test_a_hugging_face_model_as_it_is_is_planned_from_its_step():
         params, loss = train.abstract_hf_model(transformers.LlamaConfig(**hf.config_to_hf(cfg, torch.float32)), mesh)
         opt = nf.optim.adamw(1e-3)
         state = opt.init(params)
-        laid_out = lambda tree: optree.tree_map(lambda x: x.sharding, tree)  # noqa: E731
-        step = nf.jit(train.make_loss_step(loss, opt), mesh=mesh, out_shardings=(laid_out(params), laid_out(state), P()))
+        laid_out = optree.tree_map(nf.sharding_of, (params, state))  # results leave as they came
+        step = nf.jit(train.make_loss_step(loss, opt), mesh=mesh, out_shardings=(*laid_out, P()))
         return step.lower(params, state, train.abstract_batch(config, mesh, config.dp_world_size, seq))
 
     planned = plan_step(lower, [Layout(dp_shard=8), Layout(dp_shard=4, tp=2)], cluster=H100, tokens_per_step=8 * seq)

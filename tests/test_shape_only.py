@@ -76,6 +76,17 @@ def test_opt_init_over_stand_ins_is_the_state_laid_out_like_the_parameters():
         assert nf.optim.state_shardings(unplaced, specs) == state
 
 
+def test_sharding_of_a_stand_in_is_its_own_and_of_a_dtensor_its_layout():
+    mesh = AbstractMesh({"dp_shard": 4})
+    split = NamedSharding(mesh, P("dp_shard"))
+    assert nf.sharding_of(nf.ShapeDtypeStruct((8, 2), torch.float32, sharding=split)) == split
+    assert nf.sharding_of(nf.ShapeDtypeStruct((8, 2), torch.float32)) is None
+    assert nf.sharding_of(torch.zeros(8, 2)) is None
+    with nf.simulate(4):
+        x = nf.device_put(torch.zeros(8, 2), NamedSharding(nf.make_mesh(dp_shard=4), P("dp_shard")))
+        assert nf.sharding_of(x).spec == P("dp_shard")
+
+
 @pytest.mark.slow
 def test_a_70b_step_on_1024_abstract_ranks_lowers_without_allocating_it():
     # one layer of Llama 3 70B with its 128k vocabulary (3.0e9 parameters: 12 GB in fp32, 36 GB with

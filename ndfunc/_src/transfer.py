@@ -21,6 +21,7 @@ from ndfunc._src.sharding.errors import ShardingError, where
 from ndfunc._src.sharding.mesh import AbstractMesh, Mesh
 from ndfunc._src.sharding.named_sharding import NamedSharding, resolve_sharding
 from ndfunc._src.sharding.partition_spec import PartitionSpec
+from ndfunc._src.sharding.shape_dtype import ShapeDtypeStruct
 from ndfunc._src.torch_compat import (
     REDISTRIBUTE_LOGGER,
     DTensorSpec,
@@ -36,8 +37,12 @@ from ndfunc.tree import PyTree, tree_broadcast_prefix, tree_map_with_path
 Index = tuple[slice, ...]
 
 
-def sharding_of(x: torch.Tensor) -> NamedSharding | None:
-    """The NamedSharding of a DTensor (None for a plain tensor, which every rank holds whole)."""
+def sharding_of(x: torch.Tensor | ShapeDtypeStruct) -> NamedSharding | None:
+    """The NamedSharding of a DTensor, or an `nf.ShapeDtypeStruct` stand-in's own (None for a plain
+    tensor, which every rank holds whole): `optree.tree_map(nf.sharding_of, params)` lays a step's
+    results out as its arguments came."""
+    if isinstance(x, ShapeDtypeStruct):
+        return x.sharding
     if not isinstance(x, DTensor):
         return None
     device_mesh = x.device_mesh
