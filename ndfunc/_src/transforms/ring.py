@@ -305,21 +305,25 @@ def ring_backward(grad_out, q, k, v, out, lse, *, mask, scale, kernel, coords, a
     return torch.cat(dq, 2).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
+def _queries_keys(node: torch.fx.Node) -> tuple[torch.Tensor, torch.Tensor]:
+    """A ring node's local queries and keys (metadata values)."""
+    q, k = node.args[1:3] if node.target is ring_backward else node.args[:2]
+    return q.meta["val"], k.meta["val"]
+
+
 def _ring_flops(node: torch.fx.Node) -> int:
     """A rank's queries against every rank's keys: `size` blocks of the kernel's work (blocks the
     mask hides are counted: which ones depends on the rank); backward 2.5 times forward, as the
     kernels' own formulas."""
-    backward = node.target is ring_backward
-    q, k = node.args[1:3] if backward else node.args[:2]
-    work = node.kwargs["size"] * attention_flops(q.meta["val"], k.meta["val"])
-    return work * 5 // 2 if backward else work
+    work = node.kwargs["size"] * attention_flops(*_queries_keys(node))
+    return work * 5 // 2 if node.target is ring_backward else work
 
 
 def _ring_executed(node: torch.fx.Node) -> float:
     """The share of `_ring_flops` a rank runs: with `skip` under zigzag, 2 x size + 1 of the
     4 x size quarter blocks (`ring_forward`), on every rank; else all."""
-    size, q = node.kwargs["size"], (node.args[1] if node.target is ring_backward else node.args[0])
-    halved = node.kwargs["skip"] and len(_halves(q.meta["val"].shape[2], True)) == 2
+    size, (q, _) = node.kwargs["size"], _queries_keys(node)
+    halved = node.kwargs["skip"] and len(_halves(q.shape[2], True)) == 2
     return (2 * size + 1) / (4 * size) if halved else 1.0
 
 
