@@ -177,6 +177,20 @@ def test_a_rank_computes_its_queries_against_the_whole_sequence_whether_the_keys
 
 
 @pytest.mark.slow  # four Llama-3-8B-shaped steps lowered
+def test_fsdp_keeps_for_backward_the_activations_the_step_without_it_keeps():
+    # nf.fsdp gathers weights, it keeps no activation more or less; its program reads views of
+    # forward values where the backward reads them, after the backward has begun, which must not
+    # be taken for the forward's end
+    import dataclasses
+
+    from models import llama, train
+
+    cfg = dataclasses.replace(llama.LlamaConfig.tiny(), n_layers=2)
+    kept = [train.lower_abstract(cfg, nf.ParallelConfig(dp_shard_size=4), 64, transforms).memory_analysis()
+            .breakdown.activations for transforms in ([], [nf.fsdp("dp_shard")])]
+    assert kept[1] == kept[0] > 0
+
+
 @pytest.mark.parametrize("sequence_parallel, share", [(False, 1), (True, 8)])
 def test_sequence_parallelism_keeps_a_tpth_of_each_layers_input(sequence_parallel, share):
     # every layer recomputed: each keeps only its input, b x s x h bf16 (Korthikanti et al. 2022), whole

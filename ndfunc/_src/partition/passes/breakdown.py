@@ -45,7 +45,7 @@ class MemoryBreakdown:
     step's parameters, optimizer state, batch), `gradients` (as the optimizer first reads them:
     reduced, see the module), `gathered` (the most bytes of gathered parameters alive at once:
     FSDP's units, prefetch included), `activations` (what the forward keeps for the backward: alive
-    when its last op is done), and `at_peak` (what is alive at the peak, by kind; it adds up to the
+    when the last of its ops that makes a buffer is done), and `at_peak` (what is alive at the peak, by kind; it adds up to the
     peak)."""
 
     arguments: dict[str, int]
@@ -86,9 +86,11 @@ def breakdown(program, gm: torch.fx.GraphModule) -> MemoryBreakdown:
 
     read_after = {root[n] for n in nodes if n.op != "output" and kind.get(root.get(n)) == "backward"
                   and any(_reads_as_rest(u, kind) for u in n.users)}
-    # the forward's last op: what of it is alive after is kept for the backward (or returned)
+    # the forward's last op that makes a buffer: what of it is alive after is kept for the backward
+    # (or returned). Not its last op: a view of a forward value can run after the backward has
+    # begun (nf.fsdp's programs read them where the backward does), and makes no buffer
     forward_ends = max((i for i, n in enumerate(nodes) if kind.get(n) == "activations"
-                        and prog.marks(n) is not None), default=len(nodes) - 2)
+                        and prog.marks(n) is not None and root.get(n) is n), default=len(nodes) - 2)
     return MemoryBreakdown(
         arguments=arguments,
         gradients=sum(sizes[r] for r in read_after),
