@@ -26,6 +26,10 @@ def test_abstract_mesh():
     import numpy as np
 
     assert AbstractMesh({"dp": np.int64(2)}) == AbstractMesh({"dp": 2})  # numpy ints are integers
+    assert AbstractMesh((4, 2), ("dp_shard", "tp")) == mesh  # JAX's form: sizes, then names
+    with pytest.raises(ShardingError, match=r"^AbstractMesh got 2 sizes \(4, 2\) for 1 axis names \('dp',\); give one "
+                                            r"size per name\.$"):
+        AbstractMesh((4, 2), ("dp",))
 
 
 @pytest.mark.parametrize(

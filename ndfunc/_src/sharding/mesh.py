@@ -20,18 +20,25 @@ AxisShape = Mapping[str, int] | Sequence[tuple[str, int]]
 
 
 class AbstractMesh:
-    """Ordered axis names and sizes, with no devices behind them.
+    """Ordered axis names and sizes, with no devices behind them: `AbstractMesh({'dp_shard': 4,
+    'tp': 2})`, or JAX's form, sizes then names: `AbstractMesh((4, 2), ('dp_shard', 'tp'))`.
 
     Example:
         >>> m = AbstractMesh({'dp_shard': 4, 'tp': 2})
-        >>> m.axis_names, m.size, m.axis_size('tp')
-        (('dp_shard', 'tp'), 8, 2)
+        >>> m.axis_names, m.size, m.axis_size('tp'), m == AbstractMesh((4, 2), ('dp_shard', 'tp'))
+        (('dp_shard', 'tp'), 8, 2, True)
     """
 
     __slots__ = ("_axes",)
     _axes: tuple[tuple[str, int], ...]
 
-    def __init__(self, shape: AxisShape):
+    def __init__(self, shape: AxisShape | Sequence[int], axis_names: Sequence[str] | None = None):
+        if axis_names is not None:  # JAX's AbstractMesh(axis_sizes, axis_names)
+            sizes, names = tuple(shape), tuple(axis_names)
+            if len(sizes) != len(names):
+                raise ShardingError(f"AbstractMesh got {len(sizes)} sizes {sizes!r} for {len(names)} axis names "
+                                    f"{names!r}; give one size per name.")
+            shape = tuple(zip(names, sizes))
         items = tuple(shape.items()) if isinstance(shape, Mapping) else tuple(shape)
         seen: set[str] = set()
         for item in items:
