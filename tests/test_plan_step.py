@@ -5,6 +5,7 @@ and `plan_step`'s ranking against the closed forms' (`estimate`, a model written
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pytest
 import torch
@@ -113,6 +114,25 @@ def test_bad_inputs_say_what_to_do():
         plan_step(lambda layout: lowered, [Layout(dp_shard=8)], cluster=H100, tokens_per_step=0)
     with pytest.raises(ValueError, match=r"^plan_step: Layout\(dp_shard=4\) uses 4 GPUs; the cluster has 8\.$"):
         plan_step(lambda layout: lowered, [Layout(dp_shard=4)], cluster=H100, tokens_per_step=1)
+    # what `lower(layout)` returns: a Lowered, or (Lowered, times) pairs; anything else says so
+    expected = ("expected the step lowered over stand-ins on layout.mesh (a Lowered: nf.jit(step, "
+                "mesh=layout.mesh).lower(*stand_ins)), or a list of (Lowered, times) pairs")
+    jitted = nf.jit(lambda w: w * 2, mesh=mesh)
+    for made, said in [(jitted, "returned the jitted step itself; " + expected), (None, "returned a NoneType; " + expected),
+                       ([lowered], "returned a list of ['Lowered']; " + expected)]:
+        with pytest.raises(TypeError, match="^plan_step: lower\\(layout\\) " + re.escape(said)):
+            plan_step(lambda layout, made=made: made, [Layout(dp_shard=8)], cluster=H100, tokens_per_step=1)
+    with pytest.raises(ValueError, match=r"^plan_step: a program runs a whole number of times a step, >= 1; "
+                                         r"lower\(layout\) gave 0\.$"):
+        plan_step(lambda layout: [(lowered, 0)], [Layout(dp_shard=8)], cluster=H100, tokens_per_step=1)
+    with pytest.raises(TypeError, match=r"^program_time: expected a step lowered over stand-ins \(a Lowered: "
+                                        r"nf\.jit\(step, mesh=\.\.\.\)\.lower\(\*stand_ins\)\) or its Program, got a str\.$"):
+        program_time("lowered", H100)
+    for call in (lambda: program_time(lowered, "h100"),
+                 lambda: plan_step(lambda layout: lowered, [Layout(dp_shard=8)], cluster="h100", tokens_per_step=1)):
+        with pytest.raises(TypeError, match=r"cluster must be a Cluster, got 'h100'; build one with Cluster\.of\("
+                                            r"gpu, num_gpus\) \(gpu one of a100, h100, h200, b200\)"):
+            call()
 
 
 @pytest.mark.slow  # five Llama-3-8B-shaped steps lowered: seconds each

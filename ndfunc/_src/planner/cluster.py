@@ -185,6 +185,13 @@ class Cluster:
         return cls(num_gpus, gpus_per_node, _DEVICES[key], *_LINKS[key])
 
 
+def check_cluster(cluster: object, where: str) -> None:
+    """A clear error where `where` was given something other than a `Cluster` (a GPU's name)."""
+    if not isinstance(cluster, Cluster):
+        raise TypeError(f"{where}: cluster must be a Cluster, got {cluster!r}; build one with Cluster.of(gpu, "
+                        f"num_gpus) (gpu one of {', '.join(gpu_names())}) or Cluster(...) with your own figures.")
+
+
 def gpu_names() -> tuple[str, ...]:
     """The built-in GPUs `Cluster.of` knows."""
     return tuple(_DEVICES)

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from ndfunc._src.planner.cluster import GiB, Cluster
+from ndfunc._src.planner.cluster import GiB, Cluster, check_cluster
 from ndfunc._src.planner.layout import Layout, Options
 from ndfunc._src.planner.memory import Memory, memory_per_rank
 from ndfunc._src.planner.model import TransformerShape
@@ -122,6 +122,7 @@ def estimate(
         >>> e.fits, e.time.tp, e.inter_bytes
         (True, 0.0, 0.0)
     """
+    check_cluster(cluster, "estimate")
     layout.check(model, cluster, global_batch, seq_len)
     local = global_batch // layout.dp_size
     if options.micro_batch * options.grad_accum != local:

@@ -13,7 +13,7 @@ import dataclasses
 import time
 from collections.abc import Callable, Iterable, Sequence
 
-from ndfunc._src.planner.cluster import GB, GiB, Cluster
+from ndfunc._src.planner.cluster import GB, GiB, Cluster, check_cluster
 from ndfunc._src.planner.estimate import Efficiency
 from ndfunc._src.planner.layout import Layout
 from ndfunc._src.planner.memory import OVERHEAD_BYTES
@@ -121,6 +121,7 @@ def plan_step(lower: Callable[[Layout], object], layouts: Iterable[Layout], *, c
         >>> len(p.rows), p.best.time.total > 0
         (2, True)
     """
+    check_cluster(cluster, "plan_step")
     if isinstance(tokens_per_step, bool) or not isinstance(tokens_per_step, int) or tokens_per_step < 1:
         raise ValueError(f"plan_step: tokens_per_step must be an int >= 1, got {tokens_per_step!r}.")
     rows, too_big, failed = [], [], []
@@ -133,11 +134,32 @@ def plan_step(lower: Callable[[Layout], object], layouts: Iterable[Layout], *, c
         except Exception as e:  # noqa: BLE001 - a layout the step cannot take is reported, not fatal
             failed.append((layout, f"{type(e).__name__}: {e}"))
             continue
-        programs = [(made, 1)] if hasattr(made, "program") else list(made)
+        programs = _programs(made)
         e = _priced(layout, programs, cluster, tokens_per_step, efficiency, time.perf_counter() - start)
         (rows if e.fits else too_big).append(e)
     rows.sort(key=lambda e: (e.time.total, e.memory_bytes))
     return StepPlan(cluster, tokens_per_step, tuple(rows), tuple(too_big), tuple(failed))
+
+
+def _programs(made) -> list[tuple[object, int]]:
+    """What `lower(layout)` returned, as (Lowered, times) pairs; a clear error for anything else."""
+    if hasattr(made, "program"):
+        return [(made, 1)]
+    expected = ("expected the step lowered over stand-ins on layout.mesh (a Lowered: nf.jit(step, "
+                "mesh=layout.mesh).lower(*stand_ins)), or a list of (Lowered, times) pairs for a step of several "
+                "programs")
+    if hasattr(made, "lower"):
+        raise TypeError(f"plan_step: lower(layout) returned the jitted step itself; {expected}: call .lower(...) "
+                        f"on it.")
+    pairs = list(made) if isinstance(made, (list, tuple)) else None
+    if not pairs or not all(isinstance(p, tuple) and len(p) == 2 and hasattr(p[0], "program") for p in pairs):
+        got = type(made).__name__ if pairs is None else f"{type(made).__name__} of {[type(p).__name__ for p in made]}"
+        raise TypeError(f"plan_step: lower(layout) returned a {got}; {expected}.")
+    for _, times in pairs:
+        if isinstance(times, bool) or not isinstance(times, int) or times < 1:
+            raise ValueError(f"plan_step: a program runs a whole number of times a step, >= 1; lower(layout) "
+                             f"gave {times!r}.")
+    return pairs
 
 
 def _priced(layout: Layout, programs: Sequence[tuple[object, int]], cluster: Cluster, tokens: int,

@@ -35,7 +35,7 @@ import torch
 from ndfunc._src.partition import program as prog
 from ndfunc._src.partition.passes.breakdown import value_bytes
 from ndfunc._src.partition.planning.flops import executed_share, is_attention, node_flops
-from ndfunc._src.planner.cluster import Cluster, Device
+from ndfunc._src.planner.cluster import Cluster, Device, check_cluster
 from ndfunc._src.planner.estimate import Efficiency
 
 # What kernels sustain of the datasheet peak, op by op. The closed forms' `Efficiency()` folds the
@@ -108,6 +108,10 @@ def program_time(lowered, cluster: Cluster, efficiency: Efficiency = KERNELS) ->
         True
     """
     program = getattr(lowered, "program", lowered)
+    if not hasattr(program, "local"):
+        raise TypeError(f"program_time: expected a step lowered over stand-ins (a Lowered: nf.jit(step, "
+                        f"mesh=...).lower(*stand_ins)) or its Program, got a {type(lowered).__name__}.")
+    check_cluster(cluster, "program_time")
     program.ensure_meta()
     mesh = program.mesh
     sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
