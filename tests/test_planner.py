@@ -71,12 +71,74 @@ def test_from_config_reads_a_hugging_face_config():
         TransformerShape.from_config(type("Half", (), {"hidden_size": 8})())
 
 
+def test_from_config_counts_what_transformers_builds():
+    # a config.json as parsed (a dict): no key/value heads of its own is multi-head attention, as
+    # transformers reads it; a head_dim of its own (Qwen3's, Gemma's) sizes q, k, v and o: the
+    # parameter count is transformers' own model's, built on the meta device
+    import torch
+    from transformers import LlamaConfig as HFLlamaConfig
+    from transformers import LlamaForCausalLM
+
+    base = {"vocab_size": 1000, "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2,
+            "num_attention_heads": 4}
+    assert TransformerShape.from_config(base).n_kv_heads == 4
+    for extra in ({"num_key_value_heads": 2, "head_dim": 96}, {"num_key_value_heads": 1, "tie_word_embeddings": True}):
+        with torch.device("meta"):
+            model = LlamaForCausalLM(HFLlamaConfig(**base, **extra))
+        shape = TransformerShape.from_config({**base, **extra})
+        assert shape.num_params == sum(p.numel() for p in model.parameters())
+    assert TransformerShape.from_config({**base, "head_dim": 96}).q_dim == 384
+    with pytest.raises(ValueError, match=r"^the config describes a mixture of experts \(num_local_experts=8\); "
+                                         r"TransformerShape models dense Llama-style decoders and would count one "
+                                         r"expert of many\. Plan this model from its own step instead: "
+                                         r"ndfunc\.plan\.plan_step\.$"):
+        TransformerShape.from_config({**base, "num_local_experts": 8})
+    with pytest.raises(ValueError, match=r"^TransformerShape\.tie_embeddings must be True or False, got 'false'\.$"):
+        TransformerShape.from_config({**base, "tie_word_embeddings": "false"})
+
+
+def test_python_m_ndfunc_plan_prints_no_warning():
+    import subprocess
+
+    done = subprocess.run([sys.executable, "-m", "ndfunc.plan", "--help"], capture_output=True, text=True, check=True)
+    assert done.stdout.startswith("usage: python -m ndfunc.plan") and done.stderr == ""
+
+
+def test_where_nothing_fits_the_plan_says_what_would(capsys):
+    # Llama 3 405B on 8 H100s: its parameters, gradients and Adam state need 16 B x 405.9e9 / 8 =
+    # 756.0 GiB a rank before any activation; the advice is GPUs, not shorter sequences
+    p = plan(TransformerShape.named("llama3-405b"), cluster=Cluster.of("h100", 8), global_batch=8, seq_len=8192)
+    layout, _, memory = p.closest
+    assert p.rows == () and memory.total == min(memory_per_rank(p.model, lay, opt, 8192).total
+                                                for lay in layouts(p.model, p.cluster, 8, 8192)
+                                                for opt in [Options("full", 1, 8 // lay.dp_size)])
+    assert "Parameters, gradients and optimizer state alone take 756.0 GiB a rank sharded 8 ways: add GPUs " \
+           "(about 10x as many) or GPUs with more memory; a shorter sequence or smaller batch cannot help." in p.advice()
+    with pytest.raises(ValueError, match="no layout fits: .*: add GPUs"):
+        p.best
+    # Llama 3 8B at a million tokens a sequence: the state fits, the activations do not
+    long = plan(LLAMA_8B, cluster=Cluster.of("h100", 8), global_batch=8, seq_len=2**20)
+    assert long.rows == () and long.advice().endswith("Shorten sequences, lower the global batch per GPU, or add GPUs.")
+    assert plan(LLAMA_8B, cluster=Cluster.of("h100", 8), global_batch=8, seq_len=2**20, remat="none").advice().endswith(
+        "Shorten sequences, lower the global batch per GPU, allow full remat, or add GPUs.")
+    with pytest.raises(SystemExit) as exit_:
+        main(["--model", "llama3-405b", "--gpus", "8", "--global-batch", "8", "--seq-len", "8192"])
+    assert exit_.value.code == 1
+    out = capsys.readouterr().out
+    assert "No layout fits in memory. The least any layout needs is 764.7 GiB per rank" in out
+
+
 def test_cli_plans_a_hugging_face_config_json(tmp_path, capsys):
     (tmp_path / "config.json").write_text(json.dumps({
         "_name_or_path": "my-llama", "vocab_size": 128256, "hidden_size": 4096, "intermediate_size": 14336,
         "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8}))
     main(["--model", str(tmp_path), "--gpus", "16", "--global-batch", "32", "--seq-len", "8192", "--top", "3"])
     assert "my-llama on 16 x H100-SXM-80GB" in capsys.readouterr().out
+    (tmp_path / "qwen-like.json").write_text(json.dumps({  # a file of another name is named by it
+        "vocab_size": 151936, "hidden_size": 2560, "intermediate_size": 9728, "num_hidden_layers": 36,
+        "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "tie_word_embeddings": True}))
+    main(["--model", str(tmp_path / "qwen-like.json"), "--gpus", "8", "--global-batch", "8", "--seq-len", "4096"])
+    assert "qwen-like on 8 x H100-SXM-80GB" in capsys.readouterr().out
     (tmp_path / "bad.json").write_text("{}")
     with pytest.raises(SystemExit):
         main(["--model", str(tmp_path / "bad.json"), "--gpus", "8", "--global-batch", "8", "--seq-len", "128"])
@@ -200,6 +262,13 @@ def test_a_1024_gpu_cluster_is_planned_over_every_layout_and_option():
 
 
 def test_bad_inputs_say_what_to_do():
+    with pytest.raises(TypeError, match=r"^plan: cluster must be a Cluster, got 'h100'; build one with Cluster\.of"):
+        plan(LLAMA_8B, cluster="h100", global_batch=8, seq_len=128)
+    with pytest.raises(ValueError, match=r"^plan: remat names the policies to try, one or more of none, selective, "
+                                         r"full; got none\.$"):
+        plan(LLAMA_8B, cluster=Cluster.of("h100", 8), global_batch=8, seq_len=128, remat=())
+    only_full = plan(LLAMA_8B, cluster=Cluster.of("h100", 8), global_batch=8, seq_len=128, remat="full")
+    assert {e.options.remat for e in only_full.rows} == {"full"}  # one policy by name, not its letters
     with pytest.raises(ValueError, match="unknown GPU 'v100': expected one of a100, h100, h200, b200"):
         Cluster.of("v100", 8)
     with pytest.raises(ValueError, match=r"CPUs have no vendor figures; measure them"):
@@ -232,12 +301,14 @@ def test_cli_prints_the_table(capsys):
     (["--model", "gpt2"], "--model 'gpt2' is neither a built-in model (llama3-8b, llama3-70b, llama3-405b) nor a "
                           "file; pass one of those names or the path of a Hugging Face config.json."),
     (["--gpus", "12"], "--gpus 12 is not a whole number of nodes of --gpus-per-node 8; use a multiple of 8"),
+    (["--gpu", "a100", "--float8", ""], "--float8: the A100-SXM-80GB has no fp8 tensor cores; drop --float8."),
+    (["--efficiency", "0"], "--efficiency is a fraction of the device's peak, in (0, 1]; got 0.0."),
 ])
 def test_cli_errors(capsys, argv, message):
     base = {"--gpus": "16", "--global-batch": "32", "--seq-len": "4096"}
     base.update(dict(zip(argv[::2], argv[1::2])))
     with pytest.raises(SystemExit) as exit_:
-        main([x for kv in base.items() for x in kv])
+        main([x for kv in base.items() for x in kv if x])
     assert exit_.value.code == 2
     assert message in capsys.readouterr().err
 

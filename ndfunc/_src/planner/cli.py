@@ -1,7 +1,8 @@
 """`python -m ndfunc.plan`: rank the layouts of a built-in model (or one a Hugging Face config.json
 describes) on a built-in cluster, print a table.
 
-Bad input is an argparse error (exit code 2) that says what was expected, what came and what to do.
+Bad input is an argparse error (exit code 2) that says what was expected, what came and what to do;
+a model that fits no layout prints why and exits with 1.
 """
 
 from __future__ import annotations
@@ -10,7 +11,6 @@ import argparse
 import json
 import os
 import sys
-import types
 
 from ndfunc._src.planner.cluster import Cluster, gpu_names
 from ndfunc._src.planner.estimate import Efficiency
@@ -28,7 +28,8 @@ def parser() -> argparse.ArgumentParser:
                    help=f"one of: {', '.join(model_names())}; or a Hugging Face config.json (or the directory "
                         f"holding one) of a Llama-shaped model")
     p.add_argument("--gpus", type=int, required=True, help="number of GPUs")
-    p.add_argument("--gpus-per-node", type=int, default=8)
+    p.add_argument("--gpus-per-node", type=int, default=8,
+                   help="GPUs a node holds, joined by NVLink; nodes by the fabric (default %(default)s)")
     p.add_argument("--gpu", default="h100", help=f"one of: {', '.join(gpu_names())}")
     p.add_argument("--global-batch", type=int, required=True, help="sequences per optimizer step")
     p.add_argument("--seq-len", type=int, required=True, help="tokens per sequence")
@@ -44,11 +45,14 @@ def parser() -> argparse.ArgumentParser:
 def _from_hf_config(p: argparse.ArgumentParser, path: str) -> TransformerShape:
     """The shape in a Hugging Face config.json (or the directory holding one)."""
     file = os.path.join(path, "config.json") if os.path.isdir(path) else path
+    stem = os.path.splitext(os.path.basename(file))[0]  # a config.json is named by its folder
     try:
         with open(file) as f:
             cfg = json.load(f)
-        return TransformerShape.from_config(types.SimpleNamespace(**cfg), name=cfg.get("_name_or_path") or
-                                            os.path.basename(os.path.dirname(os.path.abspath(file))))
+        if not isinstance(cfg, dict):
+            raise ValueError(f"a JSON object of a model's configuration was expected, not a {type(cfg).__name__}")
+        return TransformerShape.from_config(cfg, name=cfg.get("_name_or_path") or (
+            stem if stem != "config" else os.path.basename(os.path.dirname(os.path.abspath(file)))))
     except (OSError, ValueError, TypeError) as err:
         p.error(f"--model {path!r}: cannot read a model shape from {file} ({err}).")
 
@@ -71,6 +75,11 @@ def main(argv: list[str] | None = None) -> None:
                         ("--global-batch", args.global_batch), ("--seq-len", args.seq_len), ("--top", args.top)):
         if value < 1:
             p.error(f"{flag} must be >= 1, got {value}.")
+    for flag, value in (("--efficiency", args.efficiency), ("--attention-efficiency", args.attention_efficiency)):
+        if not 0 < value <= 1:
+            p.error(f"{flag} is a fraction of the device's peak, in (0, 1]; got {value}.")
+    if args.float8 and Cluster.of(args.gpu, 1).device.peak_fp8_flops is None:
+        p.error(f"--float8: the {Cluster.of(args.gpu, 1).device.name} has no fp8 tensor cores; drop --float8.")
     if args.gpus > args.gpus_per_node and args.gpus % args.gpus_per_node:
         p.error(f"--gpus {args.gpus} is not a whole number of nodes of --gpus-per-node {args.gpus_per_node}; "
                 f"use a multiple of {args.gpus_per_node} or change --gpus-per-node.")
@@ -86,6 +95,7 @@ def main(argv: list[str] | None = None) -> None:
     console = rich.console.Console(file=sys.stdout)
     if not console.is_terminal:  # a pipe or a file: wide enough that no column is cut
         console = rich.console.Console(file=sys.stdout, width=200)
-    console.print(result.table(args.top))
     if not result.rows:
-        console.print("No layout fits in memory: add GPUs, lower --seq-len, or lower --global-batch per GPU.")
+        console.print(f"{result.title()}\nNo layout fits in memory. {result.advice()}")
+        sys.exit(1)
+    console.print(result.table(args.top))

@@ -18,11 +18,12 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 
-from ndfunc._src.planner.cluster import GB, GiB, Cluster
+from ndfunc._src.planner.cluster import GB, GiB, Cluster, check_cluster
 from ndfunc._src.planner.estimate import Efficiency, Estimate, estimate
 from ndfunc._src.planner.layout import Layout, Options
-from ndfunc._src.planner.memory import memory_per_rank
+from ndfunc._src.planner.memory import Memory, memory_per_rank
 from ndfunc._src.planner.model import REMAT_POLICIES, TransformerShape, check_remat
 
 COLUMNS = ("#", "layout", "options", "GiB/rank", "step s", "tok/s/GPU", "MFU", "exposed comm s",
@@ -35,8 +36,9 @@ class Plan:
     left out.
 
     `considered` counts (layout, remat, FSDP option) candidates; `dropped` those with no micro-batch
-    that fits memory. `table(top)` renders a `rich` table, each layout once with its best options;
-    `str(plan)` the same in plain text.
+    that fits memory; `closest` is the one that needs the least memory (its layout, options and
+    memory), fitting or not: where nothing fits, `advice()` reads it. `table(top)` renders a `rich`
+    table, each layout once with its best options; `str(plan)` the same in plain text.
     """
 
     model: TransformerShape
@@ -47,12 +49,33 @@ class Plan:
     rows: tuple[Estimate, ...]
     considered: int
     dropped: int
+    closest: tuple[Layout, Options, Memory] | None = None
+    remat: tuple[str, ...] = REMAT_POLICIES  # the policies the search tried
 
     @property
     def best(self) -> Estimate:
         if not self.rows:
-            raise ValueError(f"no layout fits: {self.title()}; add GPUs, shorten sequences or allow full remat.")
+            raise ValueError(f"no layout fits: {self.title()}. {self.advice()}")
         return self.rows[0]
+
+    def advice(self) -> str:
+        """Where nothing fits: what the layout closest to fitting needs, and what would make room."""
+        if self.closest is None:
+            return ("No layout divides this model, batch and sequence on these GPUs: tp must divide the key/value "
+                    "heads and fit in a node, cp the sequence length, the data-parallel size the global batch.")
+        layout, options, memory = self.closest
+        device = self.cluster.device
+        state = memory.params + memory.grads + memory.optimizer
+        said = (f"The least any layout needs is {memory.total / GiB:,.1f} GiB per rank ({layout}, {options}: "
+                f"{memory}), over the {device.memory_bytes / GiB:.0f} GiB of a {device.name}.")
+        if state + memory.overhead > device.memory_bytes:
+            return (f"{said} Parameters, gradients and optimizer state alone take {state / GiB:,.1f} GiB a rank "
+                    f"sharded {layout.fsdp_size * layout.tp} ways: add GPUs (about "
+                    f"{math.ceil((state + memory.overhead) / device.memory_bytes)}x as many) or GPUs with more memory; a shorter "
+                    f"sequence or smaller batch cannot help.")
+        more_remat = "full" not in self.remat
+        return (f"{said} Shorten sequences, lower the global batch per GPU"
+                f"{', allow full remat' if more_remat else ''}, or add GPUs.")
 
     def title(self) -> str:
         c = self.cluster
@@ -140,11 +163,17 @@ def plan(
     for name, value in (("global_batch", global_batch), ("seq_len", seq_len)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"plan: {name} must be an int >= 1, got {value!r}.")
+    if isinstance(remat, str):  # one policy
+        remat = (remat,)
+    if not remat:
+        raise ValueError(f"plan: remat names the policies to try, one or more of {', '.join(REMAT_POLICIES)}; "
+                         f"got none.")
     for r in remat:
         check_remat(r)
+    check_cluster(cluster, "plan")
     if float8 and cluster.device.peak_fp8_flops is None:
         raise ValueError(f"plan: {cluster.device.name} has no fp8 tensor cores; plan with float8=False.")
-    rows, considered, dropped = [], 0, 0
+    rows, considered, dropped, closest = [], 0, 0, None
     for layout in layouts(model, cluster, global_batch, seq_len):
         local = global_batch // layout.dp_size
         sharded = layout.fsdp_size > 1
@@ -153,7 +182,10 @@ def plan(
             considered += 1
             for mb in [1] if layout.cp > 1 else reversed(divisors(local)):
                 options = Options(policy, mb, local // mb, reshard, prefetch, float8)
-                if memory_per_rank(model, layout, options, seq_len).total <= cluster.device.memory_bytes:
+                memory = memory_per_rank(model, layout, options, seq_len)
+                if closest is None or memory.total < closest[2].total:
+                    closest = (layout, options, memory)
+                if memory.total <= cluster.device.memory_bytes:
                     rows.append(estimate(model, layout, options, cluster=cluster, global_batch=global_batch,
                                          seq_len=seq_len, efficiency=efficiency))
                     break
@@ -161,4 +193,5 @@ def plan(
                 dropped += 1
     # ties (CP hidden behind attention prices like more data parallelism): less memory, then less traffic
     rows.sort(key=lambda e: (round(e.time.total, 9), e.memory.total, e.inter_bytes, e.intra_bytes))
-    return Plan(model, cluster, global_batch, seq_len, efficiency, tuple(rows), considered, dropped)
+    return Plan(model, cluster, global_batch, seq_len, efficiency, tuple(rows), considered, dropped, closest,
+                tuple(remat))
