@@ -112,8 +112,8 @@ def test_where_nothing_fits_the_plan_says_what_would(capsys):
     assert p.rows == () and memory.total == min(memory_per_rank(p.model, lay, opt, 8192).total
                                                 for lay in layouts(p.model, p.cluster, 8, 8192)
                                                 for opt in [Options("full", 1, 8 // lay.dp_size)])
-    assert "Parameters, gradients and optimizer state alone take 756.0 GiB a rank sharded 8 ways: add GPUs " \
-           "(about 10x as many) or GPUs with more memory; a shorter sequence or smaller batch cannot help." in p.advice()
+    assert ("Parameters, gradients and optimizer state alone take 756.0 GiB a rank sharded 8 ways: add GPUs (about "
+            "10x as many) or GPUs with more memory; a shorter sequence or smaller batch cannot help.") in p.advice()
     with pytest.raises(ValueError, match="no layout fits: .*: add GPUs"):
         p.best
     # Llama 3 8B at a million tokens a sequence: the state fits, the activations do not

@@ -78,7 +78,8 @@ class TransformerShape:
                             f"Face's {[f for f in _HF_NAMES if f not in _OPTIONAL]}.")
         experts = {key: get(key) for key in _EXPERT_KEYS if isinstance(get(key), int) and get(key) > 1}
         if experts:
-            raise ValueError(f"{what} describes a mixture of experts ({', '.join(f'{k}={v}' for k, v in experts.items())}); "
+            counts = ", ".join(f"{k}={v}" for k, v in experts.items())
+            raise ValueError(f"{what} describes a mixture of experts ({counts}); "
                              f"TransformerShape models dense Llama-style decoders and would count one expert of many. "
                              f"Plan this model from its own step instead: ndfunc.plan.plan_step.")
         values = [get(f) for f in fields]

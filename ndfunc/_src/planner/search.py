@@ -67,12 +67,13 @@ class Plan:
         device = self.cluster.device
         state = memory.params + memory.grads + memory.optimizer
         said = (f"The least any layout needs is {memory.total / GiB:,.1f} GiB per rank ({layout}, {options}: "
-                f"{memory}), over the {device.memory_bytes / GiB:.0f} GiB of a {device.name}.")
-        if state + memory.overhead > device.memory_bytes:
+                f"{memory}), over the {device.memory_bytes / GiB:.0f} GiB of one {device.name}.")
+        floor = state + memory.overhead  # what no sequence length or batch changes
+        if floor > device.memory_bytes:
             return (f"{said} Parameters, gradients and optimizer state alone take {state / GiB:,.1f} GiB a rank "
                     f"sharded {layout.fsdp_size * layout.tp} ways: add GPUs (about "
-                    f"{math.ceil((state + memory.overhead) / device.memory_bytes)}x as many) or GPUs with more memory; a shorter "
-                    f"sequence or smaller batch cannot help.")
+                    f"{math.ceil(floor / device.memory_bytes)}x as many) or GPUs with more memory; a shorter sequence "
+                    f"or smaller batch cannot help.")
         more_remat = "full" not in self.remat
         return (f"{said} Shorten sequences, lower the global batch per GPU"
                 f"{', allow full remat' if more_remat else ''}, or add GPUs.")
@@ -150,9 +151,10 @@ def layouts(model: TransformerShape, cluster: Cluster, global_batch: int, seq_le
 
 def plan(
     model: TransformerShape, *, cluster: Cluster, global_batch: int, seq_len: int,
-    remat: tuple[str, ...] = REMAT_POLICIES, float8: bool = False, efficiency: Efficiency = Efficiency(),
+    remat: tuple[str, ...] | str = REMAT_POLICIES, float8: bool = False, efficiency: Efficiency = Efficiency(),
 ) -> Plan:
-    """Rank every layout of `cluster` for `model` at `global_batch` sequences of `seq_len` tokens.
+    """Rank every layout of `cluster` for `model` at `global_batch` sequences of `seq_len` tokens,
+    trying each of the `remat` policies (one by name, or several).
 
     Example:
         >>> p = plan(TransformerShape.named("llama3-8b"), cluster=Cluster.of("h100", 16), global_batch=64,

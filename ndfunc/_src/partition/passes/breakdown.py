@@ -45,8 +45,8 @@ class MemoryBreakdown:
     step's parameters, optimizer state, batch), `gradients` (as the optimizer first reads them:
     reduced, see the module), `gathered` (the most bytes of gathered parameters alive at once:
     FSDP's units, prefetch included), `activations` (what the forward keeps for the backward: alive
-    when the last of its ops that makes a buffer is done), and `at_peak` (what is alive at the peak, by kind; it adds up to the
-    peak)."""
+    when the last of its ops that makes a buffer is done), and `at_peak` (what is alive at the peak,
+    by kind; it adds up to the peak)."""
 
     arguments: dict[str, int]
     gradients: int
