@@ -53,6 +53,7 @@ from ndfunc._src import regions, torch_compat
 # Annotations that name one call (`nf.remat`'s region ids): made inside a region, each copy draws
 # its own, `PER_CALL[key](mark)`, as the call would have.
 PER_CALL: dict[str, Callable[[Any], Any]] = {}
+TENSOR = object()  # a template's tensor output among its output leaves (a layer may return None: Falcon's)
 
 
 @dataclasses.dataclass(eq=False)
@@ -66,7 +67,7 @@ class Template:
     backward: list[torch.fx.Node]
     outs: list[torch.fx.Node]  # what each tensor output is
     grads: list[torch.fx.Node | None]  # each tensor argument's gradient (None: not differentiated)
-    out_leaves: list[Any]  # the outputs' leaves, tensors as None
+    out_leaves: list[Any]  # the outputs' leaves, tensors as `TENSOR` (a None is a None the layer returned)
     out_spec: Any
     context: dict  # the annotations in force where it was traced
     traced_from: tuple = ()  # (fn, leaves, spec, where, grad): to trace it again for other gradient strides
@@ -119,7 +120,7 @@ class Stamps:
         else:
             outs = _forward(template, _annotations(), nodes, tracer)[0]
         outs = iter(outs)
-        out_leaves = [next(outs) if x is None else x for x in template.out_leaves]
+        out_leaves = [next(outs) if x is TENSOR else x for x in template.out_leaves]
         return optree.tree_unflatten(template.out_spec, out_leaves)
 
 
@@ -234,7 +235,7 @@ def _traced_template(fn: Callable, leaves: list, spec: Any, where: list[int], gr
     backward = _without(ops[split:], dropped, keep=set(outs) | set(grads))
     read = {a for n in backward for a in n.all_input_nodes}
     return Template(graph, primal_nodes, tangent_nodes, ops[:split], backward, outs, grads,
-                    [None if isinstance(x, torch.Tensor) else x for x in out_leaves], out_spec, _annotations(),
+                    [TENSOR if isinstance(x, torch.Tensor) else x for x in out_leaves], out_spec, _annotations(),
                     traced_from=(fn, leaves, spec, where, grad),
                     differentiable=[o in from_differentiated for o in outs],
                     saved=([i for i, p in enumerate(primal_nodes) if p in read], [i for i, o in enumerate(outs) if o in read]))

@@ -367,7 +367,9 @@ def _check_constants(gm: torch.fx.GraphModule, name: str) -> None:
 def _scalars_as_factories(gm: torch.fx.GraphModule) -> None:
     """A 0-d tensor the step made from a Python number (`torch.tensor(3)`) is captured as a
     constant; make it a `scalar_tensor` op, which every rank runs like any other factory. Larger
-    constants stay attributes of the graph."""
+    constants stay attributes of the graph. Several nodes may read one constant (Gemma's embedding
+    scale, read by its forward and its backward): the attribute goes once none is left."""
+    done = set()
     for node in list(gm.graph.find_nodes(op="get_attr")):
         value = getattr(gm, node.target, None)
         if not isinstance(value, torch.Tensor) or value.ndim != 0:
@@ -382,7 +384,9 @@ def _scalars_as_factories(gm: torch.fx.GraphModule) -> None:
                 gm.graph.erase_node(user)
         node.replace_all_uses_with(made)
         gm.graph.erase_node(node)
-        delattr(gm, node.target)
+        done.add(node.target)
+    for target in done:
+        delattr(gm, target)
     gm.recompile()
 
 
