@@ -264,7 +264,7 @@ def lower(graph: torch.fx.Graph, plan: Plan, axis_names: Sequence[str], group_na
         if prog.is_manual(node):  # already per rank, as the user wrote it
             op, a, kw = node.target, node.args, node.kwargs
         else:
-            op, a, kw = local_args(node, s.ins, plan.sizes)
+            op, a, kw = local_args(node, s.ins, plan.sizes, s.outs[0] if len(s.outs) == 1 else None)
             if rule is not None and rule.local is not None:
                 a = rule.local(node, a)
             # a block of a viewable value need not be viewable (its strides differ): reshape,

@@ -635,15 +635,19 @@ def _tuples(a):
     return a
 
 
-def local_args(node: torch.fx.Node, in_layouts: Sequence[Layout], sizes: tuple[int, ...]):
+def local_args(node: torch.fx.Node, in_layouts: Sequence[Layout], sizes: tuple[int, ...],
+               out_layout: Layout | None = None):
     """`(op, args, kwargs)` for the node's local op: shapes rewritten to local blocks by DTensor's
     propagator, as its dispatcher would (squeeze may become squeeze.dims). Tensor inputs stay fx
-    Nodes."""
+    Nodes. `out_layout`: the output's layout in the plan, where the op takes its output's shape
+    as an argument (`new_zeros`, `expand`, `slice_backward`): that shape is its block there, which
+    need not be the layout DTensor's propagator would pick for these inputs (a `new_zeros` of a
+    split tensor, made whole)."""
     if not rewrites_shape_args(node.target):
         return node.target, node.args, node.kwargs
-    key = (signature(node), tuple(in_layouts), sizes)
+    key = (signature(node), tuple(in_layouts), sizes, out_layout)
     if key not in _LOCAL_ARGS:
-        _LOCAL_ARGS[key] = _local_args(node, in_layouts, sizes)
+        _LOCAL_ARGS[key] = _local_args(node, in_layouts, sizes, out_layout)
     op, args, kwargs = _LOCAL_ARGS[key]
     nodes = tensor_inputs(node)
     return op, *torch.fx.node.map_aggregate((args, kwargs), lambda s: nodes[s.index] if type(s) is _Slot else s)
@@ -662,7 +666,8 @@ _LOCAL_ARGS: dict = {}
 RESHAPES = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)  # (x, shape)
 
 
-def _local_args(node: torch.fx.Node, in_layouts: Sequence[Layout], sizes: tuple[int, ...]):
+def _local_args(node: torch.fx.Node, in_layouts: Sequence[Layout], sizes: tuple[int, ...],
+                out_layout: Layout | None):
     if node.target in RESHAPES and (out := _contiguous_out(node, in_layouts[0], sizes)) is not None:
         return node.target, (_Slot(0), list(local_shape(tuple(node.meta["val"].shape), out, sizes))), {}
     mesh = planning_mesh(sizes)
@@ -683,6 +688,12 @@ def _local_args(node: torch.fx.Node, in_layouts: Sequence[Layout], sizes: tuple[
         is_tensor = lambda x: isinstance(x, DTensorSpec)  # noqa: E731
     args, kwargs = pytree.tree_map(lambda x: _Slot(next(slots)) if is_tensor(x) else x, (args, kwargs),
                                    is_leaf=is_tensor)
+    at = propagator().op_to_shape_and_stride_idx.get(node.target)
+    chosen = sharding.output_spec
+    if at is not None and out_layout is not None and isinstance(chosen, DTensorSpec) and \
+            tuple(chosen.placements) != tuple(out_layout):  # the plan's output layout, not the propagator's
+        at = at if isinstance(at, int) else at[0]
+        args = (*args[:at], list(local_shape(tuple(node.meta["val"].shape), out_layout, sizes)), *args[at + 1:])
     return new_op, args, kwargs
 
 
