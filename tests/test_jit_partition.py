@@ -5,10 +5,11 @@ mode during the run, which also checks that no DTensor reaches an op)."""
 import optree
 import pytest
 import torch
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import ndfunc as nf
+from ndfunc._src.partition.backends.cpu_kernels import index_put_in_order
 from ndfunc.sharding import P
 
 TOL = dict(rtol=1e-5, atol=1e-5)
@@ -340,6 +341,36 @@ def test_a_tensor_the_step_closes_over_is_whole_on_every_rank_and_left_as_it_was
     for out in got:
         assert_same(out, step(x))
     assert torch.equal(scale, kept)
+
+
+def test_a_factory_of_a_split_tensor_is_made_in_the_layout_the_plan_gives_it():
+    # new_zeros reads only its tensor's dtype and device: the plan makes it whole, where DTensor's
+    # propagator would split it like the tensor; the local op must make the whole block
+    x, w = torch.randn(4 * B, D), torch.randn(4 * B, D)
+    with nf.simulate(4):
+        jitted = nf.jit(lambda x, w: x.new_zeros(x.shape) + w, mesh=nf.make_mesh(dp=4), in_shardings=(P("dp"), P()),
+                        out_shardings=P())
+        (made,) = [s for n, s in jitted.lower(x, w).program.plan.strategy.items() if n.name == "new_zeros"]
+        assert made.ins == ((Shard(0),),) and made.outs == ((Replicate(),),)
+        assert_same(nf.device_get(jitted(x, w)), w)
+
+
+def test_rows_gathered_by_index_get_one_gradient_on_every_rank():
+    # a mixture of experts' weights[expert_ids]: the weights' gradient sums the picked rows' by
+    # index_put(accumulate=True), whose CPU kernel adds colliding rows in thread order; every rank
+    # computes it alike from the same gathered rows and must hold it alike
+    g = torch.Generator().manual_seed(0)
+    weights, x = torch.randn(4, 32, 64, generator=g), torch.randn(128, 32, generator=g)  # (rows of 2048: threads
+    ids = torch.randint(0, 4, (128,), generator=g)  # share them, the order they add in differs run to run)
+    loss = lambda w, x, ids: torch.bmm(x[:, None], w[ids]).square().sum()  # noqa: E731
+    with nf.simulate(2):
+        jitted = nf.jit(nf.grad(loss), mesh=nf.make_mesh(dp=2), in_shardings=(P(), P("dp"), P("dp")),
+                        out_shardings=P())
+        got = nf.device_get(jitted(weights, x, ids))  # raises if the ranks' values differ
+    torch.testing.assert_close(got, torch.func.grad(loss)(weights, x, ids), rtol=1e-5, atol=1e-4)
+    rows, values = torch.randint(-4, 4, (64, 3), generator=g), torch.randint(-8, 8, (64, 3, 5), generator=g).float()
+    exact = torch.index_put(torch.zeros(4, 5), [rows], values, accumulate=True)  # integers: any order is exact
+    assert torch.equal(index_put_in_order(torch.zeros(4, 5), [rows], values, True), exact)
 
 
 def test_a_constant_the_step_returns_is_a_copy_of_it():

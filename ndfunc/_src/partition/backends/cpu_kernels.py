@@ -1,4 +1,4 @@
-"""Which kernel runs the local program's fp32 matmuls on CPU.
+"""Which kernel runs the local program's fp32 matmuls (and its accumulating index_puts) on CPU.
 
 PyTorch runs an fp32 `mm` on CPU through MKL's sgemm, and MKL picks its code path by CPU vendor:
 on an AMD CPU it takes the AVX2 path whatever the chip offers. On an AMD EPYC with AVX-512 that
@@ -23,6 +23,12 @@ Every rank runs the same kernel for the same shapes, so values the ranks compute
 
 `ONEDNN_MATMUL` is read when a step is compiled: set it to False, or the environment variable
 `NDFUNC_ATEN_MATMUL=1` before ndfunc is imported, to run every matmul as aten's.
+
+One more CPU kernel keeps ranks alike: `index_put` with `accumulate=True` (the backward of
+indexing a tensor by rows: a mixture of experts' `weights[expert_ids]`) adds rows that collide
+in whatever order CPU threads take them, so two ranks computing one replicated value from the
+same inputs hold it differently in its last bits, and their replicas drift apart. With one integer
+index it runs as `index_add`, which adds them in index order (`index_put_in_order`).
 """
 
 from __future__ import annotations
@@ -95,8 +101,24 @@ def bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return _onednn(a0, b0).unsqueeze_(0)  # in place: a tensor of its own, as aten's, not a view
 
 
+_INDEX_PUT = aten.index_put.default._op
+
+
+def index_put_in_order(x: torch.Tensor, indices: list, values: torch.Tensor,
+                       accumulate: bool = False) -> torch.Tensor:
+    """`aten.index_put`; with `accumulate` and one integer index, CPU tensors, as `index_add` (see
+    the module docstring): the rows of `values` added to `x`'s in index order."""
+    index = indices[0] if len(indices) == 1 else None
+    if not (accumulate and index is not None and _plain(x) and x.device.type == "cpu"
+            and index.dtype in (torch.int64, torch.int32) and values.dtype == x.dtype):
+        return _INDEX_PUT(x, indices, values, accumulate)
+    rows = x.shape[0]
+    flat = torch.where(index < 0, index + rows, index).reshape(-1)
+    return x.index_add(0, flat, values.expand(*index.shape, *x.shape[1:]).reshape(-1, *x.shape[1:]))
+
+
 _KERNELS = {aten.mm.default: mm, aten.bmm.default: bmm}
-KERNELS = frozenset(_KERNELS.values())  # what a program may call in place of aten's
+KERNELS = frozenset([*_KERNELS.values(), index_put_in_order])  # what a program may call in place of aten's
 
 
 def _worth_it(node: torch.fx.Node) -> bool:
@@ -112,15 +134,21 @@ def _worth_it(node: torch.fx.Node) -> bool:
 
 
 def choose(gm: torch.fx.GraphModule, device_type: str | None) -> torch.fx.GraphModule:
-    """A copy of `gm` whose fp32 matmuls big enough for oneDNN call `mm` or `bmm` above (`gm` itself
-    if none does, or the program runs elsewhere than on CPU: `device_type`, None if not known)."""
-    if not (ONEDNN_MATMUL and torch.backends.mkldnn.enabled) or device_type not in (None, "cpu"):
+    """A copy of `gm` whose fp32 matmuls big enough for oneDNN call `mm` or `bmm` above, and whose
+    accumulating `index_put`s call `index_put_in_order` (`gm` itself if none does, or the program
+    runs elsewhere than on CPU: `device_type`, None if not known)."""
+    if device_type not in (None, "cpu"):
         return gm
-    picked = {n for n in gm.graph.nodes if n.op == "call_function" and n.target in _KERNELS and _worth_it(n)}
+    onednn = ONEDNN_MATMUL and torch.backends.mkldnn.enabled
+    picked = {n: _KERNELS[n.target] for n in gm.graph.nodes
+              if onednn and n.op == "call_function" and n.target in _KERNELS and _worth_it(n)}
+    picked.update({n: index_put_in_order for n in gm.graph.find_nodes(op="call_function",
+                                                                      target=aten.index_put.default)
+                   if (n.args[3] if len(n.args) > 3 else n.kwargs.get("accumulate", False))})
     if not picked:
         return gm
     graph, copies = torch.fx.Graph(), {}
     graph.output(graph.graph_copy(gm.graph, copies))
-    for node in picked:
-        copies[node].target = _KERNELS[node.target]
+    for node, kernel in picked.items():
+        copies[node].target = kernel
     return torch.fx.GraphModule(gm, graph)
