@@ -95,14 +95,32 @@ def make_loss_step(loss, opt: nf.optim.GradientTransformation, rules=None):
     return step
 
 
+def hf_implementations(config) -> dict:
+    """How the job has transformers build a causal LM of `config`: SDPA attention where the model
+    has it (the kernel `nf.ring_attention` runs as a ring), else its own (eager: Gemma 2's); a
+    mixture of experts' experts as batched matmuls (transformers' grouped matmul, traced, falls
+    back to a custom op that `torch.func` cannot differentiate)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    cls = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None)
+    if cls is None:  # not a causal LM transformers knows: its own error says so
+        return {"attn_implementation": "sdpa"}
+    out = {"attn_implementation": "sdpa" if getattr(cls, "_supports_sdpa", False) else "eager"}
+    if getattr(cls, "_can_set_experts_implementation", lambda: False)():
+        out["experts_implementation"] = "batched_mm"
+    return out
+
+
 def load_hf_model(path: str) -> torch.nn.Module:
-    """The transformers causal LM at `path`, with sdpa attention (loaded outside any simulation: its
-    buffers are constants of the step, the same on every rank)."""
+    """The transformers causal LM at `path`, built as `hf_implementations` says (loaded outside any
+    simulation: its buffers are constants of the step, the same on every rank), out of training
+    mode as `from_pretrained` leaves it: no dropout."""
     try:
         import transformers
     except ImportError:
         raise SystemExit("--hf-model needs Hugging Face transformers: pip install transformers") from None
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, attn_implementation="sdpa")
+    config = transformers.AutoConfig.from_pretrained(path)
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, **hf_implementations(config))
     if model.config.vocab_size < data.VOCAB_SIZE:
         raise SystemExit(f"the byte corpus needs a vocabulary of at least {data.VOCAB_SIZE}; {path} has "
                          f"{model.config.vocab_size}.")
@@ -127,12 +145,13 @@ def abstract_hf_model(hf_config, mesh) -> tuple[dict, object]:
     config, e.g. `AutoConfig.from_pretrained(path)`), as `hf_model` gives them, its parameters as
     `nf.ShapeDtypeStruct` stand-ins laid out on `mesh` (an `AbstractMesh` will do) by the model's
     TP plan and FSDP over dp_shard: made on the meta device, nothing of its size allocated (its
-    buffers, rotary tables, made empty: no value changes the program). To plan a Hugging Face model
-    on a cluster you do not have (`nf.plan.plan_step`)."""
+    buffers, rotary tables, made empty: no value changes the program). Built as `load_hf_model`
+    builds the job's (`hf_implementations`, out of training mode), so the program planned is the one
+    trained. To plan a Hugging Face model on a cluster you do not have (`nf.plan.plan_step`)."""
     import transformers
 
     with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(hf_config, attn_implementation="sdpa")
+        model = transformers.AutoModelForCausalLM.from_config(hf_config, **hf_implementations(hf_config)).eval()
     for name, buffer in list(model.named_buffers()):
         owner, _, leaf = name.rpartition(".")
         model.get_submodule(owner).register_buffer(leaf, torch.empty(buffer.shape, dtype=buffer.dtype))

@@ -19,7 +19,10 @@ PARAM_TOL = dict(rtol=1e-4, atol=2e-5)  # AdamW steps of lr 1e-2: a few fp32 ulp
 # GPT-2 ships no TP plan; Megatron's, for its (in, out) Conv1D projections
 GPT2_PLAN = {"transformer.h.*.attn.c_attn": "colwise", "transformer.h.*.attn.c_proj": "rowwise",
              "transformer.h.*.mlp.c_fc": "colwise", "transformer.h.*.mlp.c_proj": "rowwise"}
-FAMILIES = ["llama", "gpt2", "qwen2", "mistral"]
+# Gemma (its own head_dim, an embedding scale made from a Python number), Falcon (a layer that
+# returns None beside its output) and Mixtral (experts picked by index: their gradients summed by
+# index_put, whose CPU kernel adds in thread order) each met a bug the others did not
+FAMILIES = ["llama", "gpt2", "qwen2", "mistral", "gemma", "falcon", "mixtral"]
 # mesh axes, the batch's spec, transforms
 STRATEGIES = {
     "dp": (dict(dp=2), P("dp"), ()),
@@ -40,6 +43,23 @@ def make_model(family: str, attn: str) -> torch.nn.Module:
                                          resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0,
                                          eos_token_id=0)
         cls = transformers.GPT2LMHeadModel
+    elif family == "falcon":
+        config = transformers.FalconConfig(hidden_size=32, ffn_hidden_size=64, num_hidden_layers=2,
+                                           num_attention_heads=4, new_decoder_architecture=True, num_kv_heads=2,
+                                           vocab_size=VOCAB, bos_token_id=0, eos_token_id=0)
+        cls = transformers.FalconForCausalLM
+    elif family == "mixtral":  # experts as batched matmuls, as the job builds them (train.hf_implementations)
+        config = transformers.MixtralConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                            num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                                            num_experts_per_tok=2, vocab_size=VOCAB, max_position_embeddings=64,
+                                            bos_token_id=0, eos_token_id=0, pad_token_id=0)
+        config._attn_implementation = attn
+        return transformers.AutoModelForCausalLM.from_config(config, experts_implementation="batched_mm")
+    elif family == "gemma":
+        config = transformers.GemmaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=VOCAB,
+                                          max_position_embeddings=64, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+        cls = transformers.GemmaForCausalLM
     else:
         config_cls, cls = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
                            "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),

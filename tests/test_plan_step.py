@@ -192,6 +192,37 @@ def test_a_hugging_face_model_as_it_is_is_planned_from_its_step():
     assert fsdp.time.flops == matmuls + attention
 
 
+@pytest.mark.parametrize("family", ["gemma2", "gpt2", "mixtral"])
+def test_a_hugging_face_model_is_planned_as_the_job_builds_it(family):
+    # as `models.train.load_hf_model` builds the job's model: Gemma 2 has no SDPA attention (its
+    # own, eager), GPT-2's config keeps dropout on (out of training mode: none drawn), Mixtral's
+    # experts run as batched matmuls; each rank holds its parameters' blocks, what transformers
+    # builds divided over the mesh
+    import optree
+    import transformers
+    from models import train
+
+    small = dict(num_hidden_layers=2, num_attention_heads=4, vocab_size=256, max_position_embeddings=128)
+    made = {"gemma2": lambda: transformers.Gemma2Config(hidden_size=64, intermediate_size=128, head_dim=16,
+                                                         num_key_value_heads=2, **small),
+            "gpt2": lambda: transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=256, n_positions=128),
+            "mixtral": lambda: transformers.MixtralConfig(hidden_size=64, intermediate_size=128, num_key_value_heads=2,
+                                                          num_local_experts=4, num_experts_per_tok=2, **small)}
+    hf_config = made[family]()
+    config = nf.ParallelConfig(dp_shard_size=4)
+    mesh = config.build_abstract_mesh()
+    params, loss = train.abstract_hf_model(hf_config, mesh)
+    opt = nf.optim.adamw(1e-3)
+    state = opt.init(params)
+    laid_out = optree.tree_map(nf.sharding_of, (params, state))
+    step = nf.jit(train.make_loss_step(loss, opt), mesh=mesh, out_shardings=(*laid_out, P()))
+    lowered = step.lower(params, state, train.abstract_batch(config, mesh, 4, 64))
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(hf_config, **train.hf_implementations(hf_config))
+    whole = sum(p.numel() * p.element_size() for p in dict(model.named_parameters()).values())
+    assert lowered.memory_analysis().breakdown.arguments["0"] == whole / 4  # every dim FSDP splits divides by 4
+
+
 @pytest.mark.slow  # two Llama-3-8B-shaped steps lowered
 def test_a_zigzag_ring_runs_2n_plus_1_of_its_4n_quarter_blocks():
     # the same ring over 4 cp ranks, with and without zigzag's skipping: attention-bound at 8,192
