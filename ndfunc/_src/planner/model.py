@@ -31,7 +31,9 @@ class TransformerShape:
     ffn_dim: int
     tie_embeddings: bool = False
     name: str = "custom"
-    head_dim: int | None = None  # None: dim // n_heads (Qwen3's and Gemma's configs set their own)
+    # None: dim // n_heads, filled in when the shape is made (so `dataclasses.replace` of dim or
+    # n_heads keeps it: pass head_dim=None again); Qwen3's and Gemma's configs set their own
+    head_dim: int | None = None
 
     def __post_init__(self) -> None:
         for field in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim"):
