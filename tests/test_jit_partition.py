@@ -373,6 +373,22 @@ def test_rows_gathered_by_index_get_one_gradient_on_every_rank():
     assert torch.equal(index_put_in_order(torch.zeros(4, 5), [rows], values, True), exact)
 
 
+@pytest.mark.parametrize("ord", [2, 1, 3])
+def test_a_norm_over_a_split_dim_is_the_norm_of_the_whole(ord):
+    # DTensor's rule for a p-norm over a split dim leaves partial norms pending (_NormPartial),
+    # reduced as p-th powers; summed as they stand they would give the sum of the ranks' norms
+    g = torch.Generator().manual_seed(0)
+    w, x = torch.randn(8, 16, generator=g) / 4, torch.randn(8, 16, generator=g)
+    loss = lambda w, x: torch.linalg.vector_norm(x @ w.T, ord=ord, dim=-1).sum()  # noqa: E731
+    with nf.simulate(4):
+        jitted = nf.jit(nf.value_and_grad(loss), mesh=nf.make_mesh(tp=4), in_shardings=(P("tp", None), P()),
+                        out_shardings=(P(), P("tp", None)))
+        got = nf.device_get(jitted(w, x))
+    want = torch.func.grad_and_value(loss)(w, x)
+    torch.testing.assert_close(got[0], want[1])
+    torch.testing.assert_close(got[1], want[0])
+
+
 def test_a_constant_the_step_returns_is_a_copy_of_it():
     scale = torch.arange(4.0)
     with nf.simulate(4):

@@ -63,9 +63,11 @@ def fits(layout: Layout, shape: Sequence[int], sizes: Sequence[int]) -> bool:
                 blocks[p.dim] *= sizes[i]
         elif kind is Replicate:
             continue
-        elif kind is Partial or isinstance(p, Partial):
+        elif kind is Partial:
             if p.reduce_op not in PARTIAL_OPS:
                 return False
+        elif isinstance(p, Partial):  # a subclass reduces otherwise than its reduce_op says (DTensor's
+            return False  # _NormPartial: partial p-norms, summed as p-th powers), which no collective here does
         elif not isinstance(p, Replicate):
             return False  # _StridedShard and friends stay outside programs
     return all(s % b == 0 for s, b in zip(shape, blocks))
