@@ -248,3 +248,29 @@ def test_the_cuda_kernels_equal_torchs_attention_on_a_gpu(kernel, dtype, masked,
     tol = FP32 if dtype == torch.float32 else dict(rtol=3e-2, atol=3e-2)  # bf16: 8 bits of mantissa
     for a, b in zip(got, expected):
         torch.testing.assert_close(a.double().cpu(), b, **tol)
+
+
+@pytest.mark.parametrize("mask_shape, batch, heads, axes, split", [
+    ((4, 4), 4, 2, {"dp": 4}, P("dp")),  # the batch split, and the mask's first dim as long: it is the sequence's
+    ((4, 4), 1, 4, {"tp": 4}, P(None, "tp")),  # the heads split, as many as keys
+    ((1, 4, 4), 4, 2, {"dp": 4}, P("dp")),  # three dims, as SDPA broadcasts them
+    ((16, 16), 1, 1, {"cp": 2}, P(None, None, "cp")),  # the sequence split: the mask's rows follow the queries
+])
+def test_a_mask_of_fewer_dims_lines_up_with_the_queries_from_the_right(mask_shape, batch, heads, axes, split):
+    # SDPA broadcasts a mask from its last dim: an (L, S) mask's first dim is the sequence, whatever
+    # the batch or the heads are sized
+    g = torch.Generator().manual_seed(0)
+    shape = (batch, heads, mask_shape[-1], 8)
+    x, y, w = torch.randn(shape, generator=g), torch.randn(shape, generator=g), torch.randn(8, 8, generator=g)
+    mask = torch.rand(mask_shape, generator=g) > 0.3
+    mask[..., 0] = True  # every query sees a key
+
+    def loss(w, x, y):
+        return F.mse_loss(F.scaled_dot_product_attention(x @ w, x, x, attn_mask=mask), y)
+    with nf.simulate(math.prod(axes.values())):
+        jitted = nf.jit(nf.value_and_grad(loss), mesh=nf.make_mesh(**axes), in_shardings=(P(), split, split),
+                        out_shardings=(P(), P()))
+        got = nf.device_get(jitted(w, x, y))
+    want = torch.func.grad_and_value(loss)(w, x, y)
+    torch.testing.assert_close(got[0], want[1])
+    torch.testing.assert_close(got[1], want[0])

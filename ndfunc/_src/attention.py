@@ -86,14 +86,19 @@ def _fold(dx: torch.Tensor, groups: int) -> torch.Tensor:
     return dx if dx.shape[1] == groups else dx.unflatten(1, (groups, dx.shape[1] // groups)).sum(2)
 
 
+def _four_dims(mask: torch.Tensor | None) -> torch.Tensor | None:
+    """A mask of 1 or 3 dims with leading ones: CPU's flash kernel takes 2 or 4 (SDPA broadcasts any)."""
+    return mask if mask is None or mask.ndim in (2, 4) else mask.view((1,) * (4 - mask.ndim) + tuple(mask.shape))
+
+
 def _cpu_flash_forward(q, k, v, mask, causal, scale):
-    return aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, attn_mask=additive(mask, q.dtype),
-                                                            scale=scale)
+    return aten._scaled_dot_product_flash_attention_for_cpu(
+        q, k, v, 0.0, causal, attn_mask=additive(_four_dims(mask), q.dtype), scale=scale)
 
 
 def _cpu_flash_backward(g, q, k, v, out, lse, mask, causal, scale):
     return aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        g, q, k, v, out, lse, 0.0, causal, attn_mask=additive(mask, q.dtype), scale=scale)
+        g, q, k, v, out, lse, 0.0, causal, attn_mask=additive(_four_dims(mask), q.dtype), scale=scale)
 
 
 def _bias(mask, causal: bool, rows: int, cols: int, dtype, device) -> torch.Tensor | None:

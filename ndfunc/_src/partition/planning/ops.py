@@ -265,6 +265,7 @@ def _attention_rule(node, sizes) -> list[Strategy]:
     outs = tensor_outputs(node)
     q = attention.argument(node, "query")
     kv = {attention.argument(node, "key"), attention.argument(node, "value")}
+    mask = attention.argument(node, "attn_mask")
     causal = attention.argument(node, "is_causal")
     q_shape = tuple(q.meta["val"].shape)
     seq = Shard(2)
@@ -275,23 +276,26 @@ def _attention_rule(node, sizes) -> list[Strategy]:
     options = [[seq] if axis == ring else per_axis for axis in range(len(sizes))]
     found = []
     for combo in itertools.product(*options):
-        def follow(t: torch.Tensor | None, key_side: bool, grad: bool = False):
+        def follow(t: torch.Tensor | None, key_side: bool, grad: bool = False, broadcast: bool = False):
+            """`t`'s layout under `combo`; a `broadcast` mask lines its dims up with q's from the
+            right, as broadcasting does (an (L, S) mask's first dim is q's sequence)."""
             if t is None:
                 return None
             lay = []
             for axis, p in enumerate(combo):
+                dim = p.dim - (4 - t.ndim) if broadcast and isinstance(p, Shard) else getattr(p, "dim", None)
                 if p == seq and key_side and axis == ring:
                     lay.append(seq)  # keys, values and their gradients travel the ring
                 elif p == seq and key_side:
                     lay.append(Partial("sum") if grad else Replicate())  # every key, each rank's queries
-                elif isinstance(p, Shard) and (t.ndim <= p.dim or t.shape[p.dim] != q_shape[p.dim]) and not (
+                elif isinstance(p, Shard) and (not 0 <= dim < t.ndim or t.shape[dim] != q_shape[p.dim]) and not (
                         p.dim == 1 and t.ndim == 4 and t.shape[1] > 1):
                     lay.append(Replicate())  # a broadcast mask dim: every block needs all of it
                 else:
-                    lay.append(p)
+                    lay.append(Shard(dim) if isinstance(p, Shard) else p)
             return tuple(lay)
         out_lays = tuple(follow(o, backward and j in (1, 2), grad=True) for j, o in enumerate(outs))
-        found.append(Strategy(out_lays, tuple(follow(a.meta["val"], a in kv) for a in ins)))
+        found.append(Strategy(out_lays, tuple(follow(a.meta["val"], a in kv, broadcast=a is mask) for a in ins)))
     return found
 
 
