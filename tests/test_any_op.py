@@ -39,6 +39,10 @@ LOSSES = {
     "one_hot": lambda o, y, t: ((o - F.one_hot(t, C).to(o.dtype)) ** 2).mean(),
     "kl_div": lambda o, y, t: F.kl_div(F.log_softmax(o, -1), F.softmax(y, -1), reduction="batchmean"),
     "bce_with_logits": lambda o, y, t: F.binary_cross_entropy_with_logits(o, torch.sigmoid(y)),
+    # torch's checks that no variance is negative (a value read) are left out when traced
+    "gaussian_nll_loss": lambda o, y, t: F.gaussian_nll_loss(o, y, F.softplus(y) + 0.1),
+    "gaussian_nll_loss_per_row": lambda o, y, t: F.gaussian_nll_loss(o, y, F.softplus(y[:, 0]) + 0.1, full=True),
+    "vector_norm": lambda o, y, t: torch.linalg.vector_norm(o - y, dim=-1).mean(),
     "index_add": lambda o, y, t: torch.zeros(C, C).index_add(0, t, o).pow(2).sum(),
     "scatter_add": lambda o, y, t: torch.zeros(C, C).scatter_add(0, t[:, None].expand(B, C), o).pow(2).sum(),
     "literal_1d": lambda o, y, t: (o * torch.tensor([1.0, 2.0, 3.0, 4.0])).pow(2).mean(),

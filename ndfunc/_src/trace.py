@@ -29,6 +29,7 @@ import contextlib
 import contextvars
 import dataclasses
 import linecache
+import math
 import os
 import traceback
 from collections.abc import Callable, Sequence
@@ -253,7 +254,27 @@ class _Traceable(torch.overrides.TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+def _gaussian_nll_loss(input, target, var, full=False, eps=1e-6, reduction="mean"):
+    """`F.gaussian_nll_loss` without its check that no variance is negative (it reads values; a
+    negative variance gives nan through the log here). A float variance is torch's own case."""
+    if not isinstance(var, torch.Tensor):
+        return torch.nn.functional.gaussian_nll_loss(input, target, var, full, eps, reduction)
+    if var.shape != input.shape:
+        if var.shape == input.shape[:-1]:
+            var = var.unsqueeze(-1)  # one variance per row of the last dim
+        elif not (var.shape[:-1] == input.shape[:-1] and var.shape[-1] == 1):
+            return torch.nn.functional.gaussian_nll_loss(input, target, var, full, eps, reduction)  # its error
+    if reduction not in ("none", "mean", "sum"):
+        raise ValueError(f"{reduction} is not valid")
+    var = var + (var.clamp(min=eps) - var).detach()  # clamped for stability, its gradient passed through as torch's
+    loss = 0.5 * (torch.log(var) + (input - target) ** 2 / var)
+    if full:
+        loss = loss + 0.5 * math.log(2 * math.pi)
+    return loss.mean() if reduction == "mean" else loss.sum() if reduction == "sum" else loss
+
+
 _TRACEABLE = {torch.nn.functional.one_hot: _one_hot,
+              torch.nn.functional.gaussian_nll_loss: _gaussian_nll_loss,
               torch.nn.functional.scaled_dot_product_attention: traced_sdpa}
 
 
