@@ -103,13 +103,22 @@ def has_rule(op) -> bool:
     return op in _RULES or op in table.op_single_dim_strategy_funcs or op in table.op_strategy_funcs
 
 
+# Ops whose core decomposition computes another thing than the kernel its backward pairs with:
+# CPU flash attention's gives the attention weights where the kernel gives the logsumexp, which
+# the flash backward reads (correct only where nothing differentiates it). An SDPA call that
+# `nf.jit`'s tracer does not see as such (inside a function torch dispatches as a whole, as
+# `nn.MultiheadAttention`'s) reaches these: they run whole, and warn.
+NOT_DECOMPOSED = frozenset({aten._scaled_dot_product_flash_attention_for_cpu.default})
+
+
 @functools.cache
 def decompositions() -> dict:
     """PyTorch's core ATen decompositions of the ops on tensors that have no sharding rule: traced as
     the ops they decompose into, which mostly have one. (Factories, with no tensor argument, need no
     rule: every rank makes them whole.) And those of `DECOMPOSED`, whose rules cannot split the work."""
     table = {op: fn for op, fn in core_aten_decompositions().items()
-             if isinstance(op, torch._ops.OpOverload) and _takes_tensors(op) and not has_rule(op)}
+             if isinstance(op, torch._ops.OpOverload) and _takes_tensors(op) and not has_rule(op)
+             and op not in NOT_DECOMPOSED}
     return table | {op: decomposition_table[op] for op in DECOMPOSED} | {
         aten.var_mean.correction: _var_mean, aten.mean.default: _mean}
 
