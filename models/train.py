@@ -127,6 +127,18 @@ def load_hf_model(path: str) -> torch.nn.Module:
     return model
 
 
+def remat_hf_layers(model: torch.nn.Module, policy: str) -> int:
+    """Each decoder layer of a transformers model (the modules its `_no_split_modules` names, the
+    units FSDP's auto-wrap takes) recomputed in backward (`nf.remat(layer.forward, policy)`); how many."""
+    kinds = set(getattr(model, "_no_split_modules", None) or ())
+    layers = [m for m in model.modules() if type(m).__name__ in kinds]
+    if not layers:
+        raise SystemExit(f"--remat: {type(model).__name__} names no decoder layer (_no_split_modules) to recompute.")
+    for layer in layers:
+        layer.forward = nf.remat(layer.forward, policy)
+    return len(layers)
+
+
 def hf_model(model: torch.nn.Module, mesh):
     """(description, parameters, their specs, loss(params, batch), parameter count) of a
     transformers causal LM."""
@@ -299,6 +311,8 @@ def train(args: argparse.Namespace, config: nf.ParallelConfig, sequences: data.S
     put = lambda tree, specs: nf.device_put(tree, optree.tree_map(  # noqa: E731
         lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda s: isinstance(s, P)))
     if model is not None:
+        if args.remat != "none":
+            remat_hf_layers(model, args.remat)
         name, params, pspec, loss_of, n_params = hf_model(model, mesh)
         params = put(params, pspec)
     else:

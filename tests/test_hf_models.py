@@ -220,3 +220,29 @@ def test_the_train_job_trains_a_hugging_face_model_from_its_directory(family, tm
     want = torch.nn.functional.cross_entropy(logits.flatten(0, 1), first["targets"].flatten())
     torch.testing.assert_close(torch.tensor(losses[0]), want.detach(), **LOSS_TOL)
     assert losses[-1] < losses[0]
+
+
+@pytest.mark.parametrize("family", [pytest.param(f, marks=() if f == "llama" else pytest.mark.slow) for f in FAMILIES])
+def test_remat_recomputes_a_hugging_face_models_decoder_layers(family):
+    # the job's --remat on a --hf-model: each decoder layer (what the model's _no_split_modules
+    # names) under nf.remat; the gradients are the eager model's, and forward keeps a layer's input
+    from models import train
+
+    model, ids = make_model(family, "sdpa"), tokens()
+    kept, results = [], []
+    for remat in (False, True):
+        if remat:
+            assert train.remat_hf_layers(model, "full") == 2
+        params, buffers, apply = nf.nn.functional(model)
+        loss = lambda p, ids: apply(p, buffers, ids, labels=ids).loss  # noqa: E731
+        with nf.simulate(2):
+            jitted = nf.jit(nf.value_and_grad(loss), mesh=nf.make_mesh(dp=2), in_shardings=(P(), P("dp")),
+                            out_shardings=(P(), P()))
+            kept.append(jitted.lower(params, ids).memory_analysis().breakdown.activations)
+            results.append(nf.device_get(jitted(params, ids)))
+    want_loss, want_grads = eager_run(family, "sdpa", 1)[0][0], torch.func.grad(loss)(params, ids)
+    for got_loss, got_grads in results:
+        torch.testing.assert_close(got_loss, want_loss, **LOSS_TOL)
+        for k in want_grads:
+            torch.testing.assert_close(got_grads[k], want_grads[k], **PARAM_TOL, msg=lambda m, k=k: f"{k}: {m}")
+    assert kept[1] < kept[0] / 4
