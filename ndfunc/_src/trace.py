@@ -415,6 +415,12 @@ def _scalars_as_factories(gm: torch.fx.GraphModule) -> None:
 _SLICE_ARGS = (("dim", 0), ("start", None), ("end", None), ("step", 1))  # aten.slice.Tensor's, after self
 
 
+def _aliases(node: torch.fx.Node) -> bool:
+    """Whether `node`'s result may share memory with an input (a view, an in-place op's result)."""
+    schema = getattr(node.target, "_schema", None)
+    return schema is None or any(r.alias_info is not None for r in schema.returns)
+
+
 def _writes_into_slices_as_scatters(gm: torch.fx.GraphModule) -> None:
     """A write into a slice of a tensor the step made, read afterwards as the whole
     (`z = x.new_zeros(...); z[:, :k].copy_(g); use(z)`: the backward of `torch.fft.rfft`), as
@@ -432,9 +438,9 @@ def _writes_into_slices_as_scatters(gm: torch.fx.GraphModule) -> None:
         base = view.args[0]
         dim, start, end, step = (view.args[i] if i < len(view.args) else view.kwargs.get(name, default)
                                  for i, (name, default) in enumerate(_SLICE_ARGS, start=1))
-        if not isinstance(base, torch.fx.Node) or base.op != "call_function" or any(
+        if not isinstance(base, torch.fx.Node) or base.op != "call_function" or _aliases(base) or any(
                 u is not view and order[u] < order[copy] for u in base.users):
-            continue  # the base read before the write, or an input's: left as it is
+            continue  # the base read before the write, an input's, or a view of another: left as it is
         into = view.meta["val"]
         with gm.graph.inserting_before(copy):
             written = gm.graph.call_function(aten.expand.default, (src, list(into.shape)))
