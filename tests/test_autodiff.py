@@ -197,3 +197,26 @@ def test_argnums_naming_one_argument_twice_through_a_negative_index():
 
     with pytest.raises(ValueError, match=r"argnums \(0, -2\) names an argument twice"):
         grad(lambda a, b: (a * b).sum(), argnums=(0, -2))(torch.ones(2), torch.ones(2))
+
+
+def test_what_torch_func_refuses_is_said_with_what_to_write_instead():
+    # BatchNorm in training mode writes its running statistics: a buffer closed over is refused by
+    # torch.func, one passed as an argument is not (and so the error names the form that works)
+    import ndfunc as nf
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8))
+    params, buffers, apply = nf.nn.functional(model)
+    x = torch.randn(8, 4)
+    with pytest.raises(RuntimeError, match=r"^nf\.value_and_grad: <lambda> writes in place into a tensor it closes "
+                                           r"over \(a module's buffer: BatchNorm's running statistics in training "
+                                           r"mode\)\. Pass such tensors as an argument"):
+        value_and_grad(lambda p: apply(p, buffers, x).square().mean())(params)
+    loss, grads = value_and_grad(lambda p, b: apply(p, b, x).square().mean())(params, buffers)
+    assert grads.keys() == params.keys() and buffers["1.num_batches_tracked"] == 1
+    w = torch.randn(4, 4)
+    with pytest.raises(RuntimeError, match=r"uses torch\.utils\.checkpoint \(or other saved-tensor hooks\), which "
+                                           r"torch\.func cannot differentiate\. Mark the function to recompute with "
+                                           r"nf\.remat\(fn\) instead"):
+        value_and_grad(lambda w: torch.utils.checkpoint.checkpoint(lambda a: (a @ w).tanh(), x,
+                                                                    use_reentrant=False).sum())(w)

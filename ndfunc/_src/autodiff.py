@@ -125,8 +125,14 @@ def value_and_grad(fn: Callable[..., Any], argnums: ArgNums = 0, has_aux: bool =
             return _check_loss(out[0], fn), [x for x in aux_leaves if isinstance(x, torch.Tensor)]
 
         with fx_traceback.annotate({DIFFERENTIATED: True}):  # memory_analysis tells gradients by it
-            grads, out = torch.func.grad_and_value(
-                flat_fn, argnums=tuple(range(len(indices))), has_aux=has_aux)(*flat, [args[i] for i in others], kwargs)
+            try:
+                grads, out = torch.func.grad_and_value(flat_fn, argnums=tuple(range(len(indices))),
+                                                       has_aux=has_aux)(*flat, [args[i] for i in others], kwargs)
+            except RuntimeError as e:
+                said = _what_to_do(fn, str(e))
+                if said is None:
+                    raise
+                raise RuntimeError(said) from e
         grads = tuple(optree.tree_unflatten(spec, g) for spec, g in zip(specs, grads))
         grads = grads[0] if single else grads
         if not has_aux:
@@ -138,6 +144,21 @@ def value_and_grad(fn: Callable[..., Any], argnums: ArgNums = 0, has_aux: bool =
         return (value, optree.tree_unflatten(aux_spec, aux_leaves)), grads
 
     return value_and_grad_fn
+
+
+def _what_to_do(fn, error: str) -> str | None:
+    """torch.func's refusal of a differentiated function, said for a user of nf.value_and_grad: what
+    was written and what to write instead; None for another error."""
+    if "mutate a captured Tensor" in error:
+        return (f"nf.value_and_grad: {_name(fn)} writes in place into a tensor it closes over (a module's "
+                f"buffer: BatchNorm's running statistics in training mode). Pass such tensors as an argument "
+                f"of the differentiated function, not differentiated: "
+                f"nf.value_and_grad(lambda p, b: loss(apply(p, b, x)))(params, buffers).")
+    if "saved tensor hooks" in error:
+        return (f"nf.value_and_grad: {_name(fn)} uses torch.utils.checkpoint (or other saved-tensor hooks), "
+                f"which torch.func cannot differentiate. Mark the function to recompute with nf.remat(fn) "
+                f"instead: under nf.jit its activations are recomputed in backward the same way.")
+    return None
 
 
 def vmap(fn: Callable[..., Any], in_axes: int | None | tuple = 0, out_axes: Any = 0
