@@ -428,9 +428,12 @@ def _writes_into_slices_as_scatters(gm: torch.fx.GraphModule) -> None:
     lands where the partitioner put the slice: a block of each rank's own, where it lays the slice
     out otherwise than the whole, and the whole is then never written."""
     aten = torch.ops.aten
+    copies = list(gm.graph.find_nodes(op="call_function", target=aten.copy_.default))
+    if not copies:
+        return
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     changed = False
-    for copy in list(gm.graph.find_nodes(op="call_function", target=aten.copy_.default)):
+    for copy in copies:
         view, src = copy.args[0], copy.args[1]
         if not (isinstance(view, torch.fx.Node) and view.target is aten.slice.Tensor and len(view.users) == 1
                 and isinstance(src, torch.fx.Node)):
