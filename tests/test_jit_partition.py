@@ -479,3 +479,19 @@ def test_what_the_consumers_of_a_value_read_by_many_want_is_counted_as_the_searc
     searched.best = best
     searched.solve()
     assert len(asked) > 100 and all(asked)
+
+
+def test_a_write_in_place_into_a_value_the_plan_moves_is_refused_not_run_wrong(monkeypatch):
+    # rfft's backward writes into a slice of zeros and reads the zeros whole; the plan splits the
+    # slice for the write and keeps the zeros whole. The tracer writes that as a slice_scatter;
+    # without it, lowering refuses the write, which would land in a moved copy
+    from ndfunc._src import trace
+
+    monkeypatch.setattr(trace, "_writes_into_slices_as_scatters", lambda gm: None)
+    g = torch.Generator().manual_seed(0)
+    w, x = torch.randn(8, 16, generator=g), torch.randn(8, 6, 16, generator=g)
+    loss = lambda w, x: torch.fft.rfft(x @ w.T, dim=1).abs().mean()  # noqa: E731
+    with nf.simulate(4), pytest.raises(NotImplementedError, match=r"^aten\.copy_\.default writes in place into "
+                                       r"slice_1, which the partitioner lays out otherwise for the write .* it "
+                                       r"would not see the write\. Write it without the in-place op"):
+        nf.jit(nf.grad(loss), mesh=nf.make_mesh(dp=4), in_shardings=(P(), P("dp")), out_shardings=P()).lower(w, x)

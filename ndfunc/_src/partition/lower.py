@@ -254,6 +254,7 @@ def lower(graph: torch.fx.Graph, plan: Plan, axis_names: Sequence[str], group_na
             continue
         s = plan.strategy[node]
         args = tensor_inputs(node)
+        _check_write_in_place(node, args, s, plan)
         locals_ = [e.local(value_of(a), lay, a.meta["val"]) for a, lay in zip(args, s.ins)]
         since = next(iter(reversed(e.graph.nodes)))  # what comes after it is `node`'s own
         rule = rule_of(node.target)
@@ -310,3 +311,44 @@ def lower(graph: torch.fx.Graph, plan: Plan, axis_names: Sequence[str], group_na
 def _val(v) -> torch.Tensor:
     val = v[0].meta["val"]
     return val[v[1]] if isinstance(val, (tuple, list)) else val
+
+
+def _check_write_in_place(node: torch.fx.Node, args: list, strategy, plan) -> None:
+    """An op writing into its first argument where the plan moves that argument writes into the
+    moved copy: whatever reads the argument afterwards would not see the write. Refused, not run
+    (the tracer writes the common case, a write into a slice, as a `slice_scatter`)."""
+    schema = getattr(node.target, "_schema", None)
+    if schema is None or not schema.arguments or not args or schema.arguments[0].alias_info is None \
+            or not schema.arguments[0].alias_info.is_write:
+        return
+    written = value_of(args[0])
+    if plan.strategy[written[0]].outs[written[1]] == strategy.ins[0]:
+        return
+    chain = [written[0]]  # what it writes into, and what that is a view of
+    while _is_view(chain[-1]) and isinstance(chain[-1].args[0], torch.fx.Node):
+        chain.append(chain[-1].args[0])
+    later = [u for w in chain for u in w.users if u is not node and u not in chain and _after(u, node)]
+    if later:
+        raise NotImplementedError(
+            f"{node.target} writes in place into {written[0].name}, which the partitioner lays out "
+            f"otherwise for the write ({plan.strategy[written[0]].outs[written[1]]} there, "
+            f"{strategy.ins[0]} here), and {later[0].name} reads it (or what it views) afterwards: it would "
+            f"not see the write. "
+            f"Write it without the in-place op (x = x.index_put(...), torch.slice_scatter) or run it inside "
+            f"nf.shard_map.")
+
+
+def _is_view(node: torch.fx.Node) -> bool:
+    schema = getattr(node.target, "_schema", None)
+    return schema is not None and bool(schema.returns) and schema.returns[0].alias_info is not None \
+        and not schema.returns[0].alias_info.is_write
+
+
+def _after(a: torch.fx.Node, b: torch.fx.Node) -> bool:
+    """Whether `a` comes after `b` in their graph."""
+    n = b.next
+    while n.op != "root":
+        if n is a:
+            return True
+        n = n.next
+    return False
