@@ -9,6 +9,7 @@ import shutil
 import optree
 import pytest
 import torch
+import torch.nn.functional as F
 import transformers
 from helpers import torchrun
 
@@ -113,6 +114,29 @@ def test_accumulating_fsdp_gradients_reduces_them_per_micro_batch_or_once_at_the
     assert each["comm_bytes"].get("reduce_scatter", 0) > 0 and "reduce_scatter" not in end["comm_bytes"]
     assert end["comm_bytes"]["total"] < each["comm_bytes"]["total"]
     assert end["peak_memory_bytes"] > each["peak_memory_bytes"]
+
+
+def test_accumulating_until_the_end_a_gradient_the_plan_makes_whole_on_every_rank():
+    """A tied embedding under FSDP: its gradient from the token gather comes out whole on every
+    rank (`index_put`), but the running sums of `reduce='end'` stay pending over dp_shard. The
+    gradient joins them as its part on the first rank (zero on the other), exactly."""
+    def loss(p, b):
+        h = torch.tanh(p["wte"][b["tokens"]] @ p["w"])
+        return F.cross_entropy((h @ p["wte"].T).flatten(0, 1), b["targets"].flatten())
+
+    g = torch.Generator().manual_seed(0)
+    params = {"wte": torch.randn(32, 16, generator=g), "w": torch.randn(16, 16, generator=g) / 4}
+    big = {"tokens": torch.randint(0, 32, (8, 6), generator=g), "targets": torch.randint(0, 32, (8, 6), generator=g)}
+    grads, value = torch.func.grad_and_value(loss)(params, big)
+    with nf.simulate(2):
+        mesh = nf.make_mesh(dp_shard=2)
+        sharded = nf.device_put(params, NamedSharding(mesh, P("dp_shard")))
+        batch = nf.device_put(big, NamedSharding(mesh, P("dp_shard")))
+        accumulated = nf.accumulate(nf.value_and_grad(loss), 2, reduce="end")
+        got = nf.device_get(accumulated(sharded, batch))
+        moved = accumulated.lower(sharded, batch).cost_analysis()["comm_bytes"]
+    torch.testing.assert_close(got, (value, grads), rtol=1e-5, atol=1e-6)  # fp32 sums in another order
+    assert "reduce_scatter" not in moved and moved["all_reduce"] == 8  # no gradient moves, only the loss
 
 
 def test_accumulate_says_when_the_batch_does_not_split():

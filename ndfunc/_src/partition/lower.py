@@ -128,6 +128,8 @@ class _Emitter:
             split = list(step.in_shape[:d]) + [n, step.out_shape[d]] + list(step.in_shape[d + 1:])
             block = self.call(aten.index_select.default, self.call(aten.reshape.default, x, split), d, index)
             return self.call(aten.reshape.default, block, list(step.out_shape))
+        if step.kind == "partition":
+            return self.partition(step, x, val)
         if step.kind == "all_to_all":
             return self.all_to_all(step, x, val)
         if step.kind == "permute":
@@ -160,6 +162,16 @@ class _Emitter:
             order = list(range(1, len(shape) + 1))
             out = self._copied(self.call(aten.permute.default, blocks, order[:d] + [0] + order[d:]), step.out_shape)
         return out
+
+    def partition(self, step: redistribute.Step, x: torch.fx.Node, val: torch.Tensor) -> torch.fx.Node:
+        """A whole value made a pending reduction over `step.axis`, exactly: a sum (a product) is
+        the value on the axis's first rank and zero (one) on the others; a mean or an extremum of
+        copies is the value itself."""
+        if step.reduce_op not in ("sum", "product"):
+            return x
+        first = self.call(aten.eq.Scalar, self.call(aten.select.int, self.coords, 0, step.axis), 0)
+        rest = self.call(aten.scalar_tensor.default, 0 if step.reduce_op == "sum" else 1, dtype=val.dtype)
+        return self.call(aten.where.self, first, x, rest)
 
     def _copied(self, x: torch.fx.Node, shape) -> torch.fx.Node:
         """`x` copied into a buffer of its own, in its order, and viewed as `shape`."""

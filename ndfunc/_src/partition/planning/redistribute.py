@@ -8,6 +8,7 @@ lowering (which emits each step as a functional collective). Steps, per mesh axi
 - `reduce_scatter` Partial -> Shard(d)                   moves (n-1)/n of the input
 - `all_to_all`   Shard(d) -> Shard(e)                    moves (n-1)/n of the input
 - `slice`        Replicate -> Shard(d)                   local, free
+- `partition`    Replicate -> Partial                    local: a last resort (`LAST_RESORT`)
 - `permute`      two axes trading dims                   moves one block, point to point
 
 An axis that moves its split from one dim to another, where it is the innermost split of both
@@ -32,9 +33,10 @@ still one block per rank in all.
 Several axes sharding one dim nest in mesh order, so before an axis gathers, or newly splits a dim,
 every later axis splitting that dim is gathered first (and split again afterwards). The lowering runs
 a run of one collective over several axes as one over them flattened (`merged`); the cost model
-prices the steps as `plan` writes them. A pending sum
-cannot be created from data (Replicate -> Partial) and is finished only by its own reduction:
-those transitions have no plan.
+prices the steps as `plan` writes them. A pending reduction is finished only by its own
+reduction, and made only from a whole value (`partition`: a sum is the value on the axis's first
+rank and zero on the others, a mean or an extremum the value on each), which the search takes as a
+last resort (`LAST_RESORT`); a split value made pending has no plan.
 """
 
 from __future__ import annotations
@@ -56,7 +58,7 @@ COLLECTIVES = ("all_gather", "all_reduce", "reduce_scatter", "all_to_all")
 
 @dataclasses.dataclass(frozen=True)
 class Step:
-    kind: str  # 'all_gather' | 'all_reduce' | 'reduce_scatter' | 'all_to_all' | 'slice'
+    kind: str  # 'all_gather' | 'all_reduce' | 'reduce_scatter' | 'all_to_all' | 'slice' | 'partition' | 'permute'
     axis: int  # partitioned mesh axis
     dim: int | None  # tensor dim gathered, scattered or sliced; of an all-to-all, the one split
     reduce_op: str | None
@@ -98,7 +100,7 @@ def plan(src: Layout, dst: Layout, shape: Sequence[int], sizes: Sequence[int], s
         return None  # a region's values leave it only through its exit
     k = len(src)
     for s, d in zip(src, dst):
-        if isinstance(d, Partial) and s != d:
+        if isinstance(d, Partial) and s != d and not isinstance(s, Replicate):
             return None
     if swaps and (pair := _traded(src, dst, shape, sizes)) is not None:
         return [Step("permute", pair[0], None, None, local_shape(shape, tuple(src), sizes),
@@ -152,6 +154,8 @@ def plan(src: Layout, dst: Layout, shape: Sequence[int], sizes: Sequence[int], s
                 out = now[:d] + (now[d] // sizes[m],) + now[d + 1:]
                 steps.append(Step("reduce_scatter", m, d, op, now, out, sizes[m]))
                 now = out
+        elif isinstance(dst[m], Partial):  # Replicate -> Partial: a local part of the value
+            steps.append(Step("partition", m, None, dst[m].reduce_op, now, now, sizes[m]))
         else:  # Replicate -> Shard
             d = dst[m].dim
             out = now[:d] + (now[d] // sizes[m],) + now[d + 1:]
@@ -274,6 +278,12 @@ def _chained_swaps(src: Layout, dst: Layout, shape: Sequence[int], sizes: Sequen
 
 ALPHA = 4096.0  # a collective's fixed cost, in bytes-worth: between plans moving about as much, fewer calls
 SLICE = 0.01  # a local slice copies its block: cheap, not free (values stay where they are made)
+# A whole value made a pending sum (its part on each rank: `partition`) is exact and local, but the
+# search takes it only where nothing else reaches the layout asked (an output pinned unreduced, as
+# `nf.accumulate(reduce='end')` pins the running sums): priced above any plan that moves data, so
+# no plan that has another way changes. (Priced as the local write it is, it opens paths the
+# search's greedy moves take to costlier plans: the 4-axis llama step's, +8%.)
+LAST_RESORT = 2.0 ** 50
 
 
 def cost(src: Layout, dst: Layout, shape: Sequence[int], sizes: Sequence[int], itemsize: int) -> float:
@@ -325,8 +335,8 @@ def coded_steps(src: tuple[int, ...] | None, dst: tuple[int, ...] | None,
         return None
     k = len(src)
     for s, d in zip(src, dst):
-        if d <= -2 and s != d:
-            return None  # a pending sum is made by the op, not by a move
+        if d <= -2 and s != d and s != _REPLICATE:
+            return None  # a pending sum is made from a whole value only
     cur = list(src)
     gather = [c >= 0 and d != c for c, d in zip(src, dst)]
     # an axis that gathers, or newly splits, a dim first has every later axis on it gathered; a
@@ -368,6 +378,8 @@ def coded_steps(src: tuple[int, ...] | None, dst: tuple[int, ...] | None,
             else:
                 steps.append(((n - 1) / n, div, ALPHA))
                 div *= n
+        elif d <= -2:  # Replicate -> Partial: a local part of the block
+            steps.append((SLICE, div, LAST_RESORT))
         else:  # Replicate -> Shard: a local slice
             div *= n
             steps.append((SLICE, div, 0.0))
@@ -413,8 +425,11 @@ def priced_pairs(src: np.ndarray, dst: np.ndarray, sizes: Sequence[int], numel: 
         for m in np.flatnonzero(now.any(axis=1)).tolist():
             c, d, n, on = cur[m], dst[m], sizes[m], now[m]
             pending = on & (c <= -2)
-            sliced = on & (c > -2)  # Replicate -> Shard: a local slice
+            parted = on & (d <= -2)  # Replicate -> Partial: a local part of the block
+            sliced = on & (c > -2) & ~parted  # Replicate -> Shard: a local slice
             grown = then_sliced = sliced
+            if parted.any():
+                total += np.where(parted, (numel // div) * SLICE * itemsize + LAST_RESORT, 0.0)
             if pending.any():  # (where none is, those sums add 0.0: nothing)
                 to_block = d != _REPLICATE
                 extrema = functools.reduce(operator.or_, (c == e for e in _EXTREMA))
@@ -427,5 +442,5 @@ def priced_pairs(src: np.ndarray, dst: np.ndarray, sizes: Sequence[int], numel: 
                 then_sliced = sliced | (reduced & to_block)
             div = np.where(grown, div * n, div)
             total += np.where(then_sliced, (numel // div) * SLICE * itemsize + 0.0, 0.0)
-    impossible = ((dst <= -2) & (src != dst)).any(axis=0)
+    impossible = ((dst <= -2) & (src != dst) & (src != _REPLICATE)).any(axis=0)
     return np.where(impossible, np.inf, total)

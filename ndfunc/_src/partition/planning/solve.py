@@ -1103,7 +1103,8 @@ class Problem:
 
     def _reach(self, v: int, lays: "_Lays", demands: set, choice: list) -> tuple[np.ndarray, np.ndarray | None]:
         """For each of `lays`: what reaching `demands` from it costs, those it cannot reach left
-        out, plus a requested result layout's, as a column (`_producer_moves`' ranking). A consumer
+        out (and those reaching them only by a last resort), plus a requested result layout's, as a
+        column (`_producer_moves`' ranking). A consumer
         taking a pending sum cannot take another layout's value as it is, but is chosen again after
         the move (`_settle`): such demands rank nothing out. In the search's last phase (`relaxed`),
         also the same sums with a demand left out where its consumer has a candidate taking the
@@ -1117,7 +1118,7 @@ class Problem:
                       if len(self.c_ins[m]) > 1]
         for w in demands:
             costs = self._tcosts(v, w, lays, outward=False)
-            counted = costs != math.inf
+            counted = costs < redistribute.LAST_RESORT  # (a pending sum made of a whole value: as none)
             reach += np.where(counted, costs, 0.0)
             if relaxed is not None:
                 for want, taking in takers:
