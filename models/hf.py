@@ -3,7 +3,8 @@
 `load_llama(path, shardings)` reads each rank's block of each tensor straight from the safetensors
 file (plain reads in bounded bands, models/safetensors_io.py), so no rank ever holds a whole copy of
 a sharded weight, and its memory grows by its blocks only.
-`save_llama(path, cfg, params)` writes a directory `transformers.LlamaForCausalLM` loads.
+`save_llama(path, cfg, params)` writes a directory `transformers.LlamaForCausalLM` loads, and
+`save_model(path, model, params)` one any transformers model's class loads, of its own parameters.
 
 Hugging Face stores projections as `nn.Linear` weights, (out, in); ndfunc keeps input dims first
 and heads as their own dim (see models/llama.py). Each parameter maps to one HF tensor by a
@@ -215,3 +216,34 @@ def save_llama(path: str | os.PathLike, cfg: LlamaConfig, params: dict) -> None:
     safetensors_io.write(path / "model.safetensors", entries, metadata={"format": "pt"}, write=writer)
     if writer:
         (path / "config.json").write_text(json.dumps(config_to_hf(cfg, dtype), indent=2))
+
+
+def save_model(path: str | os.PathLike, model: torch.nn.Module, params: dict) -> None:
+    """Write `params` (a transformers model's parameters by name, as `nf.nn.functional(model)`
+    gives them: whole tensors or DTensors of any layout) as a directory `from_pretrained` loads, as
+    `model.save_pretrained` would: its config (with the parameters' dtype), generation config and
+    persistent buffers, and each parameter once (a tied one under its first name). Gathered and
+    written a tensor at a time, as `save_llama`."""
+    path = pathlib.Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tensors = dict(model.state_dict(keep_vars=True))
+    given = {name for name, _ in model.named_parameters()}  # each tied parameter once
+    missing = sorted(given - set(params))
+    if missing:
+        raise ValueError(f"save_model: {len(missing)} of {type(model).__name__}'s parameters are not among those "
+                         f"given (e.g. {missing[0]!r}); pass every parameter nf.nn.functional(model) gives.")
+    entries = []
+    for name, x in tensors.items():
+        if name in params:
+            x = params[name]
+        elif isinstance(x, torch.nn.Parameter):
+            continue  # a tie's other name: transformers ties it again on loading
+        entries.append((name, tuple(x.shape), x.dtype, lambda x=x: nf.device_get(x).contiguous()))
+    writer = nf.rank() == 0
+    safetensors_io.write(path / "model.safetensors", entries, metadata={"format": "pt"}, write=writer)
+    if writer:
+        config = type(model.config).from_dict(model.config.to_dict())
+        config.dtype = next(iter(params.values())).dtype
+        config.save_pretrained(path)
+        if getattr(model, "generation_config", None) is not None:
+            model.generation_config.save_pretrained(path)

@@ -24,7 +24,8 @@ one was (the data position is the step, so it carries over).
 `--hf-model DIR` trains a Hugging Face causal LM (Llama, GPT-2, Qwen2, Mistral, ...: whatever
 `transformers.AutoModelForCausalLM` loads, with sdpa attention) instead, the model's own modules
 called through `nf.nn.functional`, its parameters laid out by its own TP plan over `tp` and FSDP
-over `dp_shard` (`nf.nn.partition_specs`). It needs `transformers` installed.
+over `dp_shard` (`nf.nn.partition_specs`). It needs `transformers` installed. `--save-hf DIR`
+then writes the trained model as its class's `from_pretrained` loads it (`hf.save_model`).
 """
 
 from __future__ import annotations
@@ -255,15 +256,13 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ckpt.add_argument("--checkpoint-dir", help="save the run here: parameters, optimizer state, step, data position, key")
     ckpt.add_argument("--save-every", type=_at_least(0), default=0, help="steps between checkpoints (0: at the end only)")
     ckpt.add_argument("--keep", type=_at_least(1), default=3, help="checkpoints kept (the latest)")
-    ckpt.add_argument("--save-hf", metavar="DIR", help="at the end, write the Llama as a Hugging Face checkpoint "
+    ckpt.add_argument("--save-hf", metavar="DIR", help="at the end, write the model as a Hugging Face checkpoint "
                       "(safetensors + config.json) that transformers loads")
     ckpt.add_argument("--resume", action="store_true",
                       help="continue from the latest complete checkpoint in --checkpoint-dir (any layout)")
     args = parser.parse_args(argv)
     if args.resume and not args.checkpoint_dir:
         parser.error("--resume needs --checkpoint-dir (where the run was saved)")
-    if args.save_hf and args.hf_model:
-        parser.error("--save-hf writes the reference Llama; a --hf-model saves with its own save_pretrained")
     return args
 
 
@@ -420,7 +419,9 @@ def train(args: argparse.Namespace, config: nf.ParallelConfig, sequences: data.S
     progress.close()
     if metrics is not None:
         metrics.close()
-    if args.save_hf:  # gathered a tensor at a time, written by rank 0
+    if args.save_hf and model is not None:  # gathered a tensor at a time, written by rank 0
+        hf.save_model(args.save_hf, model, params)
+    elif args.save_hf:
         hf.save_llama(args.save_hf, cfg, params)
     if manager is not None:
         if manager.latest_step() != args.steps:

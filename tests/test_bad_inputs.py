@@ -47,7 +47,6 @@ CLI = [
     ("--save-every -1", "argument --save-every: must be at least 0, got -1"),
     ("--keep 0", "argument --keep: must be at least 1, got 0"),
     ("--resume", "--resume needs --checkpoint-dir (where the run was saved)"),
-    ("--save-hf out --hf-model m", "--save-hf writes the reference Llama; a --hf-model saves with its own save_pretrained"),
     ("--config huge", "argument --config: invalid choice: 'huge' (choose from 'tiny', 'small')"),
     ("--remat some", "argument --remat: invalid choice: 'some' (choose from 'none', 'full', 'save_dots')"),
     ("--mixed-precision fp8", "argument --mixed-precision: invalid choice: 'fp8' (choose from 'none', 'bf16')"),

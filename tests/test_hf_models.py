@@ -222,6 +222,30 @@ def test_the_train_job_trains_a_hugging_face_model_from_its_directory(family, tm
     assert losses[-1] < losses[0]
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_the_train_job_writes_the_hugging_face_model_it_trained_as_transformers_loads_it(family, tmp_path):
+    # GPT-2: tied embeddings (one tensor saved, tied again on loading) and Conv1D projections
+    from models import data, train
+
+    model = make_model(family, "sdpa")
+    model.resize_token_embeddings(data.VOCAB_SIZE)
+    model.save_pretrained(tmp_path / "start")
+    train.main(["--hf-model", str(tmp_path / "start"), "--steps", "2", "--seq-len", "16", "--dp-shard", "2",
+                "--tp", "2", "--micro-batch", "2", "--log-every", "2", "--checkpoint-dir", str(tmp_path / "ck"),
+                "--save-hf", str(tmp_path / "end")])
+    params, _, _ = nf.nn.functional(model)
+    trained = nf.checkpoint.load(tmp_path / "ck" / "step_2", {"params": params})["params"]  # DCP's copy
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "end")
+    assert type(loaded) is type(model) and loaded.config.vocab_size == data.VOCAB_SIZE
+    assert {name for name, _ in loaded.named_parameters()} == set(trained)
+    for name, p in loaded.named_parameters():
+        assert torch.equal(p, trained[name]), name
+        assert p.dtype == torch.float32
+    assert not torch.equal(loaded.get_input_embeddings().weight, model.get_input_embeddings().weight)
+    assert (loaded.get_output_embeddings().weight is loaded.get_input_embeddings().weight) == (family == "gpt2")
+
+
 @pytest.mark.parametrize("family", [pytest.param(f, marks=() if f == "llama" else pytest.mark.slow) for f in FAMILIES])
 def test_remat_recomputes_a_hugging_face_models_decoder_layers(family):
     # the job's --remat on a --hf-model: each decoder layer (what the model's _no_split_modules
