@@ -88,6 +88,78 @@ def test_a_loss_without_an_aten_sharding_rule_trains_equal_to_one_device(loss, s
             torch.testing.assert_close(nf.device_get(got_params[k]), want_params[k], **TOL)
 
 
+def _fill_a_column(o, y, t):  # a write into a view of a tensor autograd tracks (its backward too)
+    z = o * 1.0
+    z[:, 0] = -1.0
+    return F.mse_loss(z, y)
+
+
+def _add_into_a_column(o, y, t):  # `+=` into a view: an add in place, then a copy into the view
+    z = o * 1.0
+    z[:, -1] += y[:, 0]
+    return z.pow(2).mean()
+
+
+def _copy_into_zeros(o, y, t):
+    z = torch.zeros(B, C)
+    z[:, 1] = o[:, 0]
+    return F.mse_loss(z + o, y)
+
+
+def _halves_of_an_empty_tensor(o, y, t):  # two writes into one tensor
+    z = torch.empty(B, 2 * C)
+    z[:, :C] = o
+    z[:, C:] = y * o
+    return z.pow(2).mean()
+
+
+def _masked_write(o, y, t):
+    z = o.clone()
+    z[y > 0] = 0.0
+    return F.mse_loss(z, y)
+
+
+def _masked_add(o, y, t):
+    z = o.clone()
+    z.index_put_((y > 0,), torch.tensor(0.5), accumulate=True)
+    return z.pow(2).mean()
+
+
+def _rows_masked(o, y, t):  # a mask over the leading dim only
+    z = o * 1.0
+    z[t == 0] = 2.0
+    return F.mse_loss(z, y)
+
+
+def _diagonal_filled(o, y, t):
+    s = (o.T @ o).clone()
+    s.diagonal().fill_(0.0)
+    return s.pow(2).mean()
+
+
+IN_PLACE = {f.__name__[1:]: f for f in (_fill_a_column, _add_into_a_column, _copy_into_zeros,
+                                        _halves_of_an_empty_tensor, _masked_write, _masked_add, _rows_masked,
+                                        _diagonal_filled)}
+# the columns of the output split too: a write or a mask over a dim the plan splits
+WRITE_STRATEGIES = {**STRATEGIES, "tp_columns": (dict(tp=2), {"w1": P(), "w2": P(None, "tp")}, P())}
+
+
+@pytest.mark.parametrize("strategy", list(WRITE_STRATEGIES))
+@pytest.mark.parametrize("write", list(IN_PLACE))
+def test_a_write_in_place_trains_equal_to_one_device(write, strategy, monkeypatch):
+    # each is traced as the functional op it means (a view's scatter, a where), so the plan lays
+    # it out as any other op; written in place, it was refused (or raised) on some of these
+    monkeypatch.setitem(STRATEGIES, "tp_columns", WRITE_STRATEGIES["tp_columns"])
+    params, x, y, t = _data()
+    step = _sgd_step(IN_PLACE[write])
+    want_params, want_loss = step(params, x, y, t)  # eager, one device
+    with nf.simulate(2):
+        got_params, got_loss = _jitted(step, strategy)(params, x, y, t)
+        torch.testing.assert_close(nf.device_get(got_loss), want_loss, **TOL)
+        for k in want_params:
+            torch.testing.assert_close(nf.device_get(got_params[k]), want_params[k], **TOL)
+
+
 def _binned(o, y, t):  # ATen's searchsorted has no sharding rule and no decomposition
     return (o * torch.searchsorted(torch.tensor([-1.0, 0.0, 1.0]), o)).pow(2).mean()
 

@@ -41,7 +41,7 @@ import torch.fx.traceback as fx_traceback
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.nn import _reduction
 
-from ndfunc._src import regions
+from ndfunc._src import regions, writes
 from ndfunc._src.attention import traced_sdpa
 from ndfunc._src.constraints import decode_spec, sharding_constraint_op
 from ndfunc._src.runtime import simulation_paused
@@ -172,7 +172,7 @@ def trace(fn: Callable, args: Sequence[Any], kwargs: dict | None = None, *, stat
         raise DataDependentError(_seeded_message(name, seeded, where))
     _check_constants(graph_module, name)
     _scalars_as_factories(graph_module)
-    _writes_into_slices_as_scatters(graph_module)
+    writes.as_functional(graph_module)
     for node in graph_module.graph.find_nodes(op="call_function", target=torch.ops.aten.lift_fresh_copy.default):
         node.target = torch.ops.aten.clone.default  # a `torch.tensor([...])` literal: the constant, copied
     out_specs = tuple(TensorSpec(tuple(n.meta["val"].shape), n.meta["val"].dtype)
@@ -410,59 +410,6 @@ def _scalars_as_factories(gm: torch.fx.GraphModule) -> None:
     for target in done:
         delattr(gm, target)
     gm.recompile()
-
-
-_SLICE_ARGS = (("dim", 0), ("start", None), ("end", None), ("step", 1))  # aten.slice.Tensor's, after self
-
-
-def _aliases(node: torch.fx.Node) -> bool:
-    """Whether `node`'s result may share memory with an input (a view, an in-place op's result)."""
-    schema = getattr(node.target, "_schema", None)
-    return schema is None or any(r.alias_info is not None for r in schema.returns)
-
-
-def _writes_into_slices_as_scatters(gm: torch.fx.GraphModule) -> None:
-    """A write into a slice of a tensor the step made, read afterwards as the whole
-    (`z = x.new_zeros(...); z[:, :k].copy_(g); use(z)`: the backward of `torch.fft.rfft`), as
-    the functional `slice_scatter` whose result the later reads take. Written in place, the write
-    lands where the partitioner put the slice: a block of each rank's own, where it lays the slice
-    out otherwise than the whole, and the whole is then never written."""
-    aten = torch.ops.aten
-    copies = list(gm.graph.find_nodes(op="call_function", target=aten.copy_.default))
-    if not copies:
-        return
-    order = {n: i for i, n in enumerate(gm.graph.nodes)}
-    changed = False
-    for copy in copies:
-        view, src = copy.args[0], copy.args[1]
-        if not (isinstance(view, torch.fx.Node) and view.target is aten.slice.Tensor and len(view.users) == 1
-                and isinstance(src, torch.fx.Node)):
-            continue
-        base = view.args[0]
-        dim, start, end, step = (view.args[i] if i < len(view.args) else view.kwargs.get(name, default)
-                                 for i, (name, default) in enumerate(_SLICE_ARGS, start=1))
-        if not isinstance(base, torch.fx.Node) or base.op != "call_function" or _aliases(base) or any(
-                u is not view and order[u] < order[copy] for u in base.users):
-            continue  # the base read before the write, an input's, or a view of another: left as it is
-        into = view.meta["val"]
-        with gm.graph.inserting_before(copy):
-            written = gm.graph.call_function(aten.expand.default, (src, list(into.shape)))
-            if src.meta["val"].dtype != into.dtype:  # copy_ casts
-                written = gm.graph.call_function(aten._to_copy.default, (written,), {"dtype": into.dtype})
-            scattered = gm.graph.call_function(aten.slice_scatter.default, (base, written, dim, start, end, step))
-            sliced = gm.graph.call_function(aten.slice.Tensor, (scattered, dim, start, end, step))
-        for made in (*({written.args[0]} - {src}), written, scattered, sliced):  # their values, on the fakes
-            made.meta.update(copy.meta)  # the write's annotations (a backward's, a remat region's)
-            args, kwargs = torch.fx.node.map_arg((made.args, made.kwargs), lambda a: a.meta["val"])
-            made.meta["val"] = made.target(*args, **kwargs)
-        for u in [u for u in base.users if u is not view and u is not scattered and order.get(u, -1) > order[copy]]:
-            u.replace_input_with(base, scattered)
-        copy.replace_all_uses_with(sliced)
-        gm.graph.erase_node(copy)
-        gm.graph.erase_node(view)
-        changed = True
-    if changed:
-        gm.recompile()
 
 
 def _flatten(tree) -> tuple[list[tuple[str, torch.Tensor]], optree.PyTreeSpec]:
