@@ -276,25 +276,37 @@ def test_a_mask_of_fewer_dims_lines_up_with_the_queries_from_the_right(mask_shap
     torch.testing.assert_close(got[1], want[0])
 
 
-@pytest.mark.parametrize("block", ["mha", "encoder_layer"])
-def test_torchs_own_attention_modules_train_equal_to_eager(block):
+@pytest.mark.parametrize("axis", ["dp", "cp"])
+@pytest.mark.parametrize("block", ["mha", "encoder_layer", "causal_encoder_layer"])
+def test_torchs_own_attention_modules_train_equal_to_eager_with_their_attention_split(block, axis):
     # nn.MultiheadAttention(need_weights=False), and so TransformerEncoderLayer, calls SDPA from
-    # inside a function torch dispatches whole: the tracer sees CPU flash attention itself, whose
-    # core decomposition returns the attention weights where its backward reads the logsumexp
+    # inside a function torch dispatches whole: the tracer sees CPU flash attention itself (whose
+    # core decomposition returns the attention weights where its backward reads the logsumexp). It
+    # is traced as ndfunc's attention running that kernel: split by the batch or the sequence as
+    # any SDPA call, not run whole on every rank (which would warn: an error here)
     torch.manual_seed(0)
     module = (torch.nn.MultiheadAttention(16, 4, batch_first=True) if block == "mha" else
               torch.nn.TransformerEncoderLayer(16, 4, 32, dropout=0.0, batch_first=True))
     params, buffers, apply = nf.nn.functional(module)
     g = torch.Generator().manual_seed(0)
     x, y = torch.randn(8, 6, 16, generator=g), torch.randn(8, 6, 16, generator=g)
+    causal = torch.nn.Transformer.generate_square_subsequent_mask(6)
 
     def loss(p, x, y):
-        out = apply(p, buffers, x, x * 1.0, x * 1.0, need_weights=False)[0] if block == "mha" else apply(p, buffers, x)
+        if block == "mha":
+            out = apply(p, buffers, x, x * 1.0, x * 1.0, need_weights=False)[0]
+        elif block == "causal_encoder_layer":
+            out = apply(p, buffers, x, src_mask=causal, is_causal=True)
+        else:
+            out = apply(p, buffers, x)
         return F.mse_loss(out, y)
-    with nf.simulate(2), pytest.warns(nf.sharding.ShardingWarning, match="runs whole|run whole"):
-        jitted = nf.jit(nf.value_and_grad(loss), mesh=nf.make_mesh(dp=2), in_shardings=(P(), P("dp"), P("dp")),
+    split = P("dp") if axis == "dp" else P(None, "cp")
+    with nf.simulate(2):
+        jitted = nf.jit(nf.value_and_grad(loss), mesh=nf.make_mesh(**{axis: 2}), in_shardings=(P(), split, split),
                         out_shardings=(P(), P()))
         got = nf.device_get(jitted(params, x, y))
+        text = jitted.lower(params, x, y).as_text()
+    assert "attention" in text and "flash_attention_for_cpu" not in text
     want = torch.func.grad_and_value(loss)(params, x, y)
     torch.testing.assert_close(got[0], want[1])
     for k in params:

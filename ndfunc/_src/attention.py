@@ -380,3 +380,41 @@ def traced_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=Fals
     # lays out, and the memory model counts, what the kernels read)
     out, _ = _Attention.apply(query, key, value, additive(attn_mask, query.dtype), is_causal, scale)
     return out
+
+
+_CPU_FLASH = aten._scaled_dot_product_flash_attention_for_cpu.default
+_CPU_FLASH_BACKWARD = aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+
+
+def cpu_flash_as_attention(gm: torch.fx.GraphModule) -> None:
+    """CPU flash attention's forward and backward nodes in a traced step (an SDPA call the tracer did
+    not see as one: inside a function torch dispatches whole, as `nn.MultiheadAttention`'s), without
+    dropout, as `ndfunc.attention` and `ndfunc.attention_backward` running that same kernel: the same
+    outputs, laid out by the attention rule (batch and heads split, `nf.ring_attention`'s ring)
+    instead of run whole on every rank."""
+    changed = False
+    for node in [*gm.graph.find_nodes(op="call_function", target=_CPU_FLASH),
+                 *gm.graph.find_nodes(op="call_function", target=_CPU_FLASH_BACKWARD)]:
+        forward = node.target is _CPU_FLASH
+        schema = node.target._schema.arguments
+        value = {a.name: node.args[i] if i < len(node.args) else node.kwargs.get(a.name, a.default_value)
+                 for i, a in enumerate(schema)}
+        if value["dropout_p"] != 0.0:
+            continue
+        common = (value["attn_mask"], value["is_causal"], value["scale"], "cpu_flash")
+        if forward:
+            args, op = (value["query"], value["key"], value["value"], *common), attention_op
+        else:
+            args = (value["grad_out"], value["query"], value["key"], value["value"], value["out"],
+                    value["logsumexp"], *common)
+            op = attention_backward_op
+        with gm.graph.inserting_before(node):
+            made = gm.graph.call_function(op, args)
+        made.meta.update({k: v for k, v in node.meta.items() if k != "val"})
+        fakes = torch.fx.node.map_arg(args, lambda a: a.meta["val"])
+        made.meta["val"] = op(*fakes)
+        node.replace_all_uses_with(made)
+        gm.graph.erase_node(node)
+        changed = True
+    if changed:
+        gm.recompile()

@@ -42,7 +42,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.nn import _reduction
 
 from ndfunc._src import regions, writes
-from ndfunc._src.attention import traced_sdpa
+from ndfunc._src.attention import cpu_flash_as_attention, traced_sdpa
 from ndfunc._src.constraints import decode_spec, sharding_constraint_op
 from ndfunc._src.runtime import simulation_paused
 from ndfunc._src.sharding.partition_spec import PartitionSpec
@@ -173,6 +173,7 @@ def trace(fn: Callable, args: Sequence[Any], kwargs: dict | None = None, *, stat
     _check_constants(graph_module, name)
     _scalars_as_factories(graph_module)
     writes.as_functional(graph_module)
+    cpu_flash_as_attention(graph_module)
     for node in graph_module.graph.find_nodes(op="call_function", target=torch.ops.aten.lift_fresh_copy.default):
         node.target = torch.ops.aten.clone.default  # a `torch.tensor([...])` literal: the constant, copied
     out_specs = tuple(TensorSpec(tuple(n.meta["val"].shape), n.meta["val"].dtype)

@@ -107,7 +107,8 @@ def has_rule(op) -> bool:
 # CPU flash attention's gives the attention weights where the kernel gives the logsumexp, which
 # the flash backward reads (correct only where nothing differentiates it). An SDPA call that
 # `nf.jit`'s tracer does not see as such (inside a function torch dispatches as a whole, as
-# `nn.MultiheadAttention`'s) reaches these: they run whole, and warn.
+# `nn.MultiheadAttention`'s) reaches these; without dropout the tracer makes it `ndfunc.attention`
+# (`attention.cpu_flash_as_attention`), with dropout it runs whole, and warns.
 NOT_DECOMPOSED = frozenset({aten._scaled_dot_product_flash_attention_for_cpu.default})
 
 
