@@ -270,3 +270,27 @@ def test_remat_recomputes_a_hugging_face_models_decoder_layers(family):
         for k in want_grads:
             torch.testing.assert_close(got_grads[k], want_grads[k], **PARAM_TOL, msg=lambda m, k=k: f"{k}: {m}")
     assert kept[1] < kept[0] / 4
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_a_hugging_face_models_own_gradient_checkpointing_is_recomputed_as_nf_remat(reentrant):
+    # model.activation_checkpointing_enable() (gradient_checkpointing_enable before transformers 5.x):
+    # each decoder layer through torch.utils.checkpoint,
+    # which torch.func cannot differentiate; inside nf.value_and_grad it is nf.remat
+    model, ids = make_model("llama", "sdpa"), tokens()
+    params, buffers, apply = nf.nn.functional(model)
+    loss = lambda p, ids: apply(p, buffers, ids, labels=ids).loss  # noqa: E731
+    want_loss, want_grads = torch.func.grad_and_value(loss)(params, ids)[::-1]
+    kept = []
+    for checkpointed in (False, True):
+        if checkpointed:
+            model.activation_checkpointing_enable({"use_reentrant": reentrant})
+        with nf.simulate(2):
+            jitted = nf.jit(nf.value_and_grad(loss), mesh=nf.make_mesh(dp=2), in_shardings=(P(), P("dp")),
+                            out_shardings=(P(), P()))
+            kept.append(jitted.lower(params, ids).memory_analysis().breakdown.activations)
+            got_loss, got_grads = nf.device_get(jitted(params, ids))
+        torch.testing.assert_close(got_loss, want_loss, **LOSS_TOL)
+        for k in want_grads:
+            torch.testing.assert_close(got_grads[k], want_grads[k], **PARAM_TOL, msg=lambda m, k=k: f"{k}: {m}")
+    assert kept[1] < kept[0] / 4

@@ -10,6 +10,7 @@ functional graph with no autograd left in it.
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import functools
 from collections.abc import Callable
@@ -26,6 +27,9 @@ ArgNums = int | tuple[int, ...]
 
 FORWARD = "ndfunc_forward"  # the mark on the ops of a differentiated function, when traced
 DIFFERENTIATED = "ndfunc_differentiated"  # the mark on its ops and on those of its backward
+# contexts entered around each differentiation (`nf.remat`'s: torch.utils.checkpoint's calls as
+# remat regions, which torch.func could not differentiate)
+AROUND_GRAD: list[Callable[[], Any]] = []
 
 # The dtype differentiated float arguments are cast to before `fn` runs (`nf.mixed_precision`
 # sets it while a jitted step is traced); None: as they are.
@@ -124,7 +128,10 @@ def value_and_grad(fn: Callable[..., Any], argnums: ArgNums = 0, has_aux: bool =
             aux_box.append((aux_leaves, aux_spec))
             return _check_loss(out[0], fn), [x for x in aux_leaves if isinstance(x, torch.Tensor)]
 
-        with fx_traceback.annotate({DIFFERENTIATED: True}):  # memory_analysis tells gradients by it
+        with fx_traceback.annotate({DIFFERENTIATED: True}), contextlib.ExitStack() as around:
+            # (DIFFERENTIATED: memory_analysis tells gradients by it)
+            for context in AROUND_GRAD:
+                around.enter_context(context())
             try:
                 grads, out = torch.func.grad_and_value(flat_fn, argnums=tuple(range(len(indices))),
                                                        has_aux=has_aux)(*flat, [args[i] for i in others], kwargs)
@@ -155,9 +162,10 @@ def _what_to_do(fn, error: str) -> str | None:
                 f"of the differentiated function, not differentiated: "
                 f"nf.value_and_grad(lambda p, b: loss(apply(p, b, x)))(params, buffers).")
     if "saved tensor hooks" in error:
-        return (f"nf.value_and_grad: {_name(fn)} uses torch.utils.checkpoint (or other saved-tensor hooks), "
-                f"which torch.func cannot differentiate. Mark the function to recompute with nf.remat(fn) "
-                f"instead: under nf.jit its activations are recomputed in backward the same way.")
+        return (f"nf.value_and_grad: {_name(fn)} uses saved-tensor hooks (torch.autograd.graph.saved_tensors_hooks"
+                f", save_on_cpu), which torch.func cannot differentiate. To recompute activations in backward "
+                f"mark the function with nf.remat(fn) (or call it through torch.utils.checkpoint, which "
+                f"nf.value_and_grad runs as nf.remat).")
     return None
 
 

@@ -7,6 +7,11 @@ backward first needs it, and backward reads the copy. The forward values then di
 and a remat'd decoder layer's activations live only from its recomputation to its gradient, one
 layer at a time. (Run eagerly, outside nf.jit, `nf.remat` changes nothing.)
 
+Inside `nf.value_and_grad`, `torch.utils.checkpoint.checkpoint(fn, *args)` (either variant, and
+so a Hugging Face model after `gradient_checkpointing_enable()`) is `nf.remat(fn)(*args)`: its
+own machinery (saved-tensor hooks, or a backward that runs autograd again) is what torch.func
+cannot differentiate, and a remat region recomputes the same activations.
+
 Policies (JAX's names): `'full'` keeps nothing made inside the region; `'save_dots'` keeps the
 results of its matrix products (the expensive part) and recomputes the rest (norms, activations,
 rotary embeddings) from them.
@@ -14,6 +19,7 @@ rotary embeddings) from them.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import itertools
@@ -21,9 +27,10 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.utils.checkpoint
 import torch.fx.traceback as fx_traceback
 
-from ndfunc._src import stamp
+from ndfunc._src import autodiff, stamp
 from ndfunc._src.autodiff import (
     FORWARD,  # nf.value_and_grad marks the ops of what it differentiates
 )
@@ -48,6 +55,54 @@ def remat(fn: Callable[..., Any], policy: str = "full") -> Callable[..., Any]:
             return fn(*args, **kwargs)
 
     return wrapped
+
+
+@contextlib.contextmanager
+def checkpoints_as_remat():
+    """torch.utils.checkpoint's calls, while inside, as `remat` regions of the 'full' policy (its two
+    variants' entry points swapped: the re-entrant `CheckpointFunction` and the saved-tensor hooks'
+    generator)."""
+    module = torch.utils.checkpoint
+    saved = module.CheckpointFunction, module._checkpoint_without_reentrant_generator, torch.Tensor.requires_grad_
+    module.CheckpointFunction, module._checkpoint_without_reentrant_generator = _Reentrant, _without_reentrant
+    torch.Tensor.requires_grad_ = _requires_grad_
+    try:
+        yield
+    finally:
+        module.CheckpointFunction, module._checkpoint_without_reentrant_generator, torch.Tensor.requires_grad_ = saved
+
+
+_REQUIRES_GRAD_ = torch.Tensor.requires_grad_
+
+
+def _requires_grad_(self, requires_grad=True):
+    """`Tensor.requires_grad_`, a no-op where torch.func refuses it: a Hugging Face model with
+    checkpointing enabled marks its embeddings' output so (for the re-entrant variant's inputs),
+    and what torch.func differentiates does not depend on the flag."""
+    try:
+        return _REQUIRES_GRAD_(self, requires_grad)
+    except RuntimeError as e:
+        if "functorch transform" not in str(e):
+            raise
+        return self
+
+
+class _Reentrant:
+    """`CheckpointFunction` as `checkpoint(use_reentrant=True)` calls it: the function under `remat`."""
+
+    @staticmethod
+    def apply(function, preserve_rng_state, *args):
+        return remat(function)(*args)
+
+
+def _without_reentrant(fn, preserve_rng_state, context_fn, determinism_check, debug, early_stop, *args, **kwargs):
+    """The generator `checkpoint(use_reentrant=False)` steps around its call of `fn`: the call
+    marked as a `remat` region."""
+    with fx_traceback.annotate({REGION: (next(_regions), "full")}):
+        yield
+
+
+autodiff.AROUND_GRAD.append(checkpoints_as_remat)
 
 
 def rematerialize(graph: torch.fx.Graph) -> int:
