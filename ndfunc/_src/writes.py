@@ -10,13 +10,17 @@ backward formulas, and both have a functional form that says what they mean:
   (`z = x.new_zeros(...); z[:, :k] = g`: the backward of `torch.fft.rfft`; `z[:, 0] = t`;
   `z[..., :2] = 0`; `s.diagonal().fill_(0)`) is the view's scatter op (`slice_scatter`,
   `select_scatter`, `diagonal_scatter`) whose result the later reads take (`views_as_scatters`).
+- An update in place of such a view (`z[:, -1] += y`: an `add_` into the view, then a `copy_` of
+  it into the same view) is the out-of-place op, written by that scatter (`updates_as_values`);
+  a view taken before the write and read after it is taken again of the scatter's result.
 - A write of one value where a boolean mask holds (`z[mask] = 0`, its backward's
   `index_put(grad, [mask], 0)`) is a `where` (`masked_as_where`). ATen's `index_put` reads a mask
   as one index per masked dim; the sharding rule it gets takes each index for one dim, so a mask
   over dims that the plan splits met the whole mask on each rank's block.
 
-What is left in place (a write into an input, into a view of a view, or into a tensor read
-before the write) lowers as it is where the plan does not move it, and is refused where it does.
+What is left in place (a write into an input, into a view of a view, or into a tensor viewed and
+written through that view before) lowers as it is where the plan does not move it, and is refused
+where it does.
 """
 
 from __future__ import annotations
@@ -37,7 +41,8 @@ _WRITES = (aten.copy_.default, aten.fill_.Scalar, aten.fill_.Tensor)
 
 def as_functional(gm: torch.fx.GraphModule) -> None:
     """`gm`'s in-place writes that have a functional form, rewritten so (see the module's text)."""
-    if copies_as_broadcasts(gm) | fresh_copies(gm) | strided_views(gm) | views_as_scatters(gm) | masked_as_where(gm):
+    if (copies_as_broadcasts(gm) | fresh_copies(gm) | strided_views(gm) | updates_as_values(gm)
+            | views_as_scatters(gm) | masked_as_where(gm)):
         gm.recompile()
 
 
@@ -198,9 +203,9 @@ def _as_view(shape: list, strides: list, size: list, stride: list, offset: int) 
 
 def views_as_scatters(gm: torch.fx.GraphModule) -> bool:
     """Each `copy_` or `fill_` into a slice, select or diagonal of a tensor the step made (not an
-    input's, not a view of another), where nothing but the view read the tensor before, as the
-    view's scatter op; later reads of the tensor read the scatter's result, and the write's own
-    result is the scatter's view. Whether any was rewritten."""
+    input's, not a view of another), as the view's scatter op; later reads of the tensor read the
+    scatter's result, later reads of its views (the written one, or one taken before and not
+    written through) views of that result. Whether any was rewritten."""
     writes = [n for target in _WRITES for n in gm.graph.find_nodes(op="call_function", target=target)]
     if not writes:
         return False
@@ -211,9 +216,10 @@ def views_as_scatters(gm: torch.fx.GraphModule) -> bool:
         if not (isinstance(view, torch.fx.Node) and view.target in _SCATTERS):
             continue
         base = view.args[0]
-        if not (isinstance(base, torch.fx.Node) and _owned(base)) or any(
-                u is not view and order[u] < order[write] and _aliases(u) for u in base.users):
-            continue  # an input's, a view of a tensor read elsewhere, or viewed before: left as it is
+        seen = [u for u in base.users if u is not view and order[u] < order[write] and _aliases(u)]
+        if not (isinstance(base, torch.fx.Node) and _owned(base)) or not all(
+                _is_view(u) and u.args[0] is base and not any(_writes_into(r, u) for r in u.users) for u in seen):
+            continue  # an input's, a view of a tensor read elsewhere, or viewed and written: left as it is
         into = view.meta["val"]
         view_args = _arguments(view)
         made = []
@@ -234,6 +240,15 @@ def views_as_scatters(gm: torch.fx.GraphModule) -> bool:
             u.replace_input_with(base, scattered)
         for u in later:
             u.replace_input_with(view, result)
+        for alias in seen:  # a view taken before the write and read after: taken again of the result
+            readers = [r for r in alias.users if order[r] > order[write]]
+            if readers:
+                again = []
+                with gm.graph.inserting_after(scattered):
+                    remade = _call(gm, again, alias.target, scattered, *alias.args[1:], **alias.kwargs)
+                _annotate(again, write, order)
+                for r in readers:
+                    r.replace_input_with(alias, remade)
         if result is not None:
             write.replace_all_uses_with(result)
         gm.graph.erase_node(write)
@@ -241,6 +256,47 @@ def views_as_scatters(gm: torch.fx.GraphModule) -> bool:
             gm.graph.erase_node(view)
         changed = True
     return changed
+
+
+def updates_as_values(gm: torch.fx.GraphModule) -> bool:
+    """Each op updating a view in place (`add_`) whose result only a `copy_` into the same view of
+    the same tensor reads (`z[:, -1] += y`: autograd's form of it), as its out-of-place form: the
+    copy then writes the whole update (`views_as_scatters`). Whether any was rewritten."""
+    changed = False
+    for copy in list(gm.graph.find_nodes(op="call_function", target=aten.copy_.default)):
+        into, update = copy.args[:2]
+        if not (isinstance(into, torch.fx.Node) and isinstance(update, torch.fx.Node) and update.op == "call_function"
+                and into.target in _SCATTERS and list(update.users) == [copy] and update.args
+                and isinstance(update.args[0], torch.fx.Node)):
+            continue
+        updated = update.args[0]
+        if not (_writes_into(update, updated) and updated.target is into.target and updated.args[0] is into.args[0]
+                and _arguments(updated) == _arguments(into) and list(updated.users) == [update]):
+            continue
+        functional = _out_of_place(update.target)
+        if functional is None:
+            continue
+        update.target = functional
+        _fake(update)
+        changed = True
+    return changed
+
+
+def _writes_into(node: torch.fx.Node, tensor: torch.fx.Node) -> bool:
+    """Whether `node` writes in place into its first argument, `tensor`."""
+    schema = getattr(node.target, "_schema", None)
+    return (schema is not None and bool(schema.arguments) and bool(node.args) and node.args[0] is tensor
+            and schema.arguments[0].alias_info is not None and schema.arguments[0].alias_info.is_write)
+
+
+def _out_of_place(op) -> torch._ops.OpOverload | None:
+    """`aten.add_.Tensor` -> `aten.add.Tensor`: an in-place op's functional overload, if ATen has it."""
+    name = op._schema.name.split("::")[-1]
+    if not name.endswith("_") or name.startswith("_"):
+        return None
+    packet = getattr(aten, name[:-1], None)
+    overload = getattr(packet, op._overloadname, None) if packet is not None else None
+    return overload if isinstance(overload, torch._ops.OpOverload) else None
 
 
 def masked_as_where(gm: torch.fx.GraphModule) -> bool:
