@@ -131,6 +131,18 @@ def _rows_masked(o, y, t):  # a mask over the leading dim only
     return F.mse_loss(z, y)
 
 
+def _masked_with_a_learned_value(o, y, t):  # the value's gradient: a sum over the masked positions
+    z = o * 1.0
+    z[y > 0] = o.sum() * 0.01
+    return F.mse_loss(z, y)
+
+
+def _masked_rows_get_a_learned_row(o, y, t):  # one row for every masked position (a mask embedding)
+    z = o * 1.0
+    z[t == 0] = o.mean(0)
+    return F.mse_loss(z, y)
+
+
 def _a_view_read_after_the_write(o, y, t):  # taken before the write, it sees the write
     z = torch.zeros(B, C)
     first = z[:, :2]
@@ -146,6 +158,7 @@ def _diagonal_filled(o, y, t):
 
 IN_PLACE = {f.__name__[1:]: f for f in (_fill_a_column, _add_into_a_column, _copy_into_zeros,
                                         _halves_of_an_empty_tensor, _masked_write, _masked_add, _rows_masked,
+                                        _masked_with_a_learned_value, _masked_rows_get_a_learned_row,
                                         _a_view_read_after_the_write, _diagonal_filled)}
 # the columns of the output split too: a write or a mask over a dim the plan splits
 WRITE_STRATEGIES = {**STRATEGIES, "tp_columns": (dict(tp=2), {"w1": P(), "w2": P(None, "tp")}, P())}

@@ -275,7 +275,24 @@ def _gaussian_nll_loss(input, target, var, full=False, eps=1e-6, reduction="mean
     return loss.mean() if reduction == "mean" else loss.sum() if reduction == "sum" else loss
 
 
+def _setitem(x, key, value):
+    """`x[mask] = value`, a boolean mask over `x`'s leading dims and a tensor value (one value, or one
+    row for every masked position: `hidden[mask] = mask_embedding`), as `x.copy_(where(mask, value,
+    x))`: ATen's `index_put` gives the value's gradient by gathering the masked positions
+    (`nonzero`: a shape known only when run). Any other key or value as torch's."""
+    mask = key[0] if isinstance(key, tuple) and len(key) == 1 else key
+    if (isinstance(mask, torch.Tensor) and mask.dtype == torch.bool and isinstance(value, torch.Tensor)
+            and 0 < mask.dim() <= x.dim() and tuple(mask.shape) == tuple(x.shape[:mask.dim()])):
+        rows = tuple(x.shape[mask.dim():])
+        if value.dim() <= len(rows) and all(a in (1, b) for a, b in zip(reversed(value.shape), reversed(rows))):
+            where = mask.reshape(*mask.shape, *([1] * len(rows)))
+            x.copy_(torch.where(where, value.to(x.dtype), x))
+            return
+    torch.Tensor.__setitem__(x, key, value)
+
+
 _TRACEABLE = {torch.nn.functional.one_hot: _one_hot,
+              torch.Tensor.__setitem__: _setitem,
               torch.nn.functional.gaussian_nll_loss: _gaussian_nll_loss,
               torch.nn.functional.scaled_dot_product_attention: traced_sdpa}
 

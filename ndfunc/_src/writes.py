@@ -13,7 +13,7 @@ backward formulas, and both have a functional form that says what they mean:
 - An update in place of such a view (`z[:, -1] += y`: an `add_` into the view, then a `copy_` of
   it into the same view) is the out-of-place op, written by that scatter (`updates_as_values`);
   a view taken before the write and read after it is taken again of the scatter's result.
-- A write of one value where a boolean mask holds (`z[mask] = 0`, its backward's
+- A write of one value (or one row) where a boolean mask holds (`z[mask] = 0`, its backward's
   `index_put(grad, [mask], 0)`) is a `where` (`masked_as_where`). ATen's `index_put` reads a mask
   as one index per masked dim; the sharding rule it gets takes each index for one dim, so a mask
   over dims that the plan splits met the whole mask on each rank's block.
@@ -301,7 +301,8 @@ def _out_of_place(op) -> torch._ops.OpOverload | None:
 
 def masked_as_where(gm: torch.fx.GraphModule) -> bool:
     """Each `index_put` (or an `index_put_` into a tensor the step made, read before by nothing
-    else) of one value at a boolean mask over the leading dims, as `where(mask, value, x)` (with
+    else) at a boolean mask over the leading dims of one value, or of one row for every masked
+    position (`hidden[mask] = mask_embedding`), as `where(mask, value, x)` (with
     `accumulate`, `x + value` where the mask holds); later reads of an `index_put_`'s tensor read the
     `where`. Whether any was rewritten."""
     puts = [n for target in (aten.index_put.default, aten.index_put_.default)
@@ -318,8 +319,11 @@ def masked_as_where(gm: torch.fx.GraphModule) -> bool:
             continue
         mask, xv, vv = indices[0], x.meta["val"], value.meta["val"]
         mv = mask.meta["val"]
-        if mv.dtype != torch.bool or vv.numel() != 1 or tuple(mv.shape) != tuple(xv.shape[:mv.dim()]):
-            continue
+        rows = tuple(xv.shape[mv.dim():])  # what each masked position holds
+        if mv.dtype != torch.bool or tuple(mv.shape) != tuple(xv.shape[:mv.dim()]) or not (
+                vv.numel() == 1 or (vv.dim() <= len(rows) and all(
+                    a in (1, b) for a, b in zip(reversed(vv.shape), reversed(rows))))):
+            continue  # (a value per masked position: as many as the mask holds, known only when run)
         in_place = put.target is aten.index_put_.default
         if in_place and (not _owned(x) or any(u is not put and order[u] < order[put] and _aliases(u)
                                               for u in x.users)):
@@ -327,7 +331,7 @@ def masked_as_where(gm: torch.fx.GraphModule) -> bool:
         made = []
         with gm.graph.inserting_before(put):
             where = _call(gm, made, aten.view.default, mask, [*mv.shape] + [1] * (xv.dim() - mv.dim()))
-            one = _call(gm, made, aten.view.default, value, [])
+            one = _call(gm, made, aten.view.default, value, []) if vv.numel() == 1 else value
             if vv.dtype != xv.dtype:
                 one = _call(gm, made, aten._to_copy.default, one, dtype=xv.dtype)
             if accumulate:
