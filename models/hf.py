@@ -243,7 +243,9 @@ def save_model(path: str | os.PathLike, model: torch.nn.Module, params: dict) ->
     safetensors_io.write(path / "model.safetensors", entries, metadata={"format": "pt"}, write=writer)
     if writer:
         config = type(model.config).from_dict(model.config.to_dict())
-        config.dtype = next(iter(params.values())).dtype
+        dtype = next(iter(params.values())).dtype
+        # transformers >= 4.56 names it `dtype`; before, `torch_dtype`
+        setattr(config, "dtype" if "dtype" in config.to_dict() else "torch_dtype", dtype)
         config.save_pretrained(path)
         if getattr(model, "generation_config", None) is not None:
             model.generation_config.save_pretrained(path)

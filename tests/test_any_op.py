@@ -150,6 +150,23 @@ def _a_view_read_after_the_write(o, y, t):  # taken before the write, it sees th
     return F.mse_loss(z + first.sum(-1, keepdim=True) + o, y)
 
 
+def _a_view_of_the_written_view(o, y, t):  # taken of the column before it is written: sees the write
+    z = o * 1.0
+    column = z[:, 0]
+    kept = column.unsqueeze(1)
+    column.fill_(-1.0)
+    return F.mse_loss(z + kept, y)
+
+
+def _a_read_between_an_update_and_its_copy(o, y, t):  # the sum sees the column's update
+    z = o * 1.0
+    column = z[:, 0]
+    column += 1.0
+    total = z.sum()
+    z[:, 0] = column
+    return F.mse_loss(z * total, y)
+
+
 def _diagonal_filled(o, y, t):
     s = (o.T @ o).clone()
     s.diagonal().fill_(0.0)
@@ -159,7 +176,8 @@ def _diagonal_filled(o, y, t):
 IN_PLACE = {f.__name__[1:]: f for f in (_fill_a_column, _add_into_a_column, _copy_into_zeros,
                                         _halves_of_an_empty_tensor, _masked_write, _masked_add, _rows_masked,
                                         _masked_with_a_learned_value, _masked_rows_get_a_learned_row,
-                                        _a_view_read_after_the_write, _diagonal_filled)}
+                                        _a_view_read_after_the_write, _a_view_of_the_written_view,
+                                        _a_read_between_an_update_and_its_copy, _diagonal_filled)}
 # the columns of the output split too: a write or a mask over a dim the plan splits
 WRITE_STRATEGIES = {**STRATEGIES, "tp_columns": (dict(tp=2), {"w1": P(), "w2": P(None, "tp")}, P())}
 

@@ -258,3 +258,41 @@ def test_torch_utils_checkpoint_is_differentiated_as_nf_remat(reentrant):
         assert_close(got[0], want[1])
         assert_close(got[1], want[0])
     assert kept[1] < kept[0] / 2  # each block's inner activations recomputed, not kept
+
+
+def test_checkpoint_is_remat_in_every_thread_differentiating_and_only_while_one_is():
+    # two threads inside nf.value_and_grad, the first leaving while the second is still inside:
+    # the second's checkpoint still runs as nf.remat, and torch's own is back once both have left
+    import threading
+
+    import ndfunc as nf
+
+    original = torch.utils.checkpoint.CheckpointFunction, torch.Tensor.requires_grad_
+    a_in, b_in, a_out = threading.Event(), threading.Event(), threading.Event()
+    results = {}
+
+    def first(w):
+        a_in.set()
+        b_in.wait()
+        return (w * 2).sum()
+
+    def second(w):
+        b_in.set()
+        a_out.wait()
+        return torch.utils.checkpoint.checkpoint(lambda t: t.sin() * 2, w, use_reentrant=False).sum()
+
+    def run(name, f):
+        try:
+            results[name] = nf.value_and_grad(f)(torch.ones(3))[1]
+        finally:
+            if name == "first":
+                a_out.set()
+
+    threads = [threading.Thread(target=run, args=("first", first)), threading.Thread(target=run, args=("second", second))]
+    threads[0].start()
+    a_in.wait()
+    threads[1].start()
+    for t in threads:
+        t.join()
+    torch.testing.assert_close(results["second"], 2 * torch.ones(3).cos())
+    assert (torch.utils.checkpoint.CheckpointFunction, torch.Tensor.requires_grad_) == original

@@ -284,7 +284,8 @@ def test_a_hugging_face_models_own_gradient_checkpointing_is_recomputed_as_nf_re
     kept = []
     for checkpointed in (False, True):
         if checkpointed:
-            model.activation_checkpointing_enable({"use_reentrant": reentrant})
+            enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+            enable({"use_reentrant": reentrant})
         with nf.simulate(2):
             jitted = nf.jit(nf.value_and_grad(loss), mesh=nf.make_mesh(dp=2), in_shardings=(P(), P("dp")),
                             out_shardings=(P(), P()))

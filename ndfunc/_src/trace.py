@@ -285,8 +285,8 @@ def _setitem(x, key, value):
             and 0 < mask.dim() <= x.dim() and tuple(mask.shape) == tuple(x.shape[:mask.dim()])):
         rows = tuple(x.shape[mask.dim():])
         if value.dim() <= len(rows) and all(a in (1, b) for a, b in zip(reversed(value.shape), reversed(rows))):
-            where = mask.reshape(*mask.shape, *([1] * len(rows)))
-            x.copy_(torch.where(where, value.to(x.dtype), x))
+            where = mask.to(x.device).reshape(*mask.shape, *([1] * len(rows)))
+            x.copy_(torch.where(where, value.to(x.device, x.dtype), x))
             return
     torch.Tensor.__setitem__(x, key, value)
 

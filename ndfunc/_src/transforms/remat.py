@@ -23,12 +23,13 @@ import contextlib
 import dataclasses
 import functools
 import itertools
+import threading
 from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.utils.checkpoint
 import torch.fx.traceback as fx_traceback
+import torch.utils.checkpoint
 
 from ndfunc._src import autodiff, stamp
 from ndfunc._src.autodiff import (
@@ -61,28 +62,44 @@ def remat(fn: Callable[..., Any], policy: str = "full") -> Callable[..., Any]:
 def checkpoints_as_remat():
     """torch.utils.checkpoint's calls, while inside, as `remat` regions of the 'full' policy (its two
     variants' entry points swapped: the re-entrant `CheckpointFunction` and the saved-tensor hooks'
-    generator)."""
-    module = torch.utils.checkpoint
-    saved = module.CheckpointFunction, module._checkpoint_without_reentrant_generator, torch.Tensor.requires_grad_
-    module.CheckpointFunction, module._checkpoint_without_reentrant_generator = _Reentrant, _without_reentrant
-    torch.Tensor.requires_grad_ = _requires_grad_
+    generator). The swap is process-wide: made by the first thread to enter, undone by the last to
+    leave (a call outside meanwhile, in another thread, runs its function plainly: the same values,
+    its activations kept)."""
+    global _inside
+    with _swap_lock:
+        if not _inside:
+            module = torch.utils.checkpoint
+            _swapped[:] = [module.CheckpointFunction, module._checkpoint_without_reentrant_generator,
+                           torch.Tensor.requires_grad_]
+            module.CheckpointFunction, module._checkpoint_without_reentrant_generator = _Reentrant, _without_reentrant
+            torch.Tensor.requires_grad_ = _requires_grad_
+        _inside += 1
     try:
         yield
     finally:
-        module.CheckpointFunction, module._checkpoint_without_reentrant_generator, torch.Tensor.requires_grad_ = saved
+        with _swap_lock:
+            _inside -= 1
+            if not _inside:
+                module = torch.utils.checkpoint
+                module.CheckpointFunction, module._checkpoint_without_reentrant_generator, \
+                    torch.Tensor.requires_grad_ = _swapped
 
 
+_swap_lock = threading.Lock()
+_inside = 0  # differentiations inside `checkpoints_as_remat`, all threads
+_swapped: list = []  # what it swapped out
 _REQUIRES_GRAD_ = torch.Tensor.requires_grad_
 
 
 def _requires_grad_(self, requires_grad=True):
-    """`Tensor.requires_grad_`, a no-op where torch.func refuses it: a Hugging Face model with
+    """`Tensor.requires_grad_(True)`, a no-op where torch.func refuses it: a Hugging Face model with
     checkpointing enabled marks its embeddings' output so (for the re-entrant variant's inputs),
-    and what torch.func differentiates does not depend on the flag."""
+    and what torch.func differentiates does not depend on the flag. `requires_grad_(False)` is
+    refused as ever: it would stop a gradient torch.func still gives."""
     try:
         return _REQUIRES_GRAD_(self, requires_grad)
     except RuntimeError as e:
-        if "functorch transform" not in str(e):
+        if not requires_grad or "functorch transform" not in str(e):
             raise
         return self
 
@@ -97,7 +114,8 @@ class _Reentrant:
 
 def _without_reentrant(fn, preserve_rng_state, context_fn, determinism_check, debug, early_stop, *args, **kwargs):
     """The generator `checkpoint(use_reentrant=False)` steps around its call of `fn`: the call
-    marked as a `remat` region."""
+    marked as a `remat` region, of the 'full' policy whatever `context_fn` says (a selective policy
+    of torch's: mark the function with `nf.remat(fn, 'save_dots')` instead)."""
     with fx_traceback.annotate({REGION: (next(_regions), "full")}):
         yield
 

@@ -1,0 +1,192 @@
+"""The forms autograd's backward of a write into a view traces to, brought to plain views and copies.
+
+A write into a view of a tensor that autograd tracks (`z[:, 0] = -1` where `z` needs a gradient)
+is recorded as `CopySlices`, whose backward copies the gradient into an empty tensor and names the
+view as `as_strided`; `fill_`'s decomposition makes a functional `copy`. None of these has a
+sharding rule or a functional form the rewrites of `writes` read. Here the copy into an empty
+tensor is a copy of its source (`fresh_copies`), an `as_strided` that is one select, slice or
+diagonal of a contiguous tensor is that view (`strided_views`), and a functional `copy` is its source
+broadcast (`copies_as_broadcasts`); `writes` then makes the write itself functional.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import torch
+
+from ndfunc._src.graph_edits import aliases, annotate, call, is_view, moved
+
+aten = torch.ops.aten
+_STRIDED = (aten.view.default, aten._unsafe_view.default, aten.as_strided.default)  # reads that need the strides
+_EMPTY = (aten.new_empty.default, aten.new_empty_strided.default, aten.empty.memory_format,
+          aten.empty_like.default, aten.empty_strided.default)
+
+
+def copies_as_broadcasts(gm: torch.fx.GraphModule) -> bool:
+    """Each functional `copy(x, src)` (`fill_`'s decomposition: a tensor like `x` holding `src`),
+    which no sharding rule lays out, as `src` broadcast to `x`'s shape, on its device, of its dtype,
+    laid out as the copy is (a copy of a view with gaps: contiguous, unless a view reads it).
+    Whether any was rewritten."""
+    changed = False
+    for copy in list(gm.graph.find_nodes(op="call_function", target=aten.copy.default)):
+        like, src = copy.args[:2]
+        if not (isinstance(like, torch.fx.Node) and isinstance(src, torch.fx.Node)):
+            continue
+        into = like.meta["val"]
+        # the copy is laid out as `x` where `x` is dense (a transpose's order), else contiguous
+        order = sorted(range(into.dim()), key=lambda d: -into.stride(d))
+        if _strides_in(order, list(into.shape)) != list(into.stride()):
+            order = list(range(into.dim()))
+        made = []
+        with gm.graph.inserting_before(copy):
+            out = call(gm, made, aten.expand.default, moved(gm, made, src, into), list(into.shape))
+            out = call(gm, made, aten.permute.default, out, order)
+            out = call(gm, made, aten.clone.default, out, memory_format=torch.contiguous_format)
+            out = call(gm, made, aten.permute.default, out, [order.index(d) for d in range(into.dim())])
+        annotate(made, copy)
+        if out.meta["val"].stride() != copy.meta["val"].stride() and any(u.target in _STRIDED for u in copy.users):
+            for node in reversed(made):
+                gm.graph.erase_node(node)
+            continue  # (strides this does not reproduce, which a reader's view depends on: left as it is)
+        copy.replace_all_uses_with(out)
+        gm.graph.erase_node(copy)
+        if not like.users and like.op == "call_function" and is_view(like):
+            gm.graph.erase_node(like)
+        changed = True
+    return changed
+
+
+def _strides_in(order: list, shape: list) -> list:
+    """The strides of a tensor of `shape` laid out densely with its dims in `order` (outermost first)."""
+    strides = [0] * len(shape)
+    for d, s in zip(order, contiguous_strides([shape[d] for d in order])):
+        strides[d] = s
+    return strides
+
+
+def fresh_copies(gm: torch.fx.GraphModule) -> bool:
+    """Each `copy_` into an empty contiguous tensor of its source's shape that nothing else reads
+    (`CopySlices`' copy of the gradient, before it writes into a view of it), as a copy of the
+    source. Whether any was rewritten."""
+    changed = False
+    for copy in list(gm.graph.find_nodes(op="call_function", target=aten.copy_.default)):
+        empty, src = copy.args[:2]
+        if not (isinstance(empty, torch.fx.Node) and empty.target in _EMPTY and len(empty.users) == 1
+                and isinstance(src, torch.fx.Node)):
+            continue
+        into = empty.meta["val"]
+        if into.shape != src.meta["val"].shape or not into.is_contiguous():
+            continue
+        made = []
+        with gm.graph.inserting_before(copy):
+            out = call(gm, made, aten.clone.default, moved(gm, made, src, into), memory_format=torch.contiguous_format)
+        annotate(made, copy)
+        copy.replace_all_uses_with(out)
+        gm.graph.erase_node(copy)
+        gm.graph.erase_node(empty)
+        changed = True
+    return changed
+
+
+def strided_views(gm: torch.fx.GraphModule) -> bool:
+    """Each `as_strided` of a contiguous tensor that is one select, slice or diagonal of it
+    (`CopySlices` names the view it writes into so), as that op. Whether any was rewritten."""
+    changed = _shaped_flat_buffers(gm)
+    for node in list(gm.graph.find_nodes(op="call_function", target=aten.as_strided.default)):
+        base = node.args[0]
+        if not isinstance(base, torch.fx.Node):
+            continue
+        size, stride = list(node.args[1]), list(node.args[2])
+        offset = _offset(node)
+        whole = base.meta["val"]
+        if not whole.is_contiguous() or whole.storage_offset() != 0:
+            continue
+        found = _as_view(list(whole.shape), list(whole.stride()), size, stride, offset)
+        if found is None:
+            continue
+        made = []
+        with gm.graph.inserting_before(node):
+            view = call(gm, made, found[0], base, *found[1:])
+        annotate(made, node)
+        got = view.meta["val"]
+        if list(got.shape) != size or list(got.stride()) != stride or got.storage_offset() != offset:
+            gm.graph.erase_node(view)  # (`_as_view` read size-1 dims or strides ambiguously)
+            continue
+        node.replace_all_uses_with(view)
+        gm.graph.erase_node(node)
+        changed = True
+    return changed
+
+
+def _offset(node: torch.fx.Node) -> int:
+    return (node.args[3] if len(node.args) > 3 else node.kwargs.get("storage_offset", 0)) or 0
+
+
+def _shaped_flat_buffers(gm: torch.fx.GraphModule) -> bool:
+    """A 1-dim tensor the step made, read only by `as_strided`s one of which views it whole in a
+    contiguous shape (the backward of an in-place op on a view: a flat buffer of zeros, the view
+    written, the whole read), viewed in that shape once, which the others then view: so each is a
+    select, slice or diagonal of it (`strided_views`)."""
+    changed = False
+    for node in list(gm.graph.find_nodes(op="call_function", target=aten.as_strided.default)):
+        flat = node.args[0]
+        if not (isinstance(flat, torch.fx.Node) and flat.op == "call_function" and not aliases(flat)):
+            continue
+        buffer = flat.meta["val"]
+        if buffer.dim() != 1 or not all(u.target is aten.as_strided.default and u.args[0] is flat for u in flat.users):
+            continue
+        shape = list(node.args[1])
+        if _offset(node) or list(node.args[2]) != contiguous_strides(shape) or math.prod(shape) != buffer.numel():
+            continue
+        made = []
+        with gm.graph.inserting_after(flat):
+            whole = call(gm, made, aten.view.default, flat, shape)
+        annotate(made, node)
+        for u in list(flat.users):
+            if u is not whole:
+                u.replace_input_with(flat, whole)
+        changed = True
+    return changed
+
+
+def contiguous_strides(shape: list) -> list:
+    strides, step = [], 1
+    for n in reversed(shape):
+        strides.append(step)
+        step *= max(n, 1)
+    return strides[::-1]
+
+
+def _as_view(shape: list, strides: list, size: list, stride: list, offset: int) -> tuple | None:
+    """(select, dim, index), (diagonal, offset, dim1, dim2) or (slice, dim, start, end, step)
+    taking the elements `as_strided(size, stride, offset)` takes of a contiguous tensor of `shape`
+    (`strides`); None if none does."""
+    k = len(shape)
+    if len(size) == k - 1:
+        for d in range(k):
+            if size == shape[:d] + shape[d + 1:] and stride == strides[:d] + strides[d + 1:] \
+                    and offset % strides[d] == 0 and 0 <= offset // strides[d] < shape[d]:
+                return aten.select.int, d, offset // strides[d]
+        for d1, d2 in itertools.combinations(range(k), 2):  # a diagonal: the last dim steps along both
+            rest = [d for d in range(k) if d not in (d1, d2)]
+            if size[:-1] != [shape[d] for d in rest] or stride != [strides[d] for d in rest] + [strides[d1] + strides[d2]]:
+                continue
+            for diagonal in (offset // strides[d2], -(offset // strides[d1])):
+                if (diagonal >= 0 and diagonal * strides[d2] == offset) or (diagonal < 0 and -diagonal * strides[d1] == offset):
+                    return aten.diagonal.default, diagonal, d1, d2
+        return None
+    if len(size) != k:
+        return None
+    changed = [d for d in range(k) if size[d] != shape[d] or stride[d] != strides[d]]
+    if len(changed) > 1 or (not changed and offset):
+        return None
+    d = changed[0] if changed else 0
+    if offset % strides[d] or stride[d] % strides[d] or stride[d] <= 0:
+        return None
+    start, step, n = offset // strides[d], stride[d] // strides[d], size[d]
+    end = start + step * (n - 1) + 1 if n else start
+    if end > shape[d]:
+        return None
+    return aten.slice.Tensor, d, start, end, step
