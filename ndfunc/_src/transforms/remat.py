@@ -62,9 +62,10 @@ def remat(fn: Callable[..., Any], policy: str = "full") -> Callable[..., Any]:
 def checkpoints_as_remat():
     """torch.utils.checkpoint's calls, while inside, as `remat` regions of the 'full' policy (its two
     variants' entry points swapped: the re-entrant `CheckpointFunction` and the saved-tensor hooks'
-    generator). The swap is process-wide: made by the first thread to enter, undone by the last to
-    leave (a call outside meanwhile, in another thread, runs its function plainly: the same values,
-    its activations kept)."""
+    generator). The swap is process-wide: made by the first to enter, undone by the last to leave (a
+    call outside meanwhile, in another thread, runs its function plainly: the same values, its
+    activations kept). (torch.fx's annotations, which `nf.value_and_grad` sets, are process-wide too:
+    two threads differentiating at once are not supported.)"""
     global _inside
     with _swap_lock:
         if not _inside:
