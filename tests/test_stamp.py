@@ -8,13 +8,14 @@ import dataclasses
 import optree
 import pytest
 import torch
+import torch.nn.functional as F
 from torch.fx.node import map_arg
 
 import ndfunc as nf
 from models import llama, train
 from ndfunc._src import regions, stamp
 from ndfunc._src.trace import trace
-from ndfunc.sharding import NamedSharding
+from ndfunc.sharding import NamedSharding, P
 
 UNMARKED = llama.decoder_layer.__marked_compile_region_fn__
 
@@ -278,3 +279,31 @@ def test_a_region_output_written_in_place_before_backward_is_refused_as_op_by_op
 
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         trace(step, (torch.randn(4, 8), torch.randn(8, 8)))
+
+
+def test_a_region_whose_gradient_comes_strided_otherwise_is_traced_again_as_its_forward_was():
+    # Whisper's encoder layers: their input is a transpose, so the residual add returns it
+    # transposed while the gradient reaching it is contiguous, and the region's backward is traced
+    # again for that gradient, inside autograd's backward, where the tracer's function mode is off
+    # while its own handler runs: SDPA traced as itself there, not ndfunc.attention, was "another
+    # forward"
+    @torch.compiler.nested_compile_region
+    def layer(x, w):
+        h = (x @ w).unflatten(-1, (4, 8)).transpose(1, 2).contiguous()
+        a = F.scaled_dot_product_attention(h, h, h).transpose(1, 2).contiguous().flatten(2)
+        return x + a
+
+    def loss(p, feats):
+        x = layer(feats.transpose(1, 2), p["w"])  # strides (512, 1, 16)
+        return (x @ p["head"]).square().mean()  # its gradient contiguous
+
+    g = torch.Generator().manual_seed(0)
+    p = {"w": torch.randn(32, 32, generator=g) / 6, "head": torch.randn(32, 8, generator=g)}
+    feats = torch.randn(4, 32, 16, generator=g)
+    want_grads, want_loss = torch.func.grad_and_value(loss)(p, feats)
+    with nf.simulate(2):
+        step = nf.jit(nf.value_and_grad(loss), mesh=nf.make_mesh(dp=2), in_shardings=(P(), P("dp")),
+                      out_shardings=(P(), P()))
+        got_loss, got_grads = nf.device_get(step(p, feats))
+    torch.testing.assert_close(got_loss, want_loss)
+    torch.testing.assert_close(got_grads, want_grads, rtol=1e-4, atol=1e-5)

@@ -71,6 +71,7 @@ class Template:
     out_spec: Any
     context: dict  # the annotations in force where it was traced
     traced_from: tuple = ()  # (fn, leaves, spec, where, grad): to trace it again for other gradient strides
+    modes: tuple = ()  # the function modes in force where it was traced (in force again for a variant)
     differentiable: list = dataclasses.field(default_factory=list)  # per tensor output: made from a differentiated input
     saved: tuple = ((), ())  # which inputs and outputs its backward reads (as autograd saves them)
     variants: dict = dataclasses.field(default_factory=dict)  # gradient strides -> the backward traced for them
@@ -236,7 +237,7 @@ def _traced_template(fn: Callable, leaves: list, spec: Any, where: list[int], gr
     read = {a for n in backward for a in n.all_input_nodes}
     return Template(graph, primal_nodes, tangent_nodes, ops[:split], backward, outs, grads,
                     [TENSOR if isinstance(x, torch.Tensor) else x for x in out_leaves], out_spec, _annotations(),
-                    traced_from=(fn, leaves, spec, where, grad),
+                    traced_from=(fn, leaves, spec, where, grad), modes=tuple(torch_compat.function_modes()),
                     differentiable=[o in from_differentiated for o in outs],
                     saved=([i for i, p in enumerate(primal_nodes) if p in read], [i for i, o in enumerate(outs) if o in read]))
 
@@ -380,7 +381,14 @@ def _variant(template: Template, strides: tuple) -> Template:
         return template
     if strides not in template.variants:
         fn, leaves, spec, where, grad = template.traced_from
-        variant = _template(fn, leaves, spec, where, grad, strides)
+        with contextlib.ExitStack() as modes:
+            # traced again inside autograd's backward, where the modes that saw the forward (the
+            # tracer's: SDPA as ndfunc.attention) are off while their own handler runs
+            in_force = torch_compat.function_modes()
+            for mode in template.modes:
+                if not any(m is mode for m in in_force):
+                    modes.enter_context(mode)
+            variant = _template(fn, leaves, spec, where, grad, strides)
         if variant is None or len(variant.forward) != len(template.forward):
             raise RuntimeError(f"{getattr(fn, '__name__', fn)}: its backward for gradients strided {strides} "
                                "traced to another forward; mark it only if it computes the same ops each time.")
