@@ -198,6 +198,23 @@ def test_a_write_in_place_trains_equal_to_one_device(write, strategy, monkeypatc
             torch.testing.assert_close(nf.device_get(got_params[k]), want_params[k], **TOL)
 
 
+def test_group_norm_trains_split_by_the_batch():
+    # its backward under torch.func reshapes its statistics in place (`unsqueeze_`), which no rule
+    # lays out: traced as the view, nothing runs whole (a ShardingWarning would be an error here)
+    torch.manual_seed(0)
+    norm = torch.nn.GroupNorm(4, 8)
+    params, buffers, apply = nf.nn.functional(norm)
+    x = torch.randn(4, 8, 16)
+    loss = lambda p, x: apply(p, buffers, x).square().mean()  # noqa: E731
+    want_grads, want_loss = torch.func.grad_and_value(loss)(params, x)
+    with nf.simulate(2):
+        step = nf.jit(nf.value_and_grad(loss), mesh=nf.make_mesh(dp=2), in_shardings=(P(), P("dp")),
+                      out_shardings=(P(), P()))
+        got_loss, got_grads = nf.device_get(step(params, x))
+    torch.testing.assert_close(got_loss, want_loss, **TOL)
+    torch.testing.assert_close(got_grads, want_grads, **TOL)
+
+
 def _binned(o, y, t):  # ATen's searchsorted has no sharding rule and no decomposition
     return (o * torch.searchsorted(torch.tensor([-1.0, 0.0, 1.0]), o)).pow(2).mean()
 

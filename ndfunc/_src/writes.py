@@ -13,6 +13,7 @@ backward formulas, and both have a functional form that says what they mean:
 - An update in place of such a view (`z[:, -1] += y`: an `add_` into the view, then a `copy_` of
   it into the same view) is the out-of-place op, written by that scatter (`updates_as_values`);
   a view taken before the write and read after it is taken again of the scatter's result.
+- A change of shape in place (`unsqueeze_`) is the view (`reshapes_as_views`).
 - A write of one value (or one row) where a boolean mask holds (`z[mask] = 0`, its backward's
   `index_put(grad, [mask], 0)`) is a `where` (`masked_as_where`). ATen's `index_put` reads a mask
   as one index per masked dim; the sharding rule it gets takes each index for one dim, so a mask
@@ -42,8 +43,32 @@ _WRITES = (aten.copy_.default, aten.fill_.Scalar, aten.fill_.Tensor)
 def as_functional(gm: torch.fx.GraphModule) -> None:
     """`gm`'s in-place writes that have a functional form, rewritten so (see the module's text)."""
     if (copies_as_broadcasts(gm) | fresh_copies(gm) | strided_views(gm) | updates_as_values(gm)
-            | views_as_scatters(gm) | masked_as_where(gm)):
+            | views_as_scatters(gm) | masked_as_where(gm) | reshapes_as_views(gm)):
         gm.recompile()
+
+
+def reshapes_as_views(gm: torch.fx.GraphModule) -> bool:
+    """Each op that changes a tensor's shape in place (`unsqueeze_`: GroupNorm's backward under
+    torch.func), which no sharding rule lays out, as its view (`unsqueeze`), where nothing reads
+    the tensor afterwards but through the op's result. Whether any was rewritten."""
+    changed = False
+    order = None
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload) or not node.args:
+            continue
+        x = node.args[0]
+        if not isinstance(x, torch.fx.Node) or not writes_into(node, x):
+            continue
+        view = _out_of_place(node.target)
+        if view is None or not any(r.alias_info is not None and not r.alias_info.is_write for r in view._schema.returns):
+            continue  # (not a view: a write of values)
+        order = order or {n: i for i, n in enumerate(gm.graph.nodes)}
+        if any(u is not node and order.get(u, -1) > order[node] for u in x.users):
+            continue  # read afterwards as it was: its shape changed under that read
+        node.target = view
+        annotate([node], node)
+        changed = True
+    return changed
 
 
 def views_as_scatters(gm: torch.fx.GraphModule) -> bool:
