@@ -376,7 +376,7 @@ class _Stamped(torch.autograd.Function):
 def _variant(template: Template, strides: tuple) -> Template:
     """The template whose backward takes gradients strided as `strides` (None: no gradient comes to
     that output): itself where every output gets one strided as it is, else the region traced again
-    for them (its forward the same, op for op)."""
+    for them (its forward the same, op for op: its nodes stand for the template's by position)."""
     if strides == tuple(tuple(o.meta["val"].stride()) for o in template.outs):
         return template
     if strides not in template.variants:
@@ -389,7 +389,7 @@ def _variant(template: Template, strides: tuple) -> Template:
                 if not any(m is mode for m in in_force):
                     modes.enter_context(mode)
             variant = _template(fn, leaves, spec, where, grad, strides)
-        if variant is None or len(variant.forward) != len(template.forward):
+        if variant is None or [n.target for n in variant.forward] != [n.target for n in template.forward]:
             raise RuntimeError(f"{getattr(fn, '__name__', fn)}: its backward for gradients strided {strides} "
                                "traced to another forward; mark it only if it computes the same ops each time.")
         template.variants[strides] = variant
