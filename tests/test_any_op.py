@@ -198,14 +198,16 @@ def test_a_write_in_place_trains_equal_to_one_device(write, strategy, monkeypatc
             torch.testing.assert_close(nf.device_get(got_params[k]), want_params[k], **TOL)
 
 
-def test_group_norm_trains_split_by_the_batch():
-    # its backward under torch.func reshapes its statistics in place (`unsqueeze_`), which no rule
-    # lays out: traced as the view, nothing runs whole (a ShardingWarning would be an error here)
+@pytest.mark.parametrize("block", ["group_norm", "gru"])
+def test_a_block_that_reshapes_in_place_trains_split_by_the_batch(block):
+    # GroupNorm's backward under torch.func reshapes its statistics in place (`unsqueeze_`), GRU's
+    # decomposition its stacked outputs (`transpose_`), which no rule lays out: traced as the views,
+    # nothing runs whole (a ShardingWarning would be an error here)
     torch.manual_seed(0)
-    norm = torch.nn.GroupNorm(4, 8)
-    params, buffers, apply = nf.nn.functional(norm)
+    module = torch.nn.GroupNorm(4, 8) if block == "group_norm" else torch.nn.GRU(16, 8, batch_first=True)
+    params, buffers, apply = nf.nn.functional(module)
     x = torch.randn(4, 8, 16)
-    loss = lambda p, x: apply(p, buffers, x).square().mean()  # noqa: E731
+    loss = lambda p, x: (apply(p, buffers, x) if block == "group_norm" else apply(p, buffers, x)[0]).square().mean()  # noqa: E731
     want_grads, want_loss = torch.func.grad_and_value(loss)(params, x)
     with nf.simulate(2):
         step = nf.jit(nf.value_and_grad(loss), mesh=nf.make_mesh(dp=2), in_shardings=(P(), P("dp")),

@@ -178,8 +178,17 @@ def _out_of_place(op) -> torch._ops.OpOverload | None:
     if not name.endswith("_") or name.startswith("_"):
         return None
     packet = getattr(aten, name[:-1], None)
-    overload = getattr(packet, op._overloadname, None) if packet is not None else None
-    return overload if isinstance(overload, torch._ops.OpOverload) else None
+    if packet is None:
+        return None
+    overload = getattr(packet, op._overloadname, None)
+    if isinstance(overload, torch._ops.OpOverload):
+        return overload
+    takes = [(a.name, str(a.type)) for a in op._schema.arguments]  # (transpose_.default: transpose.int)
+    for name in packet.overloads():
+        candidate = getattr(packet, name)
+        if [(a.name, str(a.type)) for a in candidate._schema.arguments] == takes:
+            return candidate
+    return None
 
 
 def masked_as_where(gm: torch.fx.GraphModule) -> bool:
