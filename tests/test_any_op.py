@@ -217,6 +217,26 @@ def test_a_block_that_reshapes_in_place_trains_split_by_the_batch(block):
     torch.testing.assert_close(got_grads, want_grads, **TOL)
 
 
+@pytest.mark.parametrize("mode", ["replicate", "reflect", "circular"])
+@pytest.mark.parametrize("dims", [1, 2])
+def test_a_padded_convolution_trains_split_by_the_batch(mode, dims):
+    # replication padding's backward has neither a rule nor a decomposition (now a rule: any split
+    # of the samples and channels); circular padding writes into views of views of an empty tensor
+    # (traced as nested scatters). Nothing runs whole (a ShardingWarning would be an error here)
+    torch.manual_seed(0)
+    conv = (torch.nn.Conv1d if dims == 1 else torch.nn.Conv2d)(3, 4, 3, padding=1, padding_mode=mode)
+    params, buffers, apply = nf.nn.functional(conv)
+    x = torch.randn(4, 3, *[8] * dims)
+    loss = lambda p, x: apply(p, buffers, x).square().mean()  # noqa: E731
+    want_grads, want_loss = torch.func.grad_and_value(loss, argnums=(0, 1))(params, x)  # the padding's too
+    with nf.simulate(2):
+        step = nf.jit(nf.value_and_grad(loss, argnums=(0, 1)), mesh=nf.make_mesh(dp=2),
+                      in_shardings=(P(), P("dp")), out_shardings=(P(), (P(), P("dp"))))
+        got_loss, got_grads = nf.device_get(step(params, x))
+    torch.testing.assert_close(got_loss, want_loss, **TOL)
+    torch.testing.assert_close(got_grads, want_grads, **TOL)
+
+
 def _binned(o, y, t):  # ATen's searchsorted has no sharding rule and no decomposition
     return (o * torch.searchsorted(torch.tensor([-1.0, 0.0, 1.0]), o)).pow(2).mean()
 

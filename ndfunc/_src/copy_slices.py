@@ -91,8 +91,8 @@ def fresh_copies(gm: torch.fx.GraphModule) -> bool:
 
 
 def strided_views(gm: torch.fx.GraphModule) -> bool:
-    """Each `as_strided` of a contiguous tensor that is one select, slice or diagonal of it
-    (`CopySlices` names the view it writes into so), as that op. Whether any was rewritten."""
+    """Each `as_strided` of a contiguous tensor that is one select or diagonal of it, or slices of
+    it (`CopySlices` names the view it writes into so), as those ops. Whether any was rewritten."""
     changed = _shaped_flat_buffers(gm)
     for node in list(gm.graph.find_nodes(op="call_function", target=aten.as_strided.default)):
         base = node.args[0]
@@ -108,11 +108,14 @@ def strided_views(gm: torch.fx.GraphModule) -> bool:
             continue
         made = []
         with gm.graph.inserting_before(node):
-            view = call(gm, made, found[0], base, *found[1:])
+            view = base
+            for op, *args in found:
+                view = call(gm, made, op, view, *args)
         annotate(made, node)
         got = view.meta["val"]
         if list(got.shape) != size or list(got.stride()) != stride or got.storage_offset() != offset:
-            gm.graph.erase_node(view)  # (`_as_view` read size-1 dims or strides ambiguously)
+            for made_node in reversed(made):
+                gm.graph.erase_node(made_node)  # (`_as_view` read size-1 dims or strides ambiguously)
             continue
         node.replace_all_uses_with(view)
         gm.graph.erase_node(node)
@@ -159,34 +162,38 @@ def contiguous_strides(shape: list) -> list:
     return strides[::-1]
 
 
-def _as_view(shape: list, strides: list, size: list, stride: list, offset: int) -> tuple | None:
-    """(select, dim, index), (diagonal, offset, dim1, dim2) or (slice, dim, start, end, step)
-    taking the elements `as_strided(size, stride, offset)` takes of a contiguous tensor of `shape`
-    (`strides`); None if none does."""
+def _as_view(shape: list, strides: list, size: list, stride: list, offset: int) -> list | None:
+    """The views taking the elements `as_strided(size, stride, offset)` takes of a contiguous
+    tensor of `shape` (`strides`), in turn: [(select, dim, index)], [(diagonal, offset, dim1,
+    dim2)] or a (slice, dim, start, end, step) per dim it cuts; None if no such views do."""
     k = len(shape)
     if len(size) == k - 1:
         for d in range(k):
             if size == shape[:d] + shape[d + 1:] and stride == strides[:d] + strides[d + 1:] \
                     and offset % strides[d] == 0 and 0 <= offset // strides[d] < shape[d]:
-                return aten.select.int, d, offset // strides[d]
+                return [(aten.select.int, d, offset // strides[d])]
         for d1, d2 in itertools.combinations(range(k), 2):  # a diagonal: the last dim steps along both
             rest = [d for d in range(k) if d not in (d1, d2)]
             if size[:-1] != [shape[d] for d in rest] or stride != [strides[d] for d in rest] + [strides[d1] + strides[d2]]:
                 continue
             for diagonal in (offset // strides[d2], -(offset // strides[d1])):
                 if (diagonal >= 0 and diagonal * strides[d2] == offset) or (diagonal < 0 and -diagonal * strides[d1] == offset):
-                    return aten.diagonal.default, diagonal, d1, d2
+                    return [(aten.diagonal.default, diagonal, d1, d2)]
         return None
     if len(size) != k:
         return None
-    changed = [d for d in range(k) if size[d] != shape[d] or stride[d] != strides[d]]
-    if len(changed) > 1 or (not changed and offset):
+    slices, rest = [], offset  # a slice per dim, its start read off the offset (mixed radix)
+    for d in range(k):
+        step, uneven = divmod(stride[d], strides[d])
+        if uneven or step <= 0:
+            return None
+        start = rest // strides[d]
+        rest -= start * strides[d]
+        end = start + step * (size[d] - 1) + 1 if size[d] else start
+        if end > shape[d]:
+            return None
+        if (start, end, step) != (0, shape[d], 1):
+            slices.append((aten.slice.Tensor, d, start, end, step))
+    if rest:
         return None
-    d = changed[0] if changed else 0
-    if offset % strides[d] or stride[d] % strides[d] or stride[d] <= 0:
-        return None
-    start, step, n = offset // strides[d], stride[d] // strides[d], size[d]
-    end = start + step * (n - 1) + 1 if n else start
-    if end > shape[d]:
-        return None
-    return aten.slice.Tensor, d, start, end, step
+    return slices or [(aten.slice.Tensor, 0, 0, shape[0], 1)]

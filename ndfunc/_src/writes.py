@@ -72,8 +72,9 @@ def reshapes_as_views(gm: torch.fx.GraphModule) -> bool:
 
 
 def views_as_scatters(gm: torch.fx.GraphModule) -> bool:
-    """Each `copy_` or `fill_` into a slice, select or diagonal of a tensor the step made (not an
-    input's, not a view of another), as the view's scatter op; later reads of the tensor read the
+    """Each `copy_` or `fill_` into a slice, select or diagonal (or such a view of such a view) of a
+    tensor the step made (not an input's, not a view of another), as the views' scatter ops, innermost
+    first; later reads of the tensor read the
     scatter's result, and later reads of any view of it taken before the write (the written one
     too, and views of views) read that view taken again of the result. Left in place where one of
     those views was written through before. Whether any was rewritten."""
@@ -86,7 +87,10 @@ def views_as_scatters(gm: torch.fx.GraphModule) -> bool:
         view = write.args[0]
         if not (isinstance(view, torch.fx.Node) and view.target in _SCATTERS):
             continue
-        base = view.args[0]
+        chain, base = [view], view.args[0]  # a view of a view ..., of a tensor the step made
+        while isinstance(base, torch.fx.Node) and not owned(base) and base.target in _SCATTERS:
+            chain.append(base)
+            base = base.args[0]
         if not (isinstance(base, torch.fx.Node) and owned(base)):
             continue  # an input's, or a view of a tensor read elsewhere: left as it is
         seen = _views_before(base, write, order)  # (the written view among them)
@@ -101,7 +105,9 @@ def views_as_scatters(gm: torch.fx.GraphModule) -> bool:
                                device=into.device)
             else:  # a copy, or a fill with a 0-d tensor: on the view's device, of its dtype, broadcast
                 written = call(gm, made, aten.expand.default, moved(gm, made, src, into), list(into.shape))
-            again = {base: call(gm, made, _SCATTERS[view.target], base, written, *arguments(view))}
+            for link in chain:  # scattered into each view in turn, out to the tensor
+                written = call(gm, made, _SCATTERS[link.target], link.args[0], written, *arguments(link))
+            again = {base: written}
 
             def taken_again(a: torch.fx.Node) -> torch.fx.Node:
                 if a not in again:

@@ -40,6 +40,7 @@ from ndfunc._src.partition.planning import redistribute
 from ndfunc._src.partition.planning.layout import (
     MANUAL,
     all_layouts,
+    fits,
     local_shape,
     replicated,
     subset_products,
@@ -343,6 +344,20 @@ def _mean_loss_rule(node, sizes) -> list[Strategy]:
     return [s for s in found if not any(isinstance(p, Partial) for p in s.outs[0])]
 
 
+def _leading_dims_rule(trailing: int) -> Callable:
+    """The rule of an op computed over its tensors' last `trailing` dims, each leading dim (a
+    sample, a channel) on its own: any split of the leading dims, the same for every tensor
+    (replication padding's backward, which PyTorch neither splits nor decomposes)."""
+    def rule(node, sizes) -> list[Strategy]:
+        out, ins = tensor_outputs(node)[0], [x.meta["val"] for x in tensor_inputs(node)]
+        lead = out.dim() - trailing
+        return [Strategy((lay,), tuple(lay for _ in ins))
+                for lay in all_layouts(tuple(out.shape), sizes, partial=False)
+                if all(not isinstance(p, Shard) or p.dim < lead for p in lay)
+                and all(x.dim() == out.dim() and fits(lay, tuple(x.shape), sizes) for x in ins)]
+    return rule
+
+
 # --- local ops that are not the op on blocks -----------------------------------------------------
 
 def _random_rule(node, sizes) -> list[Strategy]:
@@ -588,6 +603,9 @@ register(manual.exit_op, lower=_same_value)
 register(manual.axis_index_op, lower=_axis_index)
 register(manual.ppermute_op, lower=_ppermute)
 register(aten.cat.default, strategies=_cat_rule)
+for _trailing, _pad in enumerate((aten.replication_pad1d_backward.default, aten.replication_pad2d_backward.default,
+                                  aten.replication_pad3d_backward.default), start=1):
+    register(_pad, strategies=_leading_dims_rule(_trailing))
 register(aten.cumsum.default, strategies=_cumsum_rule, lower=_cumsum)  # a scan along a split dim  # strategies: the region's (`candidates`)
 for _dot in (aten.mm.default, aten.bmm.default, aten.addmm.default, aten.baddbmm.default):
     register(_dot, saved_by_remat=True)
