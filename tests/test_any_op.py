@@ -237,6 +237,33 @@ def test_a_padded_convolution_trains_split_by_the_batch(mode, dims):
     torch.testing.assert_close(got_grads, want_grads, **TOL)
 
 
+@pytest.mark.parametrize("mode,weighted,padding_idx", [("sum", False, None), ("mean", False, None), ("max", False, None),
+                                                       ("sum", True, None), ("mean", False, 0), ("max", False, 0)])
+@pytest.mark.parametrize("strategy", ["dp", "tp"])
+def test_an_embedding_bag_of_rows_trains_split_by_bags_or_by_the_vocabulary(mode, weighted, padding_idx, strategy):
+    # ATen's bag kernel has no sharding rule: a bag per row is traced as the embedding's rows
+    # reduced, which lays out as any embedding (nothing runs whole: a ShardingWarning would be an
+    # error here). Row 1 is all padding (an empty bag: zeros), row 2 partly.
+    torch.manual_seed(0)
+    bag = torch.nn.EmbeddingBag(20, 8, mode=mode, padding_idx=padding_idx)
+    params, buffers, apply = nf.nn.functional(bag)
+    g = torch.Generator().manual_seed(0)
+    x, w, y = torch.randint(0, 20, (4, 5), generator=g), torch.rand(4, 5, generator=g), torch.randn(4, 8, generator=g)
+    x[1, :], x[2, :2] = 0, 0
+
+    def loss(p, x, w, y):
+        return (apply(p, buffers, x, per_sample_weights=w if weighted else None) - y).square().mean()
+
+    want_grads, want_loss = torch.func.grad_and_value(loss)(params, x, w, y)
+    axes, pspec, split = {"dp": (dict(dp=2), P(), P("dp")), "tp": (dict(tp=2), {"weight": P("tp")}, P())}[strategy]
+    with nf.simulate(2):
+        step = nf.jit(nf.value_and_grad(loss), mesh=nf.make_mesh(**axes), in_shardings=(pspec, split, split, split),
+                      out_shardings=(P(), pspec))
+        got_loss, got_grads = nf.device_get(step(params, x, w, y))
+    torch.testing.assert_close(got_loss, want_loss, **TOL)
+    torch.testing.assert_close(got_grads, want_grads, **TOL)
+
+
 def _binned(o, y, t):  # ATen's searchsorted has no sharding rule and no decomposition
     return (o * torch.searchsorted(torch.tensor([-1.0, 0.0, 1.0]), o)).pow(2).mean()
 

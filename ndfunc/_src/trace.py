@@ -29,7 +29,6 @@ import contextlib
 import contextvars
 import dataclasses
 import linecache
-import math
 import os
 import traceback
 from collections.abc import Callable, Sequence
@@ -42,12 +41,13 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.nn import _reduction
 
 from ndfunc._src import regions, writes
-from ndfunc._src.attention import cpu_flash_as_attention, traced_sdpa
+from ndfunc._src.attention import cpu_flash_as_attention
 from ndfunc._src.constraints import decode_spec, sharding_constraint_op
 from ndfunc._src.runtime import simulation_paused
 from ndfunc._src.sharding.partition_spec import PartitionSpec
 from ndfunc._src.sharding.shape_dtype import ShapeDtypeStruct
 from ndfunc._src.stamp import Stamps
+from ndfunc._src.traced_as import TracedAs
 from ndfunc._src.torch_compat import (
     DataDependentOutputException,
     DynamicOutputShapeException,
@@ -157,7 +157,7 @@ def trace(fn: Callable, args: Sequence[Any], kwargs: dict | None = None, *, stat
         try:
             # annotations (nf.remat's regions) reach the nodes; the graph's Python code is written
             # only if the traced program is called or shown (the partitioner reads the graph)
-            with (fx_traceback.preserve_node_meta(), traced_as_compiling(), _Traceable(), lazy_graph_modules(True),
+            with (fx_traceback.preserve_node_meta(), traced_as_compiling(), TracedAs(), lazy_graph_modules(True),
                   regions.routed(Stamps().call)):
                 graph_module = make_fx(flat_fn, decomposition_table={**(decompositions or {}), **_DECOMPOSITIONS},
                                        tracing_mode="fake", record_stack_traces=record_stack_traces)(*fakes)
@@ -167,7 +167,7 @@ def trace(fn: Callable, args: Sequence[Any], kwargs: dict | None = None, *, stat
             _tracing.reset(token)
     name = getattr(fn, "__name__", "the step")
     if (seeded := _seeded(graph_module)) is not None:
-        with simulation_paused(), fake_mode, _Traceable():  # once more, for the line
+        with simulation_paused(), fake_mode, TracedAs():  # once more, for the line
             where = first_calls(lambda: flat_fn(*fakes), [seeded.target]).get(seeded.target, "in the step")
         raise DataDependentError(_seeded_message(name, seeded, where))
     _check_constants(graph_module, name)
@@ -233,68 +233,6 @@ def _hits(x, target, ignore_index):
 _DECOMPOSITIONS = {op: _mean_as_sum_over_count(op)
                    for op in (torch.ops.aten.nll_loss_forward.default, torch.ops.aten.nll_loss2d_forward.default)}
 _DECOMPOSITIONS[torch.ops.aten.nll_loss_backward.default] = _nll_backward
-
-
-def _one_hot(labels: torch.Tensor, num_classes: int = -1) -> torch.Tensor:
-    """`F.one_hot` as a comparison with `arange(num_classes)` (ATen's reads the labels' values to
-    check their range). Without `num_classes` the shape comes from the values: ATen's, which says so."""
-    if num_classes < 0:
-        return torch.nn.functional.one_hot(labels, num_classes)
-    return (labels.unsqueeze(-1) == torch.arange(num_classes, device=labels.device)).to(torch.int64)
-
-
-class _Traceable(torch.overrides.TorchFunctionMode):
-    """Functions traced as something else (`_TRACEABLE`): those whose ATen kernels read values to
-    check their arguments, as the same math without the check; attention, as the one op of every
-    device. A function mode: ATen's composite kernels would run before any decomposition table is
-    consulted inside `torch.func` transforms."""
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func in _TRACEABLE:  # (this mode is off while it runs)
-            return _TRACEABLE[func](*args, **kwargs)
-        return func(*args, **kwargs)
-
-
-def _gaussian_nll_loss(input, target, var, full=False, eps=1e-6, reduction="mean"):
-    """`F.gaussian_nll_loss` without its check that no variance is negative (it reads values; a
-    negative variance gives nan through the log here). A float variance is torch's own case."""
-    if not isinstance(var, torch.Tensor):
-        return torch.nn.functional.gaussian_nll_loss(input, target, var, full, eps, reduction)
-    if var.shape != input.shape:
-        if var.shape == input.shape[:-1]:
-            var = var.unsqueeze(-1)  # one variance per row of the last dim
-        elif not (var.shape[:-1] == input.shape[:-1] and var.shape[-1] == 1):
-            return torch.nn.functional.gaussian_nll_loss(input, target, var, full, eps, reduction)  # its error
-    if reduction not in ("none", "mean", "sum"):
-        raise ValueError(f"{reduction} is not valid")
-    var = var + (var.clamp(min=eps) - var).detach()  # clamped for stability, its gradient passed through as torch's
-    loss = 0.5 * (torch.log(var) + (input - target) ** 2 / var)
-    if full:
-        loss = loss + 0.5 * math.log(2 * math.pi)
-    return loss.mean() if reduction == "mean" else loss.sum() if reduction == "sum" else loss
-
-
-def _setitem(x, key, value):
-    """`x[mask] = value`, a boolean mask over `x`'s leading dims and a tensor value (one value, or one
-    row for every masked position: `hidden[mask] = mask_embedding`), as `x.copy_(where(mask, value,
-    x))`: ATen's `index_put` gives the value's gradient by gathering the masked positions
-    (`nonzero`: a shape known only when run). Any other key or value as torch's."""
-    mask = key[0] if isinstance(key, tuple) and len(key) == 1 else key
-    if (isinstance(mask, torch.Tensor) and mask.dtype == torch.bool and isinstance(value, torch.Tensor)
-            and 0 < mask.dim() <= x.dim() and tuple(mask.shape) == tuple(x.shape[:mask.dim()])):
-        rows = tuple(x.shape[mask.dim():])
-        if value.dim() <= len(rows) and all(a in (1, b) for a, b in zip(reversed(value.shape), reversed(rows))):
-            where = mask.to(x.device).reshape(*mask.shape, *([1] * len(rows)))
-            x.copy_(torch.where(where, value.to(x.device, x.dtype), x))
-            return
-    torch.Tensor.__setitem__(x, key, value)
-
-
-_TRACEABLE = {torch.nn.functional.one_hot: _one_hot,
-              torch.Tensor.__setitem__: _setitem,
-              torch.nn.functional.gaussian_nll_loss: _gaussian_nll_loss,
-              torch.nn.functional.scaled_dot_product_attention: traced_sdpa}
 
 
 class DataDependentError(TypeError):

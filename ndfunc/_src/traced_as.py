@@ -1,0 +1,106 @@
+"""Functions the tracer records as other math: a function mode over the step while it is traced.
+
+ATen's kernels for some functions read their arguments' values (`F.one_hot`'s range check,
+`F.gaussian_nll_loss`'s check that no variance is negative), which a trace over fake tensors does
+not have; some have no sharding rule where the same math has one (`F.embedding_bag` over rows of
+indices); one gives its gradient through a shape made from values (`x[mask] = v` with a learned
+`v`); and attention is one op of every device (`attention.traced_sdpa`). Each is traced as the same
+math, `TRACED_AS`. A function mode, because ATen's composite kernels would run before any
+decomposition table is consulted inside `torch.func` transforms.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ndfunc._src.attention import traced_sdpa
+
+
+def _one_hot(labels: torch.Tensor, num_classes: int = -1) -> torch.Tensor:
+    """`F.one_hot` as a comparison with `arange(num_classes)` (ATen's reads the labels' values to
+    check their range). Without `num_classes` the shape comes from the values: ATen's, which says so."""
+    if num_classes < 0:
+        return torch.nn.functional.one_hot(labels, num_classes)
+    return (labels.unsqueeze(-1) == torch.arange(num_classes, device=labels.device)).to(torch.int64)
+
+
+class TracedAs(torch.overrides.TorchFunctionMode):
+    """The mode that traces each function of `TRACED_AS` as its math (see the module's text)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in TRACED_AS:  # (this mode is off while it runs)
+            return TRACED_AS[func](*args, **kwargs)
+        return func(*args, **kwargs)
+
+
+def _gaussian_nll_loss(input, target, var, full=False, eps=1e-6, reduction="mean"):
+    """`F.gaussian_nll_loss` without its check that no variance is negative (it reads values; a
+    negative variance gives nan through the log here). A float variance is torch's own case."""
+    if not isinstance(var, torch.Tensor):
+        return torch.nn.functional.gaussian_nll_loss(input, target, var, full, eps, reduction)
+    if var.shape != input.shape:
+        if var.shape == input.shape[:-1]:
+            var = var.unsqueeze(-1)  # one variance per row of the last dim
+        elif not (var.shape[:-1] == input.shape[:-1] and var.shape[-1] == 1):
+            return torch.nn.functional.gaussian_nll_loss(input, target, var, full, eps, reduction)  # its error
+    if reduction not in ("none", "mean", "sum"):
+        raise ValueError(f"{reduction} is not valid")
+    var = var + (var.clamp(min=eps) - var).detach()  # clamped for stability, its gradient passed through as torch's
+    loss = 0.5 * (torch.log(var) + (input - target) ** 2 / var)
+    if full:
+        loss = loss + 0.5 * math.log(2 * math.pi)
+    return loss.mean() if reduction == "mean" else loss.sum() if reduction == "sum" else loss
+
+
+def _setitem(x, key, value):
+    """`x[mask] = value`, a boolean mask over `x`'s leading dims and a tensor value (one value, or one
+    row for every masked position: `hidden[mask] = mask_embedding`), as `x.copy_(where(mask, value,
+    x))`: ATen's `index_put` gives the value's gradient by gathering the masked positions
+    (`nonzero`: a shape known only when run). Any other key or value as torch's."""
+    mask = key[0] if isinstance(key, tuple) and len(key) == 1 else key
+    if (isinstance(mask, torch.Tensor) and mask.dtype == torch.bool and isinstance(value, torch.Tensor)
+            and 0 < mask.dim() <= x.dim() and tuple(mask.shape) == tuple(x.shape[:mask.dim()])):
+        rows = tuple(x.shape[mask.dim():])
+        if value.dim() <= len(rows) and all(a in (1, b) for a, b in zip(reversed(value.shape), reversed(rows))):
+            where = mask.to(x.device).reshape(*mask.shape, *([1] * len(rows)))
+            x.copy_(torch.where(where, value.to(x.device, x.dtype), x))
+            return
+    torch.Tensor.__setitem__(x, key, value)
+
+
+def _embedding_bag(input, weight, offsets=None, max_norm=None, norm_type=2, scale_grad_by_freq=False, mode="mean",
+                   sparse=False, per_sample_weights=None, include_last_offset=False, padding_idx=None):
+    """`F.embedding_bag` over 2-dim indices (a bag per row) as the embedding's rows reduced over
+    each bag, which lay out as `F.embedding` does (split by bags, or by the vocabulary); ATen's
+    bag kernel has no sharding rule. Bags given by offsets (their sizes are values), `max_norm`
+    (it renormalizes the weight in place), `scale_grad_by_freq` and `sparse` as torch's."""
+    if input.dim() != 2 or offsets is not None or max_norm is not None or scale_grad_by_freq or sparse \
+            or mode not in ("sum", "mean", "max") or (per_sample_weights is not None and mode != "sum"):
+        return torch.nn.functional.embedding_bag(input, weight, offsets, max_norm, norm_type, scale_grad_by_freq,
+                                                 mode, sparse, per_sample_weights, include_last_offset, padding_idx)
+    rows = torch.nn.functional.embedding(input, weight)  # (bags, bag size, dim)
+    kept = None if padding_idx is None else (input != padding_idx % weight.shape[0]).unsqueeze(-1)
+    if per_sample_weights is not None:
+        rows = rows * per_sample_weights.unsqueeze(-1).to(rows.dtype)
+    if mode == "max":
+        if kept is not None:
+            rows = rows.masked_fill(~kept, float("-inf"))
+        best = rows.amax(1)
+        return best if kept is None else torch.where(kept.any(1), best, 0.0)  # an empty bag: zeros, as torch's
+    if kept is not None:
+        rows = rows * kept
+    total = rows.sum(1)
+    if mode == "sum":
+        return total
+    count = input.shape[1] if kept is None else kept.sum(1).clamp(min=1)  # an empty bag: zeros, as torch's
+    return total / count
+
+
+TRACED_AS = {torch.nn.functional.one_hot: _one_hot,
+              torch.nn.functional.embedding_bag: _embedding_bag,
+              torch.Tensor.__setitem__: _setitem,
+              torch.nn.functional.gaussian_nll_loss: _gaussian_nll_loss,
+              torch.nn.functional.scaled_dot_product_attention: traced_sdpa}
