@@ -333,7 +333,8 @@ def with_kernel(op, args: tuple, kernel: str) -> tuple:
 
 
 def argument(node: torch.fx.Node, name: str):
-    """The value of argument `name` of an `attention`/`attention_backward` node."""
+    """The value of argument `name` of a node (an `attention`/`attention_backward` one, or of the
+    kernels they run)."""
     for i, a in enumerate(node.target._schema.arguments):
         if a.name == name:
             return node.args[i] if i < len(node.args) else node.kwargs.get(name, a.default_value)
@@ -395,19 +396,10 @@ def cpu_flash_as_attention(gm: torch.fx.GraphModule) -> None:
     changed = False
     for node in [*gm.graph.find_nodes(op="call_function", target=_CPU_FLASH),
                  *gm.graph.find_nodes(op="call_function", target=_CPU_FLASH_BACKWARD)]:
-        forward = node.target is _CPU_FLASH
-        schema = node.target._schema.arguments
-        value = {a.name: node.args[i] if i < len(node.args) else node.kwargs.get(a.name, a.default_value)
-                 for i, a in enumerate(schema)}
-        if value["dropout_p"] != 0.0:
+        if argument(node, "dropout_p") != 0.0:
             continue
-        common = (value["attn_mask"], value["is_causal"], value["scale"], "cpu_flash")
-        if forward:
-            args, op = (value["query"], value["key"], value["value"], *common), attention_op
-        else:
-            args = (value["grad_out"], value["query"], value["key"], value["value"], value["out"],
-                    value["logsumexp"], *common)
-            op = attention_backward_op
+        op = attention_op if node.target is _CPU_FLASH else attention_backward_op
+        args = (*(argument(node, a.name) for a in op._schema.arguments[:_KERNEL_SLOT[op]]), "cpu_flash")
         with gm.graph.inserting_before(node):
             made = gm.graph.call_function(op, args)
         made.meta.update({k: v for k, v in node.meta.items() if k != "val"})

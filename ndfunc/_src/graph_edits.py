@@ -19,7 +19,12 @@ def aliases(node: torch.fx.Node) -> bool:
 
 def is_view(node: torch.fx.Node) -> bool:
     """Whether `node` is a view of its first argument (aliases it without writing)."""
-    schema = getattr(node.target, "_schema", None)
+    return returns_view(node.target)
+
+
+def returns_view(op) -> bool:
+    """Whether `op` returns a view of its first argument (aliases it without writing)."""
+    schema = getattr(op, "_schema", None)
     return schema is not None and bool(schema.returns) and schema.returns[0].alias_info is not None \
         and not schema.returns[0].alias_info.is_write
 

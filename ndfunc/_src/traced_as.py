@@ -16,6 +16,7 @@ import math
 import torch
 
 from ndfunc._src.attention import traced_sdpa
+from ndfunc._src.writes import fills_rows
 
 
 def _one_hot(labels: torch.Tensor, num_classes: int = -1) -> torch.Tensor:
@@ -61,13 +62,11 @@ def _setitem(x, key, value):
     x))`: ATen's `index_put` gives the value's gradient by gathering the masked positions
     (`nonzero`: a shape known only when run). Any other key or value as torch's."""
     mask = key[0] if isinstance(key, tuple) and len(key) == 1 else key
-    if (isinstance(mask, torch.Tensor) and mask.dtype == torch.bool and isinstance(value, torch.Tensor)
-            and 0 < mask.dim() <= x.dim() and tuple(mask.shape) == tuple(x.shape[:mask.dim()])):
-        rows = tuple(x.shape[mask.dim():])
-        if value.dim() <= len(rows) and all(a in (1, b) for a, b in zip(reversed(value.shape), reversed(rows))):
-            where = mask.to(x.device).reshape(*mask.shape, *([1] * len(rows)))
-            x.copy_(torch.where(where, value.to(x.device, x.dtype), x))
-            return
+    if isinstance(mask, torch.Tensor) and isinstance(value, torch.Tensor) and fills_rows(mask, x, value):
+        where = mask.to(x.device).reshape(*mask.shape, *([1] * (x.dim() - mask.dim())))
+        value = value.reshape(()) if value.numel() == 1 else value
+        x.copy_(torch.where(where, value.to(x.device, x.dtype), x))
+        return
     torch.Tensor.__setitem__(x, key, value)
 
 
@@ -100,7 +99,7 @@ def _embedding_bag(input, weight, offsets=None, max_norm=None, norm_type=2, scal
 
 
 TRACED_AS = {torch.nn.functional.one_hot: _one_hot,
-              torch.nn.functional.embedding_bag: _embedding_bag,
-              torch.Tensor.__setitem__: _setitem,
-              torch.nn.functional.gaussian_nll_loss: _gaussian_nll_loss,
-              torch.nn.functional.scaled_dot_product_attention: traced_sdpa}
+             torch.nn.functional.embedding_bag: _embedding_bag,
+             torch.Tensor.__setitem__: _setitem,
+             torch.nn.functional.gaussian_nll_loss: _gaussian_nll_loss,
+             torch.nn.functional.scaled_dot_product_attention: traced_sdpa}

@@ -26,10 +26,12 @@ as it is where the plan does not move it, and is refused where it does.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from ndfunc._src.copy_slices import copies_as_broadcasts, fresh_copies, strided_views
-from ndfunc._src.graph_edits import annotate, arguments, call, is_view, moved, owned, writes_into
+from ndfunc._src.graph_edits import annotate, arguments, call, is_view, moved, owned, returns_view, writes_into
 
 aten = torch.ops.aten
 
@@ -51,33 +53,39 @@ def reshapes_as_views(gm: torch.fx.GraphModule) -> bool:
     """Each op that changes a tensor's shape in place (`unsqueeze_`: GroupNorm's backward under
     torch.func), which no sharding rule lays out, as its view (`unsqueeze`), where nothing reads
     the tensor afterwards but through the op's result. Whether any was rewritten."""
+    nodes = [n for op in {n.target for n in gm.graph.nodes if n.op == "call_function"} if _reshapes_in_place(op)
+             for n in gm.graph.find_nodes(op="call_function", target=op)]
+    if not nodes:
+        return False
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
     changed = False
-    order = None
-    for node in list(gm.graph.nodes):
-        if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload) or not node.args:
-            continue
+    for node in nodes:
         x = node.args[0]
-        if not isinstance(x, torch.fx.Node) or not writes_into(node, x):
-            continue
-        view = _out_of_place(node.target)
-        if view is None or not any(r.alias_info is not None and not r.alias_info.is_write for r in view._schema.returns):
-            continue  # (not a view: a write of values)
-        order = order or {n: i for i, n in enumerate(gm.graph.nodes)}
-        if any(u is not node and order.get(u, -1) > order[node] for u in x.users):
+        if not isinstance(x, torch.fx.Node) or any(u is not node and order[u] > order[node] for u in x.users):
             continue  # read afterwards as it was: its shape changed under that read
-        node.target = view
+        node.target = _out_of_place(node.target)
         annotate([node], node)
         changed = True
     return changed
 
 
+@functools.cache
+def _reshapes_in_place(op) -> bool:
+    """Whether `op` changes its first argument's shape in place: its out-of-place form is a view."""
+    if not isinstance(op, torch._ops.OpOverload) or not op._schema.arguments:
+        return False
+    first = op._schema.arguments[0].alias_info
+    view = _out_of_place(op) if first is not None and first.is_write else None
+    return view is not None and returns_view(view)
+
+
 def views_as_scatters(gm: torch.fx.GraphModule) -> bool:
     """Each `copy_` or `fill_` into a slice, select or diagonal (or such a view of such a view) of a
-    tensor the step made (not an input's, not a view of another), as the views' scatter ops, innermost
-    first; later reads of the tensor read the
-    scatter's result, and later reads of any view of it taken before the write (the written one
-    too, and views of views) read that view taken again of the result. Left in place where one of
-    those views was written through before. Whether any was rewritten."""
+    tensor the step made (not an input's, not a view of another), as the views' scatter ops,
+    innermost first. Later reads of the tensor read the result; later reads of a view of it taken
+    before the write (the written one too, and views of views) read that view taken again of the
+    result. Left in place where one of those views was written through before. Whether any was
+    rewritten."""
     writes = [n for target in _WRITES for n in gm.graph.find_nodes(op="call_function", target=target)]
     if not writes:
         return False
@@ -197,6 +205,15 @@ def _out_of_place(op) -> torch._ops.OpOverload | None:
     return None
 
 
+def fills_rows(mask: torch.Tensor, x: torch.Tensor, value: torch.Tensor) -> bool:
+    """Whether `x[mask] = value` is `where(mask, value, x)`: `mask` boolean over `x`'s leading dims,
+    `value` one value or one row for every masked position (broadcast to `x`'s other dims)."""
+    rows = tuple(x.shape[mask.dim():])
+    return (mask.dtype == torch.bool and 0 < mask.dim() <= x.dim() and tuple(mask.shape) == tuple(x.shape[:mask.dim()])
+            and (value.numel() == 1 or (value.dim() <= len(rows) and all(
+                a in (1, b) for a, b in zip(reversed(value.shape), reversed(rows))))))
+
+
 def masked_as_where(gm: torch.fx.GraphModule) -> bool:
     """Each `index_put` (or an `index_put_` into a tensor the step made, viewed before by nothing
     else) at a boolean mask over the leading dims of one value, or of one row for every masked
@@ -217,10 +234,7 @@ def masked_as_where(gm: torch.fx.GraphModule) -> bool:
             continue
         mask, xv, vv = indices[0], x.meta["val"], value.meta["val"]
         mv = mask.meta["val"]
-        rows = tuple(xv.shape[mv.dim():])  # what each masked position holds
-        if mv.dtype != torch.bool or tuple(mv.shape) != tuple(xv.shape[:mv.dim()]) or not (
-                vv.numel() == 1 or (vv.dim() <= len(rows) and all(
-                    a in (1, b) for a, b in zip(reversed(vv.shape), reversed(rows))))):
+        if not fills_rows(mv, xv, vv):
             continue  # (a value per masked position: as many as the mask holds, known only when run)
         in_place = put.target is aten.index_put_.default
         if in_place and (not owned(x) or any(u is not put and order[u] < order[put] and is_view(u) for u in x.users)):

@@ -20,6 +20,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from ndfunc._src.buffers import buffer_of
+from ndfunc._src.graph_edits import is_view, writes_into
 from ndfunc._src.partition import program as prog
 from ndfunc._src.partition.planning import redistribute
 from ndfunc._src.partition.planning.layout import EXTREMA, Layout, local_shape
@@ -328,16 +329,14 @@ def _val(v) -> torch.Tensor:
 def _check_write_in_place(node: torch.fx.Node, args: list, strategy, plan) -> None:
     """An op writing into its first argument where the plan moves that argument writes into the
     moved copy: whatever reads the argument afterwards would not see the write. Refused, not run
-    (the tracer writes the common case, a write into a slice, as a `slice_scatter`)."""
-    schema = getattr(node.target, "_schema", None)
-    if schema is None or not schema.arguments or not args or schema.arguments[0].alias_info is None \
-            or not schema.arguments[0].alias_info.is_write:
+    (the tracer makes the common writes functional ops: `writes`)."""
+    if not args or args[0] is not (node.args[0] if node.args else None) or not writes_into(node, args[0]):
         return
     written = value_of(args[0])
     if plan.strategy[written[0]].outs[written[1]] == strategy.ins[0]:
         return
     chain = [written[0]]  # what it writes into, and what that is a view of
-    while _is_view(chain[-1]) and isinstance(chain[-1].args[0], torch.fx.Node):
+    while is_view(chain[-1]) and isinstance(chain[-1].args[0], torch.fx.Node):
         chain.append(chain[-1].args[0])
     later = [u for w in chain for u in w.users if u is not node and u not in chain and _after(u, node)]
     if later:
@@ -349,11 +348,6 @@ def _check_write_in_place(node: torch.fx.Node, args: list, strategy, plan) -> No
             f"Write it without the in-place op (x = x.index_put(...), torch.slice_scatter) or run it inside "
             f"nf.shard_map.")
 
-
-def _is_view(node: torch.fx.Node) -> bool:
-    schema = getattr(node.target, "_schema", None)
-    return schema is not None and bool(schema.returns) and schema.returns[0].alias_info is not None \
-        and not schema.returns[0].alias_info.is_write
 
 
 def _after(a: torch.fx.Node, b: torch.fx.Node) -> bool:

@@ -8,7 +8,7 @@ and a remat'd decoder layer's activations live only from its recomputation to it
 layer at a time. (Run eagerly, outside nf.jit, `nf.remat` changes nothing.)
 
 Inside `nf.value_and_grad`, `torch.utils.checkpoint.checkpoint(fn, *args)` (either variant, and
-so a Hugging Face model after `gradient_checkpointing_enable()`) is `nf.remat(fn)(*args)`: its
+so a Hugging Face model after `activation_checkpointing_enable()`) is `nf.remat(fn)(*args)`: its
 own machinery (saved-tensor hooks, or a backward that runs autograd again) is what torch.func
 cannot differentiate, and a remat region recomputes the same activations.
 
@@ -52,10 +52,15 @@ def remat(fn: Callable[..., Any], policy: str = "full") -> Callable[..., Any]:
 
     @functools.wraps(fn)
     def wrapped(*args, **kwargs):
-        with fx_traceback.annotate({REGION: (next(_regions), policy)}):
+        with _region(policy):
             return fn(*args, **kwargs)
 
     return wrapped
+
+
+def _region(policy: str):
+    """The mark on the ops of one call of a remat'd function (a fresh id per call)."""
+    return fx_traceback.annotate({REGION: (next(_regions), policy)})
 
 
 @contextlib.contextmanager
@@ -117,7 +122,7 @@ def _without_reentrant(fn, preserve_rng_state, context_fn, determinism_check, de
     """The generator `checkpoint(use_reentrant=False)` steps around its call of `fn`: the call
     marked as a `remat` region, of the 'full' policy whatever `context_fn` says (a selective policy
     of torch's: mark the function with `nf.remat(fn, 'save_dots')` instead)."""
-    with fx_traceback.annotate({REGION: (next(_regions), "full")}):
+    with _region("full"):
         yield
 
 
