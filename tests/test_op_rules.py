@@ -19,6 +19,17 @@ def test_the_cat_rule_gives_what_dtensors_rule_gives_pooled_over_each_inputs_lay
     assert ops._cat_rule(node, sizes) == list(dict.fromkeys(asked))  # DTensor's, each once, first seen first
 
 
+@pytest.mark.parametrize("sizes", [(2, 2), (2, 2, 2), (4, 2)])
+@pytest.mark.parametrize("dim", [0, 1, 3, -1])
+def test_the_stack_rule_gives_what_dtensors_rule_gives_pooled_over_each_inputs_layouts(sizes, dim):
+    gm = make_fx(lambda a, b, c: torch.stack([a, b, c], dim))(torch.ones(8, 4, 2), torch.ones(8, 4, 2),
+                                                                 torch.ones(8, 4, 2))
+    (node,) = gm.graph.find_nodes(op="call_function", target=torch.ops.aten.stack.default)
+    ins, outs = strategies.tensor_inputs(node), strategies.tensor_outputs(node)
+    asked = strategies.from_op_strategy(node, ins, outs, sizes)
+    assert ops._stack_rule(node, sizes) == list(dict.fromkeys(asked))
+
+
 @pytest.mark.parametrize("sizes", [(2, 2), (2, 4), (2, 2, 2, 2)])
 def test_a_pointwise_op_is_asked_once_per_broadcast_pattern_and_divisibility(sizes):
     """DTensor's single-dim rule for a pointwise op reads the shapes only as they broadcast, and a

@@ -414,6 +414,19 @@ def _cat_rule(node, sizes) -> list[Strategy]:
             if Shard(d) not in lay]
 
 
+def _stack_rule(node, sizes) -> list[Strategy]:
+    """Stacking: `_cat_rule`'s, each input in the result's layout without the new dim (a split of a
+    later dim one lower). DTensor's, asked once per layout of each input, costs seconds where an
+    unrolled loop (an LSTM's steps) stacks hundreds."""
+    ins, out = tensor_inputs(node), node.meta["val"]
+    d = (node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)) % out.ndim
+
+    def without_it(lay):
+        return tuple(Shard(p.dim - 1) if type(p) is Shard and p.dim > d else p for p in lay)
+    return [Strategy((lay,), (without_it(lay),) * len(ins)) for lay in all_layouts(tuple(out.shape), sizes)
+            if Shard(d) not in lay]
+
+
 def _cumsum_rule(node, sizes) -> list[Strategy]:
     """DTensor's (split on other dims), and split along the summed dim over one axis: each rank's
     cumulative sum, then plus the totals of the ranks before it (`_cumsum`)."""
@@ -603,6 +616,7 @@ register(manual.exit_op, lower=_same_value)
 register(manual.axis_index_op, lower=_axis_index)
 register(manual.ppermute_op, lower=_ppermute)
 register(aten.cat.default, strategies=_cat_rule)
+register(aten.stack.default, strategies=_stack_rule)
 for _trailing, _pad in enumerate((aten.replication_pad1d_backward.default, aten.replication_pad2d_backward.default,
                                   aten.replication_pad3d_backward.default), start=1):
     register(_pad, strategies=_leading_dims_rule(_trailing))
