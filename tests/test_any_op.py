@@ -217,6 +217,28 @@ def test_a_block_that_reshapes_in_place_trains_split_by_the_batch(block):
     torch.testing.assert_close(got_grads, want_grads, **TOL)
 
 
+@pytest.mark.parametrize("layers,bidirectional", [(1, False), (2, True)])
+def test_an_lstm_trains_split_by_the_batch(layers, bidirectional):
+    # on CPU torch's LSTM decomposition calls oneDNN's layer kernel where nothing outside torch.func
+    # needs a gradient: no rule, so it ran whole on every rank (a ShardingWarning, an error here);
+    # traced as the decomposition's cells, as on a GPU, it splits by the batch
+    torch.manual_seed(0)
+    module = torch.nn.LSTM(16, 8, num_layers=layers, bidirectional=bidirectional, batch_first=True)
+    params, buffers, apply = nf.nn.functional(module)
+    x = torch.randn(4, 6, 16)
+    loss = lambda p, x: apply(p, buffers, x)[0].square().mean()  # noqa: E731
+    want_grads, want_loss = torch.func.grad_and_value(loss)(params, x)
+    with nf.simulate(2):
+        step = nf.jit(nf.value_and_grad(loss), mesh=nf.make_mesh(dp=2), in_shardings=(P(), P("dp")),
+                      out_shardings=(P(), P()))
+        got_loss, got_grads = nf.device_get(step(params, x))
+        program = step.lower(params, x).as_text()
+    torch.testing.assert_close(got_loss, want_loss, **TOL)
+    torch.testing.assert_close(got_grads, want_grads, **TOL)
+    assert "mkldnn" not in program
+    assert torch.backends.mkldnn.enabled  # only the trace saw it off
+
+
 @pytest.mark.parametrize("mode", ["replicate", "reflect", "circular"])
 @pytest.mark.parametrize("dims", [1, 2])
 def test_a_padded_convolution_trains_split_by_the_batch(mode, dims):

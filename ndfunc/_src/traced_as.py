@@ -98,7 +98,21 @@ def _embedding_bag(input, weight, offsets=None, max_norm=None, norm_type=2, scal
     return total / count
 
 
+def _lstm(*args, **kwargs):
+    """`torch.lstm` (`nn.LSTM`'s) as its decomposition's cells (matmuls and pointwise ops, which
+    split by the batch), not oneDNN's layer kernel, which the decomposition picks on CPU where
+    nothing outside `torch.func` needs a gradient: it has no sharding rule, and its backward reads
+    an opaque workspace."""
+    enabled = torch.backends.mkldnn.enabled  # (`mkldnn.flags` would reset its other flags too)
+    torch.backends.mkldnn.enabled = False
+    try:
+        return torch.lstm(*args, **kwargs)
+    finally:
+        torch.backends.mkldnn.enabled = enabled
+
+
 TRACED_AS = {torch.nn.functional.one_hot: _one_hot,
+             torch.lstm: _lstm,
              torch.nn.functional.embedding_bag: _embedding_bag,
              torch.Tensor.__setitem__: _setitem,
              torch.nn.functional.gaussian_nll_loss: _gaussian_nll_loss,
