@@ -4,6 +4,7 @@ code that needs a tensor's value is an error that names its line.
 The reference for every result is the same step run eagerly on one device (plain tensors, no nf.jit).
 """
 
+import math
 import re
 import warnings
 
@@ -239,6 +240,40 @@ def test_an_lstm_trains_split_by_the_batch(layers, bidirectional):
     assert torch.backends.mkldnn.enabled  # only the trace saw it off
 
 
+@pytest.mark.parametrize("reduction,zero_infinity", [("mean", False), ("sum", False), ("none", False),
+                                                   ("mean", True)])
+@pytest.mark.parametrize("mesh", [dict(dp=2), dict(dp=2, tp=2)])
+def test_a_ctc_loss_over_padded_targets_trains_split_by_the_samples(reduction, zero_infinity, mesh):
+    # ATen's CTC kernel sizes its work by the longest target, a value: the trace raised
+    # DataDependentError. Each sample's loss and gradient are ops of their own now, split by the
+    # samples; lengths differ per sample, and with zero_infinity one sample cannot be aligned
+    # (its input is shorter than its target: an infinite loss, zeroed). In float64: the gradient
+    # sums over samples and steps, split here, whole there
+    g = torch.Generator().manual_seed(0)
+    params = {"w": torch.randn(16, 12, generator=g, dtype=torch.float64)}
+    x = torch.randn(4, 20, 16, generator=g, dtype=torch.float64)
+    targets = torch.randint(1, 12, (4, 6), generator=g)
+    input_lengths = torch.tensor([20, 17, 4 if zero_infinity else 20, 12])
+    target_lengths = torch.tensor([6, 3, 5, 6])
+
+    def loss(p, x, targets, input_lengths, target_lengths):
+        log_probs = (x @ p["w"]).log_softmax(-1).transpose(0, 1)  # (time, samples, classes)
+        losses = F.ctc_loss(log_probs, targets, input_lengths, target_lengths, reduction=reduction,
+                            zero_infinity=zero_infinity)
+        return losses.square().mean() if reduction == "none" else losses
+    args = (params, x, targets, input_lengths, target_lengths)
+    want_grads, want_loss = torch.func.grad_and_value(loss)(*args)
+    with nf.simulate(math.prod(mesh.values())):
+        step = nf.jit(nf.value_and_grad(loss), mesh=nf.make_mesh(**mesh),
+                      in_shardings=({"w": P(None, "tp") if "tp" in mesh else P()}, P("dp"), P("dp"), P("dp"), P("dp")),
+                      out_shardings=(P(), {"w": P()}))
+        got_loss, got_grads = nf.device_get(step(*args))
+        program = step.lower(*args).as_text()
+    torch.testing.assert_close(got_loss, want_loss, **TOL)
+    torch.testing.assert_close(got_grads, want_grads, **TOL)
+    assert "ctc_losses" in program and "_ctc_loss" not in program  # split, not run whole
+
+
 @pytest.mark.parametrize("mode", ["replicate", "reflect", "circular"])
 @pytest.mark.parametrize("dims", [1, 2])
 def test_a_padded_convolution_trains_split_by_the_batch(mode, dims):
@@ -353,6 +388,10 @@ def _unique(x):
     return torch.unique(x).sum() + x.sum()
 
 
+def _ctc_concatenated(x):
+    return F.ctc_loss(x.reshape(2, 1, 4).log_softmax(-1), torch.tensor([1, 2]), *[torch.tensor([2])] * 2)
+
+
 READS = ("reads a tensor's value (aten._local_scalar_dense.default: `.item()`, `float(x)`, `int(x)`, `bool(x)` "
          "or `if x:` on a tensor)")
 SHAPES = "makes a shape from a tensor's values ({op}: `x[mask]`, `nonzero`, `unique`, `masked_select`)"
@@ -362,6 +401,10 @@ VALUE_CASES = {
     "float": (_float, READS, "return x / float(x.sum())"),
     "mask": (_mask, SHAPES.format(op="aten.nonzero.default"), "return x[x > 0].sum()"),
     "unique": (_unique, SHAPES.format(op="aten._unique2.default"), "return torch.unique(x).sum() + x.sum()"),
+    "ctc_concatenated": (_ctc_concatenated, "makes a shape from a tensor's values (aten._ctc_loss.Tensor: targets "
+                         "concatenated in one dim, bounded by their lengths)",
+                         "return F.ctc_loss(x.reshape(2, 1, 4).log_softmax(-1), torch.tensor([1, 2]), "
+                         "*[torch.tensor([2])] * 2)"),
 }
 
 
@@ -371,7 +414,8 @@ def test_code_that_needs_a_value_is_an_error_naming_the_line_and_what_to_do(case
     fn, what, code = VALUE_CASES[case]
     step = nf.grad(lambda x: fn(x).sum()) if under_grad else fn
     line = fn.__code__.co_firstlineno + 1
-    instead = ("torch.where(mask, x, 0) keeps the shape" if "shape" in what else
+    instead = ("pass F.ctc_loss the targets padded to (samples, longest target), with their lengths" if "ctc" in what
+               else "torch.where(mask, x, 0) keeps the shape" if "shape" in what else
                "torch.where(cond, a, b) for a choice made per element; a static argument (static_argnums)")
     with nf.simulate(2):
         f = nf.jit(step, mesh=nf.make_mesh(dp=2), in_shardings=P("dp"))

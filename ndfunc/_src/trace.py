@@ -288,6 +288,10 @@ def _data_dependent_message(name: str, e: Exception) -> str:
         instead = ("torch.where(cond, a, b) for a choice made per element; a static argument "
                    "(static_argnums) for a setting the program may depend on; or compute the value outside the "
                    "step and pass it in")
+    elif op is not None and "_ctc_loss" in str(op):
+        what = f"makes a shape from a tensor's values ({op}: targets concatenated in one dim, bounded by their lengths)"
+        instead = ("pass F.ctc_loss the targets padded to (samples, longest target), with their lengths: that "
+                   "form is traced, split by the samples")
     else:
         what = f"makes a shape from a tensor's values ({op}: `x[mask]`, `nonzero`, `unique`, `masked_select`)"
         instead = ("torch.where(mask, x, 0) keeps the shape (then reduce: `(x * mask).sum()`); or compute it "

@@ -16,6 +16,7 @@ import math
 import torch
 
 from ndfunc._src.attention import traced_sdpa
+from ndfunc._src.ctc_loss import ctc_loss
 from ndfunc._src.writes import fills_rows
 
 
@@ -113,6 +114,7 @@ def _lstm(*args, **kwargs):
 
 TRACED_AS = {torch.nn.functional.one_hot: _one_hot,
              torch.lstm: _lstm,
+             torch.nn.functional.ctc_loss: ctc_loss,
              torch.nn.functional.embedding_bag: _embedding_bag,
              torch.Tensor.__setitem__: _setitem,
              torch.nn.functional.gaussian_nll_loss: _gaussian_nll_loss,

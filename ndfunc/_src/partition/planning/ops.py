@@ -33,7 +33,7 @@ import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.nn import _reduction
 
-from ndfunc._src import attention, manual
+from ndfunc._src import attention, ctc_loss, manual
 from ndfunc._src.constraints import sharding_constraint_op
 from ndfunc._src.partition import program as prog
 from ndfunc._src.partition.planning import redistribute
@@ -358,6 +358,31 @@ def _leading_dims_rule(trailing: int) -> Callable:
     return rule
 
 
+def _by_samples_rule(dims: Sequence[int | None]) -> Callable:
+    """The rule of an op computed sample by sample, `dims` the samples' dim of each tensor output
+    then input (None: a tensor read whole, as a table): whole, or split by the samples over any
+    of the mesh axes, alike for every tensor (`ndfunc::ctc_losses`)."""
+    def rule(node, sizes) -> list[Strategy]:
+        outs, ins = tensor_outputs(node), tensor_inputs(node)
+        n_samples = outs[0].shape[dims[0]]
+        made = []
+        for lay in all_layouts((n_samples,), sizes, partial=False):
+            at = [tuple(Shard(d) if type(p) is Shard else p for p in lay) if d is not None else replicated(len(sizes))
+                  for d in dims]
+            made.append(Strategy(tuple(at[:len(outs)]), tuple(at[len(outs):len(outs) + len(ins)])))
+        return made
+    return rule
+
+
+def _ctc_flops(node) -> int:
+    """CTC's forward variables: a few operations per time step, sample and extended label, with the
+    gradient's backward variables as many again."""
+    backward = node.target is ctc_loss.ctc_losses_backward_op
+    log_probs, targets = (a.meta["val"] for a in node.args[int(backward):][:2])
+    steps, samples, _ = log_probs.shape
+    return 8 * steps * samples * (2 * targets.shape[1] + 1) * (2 if backward else 1)
+
+
 # --- local ops that are not the op on blocks -----------------------------------------------------
 
 def _random_rule(node, sizes) -> list[Strategy]:
@@ -616,10 +641,14 @@ register(manual.exit_op, lower=_same_value)
 register(manual.axis_index_op, lower=_axis_index)
 register(manual.ppermute_op, lower=_ppermute)
 register(aten.cat.default, strategies=_cat_rule)
+# log-probabilities (time, samples, classes), targets, input and target lengths; the losses (or
+# the log-probabilities' gradient, after the losses' gradient)
+register(ctc_loss.ctc_losses_op, strategies=_by_samples_rule((0, 1, 0, 0, 0)), flops=_ctc_flops)
+register(ctc_loss.ctc_losses_backward_op, strategies=_by_samples_rule((1, 0, 1, 0, 0, 0)), flops=_ctc_flops)
 register(aten.stack.default, strategies=_stack_rule)
 for _trailing, _pad in enumerate((aten.replication_pad1d_backward.default, aten.replication_pad2d_backward.default,
                                   aten.replication_pad3d_backward.default), start=1):
     register(_pad, strategies=_leading_dims_rule(_trailing))
-register(aten.cumsum.default, strategies=_cumsum_rule, lower=_cumsum)  # a scan along a split dim  # strategies: the region's (`candidates`)
+register(aten.cumsum.default, strategies=_cumsum_rule, lower=_cumsum)  # a scan along a split dim
 for _dot in (aten.mm.default, aten.bmm.default, aten.addmm.default, aten.baddbmm.default):
     register(_dot, saved_by_remat=True)

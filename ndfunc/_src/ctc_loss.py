@@ -1,0 +1,82 @@
+"""`F.ctc_loss` over padded targets as ops whose shapes come from shapes: each sample's loss, and
+its gradient.
+
+ATen's CTC kernel sizes its forward variables by the longest target, a value, so a trace over
+fake tensors cannot make it (a speech model's loss raised `nf.DataDependentError`). Its result is
+one loss per sample, each sample's work its own: `ndfunc::ctc_losses` gives those losses, and
+`ndfunc::ctc_losses_backward` their gradient (the forward variables made again inside: nothing of
+a value-made shape crosses between the two). Both split by the batch. The reduction is the
+traced math around them, as ATen writes it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+aten = torch.ops.aten
+
+_lib = torch.library.Library("ndfunc", "FRAGMENT")
+_lib.define("ctc_losses(Tensor log_probs, Tensor targets, Tensor input_lengths, Tensor target_lengths, "
+            "int blank, bool zero_infinity) -> Tensor")
+_lib.define("ctc_losses_backward(Tensor grad, Tensor log_probs, Tensor targets, Tensor input_lengths, "
+            "Tensor target_lengths, int blank, bool zero_infinity) -> Tensor")
+ctc_losses_op = torch.ops.ndfunc.ctc_losses.default
+ctc_losses_backward_op = torch.ops.ndfunc.ctc_losses_backward.default
+
+
+def _losses(log_probs, targets, input_lengths, target_lengths, blank, zero_infinity):
+    return aten.ctc_loss.Tensor(log_probs, targets, input_lengths, target_lengths, blank, 0, zero_infinity)
+
+
+def _losses_backward(grad, log_probs, targets, input_lengths, target_lengths, blank, zero_infinity):
+    nll, log_alpha = aten._ctc_loss.Tensor(log_probs, targets, input_lengths, target_lengths, blank, zero_infinity)
+    return aten._ctc_loss_backward.Tensor(grad, log_probs, targets, input_lengths, target_lengths, nll, log_alpha,
+                                          blank, zero_infinity)
+
+
+_lib.impl("ctc_losses", _losses, "CompositeExplicitAutograd")
+_lib.impl("ctc_losses_backward", _losses_backward, "CompositeExplicitAutograd")
+torch.library.register_fake("ndfunc::ctc_losses", lambda log_probs, *_: log_probs.new_empty(log_probs.shape[1]),
+                            lib=_lib)
+torch.library.register_fake("ndfunc::ctc_losses_backward", lambda grad, log_probs, *_: torch.empty_like(log_probs),
+                            lib=_lib)
+
+
+class _CTCLosses(torch.autograd.Function):
+    """`ndfunc::ctc_losses` with `ndfunc::ctc_losses_backward` as its gradient (a Function:
+    torch.func's transforms trace through it; only the log-probabilities get a gradient)."""
+
+    @staticmethod
+    def forward(log_probs, targets, input_lengths, target_lengths, blank, zero_infinity):
+        return ctc_losses_op(log_probs, targets, input_lengths, target_lengths, blank, zero_infinity)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        *tensors, ctx.blank, ctx.zero_infinity = inputs
+        ctx.save_for_backward(*tensors)
+
+    @staticmethod
+    def backward(ctx, grad):
+        log_probs, targets, input_lengths, target_lengths = ctx.saved_tensors
+        grad = ctc_losses_backward_op(grad, log_probs, targets, input_lengths, target_lengths, ctx.blank,
+                                      ctx.zero_infinity)
+        return grad, None, None, None, None, None
+
+
+def ctc_loss(log_probs, targets, input_lengths, target_lengths, blank=0, reduction="mean", zero_infinity=False):
+    """`F.ctc_loss` as the tracer records it: batched log-probabilities (T, N, C) and padded
+    targets (N, S) as `ndfunc::ctc_losses`, reduced as ATen reduces them (a mean divides each loss
+    by its target's length first). Targets concatenated in one dim (their bounds are values) and
+    unbatched input are torch's own."""
+    if not (isinstance(log_probs, torch.Tensor) and log_probs.dim() == 3 and isinstance(targets, torch.Tensor)
+            and targets.dim() == 2 and reduction in ("none", "mean", "sum")):
+        return torch.nn.functional.ctc_loss(log_probs, targets, input_lengths, target_lengths, blank, reduction,
+                                            zero_infinity)
+    input_lengths, target_lengths = (torch.as_tensor(n, dtype=torch.long, device=log_probs.device)
+                                     for n in (input_lengths, target_lengths))
+    losses = _CTCLosses.apply(log_probs, targets, input_lengths, target_lengths, blank, zero_infinity)
+    if reduction == "none":
+        return losses
+    if reduction == "sum":
+        return losses.sum()
+    return (losses / target_lengths.to(losses.dtype).clamp(min=1)).mean()
