@@ -358,18 +358,16 @@ def _leading_dims_rule(trailing: int) -> Callable:
     return rule
 
 
-def _by_samples_rule(dims: Sequence[int | None]) -> Callable:
+def _by_samples_rule(dims: Sequence[int]) -> Callable:
     """The rule of an op computed sample by sample, `dims` the samples' dim of each tensor output
-    then input (None: a tensor read whole, as a table): whole, or split by the samples over any
-    of the mesh axes, alike for every tensor (`ndfunc::ctc_losses`)."""
+    then input: whole, or split by the samples over any of the mesh axes, alike for every tensor
+    (`ndfunc::ctc_losses`)."""
     def rule(node, sizes) -> list[Strategy]:
-        outs, ins = tensor_outputs(node), tensor_inputs(node)
-        n_samples = outs[0].shape[dims[0]]
+        n_outs = len(tensor_outputs(node))
         made = []
-        for lay in all_layouts((n_samples,), sizes, partial=False):
-            at = [tuple(Shard(d) if type(p) is Shard else p for p in lay) if d is not None else replicated(len(sizes))
-                  for d in dims]
-            made.append(Strategy(tuple(at[:len(outs)]), tuple(at[len(outs):len(outs) + len(ins)])))
+        for lay in all_layouts((tensor_outputs(node)[0].shape[dims[0]],), sizes, partial=False):
+            at = [tuple(Shard(d) if type(p) is Shard else p for p in lay) for d in dims]
+            made.append(Strategy(tuple(at[:n_outs]), tuple(at[n_outs:])))
         return made
     return rule
 
