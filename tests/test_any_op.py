@@ -11,6 +11,7 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.distributed.tensor import Shard
 
 import ndfunc as nf
 from ndfunc.sharding import P
@@ -272,6 +273,34 @@ def test_a_ctc_loss_over_padded_targets_trains_split_by_the_samples(reduction, z
     torch.testing.assert_close(got_loss, want_loss, **TOL)
     torch.testing.assert_close(got_grads, want_grads, **TOL)
     assert "ctc_losses" in program and "_ctc_loss" not in program  # split, not run whole
+
+
+@pytest.mark.parametrize("p", [2.0, 1.0, math.inf])
+@pytest.mark.parametrize("between", ["rows_and_prototypes", "batched_sets"])
+def test_distances_between_rows_train_split_by_the_rows_or_the_batch(between, p):
+    # ATen's direct cdist kernel (a few rows; above 25, p=2 is matmuls) and its backward had no
+    # rule: they ran whole on every rank (a ShardingWarning, an error here). Split by x1's rows,
+    # x2's gradient is a sum over them left pending; float64: summed in another order
+    g = torch.Generator().manual_seed(0)
+    params = {"w": torch.randn(8, 6, generator=g, dtype=torch.float64),
+              "prototypes": torch.randn(5, 6, generator=g, dtype=torch.float64)}
+    x = torch.randn(*((12,) if between == "rows_and_prototypes" else (4, 6)), 8, generator=g, dtype=torch.float64)
+
+    def loss(params, x):
+        h = x @ params["w"]
+        if between == "rows_and_prototypes":
+            return torch.cdist(h, params["prototypes"], p=p).square().mean()
+        return torch.cdist(h, 2 * h.flip(-2), p=p).mean()
+    want_grads, want_loss = torch.func.grad_and_value(loss)(params, x)
+    with nf.simulate(2):
+        step = nf.jit(nf.value_and_grad(loss), mesh=nf.make_mesh(dp=2), in_shardings=(P(), P("dp")),
+                      out_shardings=(P(), P()))
+        got_loss, got_grads = nf.device_get(step(params, x))
+        plan = step.lower(params, x).program.plan
+    torch.testing.assert_close(got_loss, want_loss, **TOL)
+    torch.testing.assert_close(got_grads, want_grads, **TOL)
+    (distances,) = [n for n in plan.strategy if n.target is torch.ops.aten._cdist_forward.default]
+    assert plan.strategy[distances].outs == ((Shard(0),),)  # rows, or sets, split as the batch is
 
 
 @pytest.mark.parametrize("mode", ["replicate", "reflect", "circular"])

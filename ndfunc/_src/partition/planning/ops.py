@@ -51,6 +51,7 @@ from ndfunc._src.partition.planning.strategies import (
     Strategy,
     fitted,
     from_dtensor,
+    per_axis,
     from_op_strategy,
     signature,
     tensor_inputs,
@@ -372,6 +373,27 @@ def _by_samples_rule(dims: Sequence[int]) -> Callable:
     return rule
 
 
+def _cdist_rule(node, sizes) -> Fitted:
+    """Distances between the rows of x1 and of x2 (`torch.cdist` at sizes where ATen takes the
+    direct kernel; above them it is matmuls), per mesh axis: whole, split alike by a batch dim, by
+    x1's rows (x2 whole) or by x2's rows (x1 whole). Its backward (`x1`'s gradient: a sum over x2's
+    rows) likewise, where a split of x2's rows leaves that sum pending. Batch dims that broadcast:
+    whole."""
+    backward = node.target is aten._cdist_backward.default
+    x1, x2 = (a.meta["val"] for a in node.args[int(backward):][:2])
+    if x1.shape[:-2] != x2.shape[:-2]:
+        raise NoStrategy(node.target)
+    tensors = [node.meta["val"], *(a.meta["val"] for a in tensor_inputs(node))]
+    d, whole = x1.dim() - 2, Replicate()  # d: the rows' dim
+    if backward:  # x1's gradient; the distances' gradient, x1, x2, the distances
+        split = [(Shard(d), Shard(d), Shard(d), whole, Shard(d)),
+                 (Partial("sum"), Shard(d + 1), whole, Shard(d), Shard(d + 1))]
+    else:  # the distances; x1, x2
+        split = [(Shard(d), Shard(d), whole), (Shard(d + 1), whole, Shard(d))]
+    rules = [(whole,) * len(tensors), *((Shard(b),) * len(tensors) for b in range(d)), *split]
+    return per_axis(rules, [tuple(t.shape) for t in tensors], sizes, 1)
+
+
 def _ctc_flops(node) -> int:
     """CTC's forward variables: a few operations per time step, sample and extended label, with the
     gradient's backward variables as many again."""
@@ -644,6 +666,8 @@ register(aten.cat.default, strategies=_cat_rule)
 register(ctc_loss.ctc_losses_op, strategies=_by_samples_rule((0, 1, 0, 0, 0)), flops=_ctc_flops)
 register(ctc_loss.ctc_losses_backward_op, strategies=_by_samples_rule((1, 0, 1, 0, 0, 0)), flops=_ctc_flops)
 register(aten.stack.default, strategies=_stack_rule)
+register(aten._cdist_forward.default, strategies=_cdist_rule)
+register(aten._cdist_backward.default, strategies=_cdist_rule)
 for _trailing, _pad in enumerate((aten.replication_pad1d_backward.default, aten.replication_pad2d_backward.default,
                                   aten.replication_pad3d_backward.default), start=1):
     register(_pad, strategies=_leading_dims_rule(_trailing))

@@ -204,6 +204,12 @@ def _from_single_dim(node, ins, outs, sizes) -> list[Strategy]:
     return _axis_product([rules] * len(sizes), shapes, sizes, len(outs), [o is None for o in outs])
 
 
+def per_axis(rules: list[tuple], shapes: list, sizes: tuple[int, ...], n_outs: int) -> Fitted:
+    """The strategies of a rule given for one mesh axis (`rules`: a placement per tensor, outputs
+    first), one per axis in every combination that fits `shapes`, as DTensor's single-dim rules."""
+    return _axis_product([rules] * len(sizes), shapes, sizes, n_outs, [False] * n_outs)
+
+
 def _axis_product(rows: list[list[tuple]], shapes: list, sizes: tuple[int, ...], n_outs: int, empty: list[bool],
                   n_checked: int = 0) -> Fitted:
     """The strategies of one row of placements per mesh axis (`rows[axis]`: a placement per
