@@ -8,26 +8,20 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from ndfunc._src.partition.planning import ops, strategies
 
 
+JOINS = {"cat": (torch.cat, torch.ops.aten.cat.default, ops._cat_rule),
+         "stack": (torch.stack, torch.ops.aten.stack.default, ops._stack_rule)}
+
+
+@pytest.mark.parametrize("join", list(JOINS))
 @pytest.mark.parametrize("sizes", [(2, 2), (2, 2, 2), (4, 2)])
 @pytest.mark.parametrize("dim", [0, 1, -1])
-def test_the_cat_rule_gives_what_dtensors_rule_gives_pooled_over_each_inputs_layouts(sizes, dim):
-    gm = make_fx(lambda a, b, c: torch.cat([a, b, c], dim))(torch.ones(8, 4, 2), torch.ones(8, 4, 2),
-                                                               torch.ones(8, 4, 2))
-    (node,) = gm.graph.find_nodes(op="call_function", target=torch.ops.aten.cat.default)
+def test_the_cat_and_stack_rules_give_what_dtensors_rule_gives_pooled_over_each_inputs_layouts(join, sizes, dim):
+    fn, op, rule = JOINS[join]
+    gm = make_fx(lambda a, b, c: fn([a, b, c], dim))(torch.ones(8, 4, 2), torch.ones(8, 4, 2), torch.ones(8, 4, 2))
+    (node,) = gm.graph.find_nodes(op="call_function", target=op)
     ins, outs = strategies.tensor_inputs(node), strategies.tensor_outputs(node)
     asked = strategies.from_op_strategy(node, ins, outs, sizes)
-    assert ops._cat_rule(node, sizes) == list(dict.fromkeys(asked))  # DTensor's, each once, first seen first
-
-
-@pytest.mark.parametrize("sizes", [(2, 2), (2, 2, 2), (4, 2)])
-@pytest.mark.parametrize("dim", [0, 1, 3, -1])
-def test_the_stack_rule_gives_what_dtensors_rule_gives_pooled_over_each_inputs_layouts(sizes, dim):
-    gm = make_fx(lambda a, b, c: torch.stack([a, b, c], dim))(torch.ones(8, 4, 2), torch.ones(8, 4, 2),
-                                                                 torch.ones(8, 4, 2))
-    (node,) = gm.graph.find_nodes(op="call_function", target=torch.ops.aten.stack.default)
-    ins, outs = strategies.tensor_inputs(node), strategies.tensor_outputs(node)
-    asked = strategies.from_op_strategy(node, ins, outs, sizes)
-    assert ops._stack_rule(node, sizes) == list(dict.fromkeys(asked))
+    assert rule(node, sizes) == list(dict.fromkeys(asked))  # DTensor's, each once, first seen first
 
 
 @pytest.mark.parametrize("sizes", [(2, 2), (2, 4), (2, 2, 2, 2)])
