@@ -323,6 +323,33 @@ def test_a_padded_convolution_trains_split_by_the_batch(mode, dims):
     torch.testing.assert_close(got_grads, want_grads, **TOL)
 
 
+POOLS = {
+    "avg_2d_ceil": (2, lambda x: F.avg_pool2d(x, (2, 1), stride=(2, 1), ceil_mode=True)),  # Funnel's
+    "avg_3d": (3, lambda x: F.avg_pool3d(x, 2)),
+    "max_3d": (3, lambda x: F.max_pool3d(x, 2)),
+    "adaptive_avg_3d": (3, lambda x: F.adaptive_avg_pool3d(x, 3)),
+    "adaptive_max_2d": (2, lambda x: F.adaptive_max_pool2d(x, 3)),
+    "adaptive_max_3d": (3, lambda x: F.adaptive_max_pool3d(x, 3)),
+}
+
+
+@pytest.mark.parametrize("pool", list(POOLS))
+def test_a_pooling_trains_split_by_the_batch(pool):
+    # DTensor splits these forwards by samples and channels, not their backwards: those ran whole
+    # (a ShardingWarning, an error here); a rule now splits them alike
+    dims, fn = POOLS[pool]
+    g = torch.Generator().manual_seed(0)
+    w, x = torch.randn(6, 6, generator=g), torch.randn(4, 2, *[6] * dims, generator=g)
+    loss = lambda w, x: fn(x @ w).square().mean()  # noqa: E731
+    want_grad, want_loss = torch.func.grad_and_value(loss)(w, x)
+    with nf.simulate(2):
+        step = nf.jit(nf.value_and_grad(loss), mesh=nf.make_mesh(dp=2), in_shardings=(P(), P("dp")),
+                      out_shardings=(P(), P()))
+        got_loss, got_grad = nf.device_get(step(w, x))
+    torch.testing.assert_close(got_loss, want_loss, **TOL)
+    torch.testing.assert_close(got_grad, want_grad, **TOL)
+
+
 @pytest.mark.parametrize("mode,weighted,padding_idx", [("sum", False, None), ("mean", False, None), ("max", False, None),
                                                        ("sum", True, None), ("mean", False, 0), ("max", False, 0)])
 @pytest.mark.parametrize("strategy", ["dp", "tp"])

@@ -671,6 +671,12 @@ register(aten._cdist_backward.default, strategies=_cdist_rule)
 for _trailing, _pad in enumerate((aten.replication_pad1d_backward.default, aten.replication_pad2d_backward.default,
                                   aten.replication_pad3d_backward.default), start=1):
     register(_pad, strategies=_leading_dims_rule(_trailing))
+# the backwards of poolings whose forwards DTensor splits by samples and channels, and they not
+for _trailing, _pool in ((2, aten.avg_pool2d_backward.default), (3, aten.avg_pool3d_backward.default),
+                         (3, aten.max_pool3d_with_indices_backward.default),
+                         (3, aten._adaptive_avg_pool3d_backward.default), (2, aten.adaptive_max_pool2d_backward.default),
+                         (3, aten.adaptive_max_pool3d_backward.default)):
+    register(_pool, strategies=_leading_dims_rule(_trailing))
 register(aten.cumsum.default, strategies=_cumsum_rule, lower=_cumsum)  # a scan along a split dim
 for _dot in (aten.mm.default, aten.bmm.default, aten.addmm.default, aten.baddbmm.default):
     register(_dot, saved_by_remat=True)
