@@ -175,7 +175,13 @@ def _diagonal_filled(o, y, t):
     return s.pow(2).mean()
 
 
-IN_PLACE = {f.__name__[1:]: f for f in (_fill_a_column, _add_into_a_column, _copy_into_zeros,
+def _scaled_through_a_transpose(o, y, t):  # autograd's backward writes through a permuted as_strided
+    z = o * 1.0
+    z.transpose(0, 1).mul_(torch.arange(1.0, z.shape[1] + 1).unsqueeze(1))
+    return F.mse_loss(z, y)
+
+
+IN_PLACE = {f.__name__[1:]: f for f in (_fill_a_column, _scaled_through_a_transpose, _add_into_a_column, _copy_into_zeros,
                                         _halves_of_an_empty_tensor, _masked_write, _masked_add, _rows_masked,
                                         _masked_with_a_learned_value, _masked_rows_get_a_learned_row,
                                         _a_view_read_after_the_write, _a_view_of_the_written_view,
@@ -330,6 +336,9 @@ POOLS = {
     "adaptive_avg_3d": (3, lambda x: F.adaptive_avg_pool3d(x, 3)),
     "adaptive_max_2d": (2, lambda x: F.adaptive_max_pool2d(x, 3)),
     "adaptive_max_3d": (3, lambda x: F.adaptive_max_pool3d(x, 3)),
+    # Swin's pooler: ATen restrides the result in place (as_strided_), its backward views a flat
+    # buffer with size-1 dims added (as_strided): neither had a rule
+    "adaptive_avg_1d_transposed": (1, lambda x: F.adaptive_avg_pool1d(x.transpose(1, 2), 1)),
 }
 
 

@@ -5,8 +5,9 @@ is recorded as `CopySlices`, whose backward copies the gradient into an empty te
 view as `as_strided`; `fill_`'s decomposition makes a functional `copy`. None of these has a
 sharding rule or a functional form the rewrites of `writes` read. Here the copy into an empty
 tensor is a copy of its source (`fresh_copies`), an `as_strided` that is one select, slice or
-diagonal of a contiguous tensor is that view (`strided_views`), and a functional `copy` is its source
-broadcast (`copies_as_broadcasts`); `writes` then makes the write itself functional.
+diagonal of a contiguous tensor (or slices of it permuted, or it reshaped) is that view
+(`strided_views`), an `as_strided_` that moves no element is dropped, and a functional `copy` is its
+source broadcast (`copies_as_broadcasts`); `writes` then makes the write itself functional.
 """
 
 from __future__ import annotations
@@ -93,7 +94,7 @@ def fresh_copies(gm: torch.fx.GraphModule) -> bool:
 def strided_views(gm: torch.fx.GraphModule) -> bool:
     """Each `as_strided` of a contiguous tensor that is one select or diagonal of it, or slices of
     it (`CopySlices` names the view it writes into so), as those ops. Whether any was rewritten."""
-    changed = _shaped_flat_buffers(gm)
+    changed = _shaped_flat_buffers(gm) | _restrides_in_place(gm)
     for node in list(gm.graph.find_nodes(op="call_function", target=aten.as_strided.default)):
         base = node.args[0]
         if not isinstance(base, torch.fx.Node):
@@ -118,6 +119,25 @@ def strided_views(gm: torch.fx.GraphModule) -> bool:
                 gm.graph.erase_node(made_node)  # (`_as_view` read size-1 dims or strides ambiguously)
             continue
         node.replace_all_uses_with(view)
+        gm.graph.erase_node(node)
+        changed = True
+    return changed
+
+
+def _restrides_in_place(gm: torch.fx.GraphModule) -> bool:
+    """Each `as_strided_` that gives a tensor the shape and offset it has, and strides that differ
+    only on dims of size 1 (an adaptive pooling's result made channels-last: no element moves), as
+    the tensor itself. Whether any was dropped."""
+    changed = False
+    for node in list(gm.graph.find_nodes(op="call_function", target=aten.as_strided_.default)):
+        x = node.args[0]
+        if not isinstance(x, torch.fx.Node):
+            continue
+        was, size, stride = x.meta["val"], list(node.args[1]), list(node.args[2])
+        if list(was.shape) != size or _offset(node) != was.storage_offset() or any(
+                n != 1 and st != old for n, st, old in zip(size, stride, was.stride())):
+            continue
+        node.replace_all_uses_with(x)
         gm.graph.erase_node(node)
         changed = True
     return changed
@@ -165,7 +185,9 @@ def contiguous_strides(shape: list) -> list:
 def _as_view(shape: list, strides: list, size: list, stride: list, offset: int) -> list | None:
     """The views taking the elements `as_strided(size, stride, offset)` takes of a contiguous
     tensor of `shape` (`strides`), in turn: [(select, dim, index)], [(diagonal, offset, dim1,
-    dim2)] or a (slice, dim, start, end, step) per dim it cuts; None if no such views do."""
+    dim2)] or a (slice, dim, start, end, step) per dim it cuts, then (permute, dims) where it
+    orders them otherwise (a write into a transposed view); [(view, size)] for every element in
+    order with dims of size 1 added or dropped; None if no such views do."""
     k = len(shape)
     if len(size) == k - 1:
         for d in range(k):
@@ -181,7 +203,16 @@ def _as_view(shape: list, strides: list, size: list, stride: list, offset: int) 
                     return [(aten.diagonal.default, diagonal, d1, d2)]
         return None
     if len(size) != k:
+        if offset == 0 and math.prod(size) == math.prod(shape) and all(
+                n == 1 or st == want for n, st, want in zip(size, stride, contiguous_strides(size))):
+            return [(aten.view.default, size)]  # every element in order, in another shape (size-1 dims added)
         return None
+    order = sorted(range(k), key=lambda d: -stride[d])  # its dims, outermost first
+    if order != list(range(k)):  # dims in another order: slices of the tensor, then permuted
+        sliced = _as_view(shape, strides, [size[d] for d in order], [stride[d] for d in order], offset)
+        if sliced is None or sliced[0][0] is not aten.slice.Tensor:
+            return None
+        return [*sliced, (aten.permute.default, [order.index(d) for d in range(k)])]
     slices, rest = [], offset  # a slice per dim, its start read off the offset (mixed radix)
     for d in range(k):
         step, uneven = divmod(stride[d], strides[d])

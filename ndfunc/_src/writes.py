@@ -39,6 +39,8 @@ aten = torch.ops.aten
 # view's arguments after `self` (the scatter's after `src`), in the same order
 _SCATTERS = {aten.slice.Tensor: aten.slice_scatter.default, aten.select.int: aten.select_scatter.default,
              aten.diagonal.default: aten.diagonal_scatter.default}
+# views of every element in another order: a source written into one is the tensor, reordered back
+_REORDERS = (aten.permute.default, aten.transpose.int)
 _WRITES = (aten.copy_.default, aten.fill_.Scalar, aten.fill_.Tensor)
 
 
@@ -80,8 +82,8 @@ def _reshapes_in_place(op) -> bool:
 
 
 def views_as_scatters(gm: torch.fx.GraphModule) -> bool:
-    """Each `copy_` or `fill_` into a slice, select or diagonal (or such a view of such a view) of a
-    tensor the step made (not an input's, not a view of another), as the views' scatter ops,
+    """Each `copy_` or `fill_` into a slice, select, diagonal, permute or transpose (or such a view
+    of such a view) of a tensor the step made (not an input's, not a view of another), as the views' scatter ops,
     innermost first. Later reads of the tensor read the result; later reads of a view of it taken
     before the write (the written one too, and views of views) read that view taken again of the
     result. Left in place where one of those views was written through before. Whether any was
@@ -93,10 +95,11 @@ def views_as_scatters(gm: torch.fx.GraphModule) -> bool:
     changed = False
     for write in sorted(writes, key=order.__getitem__):
         view = write.args[0]
-        if not (isinstance(view, torch.fx.Node) and view.target in _SCATTERS):
+        if not (isinstance(view, torch.fx.Node) and (view.target in _SCATTERS or view.target in _REORDERS)):
             continue
         chain, base = [view], view.args[0]  # a view of a view ..., of a tensor the step made
-        while isinstance(base, torch.fx.Node) and not owned(base) and base.target in _SCATTERS:
+        while isinstance(base, torch.fx.Node) and not owned(base) and (base.target in _SCATTERS
+                                                                       or base.target in _REORDERS):
             chain.append(base)
             base = base.args[0]
         if not (isinstance(base, torch.fx.Node) and owned(base)):
@@ -114,7 +117,12 @@ def views_as_scatters(gm: torch.fx.GraphModule) -> bool:
             else:  # a copy, or a fill with a 0-d tensor: on the view's device, of its dtype, broadcast
                 written = call(gm, made, aten.expand.default, moved(gm, made, src, into), list(into.shape))
             for link in chain:  # scattered into each view in turn, out to the tensor
-                written = call(gm, made, _SCATTERS[link.target], link.args[0], written, *arguments(link))
+                if link.target is aten.permute.default:
+                    written = call(gm, made, aten.permute.default, written, _inverse(link.args[1]))
+                elif link.target is aten.transpose.int:
+                    written = call(gm, made, aten.transpose.int, written, *link.args[1:])
+                else:
+                    written = call(gm, made, _SCATTERS[link.target], link.args[0], written, *arguments(link))
             again = {base: written}
 
             def taken_again(a: torch.fx.Node) -> torch.fx.Node:
@@ -136,6 +144,12 @@ def views_as_scatters(gm: torch.fx.GraphModule) -> bool:
                 gm.graph.erase_node(a)
         changed = True
     return changed
+
+
+def _inverse(dims: list) -> list:
+    """The permutation undoing `permute(dims)`."""
+    k = len(dims)
+    return sorted(range(k), key=lambda d: dims[d] % k)
 
 
 def _views_before(base: torch.fx.Node, write: torch.fx.Node, order: dict) -> list[torch.fx.Node]:
