@@ -367,3 +367,12 @@ def test_known_fakes_are_taken_as_they_are():
     assert mode.from_tensor(fakes[1]) is not fakes[1]
     gm = make_fx(lambda a, b: (a * 2, b + 1), tracing_mode="fake")(*fakes)
     assert [tuple(n.meta["val"].shape) for n in gm.graph.nodes if n.op == "placeholder"] == [(2, 3), (4,)]
+
+
+def test_lstm_cells_is_torchs_lstm_as_its_decomposition_computes_it_off_the_cpu():
+    torch.manual_seed(0)
+    module = torch.nn.LSTM(6, 4, num_layers=2, bidirectional=True, batch_first=True)
+    x, state = torch.randn(3, 5, 6), (torch.randn(4, 3, 4), torch.randn(4, 3, 4))
+    args = (x, state, module._flat_weights, True, 2, 0.0, False, True, True)
+    for got, want in zip(compat.lstm_cells(*args), torch.lstm(*args)):
+        torch.testing.assert_close(got, want)

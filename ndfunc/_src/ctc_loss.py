@@ -66,17 +66,27 @@ class _CTCLosses(torch.autograd.Function):
 def ctc_loss(log_probs, targets, input_lengths, target_lengths, blank=0, reduction="mean", zero_infinity=False):
     """`F.ctc_loss` as the tracer records it: batched log-probabilities (T, N, C) and padded
     targets (N, S) as `ndfunc::ctc_losses`, reduced as ATen reduces them (a mean divides each loss
-    by its target's length first). Targets concatenated in one dim (their bounds are values) and
-    unbatched input are torch's own."""
-    if not (isinstance(log_probs, torch.Tensor) and log_probs.dim() == 3 and isinstance(targets, torch.Tensor)
-            and targets.dim() == 2 and reduction in ("none", "mean", "sum")):
+    by its target's length first); an unbatched sample (T, C) as a batch of one (its targets read
+    as padded). Targets concatenated in one dim (their bounds are values) are torch's own; lengths
+    that are not integers an error, as torch's."""
+    lengths = [torch.as_tensor(n, device=log_probs.device) if isinstance(log_probs, torch.Tensor) else None
+               for n in (input_lengths, target_lengths)]
+    batched = isinstance(log_probs, torch.Tensor) and isinstance(targets, torch.Tensor) and (
+        (log_probs.dim(), targets.dim()) in ((3, 2), (2, 1)))
+    for name, n in zip(("input_lengths", "target_lengths"), lengths):
+        if n is not None and (n.is_floating_point() or n.is_complex()):
+            raise TypeError(f"F.ctc_loss: {name} must be integers, as torch requires; got {n.dtype}. Pass them as "
+                            f"an integer tensor (torch.long) or a list of ints.")
+    if not batched or reduction not in ("none", "mean", "sum"):
         return torch.nn.functional.ctc_loss(log_probs, targets, input_lengths, target_lengths, blank, reduction,
                                             zero_infinity)
-    input_lengths, target_lengths = (torch.as_tensor(n, dtype=torch.long, device=log_probs.device)
-                                     for n in (input_lengths, target_lengths))
+    one = log_probs.dim() == 2
+    if one:
+        log_probs, targets = log_probs.unsqueeze(1), targets.unsqueeze(0)
+    input_lengths, target_lengths = (n.to(torch.long).reshape(-1) for n in lengths)
     losses = _CTCLosses.apply(log_probs, targets, input_lengths, target_lengths, blank, zero_infinity)
     if reduction == "none":
-        return losses
+        return losses.squeeze(0) if one else losses
     if reduction == "sum":
         return losses.sum()
     return (losses / target_lengths.to(losses.dtype).clamp(min=1)).mean()

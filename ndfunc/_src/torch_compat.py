@@ -56,7 +56,7 @@ __all__ = [
     "functional_collectives", "process_group_ranks", "local_reduce", "shape_only_device_mesh", "traced_as_compiling", "DataDependentOutputException",
     "DynamicOutputShapeException", "core_aten_decompositions", "decomposition_table",
     "route_nested_compile_regions", "func_transforms", "current_tracer", "function_modes", "current_graph", "outside_the_trace",
-    "trace_nested", "node_of", "tracked", "fake_like", "known_fakes", "new_node", "runs_hooks",
+    "trace_nested", "node_of", "tracked", "fake_like", "known_fakes", "new_node", "runs_hooks", "lstm_cells",
 ]
 
 current_dispatch_mode = _get_current_dispatch_mode
@@ -226,6 +226,20 @@ def onednn_linear(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """`a @ b` by oneDNN's matmul (fp32, CPU): a linear layer's kernel, x @ w.T with w = b.T as it
     lies (no bias, no fused op)."""
     return torch.ops.mkldnn._linear_pointwise.default(a, b.t(), None, "none", [], "")
+
+
+def lstm_cells(input, hx, params, has_biases, num_layers, dropout, train, bidirectional, batch_first):
+    """`torch.lstm` (its `input` overload) as PyTorch's decomposition writes it with the cells it
+    takes off the CPU (`one_layer_lstm`: matmuls and pointwise ops per step), where on the CPU it
+    picks oneDNN's layer kernel whenever oneDNN is enabled and nothing outside `torch.func` needs
+    a gradient: the choice read off no global flag."""
+    from torch._decomp import decompositions  # noqa: PLC0415 - its private helpers, here only
+
+    params = decompositions.gather_params(params, has_biases, hx[0].size(2) != hx[1].size(2))
+    out, final = decompositions._rnn_helper(input, list(zip(hx[0], hx[1])), params, has_biases, num_layers, dropout,
+                                            train, bidirectional, batch_first, decompositions.one_layer_lstm)
+    final = list(zip(*final))
+    return out, torch.stack(final[0], 0), torch.stack(final[1], 0)
 
 
 _CALL = re.compile(r"\btorch\.ops\.([A-Za-z_]\w*)\.([A-Za-z_]\w*)\.([A-Za-z_]\w*)\(")

@@ -17,6 +17,7 @@ import torch
 
 from ndfunc._src.attention import traced_sdpa
 from ndfunc._src.ctc_loss import ctc_loss
+from ndfunc._src.torch_compat import lstm_cells
 from ndfunc._src.writes import fills_rows
 
 
@@ -99,17 +100,14 @@ def _embedding_bag(input, weight, offsets=None, max_norm=None, norm_type=2, scal
     return total / count
 
 
-def _lstm(*args, **kwargs):
-    """`torch.lstm` (`nn.LSTM`'s) as its decomposition's cells (matmuls and pointwise ops, which
-    split by the batch), not oneDNN's layer kernel, which the decomposition picks on CPU where
-    nothing outside `torch.func` needs a gradient: it has no sharding rule, and its backward reads
-    an opaque workspace."""
-    enabled = torch.backends.mkldnn.enabled  # (`mkldnn.flags` would reset its other flags too)
-    torch.backends.mkldnn.enabled = False
-    try:
-        return torch.lstm(*args, **kwargs)
-    finally:
-        torch.backends.mkldnn.enabled = enabled
+def _lstm(input, hx, *rest, **kwargs):
+    """`torch.lstm` (`nn.LSTM`'s) over a batch as its decomposition's cells (matmuls and pointwise
+    ops, which split by the batch), not oneDNN's layer kernel, which the decomposition picks on CPU
+    where nothing outside `torch.func` needs a gradient: it has no sharding rule, and its backward
+    reads an opaque workspace. A packed sequence is torch's own (its decomposition takes no kernel)."""
+    if isinstance(hx, (list, tuple)) and not kwargs:
+        return lstm_cells(input, hx, *rest)
+    return torch.lstm(input, hx, *rest, **kwargs)
 
 
 TRACED_AS = {torch.nn.functional.one_hot: _one_hot,
