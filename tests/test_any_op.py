@@ -181,7 +181,20 @@ def _scaled_through_a_transpose(o, y, t):  # autograd's backward writes through 
     return F.mse_loss(z, y)
 
 
-IN_PLACE = {f.__name__[1:]: f for f in (_fill_a_column, _scaled_through_a_transpose, _add_into_a_column, _copy_into_zeros,
+def _a_row_of_a_transpose_filled(o, y, t):  # a select of a permuted view: as_strided, select, permute
+    z = o * 1.0
+    z.t()[1].fill_(2.0)
+    return F.mse_loss(z, y)
+
+
+def _a_row_of_an_unsqueezed_view_filled(o, y, t):  # left in place: a fill of what tp leaves a pending sum
+    z = o * 1.0
+    z.unsqueeze(0)[0, 1].fill_(2.0)
+    return F.mse_loss(z, y)
+
+
+IN_PLACE = {f.__name__[1:]: f for f in (_fill_a_column, _scaled_through_a_transpose, _a_row_of_a_transpose_filled,
+                                        _a_row_of_an_unsqueezed_view_filled, _add_into_a_column, _copy_into_zeros,
                                         _halves_of_an_empty_tensor, _masked_write, _masked_add, _rows_masked,
                                         _masked_with_a_learned_value, _masked_rows_get_a_learned_row,
                                         _a_view_read_after_the_write, _a_view_of_the_written_view,
@@ -200,6 +213,34 @@ def test_a_write_in_place_trains_equal_to_one_device(write, strategy, monkeypatc
     step = _sgd_step(IN_PLACE[write])
     want_params, want_loss = step(params, x, y, t)  # eager, one device
     with nf.simulate(2):
+        got_params, got_loss = _jitted(step, strategy)(params, x, y, t)
+        torch.testing.assert_close(nf.device_get(got_loss), want_loss, **TOL)
+        for k in want_params:
+            torch.testing.assert_close(nf.device_get(got_params[k]), want_params[k], **TOL)
+
+
+def _a_slice_of_a_flattened_view_filled(o, y, t):  # a write left in place: no scatter of a reshape
+    z = o * 1.0
+    z.view(-1)[1:3].fill_(2.0)
+    return F.mse_loss(z, y)
+
+
+@pytest.mark.filterwarnings("ignore::ndfunc.sharding.ShardingWarning")  # (the backward's as_strided of the flattened view)
+@pytest.mark.parametrize("strategy", list(STRATEGIES))
+def test_a_write_left_in_place_is_right_or_refused_never_wrong(strategy):
+    # dp splits z by rows and the flattening takes it whole: the write would land in that copy,
+    # which nothing reads (refused: it ran, silently wrong). tp leaves z a pending sum: a fill of
+    # each rank's part made the sum twice the number (a fill now never writes into a pending sum)
+    params, x, y, t = _data()
+    step = _sgd_step(_a_slice_of_a_flattened_view_filled)
+    want_params, want_loss = step(params, x, y, t)
+    with nf.simulate(2):
+        if strategy != "tp":
+            with pytest.raises(NotImplementedError, match=r"^aten\.fill_\.Scalar writes in place into slice_1, a view "
+                               r"of view, which the partitioner lays out otherwise for the view \(\(Shard\(dim=0\),\) "
+                               r"there, \(Replicate\(\),\) here\), and sub reads it"):
+                _jitted(step, strategy)(params, x, y, t)
+            return
         got_params, got_loss = _jitted(step, strategy)(params, x, y, t)
         torch.testing.assert_close(nf.device_get(got_loss), want_loss, **TOL)
         for k in want_params:

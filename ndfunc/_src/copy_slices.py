@@ -186,8 +186,20 @@ def _as_view(shape: list, strides: list, size: list, stride: list, offset: int) 
     """The views taking the elements `as_strided(size, stride, offset)` takes of a contiguous
     tensor of `shape` (`strides`), in turn: [(select, dim, index)], [(diagonal, offset, dim1,
     dim2)] or a (slice, dim, start, end, step) per dim it cuts, then (permute, dims) where it
-    orders them otherwise (a write into a transposed view); [(view, size)] for every element in
-    order with dims of size 1 added or dropped; None if no such views do."""
+    orders them otherwise (a write into a transposed view, or a select of one); [(view, size)] for
+    every element in order with dims of size 1 added or dropped; None if no such views do."""
+    found = _in_order(shape, strides, size, stride, offset)
+    order = sorted(range(len(size)), key=lambda d: -stride[d])  # its dims, outermost first
+    if found is not None or order == list(range(len(size))):
+        return found
+    found = _in_order(shape, strides, [size[d] for d in order], [stride[d] for d in order], offset)
+    if found is None or found[0][0] is aten.view.default:
+        return None
+    return [*found, (aten.permute.default, [order.index(d) for d in range(len(size))])]
+
+
+def _in_order(shape: list, strides: list, size: list, stride: list, offset: int) -> list | None:
+    """`_as_view` without the permute."""
     k = len(shape)
     if len(size) == k - 1:
         for d in range(k):
@@ -207,12 +219,6 @@ def _as_view(shape: list, strides: list, size: list, stride: list, offset: int) 
                 n == 1 or st == want for n, st, want in zip(size, stride, contiguous_strides(size))):
             return [(aten.view.default, size)]  # every element in order, in another shape (size-1 dims added)
         return None
-    order = sorted(range(k), key=lambda d: -stride[d])  # its dims, outermost first
-    if order != list(range(k)):  # dims in another order: slices of the tensor, then permuted
-        sliced = _as_view(shape, strides, [size[d] for d in order], [stride[d] for d in order], offset)
-        if sliced is None or sliced[0][0] is not aten.slice.Tensor:
-            return None
-        return [*sliced, (aten.permute.default, [order.index(d) for d in range(k)])]
     slices, rest = [], offset  # a slice per dim, its start read off the offset (mixed radix)
     for d in range(k):
         step, uneven = divmod(stride[d], strides[d])

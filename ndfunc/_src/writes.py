@@ -40,7 +40,8 @@ aten = torch.ops.aten
 _SCATTERS = {aten.slice.Tensor: aten.slice_scatter.default, aten.select.int: aten.select_scatter.default,
              aten.diagonal.default: aten.diagonal_scatter.default}
 # views of every element in another order: a source written into one is the tensor, reordered back
-_REORDERS = (aten.permute.default, aten.transpose.int)
+_REORDERS = (aten.permute.default, aten.transpose.int, aten.t.default,
+             aten.unsqueeze.default, aten.squeeze.dim)  # (and dims of size 1 added or dropped)
 _WRITES = (aten.copy_.default, aten.fill_.Scalar, aten.fill_.Tensor)
 
 
@@ -82,8 +83,8 @@ def _reshapes_in_place(op) -> bool:
 
 
 def views_as_scatters(gm: torch.fx.GraphModule) -> bool:
-    """Each `copy_` or `fill_` into a slice, select, diagonal, permute or transpose (or such a view
-    of such a view) of a tensor the step made (not an input's, not a view of another), as the views' scatter ops,
+    """Each `copy_` or `fill_` into a slice, select, diagonal, permute, transpose or (un)squeeze (or
+    such a view of such a view) of a tensor the step made (not an input's, not a view of another), as the views' scatter ops,
     innermost first. Later reads of the tensor read the result; later reads of a view of it taken
     before the write (the written one too, and views of views) read that view taken again of the
     result. Left in place where one of those views was written through before. Whether any was
@@ -119,8 +120,10 @@ def views_as_scatters(gm: torch.fx.GraphModule) -> bool:
             for link in chain:  # scattered into each view in turn, out to the tensor
                 if link.target is aten.permute.default:
                     written = call(gm, made, aten.permute.default, written, _inverse(link.args[1]))
-                elif link.target is aten.transpose.int:
-                    written = call(gm, made, aten.transpose.int, written, *link.args[1:])
+                elif link.target in (aten.transpose.int, aten.t.default):  # (each its own inverse)
+                    written = call(gm, made, link.target, written, *link.args[1:])
+                elif link.target in (aten.unsqueeze.default, aten.squeeze.dim):
+                    written = call(gm, made, aten.view.default, written, list(link.args[0].meta["val"].shape))
                 else:
                     written = call(gm, made, _SCATTERS[link.target], link.args[0], written, *arguments(link))
             again = {base: written}

@@ -328,26 +328,42 @@ def _val(v) -> torch.Tensor:
 
 def _check_write_in_place(node: torch.fx.Node, args: list, strategy, plan) -> None:
     """An op writing into its first argument where the plan moves that argument writes into the
-    moved copy: whatever reads the argument afterwards would not see the write. Refused, not run
+    moved copy: whatever reads the argument afterwards would not see the write. So does one writing
+    into a view (or a view of a view) of a tensor the plan moved for the view. Refused, not run
     (the tracer makes the common writes functional ops: `writes`)."""
     if not args or args[0] is not (node.args[0] if node.args else None) or not writes_into(node, args[0]):
         return
     written = value_of(args[0])
-    if plan.strategy[written[0]].outs[written[1]] == strategy.ins[0]:
-        return
     chain = [written[0]]  # what it writes into, and what that is a view of
     while is_view(chain[-1]) and isinstance(chain[-1].args[0], torch.fx.Node):
         chain.append(chain[-1].args[0])
-    later = [u for w in chain for u in w.users if u is not node and u not in chain and _after(u, node)]
+    # where the layouts differ: at the write, or between a view and what it views
+    pairs = [(written, strategy.ins[0], node)] + [
+        (value_of(v.args[0]), plan.strategy[v].ins[0], v) for v in chain[:-1] if v in plan.strategy]
+    moved = [(w, want, at) for w, want, at in pairs if plan.strategy[w[0]].outs[w[1]] != want]
+    if not moved:
+        return
+    (w, want, at), *_ = moved
+    later = [u for v in chain for u in v.users if u is not node and u not in chain and _after(u, node)]
+    if at is not node:  # a view of a moved copy: what reads that copy (the value moved once) sees the write
+        later = [u for u in later if not (w[0] in u.args and _reads_as(plan, u, w, want))]
     if later:
         raise NotImplementedError(
-            f"{node.target} writes in place into {written[0].name}, which the partitioner lays out "
-            f"otherwise for the write ({plan.strategy[written[0]].outs[written[1]]} there, "
-            f"{strategy.ins[0]} here), and {later[0].name} reads it (or what it views) afterwards: it would "
-            f"not see the write. "
+            f"{node.target} writes in place into {written[0].name}"
+            + ("" if at is node else f", a view of {w[0].name}")
+            + f", which the partitioner lays out otherwise for the {'write' if at is node else 'view'} "
+            f"({plan.strategy[w[0]].outs[w[1]]} there, {want} here), and {later[0].name} reads it (or what it views) "
+            f"afterwards: it would not see the write. "
             f"Write it without the in-place op (x = x.index_put(...), torch.slice_scatter) or run it inside "
             f"nf.shard_map.")
 
+
+def _reads_as(plan, u: torch.fx.Node, value: tuple, layout) -> bool:
+    """Whether `u` reads `value` (node, output) in `layout` wherever it reads it."""
+    if u not in plan.strategy:
+        return False
+    slots = [i for i, a in enumerate(tensor_inputs(u)) if value_of(a) == value]
+    return bool(slots) and all(plan.strategy[u].ins[i] == layout for i in slots)
 
 
 def _after(a: torch.fx.Node, b: torch.fx.Node) -> bool:

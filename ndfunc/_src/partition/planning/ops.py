@@ -459,6 +459,22 @@ def _cat_rule(node, sizes) -> list[Strategy]:
             if Shard(d) not in lay]
 
 
+def _fill_rule(node, sizes) -> list[Strategy]:
+    """DTensor's, less its fills of a pending sum with a value every rank holds whole: each rank's
+    part would be the value, and their sum that many times it. A fill with 0, or with a value
+    pending the same sum, stays one."""
+    found = from_dtensor(node, tensor_inputs(node), tensor_outputs(node), sizes)
+    if found is None:
+        raise NoStrategy(node.target)
+    if node.target is aten.fill_.Scalar and node.args[1] == 0:
+        return list(found)
+
+    def keeps(s: Strategy) -> bool:
+        value = s.ins[1] if len(s.ins) > 1 else None
+        return all(not isinstance(p, Partial) or (value is not None and value[m] == p) for m, p in enumerate(s.outs[0]))
+    return [s for s in found if keeps(s)]
+
+
 def _stack_rule(node, sizes) -> list[Strategy]:
     """Stacking: `_cat_rule`'s, each input in the result's layout without the new dim (a split of a
     later dim one lower). DTensor's, asked once per layout of each input, costs seconds where an
@@ -666,6 +682,8 @@ register(aten.cat.default, strategies=_cat_rule)
 register(ctc_loss.ctc_losses_op, strategies=_by_samples_rule((0, 1, 0, 0, 0)), flops=_ctc_flops)
 register(ctc_loss.ctc_losses_backward_op, strategies=_by_samples_rule((1, 0, 1, 0, 0, 0)), flops=_ctc_flops)
 register(aten.stack.default, strategies=_stack_rule)
+register(aten.fill_.Scalar, strategies=_fill_rule)
+register(aten.fill_.Tensor, strategies=_fill_rule)
 register(aten._cdist_forward.default, strategies=_cdist_rule)
 register(aten._cdist_backward.default, strategies=_cdist_rule)
 for _trailing, _pad in enumerate((aten.replication_pad1d_backward.default, aten.replication_pad2d_backward.default,
