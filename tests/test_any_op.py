@@ -77,17 +77,36 @@ def _jitted(step, strategy):
     return nf.jit(step, mesh=mesh, in_shardings=(pspec, bspec, bspec, bspec), out_shardings=(pspec, P()))
 
 
-@pytest.mark.parametrize("strategy", list(STRATEGIES))
-@pytest.mark.parametrize("loss", list(LOSSES))
-def test_a_loss_without_an_aten_sharding_rule_trains_equal_to_one_device(loss, strategy):
+def _trains_equal_to_one_device(loss, strategy):
+    """One SGD step of `loss` jitted on 2 simulated ranks with `strategy` against eager on one device."""
     params, x, y, t = _data()
-    step = _sgd_step(LOSSES[loss])
+    step = _sgd_step(loss)
     want_params, want_loss = step(params, x, y, t)  # eager, one device
     with nf.simulate(2):
-        got_params, got_loss = _jitted(step, strategy)(params, x, y, t)  # no ShardingWarning: an error here
+        got_params, got_loss = _jitted(step, strategy)(params, x, y, t)
         torch.testing.assert_close(nf.device_get(got_loss), want_loss, **TOL)
         for k in want_params:
             torch.testing.assert_close(nf.device_get(got_params[k]), want_params[k], **TOL)
+
+
+def _split_by_the_batch_equals_eager(loss, params, x):
+    """`loss`'s value and gradient jitted on dp=2 (`x` split by its first dim) against eager; the
+    program's text."""
+    want_grads, want_loss = torch.func.grad_and_value(loss)(params, x)
+    with nf.simulate(2):
+        step = nf.jit(nf.value_and_grad(loss), mesh=nf.make_mesh(dp=2), in_shardings=(P(), P("dp")),
+                      out_shardings=(P(), P()))
+        got_loss, got_grads = nf.device_get(step(params, x))
+        program = step.lower(params, x).as_text()
+    torch.testing.assert_close(got_loss, want_loss, **TOL)
+    torch.testing.assert_close(got_grads, want_grads, **TOL)
+    return program
+
+
+@pytest.mark.parametrize("strategy", list(STRATEGIES))
+@pytest.mark.parametrize("loss", list(LOSSES))
+def test_a_loss_without_an_aten_sharding_rule_trains_equal_to_one_device(loss, strategy):
+    _trains_equal_to_one_device(LOSSES[loss], strategy)  # no ShardingWarning: an error here
 
 
 def _fill_a_column(o, y, t):  # a write into a view of a tensor autograd tracks (its backward too)
@@ -209,14 +228,7 @@ def test_a_write_in_place_trains_equal_to_one_device(write, strategy, monkeypatc
     # each is traced as the functional op it means (a view's scatter, a where), so the plan lays
     # it out as any other op; written in place, it was refused (or raised) on some of these
     monkeypatch.setitem(STRATEGIES, "tp_columns", WRITE_STRATEGIES["tp_columns"])
-    params, x, y, t = _data()
-    step = _sgd_step(IN_PLACE[write])
-    want_params, want_loss = step(params, x, y, t)  # eager, one device
-    with nf.simulate(2):
-        got_params, got_loss = _jitted(step, strategy)(params, x, y, t)
-        torch.testing.assert_close(nf.device_get(got_loss), want_loss, **TOL)
-        for k in want_params:
-            torch.testing.assert_close(nf.device_get(got_params[k]), want_params[k], **TOL)
+    _trains_equal_to_one_device(IN_PLACE[write], strategy)
 
 
 def _a_slice_of_a_flattened_view_filled(o, y, t):  # a write left in place: no scatter of a reshape
@@ -231,20 +243,14 @@ def test_a_write_left_in_place_is_right_or_refused_never_wrong(strategy):
     # dp splits z by rows and the flattening takes it whole: the write would land in that copy,
     # which nothing reads (refused: it ran, silently wrong). tp leaves z a pending sum: a fill of
     # each rank's part made the sum twice the number (a fill now never writes into a pending sum)
+    if strategy == "tp":
+        _trains_equal_to_one_device(_a_slice_of_a_flattened_view_filled, strategy)
+        return
     params, x, y, t = _data()
-    step = _sgd_step(_a_slice_of_a_flattened_view_filled)
-    want_params, want_loss = step(params, x, y, t)
-    with nf.simulate(2):
-        if strategy != "tp":
-            with pytest.raises(NotImplementedError, match=r"^aten\.fill_\.Scalar writes in place into slice_1, a view "
-                               r"of view, which the partitioner lays out otherwise for the view \(\(Shard\(dim=0\),\) "
-                               r"there, \(Replicate\(\),\) here\), and sub reads it"):
-                _jitted(step, strategy)(params, x, y, t)
-            return
-        got_params, got_loss = _jitted(step, strategy)(params, x, y, t)
-        torch.testing.assert_close(nf.device_get(got_loss), want_loss, **TOL)
-        for k in want_params:
-            torch.testing.assert_close(nf.device_get(got_params[k]), want_params[k], **TOL)
+    with nf.simulate(2), pytest.raises(NotImplementedError, match=r"^aten\.fill_\.Scalar writes in place into slice_1, "
+                                       r"a view of view, which the partitioner lays out otherwise for the view "
+                                       r"\(\(Shard\(dim=0\),\) there, \(Replicate\(\),\) here\), and sub reads it"):
+        _jitted(_sgd_step(_a_slice_of_a_flattened_view_filled), strategy)(params, x, y, t)
 
 
 @pytest.mark.parametrize("block", ["group_norm", "gru"])
@@ -257,13 +263,7 @@ def test_a_block_that_reshapes_in_place_trains_split_by_the_batch(block):
     params, buffers, apply = nf.nn.functional(module)
     x = torch.randn(4, 8, 16)
     loss = lambda p, x: (apply(p, buffers, x) if block == "group_norm" else apply(p, buffers, x)[0]).square().mean()  # noqa: E731
-    want_grads, want_loss = torch.func.grad_and_value(loss)(params, x)
-    with nf.simulate(2):
-        step = nf.jit(nf.value_and_grad(loss), mesh=nf.make_mesh(dp=2), in_shardings=(P(), P("dp")),
-                      out_shardings=(P(), P()))
-        got_loss, got_grads = nf.device_get(step(params, x))
-    torch.testing.assert_close(got_loss, want_loss, **TOL)
-    torch.testing.assert_close(got_grads, want_grads, **TOL)
+    _split_by_the_batch_equals_eager(loss, params, x)
 
 
 @pytest.mark.parametrize("layers,bidirectional", [(1, False), (2, True)])
@@ -276,15 +276,7 @@ def test_an_lstm_trains_split_by_the_batch(layers, bidirectional):
     params, buffers, apply = nf.nn.functional(module)
     x = torch.randn(4, 6, 16)
     loss = lambda p, x: apply(p, buffers, x)[0].square().mean()  # noqa: E731
-    want_grads, want_loss = torch.func.grad_and_value(loss)(params, x)
-    with nf.simulate(2):
-        step = nf.jit(nf.value_and_grad(loss), mesh=nf.make_mesh(dp=2), in_shardings=(P(), P("dp")),
-                      out_shardings=(P(), P()))
-        got_loss, got_grads = nf.device_get(step(params, x))
-        program = step.lower(params, x).as_text()
-    torch.testing.assert_close(got_loss, want_loss, **TOL)
-    torch.testing.assert_close(got_grads, want_grads, **TOL)
-    assert "mkldnn" not in program
+    assert "mkldnn" not in _split_by_the_batch_equals_eager(loss, params, x)
 
 
 @pytest.mark.parametrize("reduction,zero_infinity", [("mean", False), ("sum", False), ("none", False),
@@ -409,14 +401,7 @@ def test_a_pooling_trains_split_by_the_batch(pool):
     dims, fn = POOLS[pool]
     g = torch.Generator().manual_seed(0)
     w, x = torch.randn(6, 6, generator=g), torch.randn(4, 2, *[6] * dims, generator=g)
-    loss = lambda w, x: fn(x @ w).square().mean()  # noqa: E731
-    want_grad, want_loss = torch.func.grad_and_value(loss)(w, x)
-    with nf.simulate(2):
-        step = nf.jit(nf.value_and_grad(loss), mesh=nf.make_mesh(dp=2), in_shardings=(P(), P("dp")),
-                      out_shardings=(P(), P()))
-        got_loss, got_grad = nf.device_get(step(w, x))
-    torch.testing.assert_close(got_loss, want_loss, **TOL)
-    torch.testing.assert_close(got_grad, want_grad, **TOL)
+    _split_by_the_batch_equals_eager(lambda w, x: fn(x @ w).square().mean(), w, x)
 
 
 @pytest.mark.parametrize("mode,weighted,padding_idx", [("sum", False, None), ("mean", False, None), ("max", False, None),
