@@ -84,7 +84,8 @@ def _reshapes_in_place(op) -> bool:
 
 def views_as_scatters(gm: torch.fx.GraphModule) -> bool:
     """Each `copy_` or `fill_` into a slice, select, diagonal, permute, transpose or (un)squeeze (or
-    such a view of such a view) of a tensor the step made (not an input's, not a view of another), as the views' scatter ops,
+    such a view of such a view) of a tensor the step made (not an input's, not a view of another),
+    as the views' scatter ops (through a permute, transpose or (un)squeeze: the source put back),
     innermost first. Later reads of the tensor read the result; later reads of a view of it taken
     before the write (the written one too, and views of views) read that view taken again of the
     result. Left in place where one of those views was written through before. Whether any was
