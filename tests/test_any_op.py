@@ -313,6 +313,29 @@ def test_a_ctc_loss_over_padded_targets_trains_split_by_the_samples(reduction, z
     assert "ctc_losses" in program and "_ctc_loss" not in program  # split, not run whole
 
 
+def test_a_ctc_loss_mapped_over_groups_is_one_call_over_their_samples():
+    # torch.func.vmap over F.ctc_loss (a loss per group of samples): the mapped dim is folded into
+    # the samples; the reference maps by a Python loop on one device
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(16, 12, generator=g, dtype=torch.float64)
+    x = torch.randn(4, 2, 20, 16, generator=g, dtype=torch.float64)
+    targets, target_lengths = torch.randint(1, 12, (4, 2, 6), generator=g), torch.tensor([[6, 3]] * 4)
+
+    def per_group(w, x, targets, target_lengths):
+        return F.ctc_loss((x @ w).log_softmax(-1).transpose(0, 1), targets, torch.tensor([20, 17]), target_lengths)
+
+    def loss(w, x, targets, target_lengths):
+        return torch.func.vmap(per_group, in_dims=(None, 0, 0, 0))(w, x, targets, target_lengths).square().sum()
+    want_grad, want_loss = torch.func.grad_and_value(
+        lambda w: sum(per_group(w, *group).square() for group in zip(x, targets, target_lengths)))(w)
+    with nf.simulate(2):
+        step = nf.jit(nf.value_and_grad(loss), mesh=nf.make_mesh(dp=2), in_shardings=(P(), P("dp"), P("dp"), P("dp")),
+                      out_shardings=(P(), P()))
+        got_loss, got_grad = nf.device_get(step(w, x, targets, target_lengths))
+    torch.testing.assert_close(got_loss, want_loss, **TOL)
+    torch.testing.assert_close(got_grad, want_grad, **TOL)
+
+
 @pytest.mark.parametrize("reduction", ["mean", "none"])
 def test_an_unbatched_ctc_loss_is_a_batch_of_one_and_float_lengths_are_an_error(reduction):
     g = torch.Generator().manual_seed(0)

@@ -56,6 +56,18 @@ class _CTCLosses(torch.autograd.Function):
         ctx.save_for_backward(*tensors)
 
     @staticmethod
+    def vmap(info, in_dims, log_probs, targets, input_lengths, target_lengths, blank, zero_infinity):
+        """Mapped (`torch.func.vmap`): the mapped dim folded into the samples, one call."""
+        def folded(x, mapped, samples):  # the mapped dim next to the samples' dim, merged with it
+            x = x.unsqueeze(samples).expand(*x.shape[:samples], info.batch_size, *x.shape[samples:]) \
+                if mapped is None else x.movedim(mapped, samples)
+            return x.flatten(samples, samples + 1)
+        tensors = [folded(x, d, samples) for x, d, samples in
+                   zip((log_probs, targets, input_lengths, target_lengths), in_dims, (1, 0, 0, 0))]
+        losses = _CTCLosses.apply(*tensors, blank, zero_infinity)
+        return losses.unflatten(0, (info.batch_size, -1)), 0
+
+    @staticmethod
     def backward(ctx, grad):
         log_probs, targets, input_lengths, target_lengths = ctx.saved_tensors
         grad = ctc_losses_backward_op(grad, log_probs, targets, input_lengths, target_lengths, ctx.blank,
