@@ -17,7 +17,7 @@ import math
 
 import torch
 
-from ndfunc._src.graph_edits import aliases, annotate, call, is_view, moved
+from ndfunc._src.graph_edits import aliases, annotate, call, inverse_permutation, is_view, moved
 
 aten = torch.ops.aten
 _STRIDED = (aten.view.default, aten._unsafe_view.default, aten.as_strided.default)  # reads that need the strides
@@ -45,7 +45,7 @@ def copies_as_broadcasts(gm: torch.fx.GraphModule) -> bool:
             out = call(gm, made, aten.expand.default, moved(gm, made, src, into), list(into.shape))
             out = call(gm, made, aten.permute.default, out, order)
             out = call(gm, made, aten.clone.default, out, memory_format=torch.contiguous_format)
-            out = call(gm, made, aten.permute.default, out, [order.index(d) for d in range(into.dim())])
+            out = call(gm, made, aten.permute.default, out, inverse_permutation(order))
         annotate(made, copy)
         if out.meta["val"].stride() != copy.meta["val"].stride() and any(u.target in _STRIDED for u in copy.users):
             for node in reversed(made):
@@ -99,8 +99,7 @@ def strided_views(gm: torch.fx.GraphModule) -> bool:
         base = node.args[0]
         if not isinstance(base, torch.fx.Node):
             continue
-        size, stride = list(node.args[1]), list(node.args[2])
-        offset = _offset(node)
+        size, stride, offset = _strided(node)
         whole = base.meta["val"]
         if not whole.is_contiguous() or whole.storage_offset() != 0:
             continue
@@ -133,8 +132,8 @@ def _restrides_in_place(gm: torch.fx.GraphModule) -> bool:
         x = node.args[0]
         if not isinstance(x, torch.fx.Node):
             continue
-        was, size, stride = x.meta["val"], list(node.args[1]), list(node.args[2])
-        if list(was.shape) != size or _offset(node) != was.storage_offset() or any(
+        was, (size, stride, offset) = x.meta["val"], _strided(node)
+        if list(was.shape) != size or offset != was.storage_offset() or any(
                 n != 1 and st != old for n, st, old in zip(size, stride, was.stride())):
             continue
         node.replace_all_uses_with(x)
@@ -143,8 +142,10 @@ def _restrides_in_place(gm: torch.fx.GraphModule) -> bool:
     return changed
 
 
-def _offset(node: torch.fx.Node) -> int:
-    return (node.args[3] if len(node.args) > 3 else node.kwargs.get("storage_offset", 0)) or 0
+def _strided(node: torch.fx.Node) -> tuple[list, list, int]:
+    """An `as_strided`'s (or `as_strided_`'s) size, stride and storage offset."""
+    offset = node.args[3] if len(node.args) > 3 else node.kwargs.get("storage_offset", 0)
+    return list(node.args[1]), list(node.args[2]), offset or 0
 
 
 def _shaped_flat_buffers(gm: torch.fx.GraphModule) -> bool:
@@ -160,8 +161,8 @@ def _shaped_flat_buffers(gm: torch.fx.GraphModule) -> bool:
         buffer = flat.meta["val"]
         if buffer.dim() != 1 or not all(u.target is aten.as_strided.default and u.args[0] is flat for u in flat.users):
             continue
-        shape = list(node.args[1])
-        if _offset(node) or list(node.args[2]) != contiguous_strides(shape) or math.prod(shape) != buffer.numel():
+        shape, stride, offset = _strided(node)
+        if offset or stride != contiguous_strides(shape) or math.prod(shape) != buffer.numel():
             continue
         made = []
         with gm.graph.inserting_after(flat):
@@ -195,7 +196,7 @@ def _as_view(shape: list, strides: list, size: list, stride: list, offset: int) 
     found = _in_order(shape, strides, [size[d] for d in order], [stride[d] for d in order], offset)
     if found is None or found[0][0] is aten.view.default:
         return None
-    return [*found, (aten.permute.default, [order.index(d) for d in range(len(size))])]
+    return [*found, (aten.permute.default, inverse_permutation(order))]
 
 
 def _in_order(shape: list, strides: list, size: list, stride: list, offset: int) -> list | None:

@@ -92,3 +92,9 @@ def moved(gm: torch.fx.GraphModule, made: list, x: torch.fx.Node, like: torch.Te
     if dtype and have.dtype != like.dtype:
         change["dtype"] = like.dtype
     return call(gm, made, torch.ops.aten._to_copy.default, x, **change) if change else x
+
+
+def inverse_permutation(dims: list) -> list:
+    """The dims undoing `permute(dims)` (negative dims read modulo their number)."""
+    k = len(dims)
+    return sorted(range(k), key=lambda d: dims[d] % k)

@@ -31,7 +31,17 @@ import functools
 import torch
 
 from ndfunc._src.copy_slices import copies_as_broadcasts, fresh_copies, strided_views
-from ndfunc._src.graph_edits import annotate, arguments, call, is_view, moved, owned, returns_view, writes_into
+from ndfunc._src.graph_edits import (
+    annotate,
+    arguments,
+    call,
+    inverse_permutation,
+    is_view,
+    moved,
+    owned,
+    returns_view,
+    writes_into,
+)
 
 aten = torch.ops.aten
 
@@ -120,7 +130,7 @@ def views_as_scatters(gm: torch.fx.GraphModule) -> bool:
                 written = call(gm, made, aten.expand.default, moved(gm, made, src, into), list(into.shape))
             for link in chain:  # scattered into each view in turn, out to the tensor
                 if link.target is aten.permute.default:
-                    written = call(gm, made, aten.permute.default, written, _inverse(link.args[1]))
+                    written = call(gm, made, aten.permute.default, written, inverse_permutation(link.args[1]))
                 elif link.target in (aten.transpose.int, aten.t.default):  # (each its own inverse)
                     written = call(gm, made, link.target, written, *link.args[1:])
                 elif link.target in (aten.unsqueeze.default, aten.squeeze.dim):
@@ -148,12 +158,6 @@ def views_as_scatters(gm: torch.fx.GraphModule) -> bool:
                 gm.graph.erase_node(a)
         changed = True
     return changed
-
-
-def _inverse(dims: list) -> list:
-    """The permutation undoing `permute(dims)`."""
-    k = len(dims)
-    return sorted(range(k), key=lambda d: dims[d] % k)
 
 
 def _views_before(base: torch.fx.Node, write: torch.fx.Node, order: dict) -> list[torch.fx.Node]:
