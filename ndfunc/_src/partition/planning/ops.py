@@ -363,13 +363,10 @@ def _by_samples_rule(dims: Sequence[int]) -> Callable:
     """The rule of an op computed sample by sample, `dims` the samples' dim of each tensor output
     then input: whole, or split by the samples over any of the mesh axes, alike for every tensor
     (`ndfunc::ctc_losses`)."""
-    def rule(node, sizes) -> list[Strategy]:
-        n_outs = len(tensor_outputs(node))
-        made = []
-        for lay in all_layouts((tensor_outputs(node)[0].shape[dims[0]],), sizes, partial=False):
-            at = [tuple(Shard(d) if type(p) is Shard else p for p in lay) for d in dims]
-            made.append(Strategy(tuple(at[:n_outs]), tuple(at[n_outs:])))
-        return made
+    def rule(node, sizes) -> Fitted:
+        outs = tensor_outputs(node)
+        shapes = [tuple(t.shape) for t in (*outs, *(a.meta["val"] for a in tensor_inputs(node)))]
+        return per_axis([(Replicate(),) * len(dims), tuple(map(Shard, dims))], shapes, sizes, len(outs))
     return rule
 
 
