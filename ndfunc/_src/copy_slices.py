@@ -5,9 +5,10 @@ is recorded as `CopySlices`, whose backward copies the gradient into an empty te
 view as `as_strided`; `fill_`'s decomposition makes a functional `copy`. None of these has a
 sharding rule or a functional form the rewrites of `writes` read. Here the copy into an empty
 tensor is a copy of its source (`fresh_copies`), an `as_strided` that is one select, slice or
-diagonal of a contiguous tensor (or slices of it permuted, or it reshaped) is that view
-(`strided_views`), an `as_strided_` that moves no element is dropped, and a functional `copy` is its
-source broadcast (`copies_as_broadcasts`); `writes` then makes the write itself functional.
+diagonal of a contiguous tensor (or slices of it permuted, or it reshaped, or windows of its
+elements viewed as rows: a slice reshaped) is those views (`strided_views`), an `as_strided_` that
+moves no element is dropped, and a functional `copy` is its source broadcast
+(`copies_as_broadcasts`); `writes` then makes the write itself functional.
 """
 
 from __future__ import annotations
@@ -188,14 +189,18 @@ def _as_view(shape: list, strides: list, size: list, stride: list, offset: int) 
     tensor of `shape` (`strides`), in turn: [(select, dim, index)], [(diagonal, offset, dim1,
     dim2)] or a (slice, dim, start, end, step) per dim it cuts, then (permute, dims) where it
     orders them otherwise (a write into a transposed view, or a select of one); [(view, size)] for
-    every element in order with dims of size 1 added or dropped; None if no such views do."""
+    every element in order with dims of size 1 added or dropped; else windows of the elements
+    viewed as rows (`_windows`), permuted as those; None if no such views do."""
     found = _in_order(shape, strides, size, stride, offset)
-    order = sorted(range(len(size)), key=lambda d: -stride[d])  # its dims, outermost first
-    if found is not None or order == list(range(len(size))):
+    if found is not None:
         return found
-    found = _in_order(shape, strides, [size[d] for d in order], [stride[d] for d in order], offset)
+    order = sorted(range(len(size)), key=lambda d: -stride[d])  # its dims, outermost first
+    in_order = ([size[d] for d in order], [stride[d] for d in order])
+    found = _in_order(shape, strides, *in_order, offset) if order != sorted(order) else None
     if found is None or found[0][0] is aten.view.default:
-        return None
+        found = _windows(shape, *in_order, offset)
+    if found is None or order == sorted(order):
+        return found
     return [*found, (aten.permute.default, inverse_permutation(order))]
 
 
@@ -235,3 +240,48 @@ def _in_order(shape: list, strides: list, size: list, stride: list, offset: int)
     if rest:
         return None
     return slices or [(aten.slice.Tensor, 0, 0, shape[0], 1)]
+
+
+def _windows(shape: list, size: list, stride: list, offset: int) -> list | None:
+    """`_in_order` of an `as_strided` whose rows step by a stride that is no dim's (Transformer-XL's
+    and Funnel's relative shift: `[S, 2S - 1]` rows of each `[2S, S]` block of scores, a slice
+    reshaped), its dims outermost first, as windows of the tensor's elements. The dims are grouped
+    into levels, each stride within a level a whole number of the next's that holds that dim. The
+    elements are viewed as a grid with one dim per level (its step there the level's innermost
+    stride); from each grid dim a window is sliced, viewed as the level's dims, and each dim cut.
+    [(view, grid), then per level (slice, ...), (view, ...), (slice, ...), ...]; None where no
+    window fits."""
+    if not size or stride[-1] != 1 or min(size) < 1:
+        return None
+    levels = [[0]]
+    for i in range(1, len(size)):
+        if stride[i - 1] % stride[i] == 0 and stride[i - 1] // stride[i] >= size[i]:
+            levels[-1].append(i)
+        else:
+            levels.append([i])
+    units = [stride[level[-1]] for level in levels]  # each level's step, in elements
+    spans = [math.prod(shape), *units[:-1]]
+    if any(span % unit for span, unit in zip(spans, units)):
+        return None
+    grid = [span // unit for span, unit in zip(spans, units)]
+    found = [] if grid == shape else [(aten.view.default, grid)]
+    now, rest = list(grid), offset  # the shape so far; the offset left to place
+    d = 0  # the grid dim of this level
+    for level, unit in zip(levels, units):
+        start, rest = divmod(rest, unit)
+        steps = [stride[i] // unit for i in level]
+        rows = [size[level[0]], *(a // b for a, b in zip(steps, steps[1:]))]
+        end = start + rows[0] * steps[0]
+        if end > now[d]:
+            return None
+        if (start, end) != (0, now[d]):
+            found.append((aten.slice.Tensor, d, start, end, 1))
+        if len(rows) > 1:
+            now[d:d + 1] = rows
+            found.append((aten.view.default, list(now)))
+        for k, i in enumerate(level):
+            if size[i] < now[d + k]:
+                found.append((aten.slice.Tensor, d + k, 0, size[i], 1))
+                now[d + k] = size[i]
+        d += len(level)
+    return found if rest == 0 else None

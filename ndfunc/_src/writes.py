@@ -12,7 +12,9 @@ backward formulas, and both have a functional form that says what they mean:
   `select_scatter`, `diagonal_scatter`) whose result the later reads take (`views_as_scatters`).
 - An update in place of such a view (`z[:, -1] += y`: an `add_` into the view, then a `copy_` of
   it into the same view) is the out-of-place op, written by that scatter (`updates_as_values`);
-  a view taken before the write and read after it is taken again of the scatter's result.
+  a view taken before the write and read after it is taken again of the scatter's result. Any
+  other in-place op into such a view (`z[:, :k] *= s`) is its out-of-place op, then a copy into
+  the view (`updates_into_views`), which is the scatter.
 - A change of shape in place (`unsqueeze_`) is the view (`reshapes_as_views`).
 - A write of one value (or one row) where a boolean mask holds (`z[mask] = 0`, its backward's
   `index_put(grad, [mask], 0)`) is a `where` (`masked_as_where`). ATen's `index_put` reads a mask
@@ -49,16 +51,17 @@ aten = torch.ops.aten
 # view's arguments after `self` (the scatter's after `src`), in the same order
 _SCATTERS = {aten.slice.Tensor: aten.slice_scatter.default, aten.select.int: aten.select_scatter.default,
              aten.diagonal.default: aten.diagonal_scatter.default}
-# views of every element in another order: a source written into one is the tensor, reordered back
+# views of every element in another order or shape: a source written into one is the tensor,
+# reordered (or reshaped) back
 _REORDERS = (aten.permute.default, aten.transpose.int, aten.t.default,
-             aten.unsqueeze.default, aten.squeeze.dim)  # (and dims of size 1 added or dropped)
+             aten.unsqueeze.default, aten.squeeze.dim, aten.view.default)  # (and of another shape)
 _WRITES = (aten.copy_.default, aten.fill_.Scalar, aten.fill_.Tensor)
 
 
 def as_functional(gm: torch.fx.GraphModule) -> None:
     """`gm`'s in-place writes that have a functional form, rewritten so (see the module's text)."""
     if (copies_as_broadcasts(gm) | fresh_copies(gm) | strided_views(gm) | updates_as_values(gm)
-            | views_as_scatters(gm) | masked_as_where(gm) | reshapes_as_views(gm)):
+            | updates_into_views(gm) | views_as_scatters(gm) | masked_as_where(gm) | reshapes_as_views(gm)):
         gm.recompile()
 
 
@@ -93,9 +96,9 @@ def _reshapes_in_place(op) -> bool:
 
 
 def views_as_scatters(gm: torch.fx.GraphModule) -> bool:
-    """Each `copy_` or `fill_` into a slice, select, diagonal, permute, transpose or (un)squeeze (or
-    such a view of such a view) of a tensor the step made (not an input's, not a view of another),
-    as the views' scatter ops (through a permute, transpose or (un)squeeze: the source put back),
+    """Each `copy_` or `fill_` into a slice, select, diagonal, permute, transpose, (un)squeeze or
+    reshape (or such a view of such a view) of a tensor the step made (not an input's, not a view
+    of another), as the views' scatter ops (through a reordering or a reshape: the source put back),
     innermost first. Later reads of the tensor read the result; later reads of a view of it taken
     before the write (the written one too, and views of views) read that view taken again of the
     result. Left in place where one of those views was written through before. Whether any was
@@ -107,15 +110,10 @@ def views_as_scatters(gm: torch.fx.GraphModule) -> bool:
     changed = False
     for write in sorted(writes, key=order.__getitem__):
         view = write.args[0]
-        if not (isinstance(view, torch.fx.Node) and (view.target in _SCATTERS or view.target in _REORDERS)):
-            continue
-        chain, base = [view], view.args[0]  # a view of a view ..., of a tensor the step made
-        while isinstance(base, torch.fx.Node) and not owned(base) and (base.target in _SCATTERS
-                                                                       or base.target in _REORDERS):
-            chain.append(base)
-            base = base.args[0]
-        if not (isinstance(base, torch.fx.Node) and owned(base)):
+        chain = _chain(view)
+        if chain is None:
             continue  # an input's, or a view of a tensor read elsewhere: left as it is
+        base = chain[-1].args[0]
         seen = _views_before(base, write, order)  # (the written view among them)
         if any(order[r] < order[write] and writes_into(r, a) for a in [base, *seen] for r in a.users):
             continue  # written through another view before: left as it is
@@ -133,8 +131,9 @@ def views_as_scatters(gm: torch.fx.GraphModule) -> bool:
                     written = call(gm, made, aten.permute.default, written, inverse_permutation(link.args[1]))
                 elif link.target in (aten.transpose.int, aten.t.default):  # (each its own inverse)
                     written = call(gm, made, link.target, written, *link.args[1:])
-                elif link.target in (aten.unsqueeze.default, aten.squeeze.dim):
-                    written = call(gm, made, aten.view.default, written, list(link.args[0].meta["val"].shape))
+                elif link.target in (aten.unsqueeze.default, aten.squeeze.dim, aten.view.default):
+                    # (a reshape: put back through a permute, the source's strides may allow no view)
+                    written = call(gm, made, aten.reshape.default, written, list(link.args[0].meta["val"].shape))
                 else:
                     written = call(gm, made, _SCATTERS[link.target], link.args[0], written, *arguments(link))
             again = {base: written}
@@ -156,6 +155,45 @@ def views_as_scatters(gm: torch.fx.GraphModule) -> bool:
         for a in reversed(seen):
             if not a.users:
                 gm.graph.erase_node(a)
+        changed = True
+    return changed
+
+
+def _chain(view) -> list[torch.fx.Node] | None:
+    """The views from `view` out to a tensor the step made (a view of a view ..., each a slice,
+    select, diagonal, reordering or reshape), innermost first; None if it is no such view."""
+    chain, base = [], view
+    while isinstance(base, torch.fx.Node) and (not chain or not owned(base)) and (
+            base.target in _SCATTERS or base.target in _REORDERS):
+        chain.append(base)
+        base = base.args[0]
+    return chain if chain and isinstance(base, torch.fx.Node) and owned(base) else None
+
+
+def updates_into_views(gm: torch.fx.GraphModule) -> bool:
+    """Each in-place op but a copy or a fill (`mul_`, `add_`, `clamp_`) into a view of a tensor the
+    step made (`z[:, :k] *= s`, Funnel's `scores[..., :S] *= mask` on a slice reshaped), as its
+    out-of-place op and a copy of the result into the view, which `views_as_scatters` then makes
+    the view's scatter. Whether any was rewritten."""
+    changed = False
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target in _WRITES or not node.args:
+            continue
+        view = node.args[0]
+        if not (isinstance(view, torch.fx.Node) and writes_into(node, view) and _chain(view) is not None):
+            continue
+        functional = _out_of_place(node.target)
+        was, into = node.meta.get("val"), view.meta.get("val")
+        if functional is None or returns_view(functional) or not (
+                isinstance(was, torch.Tensor) and was.shape == into.shape and was.dtype == into.dtype):
+            continue
+        made = []
+        with gm.graph.inserting_before(node):
+            out = call(gm, made, functional, *node.args, **node.kwargs)
+            write = call(gm, made, aten.copy_.default, view, out)
+        annotate(made, node)
+        node.replace_all_uses_with(write)
+        gm.graph.erase_node(node)
         changed = True
     return changed
 
