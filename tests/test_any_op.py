@@ -497,6 +497,63 @@ def test_an_embedding_bag_of_rows_trains_split_by_bags_or_by_the_vocabulary(mode
     torch.testing.assert_close(got_grads, want_grads, **TOL)
 
 
+@pytest.mark.parametrize("mode,weighted,padding_idx,last", [("sum", False, None, False), ("sum", True, None, True),
+                                                            ("mean", False, 0, False), ("max", False, None, True),
+                                                            ("max", False, 0, False)])
+@pytest.mark.parametrize("strategy", ["dp", "tp"])
+def test_an_embedding_bag_by_offsets_trains_with_nothing_run_whole(mode, weighted, padding_idx, last, strategy):
+    # bags as runs of 1-dim indices from each offset (their sizes are values) ran in ATen's bag
+    # kernel, whole on every rank; traced as the rows summed (index_add) or maxed (scatter_reduce)
+    # into their bags, nothing runs whole (a ShardingWarning would be an error here). Bag 1 is
+    # empty, bag 2 all padding (both zeros), bag 0 partly padding.
+    torch.manual_seed(0)
+    bag = torch.nn.EmbeddingBag(20, 8, mode=mode, padding_idx=padding_idx, include_last_offset=last)
+    params, buffers, apply = nf.nn.functional(bag)
+    g = torch.Generator().manual_seed(0)
+    x, w, y = torch.randint(1, 20, (12,), generator=g), torch.rand(12, generator=g), torch.randn(4, 8, generator=g)
+    x[1], x[4:6] = 0, 0
+    offsets = torch.tensor([0, 4, 4, 6] + ([12] if last else []))
+
+    def loss(p, x, o, w, y):
+        return (apply(p, buffers, x, o, per_sample_weights=w if weighted else None) - y).square().mean()
+
+    want_grads, want_loss = torch.func.grad_and_value(loss)(params, x, offsets, w, y)
+    axes, pspec, split = {"dp": (dict(dp=2), P(), P("dp")), "tp": (dict(tp=2), {"weight": P("tp")}, P())}[strategy]
+    with nf.simulate(2):
+        step = nf.jit(nf.value_and_grad(loss), mesh=nf.make_mesh(**axes), in_shardings=(pspec, split, P(), split, split),
+                      out_shardings=(P(), pspec))
+        got_loss, got_grads = nf.device_get(step(params, x, offsets, w, y))
+    torch.testing.assert_close(got_loss, want_loss, **TOL)
+    torch.testing.assert_close(got_grads, want_grads, **TOL)
+
+
+@pytest.mark.parametrize("reduce", ["amax", "sum", "mean"])
+def test_a_scatter_reduce_stays_split_along_the_dims_it_does_not_scatter_over(reduce):
+    # ATen's scatter_reduce had no rule (it ran whole); a maximum of hidden units per class keeps
+    # tp's split of the hidden units, as its backward's gathers and scatters do
+    g = torch.Generator().manual_seed(0)
+    hidden = 512
+    params = {"w1": torch.randn(D, hidden, generator=g) * 0.3, "w2": torch.randn(hidden, C, generator=g) * 0.1}
+    x, t = torch.randn(B, D, generator=g), torch.randint(0, C, (B,), generator=g)
+
+    def loss(p, x, t):
+        h = torch.tanh(x @ p["w1"])
+        per_class = h.new_zeros(C, hidden).scatter_reduce(0, t[:, None].expand_as(h), h, reduce, include_self=False)
+        return (per_class @ p["w2"]).pow(2).mean()
+
+    want_grads, want_loss = torch.func.grad_and_value(loss)(params, x, t)
+    spec = {"w1": P(None, "tp"), "w2": P("tp")}
+    with nf.simulate(2):
+        step = nf.jit(nf.value_and_grad(loss), mesh=nf.make_mesh(tp=2), in_shardings=(spec, P(), P()),
+                      out_shardings=(P(), spec))
+        got_loss, got_grads = nf.device_get(step(params, x, t))
+        plan = step.lower(params, x, t).program.plan
+    torch.testing.assert_close(got_loss, want_loss, **TOL)
+    torch.testing.assert_close(got_grads, want_grads, **TOL)
+    assert [s.outs for n, s in plan.strategy.items() if n.target is torch.ops.aten.scatter_reduce.two] == [(
+        (Shard(1),),)]
+
+
 def _binned(o, y, t):  # ATen's searchsorted has no sharding rule and no decomposition
     return (o * torch.searchsorted(torch.tensor([-1.0, 0.0, 1.0]), o)).pow(2).mean()
 

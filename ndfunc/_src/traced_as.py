@@ -2,11 +2,12 @@
 
 ATen's kernels for some functions read their arguments' values (`F.one_hot`'s range check,
 `F.gaussian_nll_loss`'s check that no variance is negative), which a trace over fake tensors does
-not have; some have no sharding rule where the same math has one (`F.embedding_bag` over rows of
-indices); one gives its gradient through a shape made from values (`x[mask] = v` with a learned
-`v`); and attention is one op of every device (`attention.traced_sdpa`). Each is traced as the same
-math, `TRACED_AS`. A function mode, because ATen's composite kernels would run before any
-decomposition table is consulted inside `torch.func` transforms.
+not have; some have no sharding rule where the same math has one (`F.embedding_bag`, its bags
+rows of indices or runs from offsets); one gives its gradient through a shape made from values
+(`x[mask] = v` with a learned `v`); and attention is one op of every device
+(`attention.traced_sdpa`). Each is traced as the same math, `TRACED_AS`. A function mode, because
+ATen's composite kernels would run before any decomposition table is consulted inside `torch.func`
+transforms.
 """
 
 from __future__ import annotations
@@ -74,18 +75,23 @@ def _setitem(x, key, value):
 
 def _embedding_bag(input, weight, offsets=None, max_norm=None, norm_type=2, scale_grad_by_freq=False, mode="mean",
                    sparse=False, per_sample_weights=None, include_last_offset=False, padding_idx=None):
-    """`F.embedding_bag` over 2-dim indices (a bag per row) as the embedding's rows reduced over
-    each bag, which lay out as `F.embedding` does (split by bags, or by the vocabulary); ATen's
-    bag kernel has no sharding rule. Bags given by offsets (their sizes are values), `max_norm`
-    (it renormalizes the weight in place), `scale_grad_by_freq` and `sparse` as torch's."""
-    if input.dim() != 2 or offsets is not None or max_norm is not None or scale_grad_by_freq or sparse \
-            or mode not in ("sum", "mean", "max") or (per_sample_weights is not None and mode != "sum"):
+    """`F.embedding_bag` as the embedding's rows reduced over each bag, which lay out as
+    `F.embedding` does (split by bags or tokens, or by the vocabulary); ATen's bag kernel has no
+    sharding rule. Bags are the rows of 2-dim indices, or runs of 1-dim ones from each offset (the
+    rows summed into their bags by `index_add`, a maximum by `scatter_reduce`; their sizes are
+    values, but no shape is). `max_norm` (it renormalizes the weight in place),
+    `scale_grad_by_freq` and `sparse` as torch's."""
+    if input.dim() not in (1, 2) or (offsets is None) == (input.dim() == 1) or max_norm is not None \
+            or scale_grad_by_freq or sparse or mode not in ("sum", "mean", "max") \
+            or (per_sample_weights is not None and mode != "sum"):
         return torch.nn.functional.embedding_bag(input, weight, offsets, max_norm, norm_type, scale_grad_by_freq,
                                                  mode, sparse, per_sample_weights, include_last_offset, padding_idx)
-    rows = torch.nn.functional.embedding(input, weight)  # (bags, bag size, dim)
+    rows = torch.nn.functional.embedding(input, weight)  # (bags, bag size, dim) or (indices, dim)
     kept = None if padding_idx is None else (input != padding_idx % weight.shape[0]).unsqueeze(-1)
     if per_sample_weights is not None:
         rows = rows * per_sample_weights.unsqueeze(-1).to(rows.dtype)
+    if offsets is not None:
+        return _bags_by_offsets(input, rows, kept, offsets[:-1] if include_last_offset else offsets, mode)
     if mode == "max":
         if kept is not None:
             rows = rows.masked_fill(~kept, float("-inf"))
@@ -98,6 +104,31 @@ def _embedding_bag(input, weight, offsets=None, max_norm=None, norm_type=2, scal
         return total
     count = input.shape[1] if kept is None else kept.sum(1).clamp(min=1)  # an empty bag: zeros, as torch's
     return total / count
+
+
+def _bags_by_offsets(input, rows, kept, starts, mode):
+    """`_embedding_bag`'s bags of 1-dim indices, bag `b` from `starts[b]` to the next start: each
+    row's bag is how many bags start at or before it, less one (an empty bag starts where the next
+    does), and the rows are summed, averaged or maxed into their bags; an empty bag (or one of
+    padding only) is zeros, as torch's."""
+    n, bags = input.shape[0], starts.shape[0]
+    begun = torch.zeros(n + 1, dtype=torch.int64, device=input.device)  # (a bag may start at n: empty)
+    bag = begun.index_add(0, starts, torch.ones_like(starts, dtype=torch.int64)).cumsum(0)[:n] - 1
+    zeros = rows.new_zeros(bags, rows.shape[-1])
+    if mode == "max":
+        if kept is not None:
+            rows = rows.masked_fill(~kept, float("-inf"))
+        best = zeros.scatter_reduce(0, bag.unsqueeze(-1).expand_as(rows), rows, "amax", include_self=False)
+        if kept is None:
+            return best
+        return torch.where(zeros[:, 0].index_add(0, bag, kept[:, 0].to(rows.dtype)).unsqueeze(-1) > 0, best, 0.0)
+    if kept is not None:
+        rows = rows * kept
+    total = zeros.index_add(0, bag, rows)
+    if mode == "sum":
+        return total
+    ones = torch.ones(n, dtype=rows.dtype, device=rows.device) if kept is None else kept[:, 0].to(rows.dtype)
+    return total / zeros[:, 0].index_add(0, bag, ones).clamp(min=1).unsqueeze(-1)
 
 
 def _lstm(input, hx, *rest, **kwargs):

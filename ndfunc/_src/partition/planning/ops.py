@@ -391,6 +391,18 @@ def _cdist_rule(node, sizes) -> Fitted:
     return per_axis(rules, [tuple(t.shape) for t in tensors], sizes, 1)
 
 
+def _scatter_reduce_rule(node, sizes) -> Fitted:
+    """`scatter_reduce` (a maximum per bag: `F.embedding_bag`'s by offsets), per mesh axis: whole,
+    or split alike along a dim other than the one it scatters over, where the index and the source
+    are as long as the tensor there (their blocks then meet the tensor's)."""
+    into, index, src = (a.meta["val"] for a in tensor_inputs(node))
+    dim = node.args[1] % into.dim()
+    whole = (Replicate(),) * 4  # the result; the tensor, the index, the source
+    dims = [d for d in range(into.dim()) if d != dim and into.shape[d] == index.shape[d] == src.shape[d]]
+    shapes = [tuple(t.shape) for t in (node.meta["val"], into, index, src)]
+    return per_axis([whole, *((Shard(d),) * 4 for d in dims)], shapes, sizes, 1)
+
+
 def _ctc_flops(node) -> int:
     """CTC's forward variables: a few operations per time step, sample and extended label, with the
     gradient's backward variables as many again."""
@@ -681,6 +693,7 @@ register(ctc_loss.ctc_losses_backward_op, strategies=_by_samples_rule((1, 0, 1, 
 register(aten.stack.default, strategies=_stack_rule)
 register(aten.fill_.Scalar, strategies=_fill_rule)
 register(aten.fill_.Tensor, strategies=_fill_rule)
+register(aten.scatter_reduce.two, strategies=_scatter_reduce_rule)
 register(aten._cdist_forward.default, strategies=_cdist_rule)
 register(aten._cdist_backward.default, strategies=_cdist_rule)
 for _trailing, _pad in enumerate((aten.replication_pad1d_backward.default, aten.replication_pad2d_backward.default,
