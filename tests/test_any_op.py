@@ -296,30 +296,66 @@ def test_a_write_left_in_place_is_right_or_refused_never_wrong(strategy, monkeyp
         _jitted(_sgd_step(_a_slice_of_a_flattened_view_filled), strategy)(params, x, y, t)
 
 
-@pytest.mark.parametrize("block", ["group_norm", "gru"])
-def test_a_block_that_reshapes_in_place_trains_split_by_the_batch(block):
-    # GroupNorm's backward under torch.func reshapes its statistics in place (`unsqueeze_`), GRU's
-    # decomposition its stacked outputs (`transpose_`), which no rule lays out: traced as the views,
-    # nothing runs whole (a ShardingWarning would be an error here)
+def test_a_block_that_reshapes_in_place_trains_split_by_the_batch():
+    # GroupNorm's backward under torch.func reshapes its statistics in place (`unsqueeze_`), which
+    # no rule lays out: traced as the view, nothing runs whole (a ShardingWarning would be an
+    # error here)
     torch.manual_seed(0)
-    module = torch.nn.GroupNorm(4, 8) if block == "group_norm" else torch.nn.GRU(16, 8, batch_first=True)
-    params, buffers, apply = nf.nn.functional(module)
+    params, buffers, apply = nf.nn.functional(torch.nn.GroupNorm(4, 8))
     x = torch.randn(4, 8, 16)
-    loss = lambda p, x: (apply(p, buffers, x) if block == "group_norm" else apply(p, buffers, x)[0]).square().mean()  # noqa: E731
-    _split_by_the_batch_equals_eager(loss, params, x)
+    _split_by_the_batch_equals_eager(lambda p, x: apply(p, buffers, x).square().mean(), params, x)
 
 
-@pytest.mark.parametrize("layers,bidirectional", [(1, False), (2, True)])
-def test_an_lstm_trains_split_by_the_batch(layers, bidirectional):
-    # on CPU torch's LSTM decomposition calls oneDNN's layer kernel where nothing outside torch.func
-    # needs a gradient: no rule, so it ran whole on every rank (a ShardingWarning, an error here);
-    # traced as the decomposition's cells, as on a GPU, it splits by the batch
+RECURRENT = {  # a layer, whether it reads (batch, steps, features), and initial states it is given
+    "lstm": (lambda: torch.nn.LSTM(16, 64, batch_first=True), None),
+    "lstm_2_layers_bidirectional": (lambda: torch.nn.LSTM(16, 64, num_layers=2, bidirectional=True,
+                                                          batch_first=True), None),
+    "lstm_projected_steps_first_with_states": (lambda: torch.nn.LSTM(16, 64, proj_size=32),
+                                               lambda b: (torch.full((1, b, 32), 0.1), torch.full((1, b, 64), -0.2))),
+    "gru_2_layers": (lambda: torch.nn.GRU(16, 64, num_layers=2, batch_first=True), None),
+    "rnn_relu_bidirectional": (lambda: torch.nn.RNN(16, 64, nonlinearity="relu", bidirectional=True,
+                                                    batch_first=True), None),
+    "rnn_tanh_steps_first_with_states": (lambda: torch.nn.RNN(16, 64), lambda b: torch.full((1, b, 64), 0.3)),
+}
+
+
+@pytest.mark.filterwarnings("ignore:LSTM with projections is not supported with oneDNN")  # (torch's, eager too)
+@pytest.mark.parametrize("layer", list(RECURRENT))
+def test_a_recurrent_layer_is_one_op_split_by_the_batch(layer):
+    # traced op by op, a recurrent layer was its cells unrolled, dozens of ops per step (an LSTM of
+    # 256 steps took 18 s to lower), and on CPU torch's LSTM picked oneDNN's layer kernel, which
+    # has no rule (whole on every rank). Now one ndfunc::rnn per call and one for its gradient,
+    # split by the batch, at 16 steps as at 64 (unrolled, 64 steps were thousands of ops)
+    make, states = RECURRENT[layer]
     torch.manual_seed(0)
-    module = torch.nn.LSTM(16, 8, num_layers=layers, bidirectional=bidirectional, batch_first=True)
+    module = make()
     params, buffers, apply = nf.nn.functional(module)
-    x = torch.randn(4, 6, 16)
-    loss = lambda p, x: apply(p, buffers, x)[0].square().mean()  # noqa: E731
-    assert "mkldnn" not in _split_by_the_batch_equals_eager(loss, params, x)
+
+    def loss(p, x):
+        x = x if module.batch_first else x.transpose(0, 1)
+        made = apply(p, buffers, x) if states is None else apply(p, buffers, x, states(x.shape[1]))
+        return made[0].square().mean()
+
+    for steps in (16, 64):
+        program = _split_by_the_batch_equals_eager(loss, params, torch.randn(8, steps, 16))
+        calls = [line for line in program.splitlines() if "ndfunc.rnn" in line]
+        assert len(calls) == 2 and "ndfunc.rnn_backward(" in calls[1]
+        assert (f"float32[4, {steps}," if module.batch_first else f"float32[{steps}, 4,") in calls[0]  # 4 samples a rank
+        assert len(program.splitlines()) < 256
+
+
+def test_a_gradient_of_a_gradient_through_an_lstm_is_its_cells_op_by_op():
+    # ndfunc::rnn's backward has no gradient of its own: under a second gradient the layer is its
+    # cells, as torch's decomposition writes them, split by the batch as any ops
+    torch.manual_seed(0)
+    params, buffers, apply = nf.nn.functional(torch.nn.LSTM(16, 64, batch_first=True))
+
+    def squared_gradient(p, x):
+        grads = torch.func.grad(lambda p: apply(p, buffers, x)[0].square().mean())(p)
+        return sum((g ** 2).sum() for g in grads.values())
+
+    program = _split_by_the_batch_equals_eager(squared_gradient, params, torch.randn(8, 6, 16))
+    assert "ndfunc.rnn" not in program and "mkldnn" not in program
 
 
 @pytest.mark.parametrize("reduction,zero_infinity", [("mean", False), ("sum", False), ("none", False),

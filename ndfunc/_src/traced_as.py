@@ -16,6 +16,7 @@ import math
 
 import torch
 
+from ndfunc._src import rnn, torch_compat
 from ndfunc._src.attention import traced_sdpa
 from ndfunc._src.ctc_loss import ctc_loss
 from ndfunc._src.torch_compat import lstm_cells
@@ -132,17 +133,42 @@ def _bags_by_offsets(input, rows, kept, starts, mode):
 
 
 def _lstm(input, hx, *rest, **kwargs):
-    """`torch.lstm` (`nn.LSTM`'s) over a batch as its decomposition's cells (matmuls and pointwise
-    ops, which split by the batch), not oneDNN's layer kernel, which the decomposition picks on CPU
-    where nothing outside `torch.func` needs a gradient: it has no sharding rule, and its backward
-    reads an opaque workspace. A packed sequence is torch's own (its decomposition takes no kernel)."""
-    if isinstance(hx, (list, tuple)) and not kwargs:
-        return lstm_cells(input, hx, *rest)
-    return torch.lstm(input, hx, *rest, **kwargs)
+    """`torch.lstm` (`nn.LSTM`'s) over a batch as one `ndfunc::rnn`, as `_recurrent` the others;
+    where that cannot be (dropout between layers in training, a transform other than a gradient), as its
+    decomposition's cells (matmuls and pointwise ops, which split by the batch), not oneDNN's
+    layer kernel, which the decomposition picks on CPU where nothing outside `torch.func` needs a
+    gradient: it has no sharding rule, and its backward reads an opaque workspace. A packed
+    sequence is torch's own (its decomposition takes no kernel)."""
+    if not isinstance(hx, (list, tuple)) or kwargs:
+        return torch.lstm(input, hx, *rest, **kwargs)
+    if _one_op(input, *rest[3:5]):
+        return rnn.rnn("lstm", input, hx, *rest[:3], *rest[5:])
+    return lstm_cells(input, hx, *rest)
+
+
+def _recurrent(mode: str, kernel):
+    """`torch.gru` / `torch.rnn_tanh` / `torch.rnn_relu` over a batch as one `ndfunc::rnn`: the
+    call, not its cells unrolled step by step, split by the batch; where that cannot be (a packed
+    sequence, dropout in training, a transform other than a gradient), torch's own."""
+    def traced(input, hx, params, *rest, **kwargs):
+        if isinstance(params, (list, tuple)) and not kwargs and _one_op(input, *rest[2:4]):
+            return rnn.rnn(mode, input, hx, params, *rest[:2], *rest[4:])
+        return kernel(input, hx, params, *rest, **kwargs)
+    return traced
+
+
+def _one_op(input, dropout: float, train: bool) -> bool:
+    """Whether a recurrent call can be one `ndfunc::rnn`: a batch (`nn`'s layers make one of an
+    unbatched input), no dropout at work (its masks are drawn between layers, inside), and no
+    transform but a gradient (the op has no batching rule, and its backward no gradient)."""
+    return input.dim() == 3 and (not train or dropout == 0) and torch_compat.func_transforms() in ([], ["Grad"])
 
 
 TRACED_AS = {torch.nn.functional.one_hot: _one_hot,
              torch.lstm: _lstm,
+             torch.gru: _recurrent("gru", torch.gru),
+             torch.rnn_tanh: _recurrent("rnn_tanh", torch.rnn_tanh),
+             torch.rnn_relu: _recurrent("rnn_relu", torch.rnn_relu),
              torch.nn.functional.ctc_loss: ctc_loss,
              torch.nn.functional.embedding_bag: _embedding_bag,
              torch.Tensor.__setitem__: _setitem,

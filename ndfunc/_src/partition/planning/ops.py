@@ -33,7 +33,7 @@ import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.nn import _reduction
 
-from ndfunc._src import attention, ctc_loss, manual
+from ndfunc._src import attention, ctc_loss, manual, rnn
 from ndfunc._src.constraints import sharding_constraint_op
 from ndfunc._src.partition import program as prog
 from ndfunc._src.partition.planning import redistribute
@@ -403,6 +403,17 @@ def _scatter_reduce_rule(node, sizes) -> Fitted:
     return per_axis([whole, *((Shard(d),) * 4 for d in dims)], shapes, sizes, 1)
 
 
+def _rnn_rule(node, sizes) -> Fitted:
+    """`ndfunc::rnn` (an LSTM, GRU or RNN call) and its backward, per mesh axis: whole, or split by
+    the batch with the weights whole, their gradients then each rank's sum over its own samples,
+    pending."""
+    made, read = rnn.batch_dims(node)
+    tensors = [*tensor_outputs(node), *(a.meta["val"] for a in tensor_inputs(node))]
+    split = tuple(Shard(d) if d is not None else Partial("sum") if i < len(made) else Replicate()
+                  for i, d in enumerate(made + read))
+    return per_axis([(Replicate(),) * len(tensors), split], [tuple(t.shape) for t in tensors], sizes, len(made))
+
+
 def _ctc_flops(node) -> int:
     """CTC's forward variables: a few operations per time step, sample and extended label, with the
     gradient's backward variables as many again."""
@@ -690,6 +701,8 @@ register(aten.cat.default, strategies=_cat_rule)
 # the log-probabilities' gradient, after the losses' gradient)
 register(ctc_loss.ctc_losses_op, strategies=_by_samples_rule((0, 1, 0, 0, 0)), flops=_ctc_flops)
 register(ctc_loss.ctc_losses_backward_op, strategies=_by_samples_rule((1, 0, 1, 0, 0, 0)), flops=_ctc_flops)
+register(rnn.rnn_op, strategies=_rnn_rule, flops=rnn.flops)  # (output, *final states); input, *states, *weights
+register(rnn.rnn_backward_op, strategies=_rnn_rule, flops=rnn.flops)
 register(aten.stack.default, strategies=_stack_rule)
 register(aten.fill_.Scalar, strategies=_fill_rule)
 register(aten.fill_.Tensor, strategies=_fill_rule)
