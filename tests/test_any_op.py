@@ -49,6 +49,11 @@ LOSSES = {
     "rfft": lambda o, y, t: torch.fft.rfft(o, dim=1).abs().mean(),
     "index_add": lambda o, y, t: torch.zeros(C, C).index_add(0, t, o).pow(2).sum(),
     "scatter_add": lambda o, y, t: torch.zeros(C, C).scatter_add(0, t[:, None].expand(B, C), o).pow(2).sum(),
+    # ATen's backwards of these have no rule (they ran whole): traced as their math
+    "multi_margin_loss": lambda o, y, t: F.multi_margin_loss(o, t, p=2, margin=0.7, weight=torch.linspace(0.5, 1.5, C)),
+    # (its targets end at the first -1; PyTorch's decomposition read on past it: a wrong loss)
+    "multilabel_margin_loss": lambda o, y, t: F.multilabel_margin_loss(
+        o, torch.stack([t, (t + 1) % C, torch.full_like(t, -1), (t + 2) % C], 1)),
     "literal_1d": lambda o, y, t: (o * torch.tensor([1.0, 2.0, 3.0, 4.0])).pow(2).mean(),
     "literal_2d": lambda o, y, t: (o @ torch.tensor([[1.0, 0.5, 0.0, 0.0], [0.0, 1.0, 0.0, 0.0],
                                                      [0.0, 0.0, 1.0, 0.0], [0.0, 0.0, 0.5, 1.0]])).pow(2).mean(),
@@ -588,6 +593,41 @@ def test_a_scatter_reduce_stays_split_along_the_dims_it_does_not_scatter_over(re
     torch.testing.assert_close(got_grads, want_grads, **TOL)
     assert [s.outs for n, s in plan.strategy.items() if n.target is torch.ops.aten.scatter_reduce.two] == [(
         (Shard(1),),)]
+
+
+def test_an_embedding_scaled_by_frequency_counts_each_token_over_every_rank():
+    # its backward divides each row's gradient by its token's count in the batch: DTensor's rule
+    # split the indices, and each rank counted its own block (row 1's gradient came out twice)
+    g = torch.Generator().manual_seed(0)
+    w, idx = torch.randn(6, 4, generator=g), torch.tensor([[1, 1, 2], [0, 5, 1]])
+    loss = lambda w, idx: F.embedding(idx, w, scale_grad_by_freq=True).square().sum()  # noqa: E731
+    want_grad, want_loss = torch.func.grad_and_value(loss)(w, idx)
+    with nf.simulate(2):
+        step = nf.jit(nf.value_and_grad(loss), mesh=nf.make_mesh(dp=2), in_shardings=(P(), P("dp")),
+                      out_shardings=(P(), P()))
+        got_loss, got_grad = nf.device_get(step(w, idx))
+    torch.testing.assert_close(got_loss, want_loss, **TOL)
+    torch.testing.assert_close(got_grad, want_grad, **TOL)
+
+
+@pytest.mark.parametrize("matrices", [(2, 3, 3), (3, 3)])
+def test_a_triangular_solve_splits_the_right_hand_sides_by_a_batch_the_matrices_broadcast_over(matrices):
+    # DTensor's rule split B's batch with A whole, as if A broadcast over it: with a matrix per
+    # sample each rank solved its block of B against every matrix (a wrong loss, or a raise)
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(*matrices, generator=g).triu() + 3 * torch.eye(3)
+    b = torch.randn(2, 3, 4, generator=g)
+
+    def loss(a, b):
+        return torch.linalg.solve_triangular(a, b, upper=True).square().sum()
+
+    want_grads, want_loss = torch.func.grad_and_value(loss, argnums=(0, 1))(a, b)
+    with nf.simulate(2):
+        step = nf.jit(nf.value_and_grad(loss, argnums=(0, 1)), mesh=nf.make_mesh(dp=2),
+                      in_shardings=(P(), P("dp")), out_shardings=(P(), (P(), P())))
+        got_loss, got_grads = nf.device_get(step(a, b))
+    torch.testing.assert_close(got_loss, want_loss, **TOL)
+    torch.testing.assert_close(got_grads, want_grads, **TOL)
 
 
 def _binned(o, y, t):  # ATen's searchsorted has no sharding rule and no decomposition

@@ -74,6 +74,47 @@ def _setitem(x, key, value):
     torch.Tensor.__setitem__(x, key, value)
 
 
+def _reduced(losses: torch.Tensor, reduction: str) -> torch.Tensor:
+    return losses if reduction == "none" else losses.sum() if reduction == "sum" else losses.mean()
+
+
+def _multi_margin_loss(input, target, p=1, margin=1.0, weight=None, size_average=None, reduce=None,
+                       reduction="mean"):
+    """`F.multi_margin_loss` as its math: per sample, the sum over the other classes of
+    max(0, margin - x[y] + x[i])^p (times the target's weight), over the number of classes. ATen's
+    backward has no sharding rule (it ran whole); these ops split by the samples. Legacy
+    arguments, or a `p` other than 1 and 2, as torch's (which checks them)."""
+    if size_average is not None or reduce is not None or p not in (1, 2) or input.dim() not in (1, 2):
+        return torch.nn.functional.multi_margin_loss(input, target, p, margin, weight, size_average, reduce, reduction)
+    x = input if input.dim() == 2 else input.unsqueeze(0)
+    y = target.reshape(-1, 1)
+    gaps = (margin - x.gather(1, y) + x).clamp(min=0) ** p  # (samples, classes); the target's own: margin^p
+    gaps = gaps.masked_fill(torch.arange(x.shape[1], device=x.device) == y, 0.0)
+    if weight is not None:
+        gaps = gaps * weight[y]
+    losses = gaps.sum(1) / x.shape[1]
+    return _reduced(losses if input.dim() == 2 else losses[0], reduction)
+
+
+def _multilabel_margin_loss(input, target, size_average=None, reduce=None, reduction="mean"):
+    """`F.multilabel_margin_loss` as its math: per sample, its targets (the leading entries of its
+    target row up to the first -1) each against every class that is no target, max(0, 1 - x[t] +
+    x[i]), summed, over the number of classes. ATen's backward has no sharding rule, and PyTorch's
+    decomposition of its forward masks no entry after the first -1 (a wrong loss)."""
+    if size_average is not None or reduce is not None or input.dim() not in (1, 2):
+        return torch.nn.functional.multilabel_margin_loss(input, target, size_average, reduce, reduction)
+    x = input if input.dim() == 2 else input.unsqueeze(0)
+    t = target if target.dim() == 2 else target.unsqueeze(0)
+    listed = torch.cumprod((t >= 0).to(torch.int64), 1).bool()  # up to the first -1
+    classes = torch.arange(x.shape[1], device=x.device)
+    is_target = ((t.unsqueeze(-1) == classes) & listed.unsqueeze(-1)).any(1)  # (samples, classes)
+    scores = x.gather(1, t.clamp(min=0))  # (samples, listed entries)
+    gaps = (1 - scores.unsqueeze(-1) + x.unsqueeze(1)).clamp(min=0)  # (samples, entries, classes)
+    gaps = gaps * (listed.unsqueeze(-1) & ~is_target.unsqueeze(1))
+    losses = gaps.sum((1, 2)) / x.shape[1]
+    return _reduced(losses if input.dim() == 2 else losses[0], reduction)
+
+
 def _embedding_bag(input, weight, offsets=None, max_norm=None, norm_type=2, scale_grad_by_freq=False, mode="mean",
                    sparse=False, per_sample_weights=None, include_last_offset=False, padding_idx=None):
     """`F.embedding_bag` as the embedding's rows reduced over each bag, which lay out as
@@ -171,6 +212,8 @@ TRACED_AS = {torch.nn.functional.one_hot: _one_hot,
              torch.rnn_relu: _recurrent("rnn_relu", torch.rnn_relu),
              torch.nn.functional.ctc_loss: ctc_loss,
              torch.nn.functional.embedding_bag: _embedding_bag,
+             torch.nn.functional.multi_margin_loss: _multi_margin_loss,
+             torch.nn.functional.multilabel_margin_loss: _multilabel_margin_loss,
              torch.Tensor.__setitem__: _setitem,
              torch.nn.functional.gaussian_nll_loss: _gaussian_nll_loss,
              torch.nn.functional.scaled_dot_product_attention: traced_sdpa}

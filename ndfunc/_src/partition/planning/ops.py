@@ -391,6 +391,20 @@ def _cdist_rule(node, sizes) -> Fitted:
     return per_axis(rules, [tuple(t.shape) for t in tensors], sizes, 1)
 
 
+def _solve_triangular_rule(node, sizes) -> list[Strategy]:
+    """DTensor's strategies for `linalg.solve_triangular(A, B)` less those splitting a batch dim of
+    B (and of the solution) where A, whole, has that dim and does not broadcast it: DTensor's rule
+    takes A as broadcast there, so each rank solved its block of B against every matrix of A."""
+    found = from_dtensor(node, tensor_inputs(node), tensor_outputs(node), sizes)
+    a, b = (x.meta["val"] for x in tensor_inputs(node))
+    lead = b.dim() - a.dim()  # (batch dims align from the right)
+
+    def broadcasts(s) -> bool:
+        return all(not (isinstance(p, Shard) and p.dim < b.dim() - 2 and isinstance(q, Replicate)
+                        and p.dim >= lead and a.shape[p.dim - lead] != 1) for q, p in zip(*s.ins))
+    return [s for s in found if broadcasts(s)]
+
+
 def _scatter_reduce_rule(node, sizes) -> Fitted:
     """`scatter_reduce` (a maximum per bag: `F.embedding_bag`'s by offsets), per mesh axis: whole,
     or split alike along a dim other than the one it scatters over, where the index and the source
@@ -553,13 +567,15 @@ def _vocab_parallel_rule(node, sizes) -> list[Strategy]:
     instead, each rank looking up the rows it holds and zeros for the rest, a pending sum
     (Megatron's vocabulary-parallel embedding; DTensor's masked partial). In the backward the
     gradient's rows are split the same way: each rank's rows from the tokens that fall in them.
-    Not for `scale_grad_by_freq` (it counts tokens over the whole table)."""
+    Not for `scale_grad_by_freq` (it counts tokens over the whole table), whose backward divides
+    each row by its token's count over all the indices: DTensor's strategies with the indices
+    whole only (split, each rank counted its own block's tokens)."""
     found = from_dtensor(node, tensor_inputs(node), tensor_outputs(node), sizes)
     if found is None:
         found = from_op_strategy(node, tensor_inputs(node), tensor_outputs(node), sizes)
     forward = node.target is aten.embedding.default
     if _embedding_args(node)[1]:
-        return found
+        return found if forward else [s for s in found if not any(isinstance(p, Shard) for p in s.ins[1])]
     table_shape = tuple((node.args[0] if forward else node).meta["val"].shape)
     extra = []
     for s in found:
@@ -707,6 +723,7 @@ register(aten.stack.default, strategies=_stack_rule)
 register(aten.fill_.Scalar, strategies=_fill_rule)
 register(aten.fill_.Tensor, strategies=_fill_rule)
 register(aten.scatter_reduce.two, strategies=_scatter_reduce_rule)
+register(aten.linalg_solve_triangular.default, strategies=_solve_triangular_rule)
 register(aten._cdist_forward.default, strategies=_cdist_rule)
 register(aten._cdist_backward.default, strategies=_cdist_rule)
 for _trailing, _pad in enumerate((aten.replication_pad1d_backward.default, aten.replication_pad2d_backward.default,
