@@ -54,6 +54,11 @@ LOSSES = {
     # (its targets end at the first -1; PyTorch's decomposition read on past it: a wrong loss)
     "multilabel_margin_loss": lambda o, y, t: F.multilabel_margin_loss(
         o, torch.stack([t, (t + 1) % C, torch.full_like(t, -1), (t + 2) % C], 1)),
+    # covariance losses (CORAL's, VICReg's): ATen's cov reads its normalizer's value to warn
+    "cov": lambda o, y, t: (torch.cov(o.T) - torch.cov(y.T)).square().sum(),
+    "corrcoef": lambda o, y, t: (torch.corrcoef(o.T) - torch.eye(C)).square().sum(),
+    # sliding windows (audio framing): Tensor.unfold and its backward had no rule
+    "sliding_windows": lambda o, y, t: (o.unfold(1, 2, 1).prod(-1) - y[:, 1:]).square().mean(),
     "literal_1d": lambda o, y, t: (o * torch.tensor([1.0, 2.0, 3.0, 4.0])).pow(2).mean(),
     "literal_2d": lambda o, y, t: (o @ torch.tensor([[1.0, 0.5, 0.0, 0.0], [0.0, 1.0, 0.0, 0.0],
                                                      [0.0, 0.0, 1.0, 0.0], [0.0, 0.0, 0.5, 1.0]])).pow(2).mean(),

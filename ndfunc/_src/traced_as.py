@@ -13,6 +13,7 @@ transforms.
 from __future__ import annotations
 
 import math
+import warnings
 
 import torch
 
@@ -72,6 +73,32 @@ def _setitem(x, key, value):
         x.copy_(torch.where(where, value.to(x.device, x.dtype), x))
         return
     torch.Tensor.__setitem__(x, key, value)
+
+
+def _cov(input, *, correction=1, fweights=None, aweights=None):
+    """`torch.cov` without weights as its math, the observations' count a shape: ATen's reads the
+    normalizer's value to warn where it is not positive (a covariance loss raised
+    DataDependentError). With weights (values), torch's own."""
+    if fweights is not None or aweights is not None or input.dim() > 2:
+        return torch.cov(input, correction=correction, fweights=fweights, aweights=aweights)
+    x = input.reshape(1, -1) if input.dim() < 2 else input
+    dof = x.shape[1] - correction
+    if dof <= 0:
+        warnings.warn("cov(): degrees of freedom is <= 0. Correction should be strictly less than the number of "
+                      "observations.", stacklevel=2)
+    centered = x - x.mean(1, keepdim=True)
+    return (centered @ centered.t().conj() / max(dof, 0)).squeeze()
+
+
+def _corrcoef(input):
+    """`torch.corrcoef` as its math over `_cov`'s (ATen's calls its own cov)."""
+    if input.dim() > 2 or input.is_complex():
+        return torch.corrcoef(input)
+    c = _cov(input)
+    if c.dim() == 0:
+        return c / c
+    spread = c.diagonal().sqrt()
+    return (c / spread.unsqueeze(1) / spread.unsqueeze(0)).clip(-1, 1)
 
 
 def _reduced(losses: torch.Tensor, reduction: str) -> torch.Tensor:
@@ -212,6 +239,8 @@ TRACED_AS = {torch.nn.functional.one_hot: _one_hot,
              torch.rnn_relu: _recurrent("rnn_relu", torch.rnn_relu),
              torch.nn.functional.ctc_loss: ctc_loss,
              torch.nn.functional.embedding_bag: _embedding_bag,
+             torch.cov: _cov,
+             torch.corrcoef: _corrcoef,
              torch.nn.functional.multi_margin_loss: _multi_margin_loss,
              torch.nn.functional.multilabel_margin_loss: _multilabel_margin_loss,
              torch.Tensor.__setitem__: _setitem,

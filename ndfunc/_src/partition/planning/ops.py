@@ -405,6 +405,25 @@ def _solve_triangular_rule(node, sizes) -> list[Strategy]:
     return [s for s in found if broadcasts(s)]
 
 
+def _unfold_rule(node, sizes) -> Fitted:
+    """`Tensor.unfold` (sliding windows along a dim, as a new last dim) and its backward, per mesh
+    axis: whole, or split alike along a dim other than the windowed one (each keeps its place)."""
+    backward = node.target is aten.unfold_backward.default
+    dim = node.args[2 if backward else 1] % len(node.meta["val"].shape if backward else node.args[0].meta["val"].shape)
+    tensors = [node.meta["val"], *(a.meta["val"] for a in tensor_inputs(node))]
+    rules = [(Replicate(),) * len(tensors), *((Shard(d),) * len(tensors) for d in range(tensors[-1].dim() - backward)
+                                            if d != dim)]
+    return per_axis(rules, [tuple(t.shape) for t in tensors], sizes, 1)
+
+
+def _unfold_backward(emitter, node, locals_):
+    """`unfold_backward` on blocks: the input's shape it takes, its block's."""
+    val = node.meta["val"]
+    shape = local_shape(tuple(val.shape), emitter.plan.strategy[node].outs[0], emitter.sizes)
+    out = emitter.call(aten.unfold_backward.default, locals_[0], list(shape), *node.args[2:])
+    return prog.note_local(out, shape, val.dtype)
+
+
 def _scatter_reduce_rule(node, sizes) -> Fitted:
     """`scatter_reduce` (a maximum per bag: `F.embedding_bag`'s by offsets), per mesh axis: whole,
     or split alike along a dim other than the one it scatters over, where the index and the source
@@ -723,6 +742,8 @@ register(aten.stack.default, strategies=_stack_rule)
 register(aten.fill_.Scalar, strategies=_fill_rule)
 register(aten.fill_.Tensor, strategies=_fill_rule)
 register(aten.scatter_reduce.two, strategies=_scatter_reduce_rule)
+register(aten.unfold.default, strategies=_unfold_rule)
+register(aten.unfold_backward.default, strategies=_unfold_rule, lower=_unfold_backward)
 register(aten.linalg_solve_triangular.default, strategies=_solve_triangular_rule)
 register(aten._cdist_forward.default, strategies=_cdist_rule)
 register(aten._cdist_backward.default, strategies=_cdist_rule)
