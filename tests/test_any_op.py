@@ -57,6 +57,10 @@ LOSSES = {
     # covariance losses (CORAL's, VICReg's): ATen's cov reads its normalizer's value to warn
     "cov": lambda o, y, t: (torch.cov(o.T) - torch.cov(y.T)).square().sum(),
     "corrcoef": lambda o, y, t: (torch.corrcoef(o.T) - torch.eye(C)).square().sum(),
+    # a vision-language model's merge: rows of features written over the rows the mask picks, in
+    # order (ATen's masked_scatter had no rule)
+    "masked_scatter": lambda o, y, t: (o.masked_scatter((t == 0).unsqueeze(1).expand_as(o), y * 2) - y
+                                       ).square().mean(),
     # sliding windows (audio framing): Tensor.unfold and its backward had no rule
     "sliding_windows": lambda o, y, t: (o.unfold(1, 2, 1).prod(-1) - y[:, 1:]).square().mean(),
     "literal_1d": lambda o, y, t: (o * torch.tensor([1.0, 2.0, 3.0, 4.0])).pow(2).mean(),

@@ -101,6 +101,19 @@ def _corrcoef(input):
     return (c / spread.unsqueeze(1) / spread.unsqueeze(0)).clip(-1, 1)
 
 
+def _masked_scatter(input, mask, source):
+    """`masked_scatter` (a vision-language model's image features written over its image tokens'
+    embeddings) as its math: the k-th masked element, in order, takes the source's k-th element,
+    found by a running count of the mask (ATen's has no sharding rule: it ran whole on every
+    rank, its inputs gathered). An empty source is torch's own."""
+    if not (isinstance(source, torch.Tensor) and source.numel()):
+        return torch.Tensor.masked_scatter(input, mask, source)
+    input, mask = torch.broadcast_tensors(input, mask)
+    taken = mask.reshape(-1).to(torch.int64).cumsum(0) - 1  # which source element each takes
+    values = source.reshape(-1).index_select(0, taken.clamp(min=0)).view(input.shape)
+    return torch.where(mask, values, input)
+
+
 def _reduced(losses: torch.Tensor, reduction: str) -> torch.Tensor:
     return losses if reduction == "none" else losses.sum() if reduction == "sum" else losses.mean()
 
@@ -239,6 +252,8 @@ TRACED_AS = {torch.nn.functional.one_hot: _one_hot,
              torch.rnn_relu: _recurrent("rnn_relu", torch.rnn_relu),
              torch.nn.functional.ctc_loss: ctc_loss,
              torch.nn.functional.embedding_bag: _embedding_bag,
+             torch.Tensor.masked_scatter: _masked_scatter,
+             torch.masked_scatter: _masked_scatter,
              torch.cov: _cov,
              torch.corrcoef: _corrcoef,
              torch.nn.functional.multi_margin_loss: _multi_margin_loss,
