@@ -710,6 +710,10 @@ def _ctc_concatenated(x):
     return F.ctc_loss(x.reshape(2, 1, 4).log_softmax(-1), torch.tensor([1, 2]), *[torch.tensor([2])] * 2)
 
 
+def _split_at(x):
+    return sum(part.sum() for part in torch.tensor_split(x, (x[:2] * 0 + 3).long()))
+
+
 READS = ("reads a tensor's value (aten._local_scalar_dense.default: `.item()`, `float(x)`, `int(x)`, `bool(x)` "
          "or `if x:` on a tensor)")
 SHAPES = "makes a shape from a tensor's values ({op}: `x[mask]`, `nonzero`, `unique`, `masked_select`)"
@@ -723,6 +727,10 @@ VALUE_CASES = {
                          "concatenated in one dim, bounded by their lengths)",
                          "return F.ctc_loss(x.reshape(2, 1, 4).log_softmax(-1), torch.tensor([1, 2]), "
                          "*[torch.tensor([2])] * 2)"),
+    # (ATen's kernel reads the indices' data itself: it raised torch's "data is not allocated yet")
+    "tensor_split": (_split_at, "reads a tensor's value (an op given a tensor where it reads numbers: "
+                     "`torch.tensor_split` or `torch.narrow` with tensor indices)",
+                     "return sum(part.sum() for part in torch.tensor_split(x, (x[:2] * 0 + 3).long()))"),
 }
 
 
@@ -734,6 +742,7 @@ def test_code_that_needs_a_value_is_an_error_naming_the_line_and_what_to_do(case
     line = fn.__code__.co_firstlineno + 1
     instead = ("pass F.ctc_loss the targets padded to (samples, longest target), with their lengths" if "ctc" in what
                else "torch.where(mask, x, 0) keeps the shape" if "shape" in what else
+               "indices as Python ints (static_argnums for those the program depends on)" if "indices" in what else
                "torch.where(cond, a, b) for a choice made per element; a static argument (static_argnums)")
     with nf.simulate(2):
         f = nf.jit(step, mesh=nf.make_mesh(dp=2), in_shardings=P("dp"))

@@ -64,3 +64,16 @@ def test_simulation_equals_four_gloo_processes_for_outputs_and_written_arguments
     assert sorted(re.findall(r"rank (\d+): batchnorm equals simulation", proc.stdout)) == ranks, proc.stdout
     for family, strategy in (("llama", "fsdp"), ("gpt2", "dp")):
         assert sorted(re.findall(rf"rank (\d+): {family} {strategy} equals eager", proc.stdout)) == ranks, proc.stdout
+
+
+def test_an_empty_value_reduce_scattered_gives_every_rank_its_empty_block():
+    # the simulated reduce-scatter split an empty sum into one block, not one per rank, and raised
+    x = torch.randn(0, 2, 2)
+    loss = lambda x: torch.linalg.matrix_power(x, 5).square().sum()  # noqa: E731
+    want = torch.func.grad_and_value(loss)(x)
+    spec = P(None, None, "dp")
+    with nf.simulate(2):
+        step = nf.jit(nf.value_and_grad(loss), mesh=nf.make_mesh(dp=2), in_shardings=(spec,),
+                      out_shardings=(P(), spec))
+        value, grad = nf.device_get(step(x))
+    torch.testing.assert_close((grad, value), want)

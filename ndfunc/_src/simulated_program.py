@@ -231,7 +231,7 @@ def _all_gather(values: list, group_size: int) -> list:
 @_over_groups
 def _reduce_scatter(values: list, reduce_op: str, group_size: int) -> list:
     reduced = local_reduce(reduce_op, values)
-    return [block.clone() for block in torch.split(reduced, reduced.size(0) // len(values))]
+    return [block.clone() for block in torch.tensor_split(reduced, len(values))]  # (one per rank: empty ones too)
 
 
 @_over_groups

@@ -163,6 +163,10 @@ def trace(fn: Callable, args: Sequence[Any], kwargs: dict | None = None, *, stat
                                        tracing_mode="fake", record_stack_traces=record_stack_traces)(*fakes)
         except (DataDependentOutputException, DynamicOutputShapeException) as e:
             raise DataDependentError(_data_dependent_message(getattr(fn, "__name__", "the step"), e)) from None
+        except RuntimeError as e:  # an ATen kernel that reads its argument's values itself, not through an op
+            if not any(said in str(e) for said in _READS_DATA):
+                raise
+            raise DataDependentError(_data_dependent_message(getattr(fn, "__name__", "the step"), e)) from None
         finally:
             _tracing.reset(token)
     name = getattr(fn, "__name__", "the step")
@@ -279,10 +283,20 @@ def first_calls(run: Callable[[], Any], ops: Sequence) -> dict:
     return found
 
 
+# what a fake tensor says when a kernel reads its data directly (`tensor_split`'s tensor indices),
+# and what a tensor under torch.func's transforms says
+_READS_DATA = ("data is not allocated yet", "Cannot access data pointer of Tensor that doesn't have storage")
+
+
 def _data_dependent_message(name: str, e: Exception) -> str:
     where = where_called(traceback.extract_tb(e.__traceback__))
     op = getattr(e, "func", None)
-    if isinstance(e, DataDependentOutputException):
+    if not isinstance(e, (DataDependentOutputException, DynamicOutputShapeException)):  # (`_READS_DATA`: unnamed)
+        what = ("reads a tensor's value (an op given a tensor where it reads numbers: `torch.tensor_split` or "
+                "`torch.narrow` with tensor indices)")
+        instead = ("indices as Python ints (static_argnums for those the program depends on), or torch.where / "
+                   "masks for a choice made per element")
+    elif isinstance(e, DataDependentOutputException):
         what = (f"reads a tensor's value ({op}: `.item()`, `float(x)`, `int(x)`, `bool(x)` or `if x:` on a "
                 f"tensor)")
         instead = ("torch.where(cond, a, b) for a choice made per element; a static argument "
