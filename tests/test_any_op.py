@@ -639,6 +639,31 @@ def test_a_triangular_solve_splits_the_right_hand_sides_by_a_batch_the_matrices_
     torch.testing.assert_close(got_grads, want_grads, **TOL)
 
 
+NO_RULE = {  # ops (or their backwards) without a sharding rule, traced as ops that have one; x (8, 3), y (8, 2)
+    "bilinear": lambda x, y: F.bilinear(x, y, torch.linspace(-1.0, 1.0, 30).view(5, 3, 2)).square().sum(),
+    "hardshrink": lambda x, y: F.hardshrink(x, 0.3).square().sum(),
+    "softshrink": lambda x, y: F.softshrink(x, 0.3).square().sum(),
+    "dist": lambda x, y: torch.dist(x[:, :2], y, 3),
+    "addmv": lambda x, y: torch.addmv(x[:, 0], x, torch.linspace(0.5, 1.5, 3), beta=0.5, alpha=2.0).square().sum(),
+    "polar": lambda x, y: torch.view_as_real(torch.polar(x[:, :2].abs(), y)).square().sum(),
+    "complex": lambda x, y: torch.view_as_real(torch.complex(x[:, 1:], y)).square().sum(),
+}
+
+
+@pytest.mark.parametrize("op", list(NO_RULE))
+def test_an_op_without_a_rule_of_its_own_splits_by_the_batch(op):
+    # each ran whole on every rank (a ShardingWarning, an error here)
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(8, 3, generator=g), torch.randn(8, 2, generator=g)
+    want_grad, want_loss = torch.func.grad_and_value(NO_RULE[op])(x, y)
+    with nf.simulate(2):
+        step = nf.jit(nf.value_and_grad(NO_RULE[op]), mesh=nf.make_mesh(dp=2), in_shardings=(P("dp"), P("dp")),
+                      out_shardings=(P(), P("dp")))
+        got_loss, got_grad = nf.device_get(step(x, y))
+    torch.testing.assert_close(got_loss, want_loss, **TOL)
+    torch.testing.assert_close(got_grad, want_grad, **TOL)
+
+
 def _binned(o, y, t):  # ATen's searchsorted has no sharding rule and no decomposition
     return (o * torch.searchsorted(torch.tensor([-1.0, 0.0, 1.0]), o)).pow(2).mean()
 

@@ -114,6 +114,14 @@ def _masked_scatter(input, mask, source):
     return torch.where(mask, values, input)
 
 
+def _bilinear(input1, input2, weight, bias=None):
+    """`F.bilinear` as an einsum (ATen's `_trilinear` has no sharding rule: it ran whole)."""
+    if input1.dim() < 1 or weight.dim() != 3:
+        return torch.nn.functional.bilinear(input1, input2, weight, bias)
+    out = torch.einsum("...i,oij,...j->...o", input1, weight, input2)
+    return out if bias is None else out + bias
+
+
 def _reduced(losses: torch.Tensor, reduction: str) -> torch.Tensor:
     return losses if reduction == "none" else losses.sum() if reduction == "sum" else losses.mean()
 
@@ -254,6 +262,7 @@ TRACED_AS = {torch.nn.functional.one_hot: _one_hot,
              torch.nn.functional.embedding_bag: _embedding_bag,
              torch.Tensor.masked_scatter: _masked_scatter,
              torch.masked_scatter: _masked_scatter,
+             torch.nn.functional.bilinear: _bilinear,
              torch.cov: _cov,
              torch.corrcoef: _corrcoef,
              torch.nn.functional.multi_margin_loss: _multi_margin_loss,

@@ -122,7 +122,8 @@ def decompositions() -> dict:
     table = {op: fn for op, fn in core_aten_decompositions().items()
              if isinstance(op, torch._ops.OpOverload) and _takes_tensors(op) and not has_rule(op)
              and op not in NOT_DECOMPOSED}
-    return table | {op: decomposition_table[op] for op in DECOMPOSED} | {
+    also = {op: decomposition_table[op] for op in ALSO_DECOMPOSED if not has_rule(op)}
+    return table | also | {op: decomposition_table[op] for op in DECOMPOSED} | {
         aten.var_mean.correction: _var_mean, aten.mean.default: _mean}
 
 
@@ -152,6 +153,10 @@ DECOMPOSED = (aten.native_batch_norm.default, aten.native_batch_norm_backward.de
               # a max, a sum of exponentials and their log: each splits over the classes (a pending
               # max or sum per rank), so a cross-entropy's logits stay split over the vocabulary
               aten._log_softmax.default, aten._log_softmax_backward_data.default)
+# Ops with no rule whose decompositions are not among the core ones: traced as the ops they
+# decompose into (a scaled product and sum, a norm of a difference, BatchNorm's backward called
+# directly), not run whole
+ALSO_DECOMPOSED = (aten.addmv.default, aten.dist.default, aten.batch_norm_backward.default)
 
 
 def _takes_tensors(op) -> bool:
@@ -413,6 +418,17 @@ def _unfold_rule(node, sizes) -> Fitted:
     tensors = [node.meta["val"], *(a.meta["val"] for a in tensor_inputs(node))]
     rules = [(Replicate(),) * len(tensors), *((Shard(d),) * len(tensors) for d in range(tensors[-1].dim() - backward)
                                             if d != dim)]
+    return per_axis(rules, [tuple(t.shape) for t in tensors], sizes, 1)
+
+
+def _alike_rule(node, sizes) -> Fitted:
+    """An op computed element by element over tensors of one shape (`hardshrink`'s backward, a
+    complex number from its parts: DTensor's pointwise rules leave them out), per mesh axis: whole,
+    or each split alike along any dim."""
+    tensors = [node.meta["val"], *(a.meta["val"] for a in tensor_inputs(node))]
+    if len({tuple(t.shape) for t in tensors}) != 1:
+        raise NoStrategy(node.target)
+    rules = [(Replicate(),) * len(tensors), *((Shard(d),) * len(tensors) for d in range(tensors[0].dim()))]
     return per_axis(rules, [tuple(t.shape) for t in tensors], sizes, 1)
 
 
@@ -743,6 +759,9 @@ register(aten.fill_.Scalar, strategies=_fill_rule)
 register(aten.fill_.Tensor, strategies=_fill_rule)
 register(aten.scatter_reduce.two, strategies=_scatter_reduce_rule)
 register(aten.unfold.default, strategies=_unfold_rule)
+for _alike in (aten.hardshrink_backward.default, aten.softshrink_backward.default, aten.polar.default,
+               aten.complex.default):  # (complex numbers from their parts: RoPE's `freqs_cis`)
+    register(_alike, strategies=_alike_rule)
 register(aten.unfold_backward.default, strategies=_unfold_rule, lower=_unfold_backward)
 register(aten.linalg_solve_triangular.default, strategies=_solve_triangular_rule)
 register(aten._cdist_forward.default, strategies=_cdist_rule)
