@@ -354,7 +354,8 @@ def test_a_recurrent_layer_is_one_op_split_by_the_batch(layer):
         program = _split_by_the_batch_equals_eager(loss, params, torch.randn(8, steps, 16))
         calls = [line for line in program.splitlines() if "ndfunc.rnn" in line]
         assert len(calls) == 2 and "ndfunc.rnn_backward(" in calls[1]
-        assert (f"float32[4, {steps}," if module.batch_first else f"float32[{steps}, 4,") in calls[0]  # 4 samples a rank
+        local = f"float32[4, {steps}," if module.batch_first else f"float32[{steps}, 4,"  # 4 samples a rank
+        assert local in calls[0]
         assert len(program.splitlines()) < 256
 
 
@@ -570,8 +571,8 @@ def test_an_embedding_bag_by_offsets_trains_with_nothing_run_whole(mode, weighte
     want_grads, want_loss = torch.func.grad_and_value(loss)(params, x, offsets, w, y)
     axes, pspec, split = {"dp": (dict(dp=2), P(), P("dp")), "tp": (dict(tp=2), {"weight": P("tp")}, P())}[strategy]
     with nf.simulate(2):
-        step = nf.jit(nf.value_and_grad(loss), mesh=nf.make_mesh(**axes), in_shardings=(pspec, split, P(), split, split),
-                      out_shardings=(P(), pspec))
+        step = nf.jit(nf.value_and_grad(loss), mesh=nf.make_mesh(**axes),
+                      in_shardings=(pspec, split, P(), split, split), out_shardings=(P(), pspec))
         got_loss, got_grads = nf.device_get(step(params, x, offsets, w, y))
     torch.testing.assert_close(got_loss, want_loss, **TOL)
     torch.testing.assert_close(got_grads, want_grads, **TOL)
