@@ -648,6 +648,9 @@ NO_RULE = {  # ops (or their backwards) without a sharding rule, traced as ops t
     "addmv": lambda x, y: torch.addmv(x[:, 0], x, torch.linspace(0.5, 1.5, 3), beta=0.5, alpha=2.0).square().sum(),
     "polar": lambda x, y: torch.view_as_real(torch.polar(x[:, :2].abs(), y)).square().sum(),
     "complex": lambda x, y: torch.view_as_real(torch.complex(x[:, 1:], y)).square().sum(),
+    # a mixture of experts' routing: rows repeated by counts, the output's size given
+    "repeat_interleave": lambda x, y: (torch.repeat_interleave(x, torch.tensor([1, 2, 0, 3, 1, 1, 2, 2]), dim=0,
+                                                               output_size=12) * torch.arange(12.0)[:, None]).sum(),
 }
 
 

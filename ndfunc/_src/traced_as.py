@@ -122,6 +122,25 @@ def _bilinear(input1, input2, weight, bias=None):
     return out if bias is None else out + bias
 
 
+def _repeat_interleave(input, repeats=None, dim=None, *, output_size=None):
+    """`torch.repeat_interleave` by a tensor of repeats with the `output_size` given (a mixture of
+    experts' routing: each expert's rows repeated by its count) as an index made of a running count
+    of where each item's run starts, then `index_select` (ATen's op has no sharding rule: it ran
+    whole). Without `output_size` the shape comes from the values: torch's own, which says so."""
+    only_repeats = repeats is None
+    counts = input if only_repeats else repeats
+    if not (isinstance(counts, torch.Tensor) and counts.dim() == 1 and isinstance(output_size, int)):
+        return torch.repeat_interleave(input, repeats, dim, output_size=output_size) if not only_repeats else \
+            torch.repeat_interleave(input, output_size=output_size)
+    starts = (counts.cumsum(0) - counts).clamp(max=output_size)
+    begun = torch.zeros(output_size + 1, dtype=torch.int64, device=counts.device)
+    index = begun.index_add(0, starts, torch.ones_like(starts, dtype=torch.int64)).cumsum(0)[:output_size] - 1
+    if only_repeats:
+        return index
+    x = input.reshape(-1) if dim is None else input
+    return x.index_select(0 if dim is None else dim, index)
+
+
 def _reduced(losses: torch.Tensor, reduction: str) -> torch.Tensor:
     return losses if reduction == "none" else losses.sum() if reduction == "sum" else losses.mean()
 
@@ -263,6 +282,8 @@ TRACED_AS = {torch.nn.functional.one_hot: _one_hot,
              torch.Tensor.masked_scatter: _masked_scatter,
              torch.masked_scatter: _masked_scatter,
              torch.nn.functional.bilinear: _bilinear,
+             torch.repeat_interleave: _repeat_interleave,
+             torch.Tensor.repeat_interleave: _repeat_interleave,
              torch.cov: _cov,
              torch.corrcoef: _corrcoef,
              torch.nn.functional.multi_margin_loss: _multi_margin_loss,
