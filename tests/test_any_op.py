@@ -668,6 +668,45 @@ def test_an_op_without_a_rule_of_its_own_splits_by_the_batch(op):
     torch.testing.assert_close(got_grad, want_grad, **TOL)
 
 
+@torch.library.custom_op("ndfunc_tests::scaled_mm", mutates_args=())
+def _scaled_mm(x: torch.Tensor, w: torch.Tensor, *, scale: float) -> torch.Tensor:
+    return x @ w * scale
+
+
+_scaled_mm.register_fake(lambda x, w, *, scale: x.new_empty(x.shape[0], w.shape[1]))
+
+
+def _scaled_mm_context(ctx, inputs, keyword_only_inputs, output):
+    ctx.save_for_backward(*inputs)
+    ctx.scale = keyword_only_inputs["scale"]
+
+
+def _scaled_mm_backward(ctx, grad):
+    x, w = ctx.saved_tensors
+    return grad @ w.T * ctx.scale if ctx.needs_input_grad[0] else None, x.T @ grad * ctx.scale
+
+
+torch.library.register_autograd("ndfunc_tests::scaled_mm", _scaled_mm_backward, setup_context=_scaled_mm_context)
+
+
+def test_a_custom_op_with_a_registered_gradient_trains_under_jit():
+    # torch.func refuses the Function torch makes of a custom op's registered gradient (no
+    # setup_context), so nf.value_and_grad raised (transformers' grouped matmul of a mixture of
+    # experts, in float32 under a compiler); called through one that has it, it runs whole (no rule)
+    params, x, y, t = _data()
+    loss = lambda p, x: (_scaled_mm(torch.tanh(x @ p["w1"]), p["w2"], scale=0.5) - y).square().mean()  # noqa: E731
+    want_loss = loss(params, x)
+    want_grads = dict(zip(params, torch.autograd.grad(loss({k: v.requires_grad_() for k, v in params.items()}, x),
+                                                      list(params.values()))))
+    params = {k: v.detach() for k, v in params.items()}
+    with nf.simulate(2), pytest.warns(nf.sharding.ShardingWarning, match="no sharding rule for ndfunc_tests.scaled_mm"):
+        step = nf.jit(nf.value_and_grad(loss), mesh=nf.make_mesh(dp=2), in_shardings=(P(), P("dp")),
+                      out_shardings=(P(), P()))
+        got_loss, got_grads = nf.device_get(step(params, x))
+    torch.testing.assert_close(got_loss, want_loss.detach(), **TOL)
+    torch.testing.assert_close(got_grads, want_grads, **TOL)
+
+
 def _binned(o, y, t):  # ATen's searchsorted has no sharding rule and no decomposition
     return (o * torch.searchsorted(torch.tensor([-1.0, 0.0, 1.0]), o)).pow(2).mean()
 

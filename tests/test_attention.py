@@ -311,3 +311,32 @@ def test_torchs_own_attention_modules_train_equal_to_eager_with_their_attention_
     torch.testing.assert_close(got[0], want[1])
     for k in params:
         torch.testing.assert_close(got[1][k], want[0][k], msg=lambda m, k=k: f"{k}: {m}")
+
+
+@pytest.mark.parametrize("device,dtype,expected", [("cpu", torch.float32, "math"), ("cuda", torch.bfloat16, "cuda_efficient"),
+                                                   ("cuda", torch.float64, "math")])
+def test_values_of_another_head_dim_than_the_queries_get_a_kernel_that_takes_them(device, dtype, expected,
+                                                                                   no_gpu_here):
+    # DeepSeek's latent attention: queries and keys of one head dim, values of another. The flash
+    # kernels (the CPU's too) and cuDNN take one: the CPU's raised "Q/K/V should have the same head size"
+    assert attention.choose(device, dtype, 64, False, value_dim=32) == expected
+    assert attention.choose(device, dtype, 64, False, value_dim=64) == attention.choose(device, dtype, 64, False)
+
+
+@pytest.mark.parametrize("axis", ["dp", "cp"])
+def test_attention_over_values_of_another_head_dim_trains_equal_to_eager(axis):
+    g = torch.Generator().manual_seed(0)
+    q, k, v, w = (torch.randn(2, 2, 8, 12, generator=g), torch.randn(2, 2, 8, 12, generator=g),
+                  torch.randn(2, 2, 8, 6, generator=g), torch.randn(6, 6, generator=g))
+
+    def loss(w, q, k, v):
+        return F.scaled_dot_product_attention(q, k, v @ w, is_causal=True).square().mean()
+
+    split = P("dp") if axis == "dp" else P(None, None, "cp")
+    with nf.simulate(2):
+        jitted = nf.jit(nf.value_and_grad(loss), mesh=nf.make_mesh(**{axis: 2}), in_shardings=(P(), split, split, split),
+                        out_shardings=(P(), P()))
+        got = nf.device_get(jitted(w, q, k, v))
+    want = torch.func.grad_and_value(loss)(w, q, k, v)
+    torch.testing.assert_close(got[0], want[1])
+    torch.testing.assert_close(got[1], want[0])

@@ -16,7 +16,7 @@ LAYERS = [
     ["_src.host_memory", "_src.runtime", "_src.point_to_point", "_src.transfer", "_src.config", "_src.visualize", "sharding", "_src.repeated_layers", "_src.module",
      "_src.attention", "_src.ctc_loss", "_src.rnn",
      "nn", "_src.checkpoint", "checkpoint"],
-    ["_src.autodiff", "_src.constraints", "_src.manual", "_src.stamp", "_src.trace", "_src.traced_as", "_src.writes", "_src.copy_slices", "_src.graph_edits", "lax", "_src.shard_map"],
+    ["_src.autodiff", "_src.constraints", "_src.manual", "_src.stamp", "_src.trace", "_src.traced_as", "_src.custom_gradients", "_src.writes", "_src.copy_slices", "_src.graph_edits", "lax", "_src.shard_map"],
     ["_src.partition.planning", "_src.partition.program"],  # the record the planner's node marks live in
     ["_src.partition.lower", "_src.partition.passes", "_src.partition.backends", "_src.replay"],
     ["_src.transforms", "transforms"],

@@ -217,25 +217,31 @@ KERNELS = {
 _HALF = (torch.float16, torch.bfloat16)
 
 
-def choose(device_type: str, dtype: torch.dtype, head_dim: int, masked: bool) -> str:
+def choose(device_type: str, dtype: torch.dtype, head_dim: int, masked: bool, value_dim: int | None = None) -> str:
     """The kernel (a `KERNELS` name) for attention on `device_type` over `dtype` with head dim
-    `head_dim`, with an explicit mask or not. On CUDA, where a GPU is here, the kernel torch's SDPA
-    would pick (`torch._fused_sdp_choice`: its priorities for this GPU, cuDNN first on Hopper, and
-    the `sdpa_kernel` flags); else the first of flash, memory-efficient and cuDNN that takes these
-    inputs and that the flags allow; else math."""
+    `head_dim` (the values' `value_dim`, where it differs: DeepSeek's latent attention), with an
+    explicit mask or not. On CUDA, where a GPU is here, the kernel torch's SDPA would pick
+    (`torch._fused_sdp_choice`: its priorities for this GPU, cuDNN first on Hopper, and the
+    `sdpa_kernel` flags); else the first of flash, memory-efficient and cuDNN that takes these
+    inputs and that the flags allow; else math. The flash kernels (the CPU's too) and cuDNN take
+    one head dim for queries and values."""
+    value_dim = head_dim if value_dim is None else value_dim
+    same = value_dim == head_dim
     if device_type == "cpu":
-        return "cpu_flash" if dtype in (*_HALF, torch.float32, torch.float64) else "math"
+        return "cpu_flash" if same and dtype in (*_HALF, torch.float32, torch.float64) else "math"
     if device_type == "cuda":
-        picked = _sdpa_choice(dtype, head_dim, masked) if torch.cuda.is_available() else None
+        picked = _sdpa_choice(dtype, head_dim, masked, value_dim) if torch.cuda.is_available() else None
         if picked is not None:
             return picked
         flags = torch.backends.cuda
-        if flags.flash_sdp_enabled() and dtype in _HALF and not masked and head_dim % 8 == 0 and head_dim <= 256:
+        if flags.flash_sdp_enabled() and same and dtype in _HALF and not masked and head_dim % 8 == 0 and \
+                head_dim <= 256:
             return "cuda_flash"
-        if flags.mem_efficient_sdp_enabled() and dtype in (*_HALF, torch.float32) and (
-                head_dim % (8 if dtype in _HALF else 4) == 0):
+        if flags.mem_efficient_sdp_enabled() and dtype in (*_HALF, torch.float32) and all(
+                d % (8 if dtype in _HALF else 4) == 0 for d in (head_dim, value_dim)):
             return "cuda_efficient"
-        if flags.cudnn_sdp_enabled() and dtype in _HALF and not masked and head_dim % 8 == 0 and head_dim <= 128:
+        if flags.cudnn_sdp_enabled() and same and dtype in _HALF and not masked and head_dim % 8 == 0 and \
+                head_dim <= 128:
             return "cuda_cudnn"
     return "math"
 
@@ -245,21 +251,22 @@ _SDPA_KERNELS = {SDPBackend.FLASH_ATTENTION.value: "cuda_flash", SDPBackend.EFFI
 _PROBE_DEVICE = "cuda"  # where `_sdpa_choice` asks torch
 
 
-def _sdpa_choice(dtype: torch.dtype, head_dim: int, masked: bool) -> str | None:
+def _sdpa_choice(dtype: torch.dtype, head_dim: int, masked: bool, value_dim: int) -> str | None:
     """What torch's SDPA runs on this GPU for such inputs; None where it is no kernel of ours
     (cuDNN with a mask: ours passes none). Asked once per inputs and `sdpa_kernel` flags: an eager
     call ("auto") chooses on every call."""
     flags = torch.backends.cuda
-    return _asked_sdpa(dtype, head_dim, masked, flags.flash_sdp_enabled(), flags.mem_efficient_sdp_enabled(),
-                       flags.cudnn_sdp_enabled(), flags.math_sdp_enabled())
+    return _asked_sdpa(dtype, head_dim, masked, value_dim, flags.flash_sdp_enabled(),
+                       flags.mem_efficient_sdp_enabled(), flags.cudnn_sdp_enabled(), flags.math_sdp_enabled())
 
 
 @functools.lru_cache(maxsize=256)
-def _asked_sdpa(dtype: torch.dtype, head_dim: int, masked: bool, *flags: bool) -> str | None:
+def _asked_sdpa(dtype: torch.dtype, head_dim: int, masked: bool, value_dim: int, *flags: bool) -> str | None:
     """`_sdpa_choice`, asked of torch over small tensors (`flags`: part of the key only)."""
     q = torch.empty((1, 1, 128, head_dim), dtype=dtype, device=_PROBE_DEVICE)
+    v = q if value_dim == head_dim else torch.empty((1, 1, 128, value_dim), dtype=dtype, device=_PROBE_DEVICE)
     mask = torch.ones((1, 1, 128, 128), dtype=torch.bool, device=_PROBE_DEVICE) if masked else None
-    picked = _SDPA_KERNELS.get(sdpa_choice(q, q, q, mask))
+    picked = _SDPA_KERNELS.get(sdpa_choice(q, q, v, mask))
     return None if picked == "cuda_cudnn" and masked else picked
 
 
@@ -270,9 +277,9 @@ def default_scale(q: torch.Tensor, scale: float | None) -> float:
     return 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
 
 
-def _kernel(name: str, q: torch.Tensor, mask) -> Kernel:
+def _kernel(name: str, q: torch.Tensor, v: torch.Tensor, mask) -> Kernel:
     if name == "auto":
-        name = choose(q.device.type, q.dtype, q.shape[-1], mask is not None)
+        name = choose(q.device.type, q.dtype, q.shape[-1], mask is not None, v.shape[-1])
     return KERNELS[name]
 
 
@@ -291,12 +298,12 @@ def _out_stride(b: int, h: int, rows: int, e: int) -> tuple[int, ...]:
 
 
 def _forward(q, k, v, attn_mask=None, is_causal=False, scale=None, kernel="auto"):
-    out, lse = _kernel(kernel, q, attn_mask).forward(q, k, v, attn_mask, is_causal, default_scale(q, scale))
+    out, lse = _kernel(kernel, q, v, attn_mask).forward(q, k, v, attn_mask, is_causal, default_scale(q, scale))
     return _laid_out(out, _out_stride(*out.shape)), lse.contiguous()
 
 
 def _backward(g, q, k, v, out, lse, attn_mask=None, is_causal=False, scale=None, kernel="auto"):
-    grads = _kernel(kernel, q, attn_mask).backward(g, q, k, v, out, lse, attn_mask, is_causal,
+    grads = _kernel(kernel, q, v, attn_mask).backward(g, q, k, v, out, lse, attn_mask, is_causal,
                                                    default_scale(q, scale))
     return tuple(_laid_out_like(d, x) for d, x in zip(grads, (q, k, v)))
 

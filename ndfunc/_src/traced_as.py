@@ -17,7 +17,7 @@ import warnings
 
 import torch
 
-from ndfunc._src import rnn, torch_compat
+from ndfunc._src import custom_gradients, rnn, torch_compat
 from ndfunc._src.attention import traced_sdpa
 from ndfunc._src.ctc_loss import ctc_loss
 from ndfunc._src.torch_compat import lstm_cells
@@ -33,12 +33,15 @@ def _one_hot(labels: torch.Tensor, num_classes: int = -1) -> torch.Tensor:
 
 
 class TracedAs(torch.overrides.TorchFunctionMode):
-    """The mode that traces each function of `TRACED_AS` as its math (see the module's text)."""
+    """The mode that traces each function of `TRACED_AS` as its math (see the module's text), and
+    a custom op with a registered gradient, under a gradient, through `custom_gradients`."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func in TRACED_AS:  # (this mode is off while it runs)
             return TRACED_AS[func](*args, **kwargs)
+        if (definition := custom_gradients.registered(func)) is not None and torch_compat.func_transforms() == ["Grad"]:
+            return custom_gradients.call(func, definition, args, kwargs)  # (torch.func refuses the op's own)
         return func(*args, **kwargs)
 
 

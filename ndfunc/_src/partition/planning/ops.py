@@ -727,7 +727,9 @@ def _attention_kernel(node, args) -> tuple:
     flash kernel; on CUDA flash, memory-efficient or cuDNN (`attention.choose`)."""
     q = attention.argument(node, "query").meta["val"]
     masked = attention.argument(node, "attn_mask") is not None
-    return attention.with_kernel(node.target, args, attention.choose(q.device.type, q.dtype, q.shape[-1], masked))
+    v = attention.argument(node, "value").meta["val"]
+    return attention.with_kernel(node.target, args, attention.choose(q.device.type, q.dtype, q.shape[-1], masked,
+                                                                      v.shape[-1]))
 
 
 # --- the registrations ---------------------------------------------------------------------------
