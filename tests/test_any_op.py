@@ -248,7 +248,19 @@ def _a_column_scaled_then_rows_filled(o, y, t):  # an update in place through on
     return F.mse_loss(z, y)
 
 
-IN_PLACE = {f.__name__[1:]: f for f in (_fill_a_column, _scaled_through_a_transpose, _a_row_of_a_transpose_filled,
+def _a_scan_into_zeros_like_a_transpose(o, y, t):  # RecurrentGemma's: `zeros_like` keeps the transpose's
+    # strides, and autograd reads each written step back by an as_strided of them (it ran whole,
+    # over a gathered copy laid out otherwise: the gradients were wrong under dp)
+    h = (o.unsqueeze(-1) * torch.arange(1.0, 4.0)).transpose(1, 2)  # (B, 3, C), stored (B, C, 3)
+    out, s = torch.zeros_like(h), 0.0
+    for step in range(h.shape[1]):
+        s = 0.5 * s + h[:, step]
+        out[:, step] = s
+    return F.mse_loss(out.sum(1), y)
+
+
+IN_PLACE = {f.__name__[1:]: f for f in (_fill_a_column, _a_scan_into_zeros_like_a_transpose,
+                                        _scaled_through_a_transpose, _a_row_of_a_transpose_filled,
                                         _a_row_of_an_unsqueezed_view_filled, _a_slice_of_a_flattened_view_filled,
                                         _a_relative_shift_masked, _a_column_scaled_then_rows_filled,
                                         _add_into_a_column, _copy_into_zeros,
@@ -664,6 +676,23 @@ def test_an_op_without_a_rule_of_its_own_splits_by_the_batch(op):
         step = nf.jit(nf.value_and_grad(NO_RULE[op]), mesh=nf.make_mesh(dp=2), in_shardings=(P("dp"), P("dp")),
                       out_shardings=(P(), P("dp")))
         got_loss, got_grad = nf.device_get(step(x, y))
+    torch.testing.assert_close(got_loss, want_loss, **TOL)
+    torch.testing.assert_close(got_grad, want_grad, **TOL)
+
+
+def test_an_as_strided_over_a_gathered_transpose_reads_the_memory_it_was_traced_over():
+    # as_strided (no rule: whole) reads memory, not elements: over z.t().clone(), split by dp and
+    # gathered for it (contiguous), it read other elements (a wrong loss); the gathered copy is
+    # now laid out as the trace's first
+    g = torch.Generator().manual_seed(0)
+    w, x = torch.randn(6, 6, generator=g), torch.randn(8, 6, generator=g)
+    windows = lambda z: torch.as_strided(z.t().clone(), (5, 2, 4), (1, 1, 6))  # noqa: E731 (overlapping)
+    loss = lambda w, x: windows(torch.tanh(x @ w)).square().sum()  # noqa: E731
+    want_grad, want_loss = torch.func.grad_and_value(loss)(w, x)
+    with nf.simulate(2), pytest.warns(nf.sharding.ShardingWarning, match="no sharding rule for aten.as_strided"):
+        step = nf.jit(nf.value_and_grad(loss), mesh=nf.make_mesh(dp=2), in_shardings=(P(), P("dp")),
+                      out_shardings=(P(), P()))
+        got_loss, got_grad = nf.device_get(step(w, x))
     torch.testing.assert_close(got_loss, want_loss, **TOL)
     torch.testing.assert_close(got_grad, want_grad, **TOL)
 

@@ -313,7 +313,8 @@ def test_torchs_own_attention_modules_train_equal_to_eager_with_their_attention_
         torch.testing.assert_close(got[1][k], want[0][k], msg=lambda m, k=k: f"{k}: {m}")
 
 
-@pytest.mark.parametrize("device,dtype,expected", [("cpu", torch.float32, "math"), ("cuda", torch.bfloat16, "cuda_efficient"),
+@pytest.mark.parametrize("device,dtype,expected", [("cpu", torch.float32, "math"),
+                                                   ("cuda", torch.bfloat16, "cuda_efficient"),
                                                    ("cuda", torch.float64, "math")])
 def test_values_of_another_head_dim_than_the_queries_get_a_kernel_that_takes_them(device, dtype, expected,
                                                                                    no_gpu_here):
@@ -334,8 +335,8 @@ def test_attention_over_values_of_another_head_dim_trains_equal_to_eager(axis):
 
     split = P("dp") if axis == "dp" else P(None, None, "cp")
     with nf.simulate(2):
-        jitted = nf.jit(nf.value_and_grad(loss), mesh=nf.make_mesh(**{axis: 2}), in_shardings=(P(), split, split, split),
-                        out_shardings=(P(), P()))
+        jitted = nf.jit(nf.value_and_grad(loss), mesh=nf.make_mesh(**{axis: 2}),
+                        in_shardings=(P(), split, split, split), out_shardings=(P(), P()))
         got = nf.device_get(jitted(w, q, k, v))
     want = torch.func.grad_and_value(loss)(w, q, k, v)
     torch.testing.assert_close(got[0], want[1])

@@ -69,9 +69,10 @@ def _strides_in(order: list, shape: list) -> list:
 
 
 def fresh_copies(gm: torch.fx.GraphModule) -> bool:
-    """Each `copy_` into an empty contiguous tensor of its source's shape that nothing else reads
-    (`CopySlices`' copy of the gradient, before it writes into a view of it), as a copy of the
-    source. Whether any was rewritten."""
+    """Each `copy_` into an empty tensor of its source's shape that nothing else reads, its elements
+    filling its storage (`CopySlices`' copy of the gradient, before it writes into a view of it;
+    laid out as the tensor written was, a transpose's order too), as a copy of the source laid out
+    so. Whether any was rewritten."""
     changed = False
     for copy in list(gm.graph.find_nodes(op="call_function", target=aten.copy_.default)):
         empty, src = copy.args[:2]
@@ -79,11 +80,16 @@ def fresh_copies(gm: torch.fx.GraphModule) -> bool:
                 and isinstance(src, torch.fx.Node)):
             continue
         into = empty.meta["val"]
-        if into.shape != src.meta["val"].shape or not into.is_contiguous():
+        order = dense_order(into)
+        if into.shape != src.meta["val"].shape or order is None:
             continue
         made = []
-        with gm.graph.inserting_before(copy):
-            out = call(gm, made, aten.clone.default, moved(gm, made, src, into), memory_format=torch.contiguous_format)
+        with gm.graph.inserting_before(copy):  # laid out as the empty tensor was: its dims in `order`
+            out = moved(gm, made, src, into)
+            permuted = order != sorted(order)
+            out = call(gm, made, aten.permute.default, out, order) if permuted else out
+            out = call(gm, made, aten.clone.default, out, memory_format=torch.contiguous_format)
+            out = call(gm, made, aten.permute.default, out, inverse_permutation(order)) if permuted else out
         annotate(made, copy)
         copy.replace_all_uses_with(out)
         gm.graph.erase_node(copy)
@@ -93,8 +99,10 @@ def fresh_copies(gm: torch.fx.GraphModule) -> bool:
 
 
 def strided_views(gm: torch.fx.GraphModule) -> bool:
-    """Each `as_strided` of a contiguous tensor that is one select or diagonal of it, or slices of
-    it (`CopySlices` names the view it writes into so), as those ops. Whether any was rewritten."""
+    """Each `as_strided` of a tensor whose elements fill its storage (contiguous, or a transpose of
+    such: RecurrentGemma's scan writes into `zeros_like` of one) that is one select or diagonal of
+    it, or slices of it, ... (`_as_view`, of its dims in memory order; `CopySlices` names the view
+    it writes into so), as those ops. Whether any was rewritten."""
     changed = _shaped_flat_buffers(gm) | _restrides_in_place(gm)
     for node in list(gm.graph.find_nodes(op="call_function", target=aten.as_strided.default)):
         base = node.args[0]
@@ -102,11 +110,16 @@ def strided_views(gm: torch.fx.GraphModule) -> bool:
             continue
         size, stride, offset = _strided(node)
         whole = base.meta["val"]
-        if not whole.is_contiguous() or whole.storage_offset() != 0:
+        order = dense_order(whole)
+        if order is None or whole.storage_offset() != 0:
             continue
-        found = _as_view(list(whole.shape), list(whole.stride()), size, stride, offset)
+        # (its dims in memory order: then it is contiguous, the views are of that)
+        in_memory = [whole.shape[d] for d in order]
+        found = _as_view(in_memory, contiguous_strides(in_memory), size, stride, offset)
         if found is None:
             continue
+        if order != sorted(order):
+            found = [(aten.permute.default, order), *found]
         made = []
         with gm.graph.inserting_before(node):
             view = base
@@ -141,6 +154,15 @@ def _restrides_in_place(gm: torch.fx.GraphModule) -> bool:
         gm.graph.erase_node(node)
         changed = True
     return changed
+
+
+def dense_order(t: torch.Tensor) -> list[int] | None:
+    """The order of `t`'s dims in memory, outermost first, where its elements fill its storage with
+    no gap (contiguous, or a permute of a contiguous tensor); else None."""
+    order = sorted(range(t.dim()), key=lambda d: -t.stride(d))
+    dense = all(t.stride(d) == want for d, want in zip(order, contiguous_strides([t.shape[d] for d in order]))
+                if t.shape[d] != 1)
+    return order if dense else None
 
 
 def _strided(node: torch.fx.Node) -> tuple[list, list, int]:

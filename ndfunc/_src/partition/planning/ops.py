@@ -34,6 +34,8 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.nn import _reduction
 
 from ndfunc._src import attention, ctc_loss, manual, rnn
+from ndfunc._src.copy_slices import dense_order
+from ndfunc._src.graph_edits import inverse_permutation
 from ndfunc._src.constraints import sharding_constraint_op
 from ndfunc._src.partition import program as prog
 from ndfunc._src.partition.planning import redistribute
@@ -102,7 +104,9 @@ def saved_by_remat(op) -> bool:
 def has_rule(op) -> bool:
     """Whether ndfunc (this registry) or DTensor has a sharding rule for `op`."""
     table = propagator()
-    return op in _RULES or op in table.op_single_dim_strategy_funcs or op in table.op_strategy_funcs
+    ours = _RULES.get(op)
+    return (ours is not None and ours.strategies is not None) or op in table.op_single_dim_strategy_funcs \
+        or op in table.op_strategy_funcs
 
 
 # Ops whose core decomposition computes another thing than the kernel its backward pairs with:
@@ -430,6 +434,31 @@ def _alike_rule(node, sizes) -> Fitted:
         raise NoStrategy(node.target)
     rules = [(Replicate(),) * len(tensors), *((Shard(d),) * len(tensors) for d in range(tensors[0].dim()))]
     return per_axis(rules, [tuple(t.shape) for t in tensors], sizes, 1)
+
+
+def _as_strided(emitter, node, locals_):
+    """`as_strided` (with no rule: whole) reads its input's memory, not its elements. Over a copy the
+    plan moved for it (a gathered block, contiguous) it read another layout's memory: that input is
+    laid out first as it was traced (its dims in that memory order), where its elements filled
+    their storage; refused where they did not (the strides name memory no copy has)."""
+    x = tensor_inputs(node)[0]
+    local, was, made = locals_[0], x.meta["val"], value_of(x)
+    want = emitter.plan.strategy[node].ins[0]
+    if not prog.is_manual(node) and emitter.plan.strategy[made[0]].outs[made[1]] != want:  # moved
+        order = dense_order(was)
+        if order is None or was.storage_offset() != 0:
+            raise NotImplementedError(
+                f"{node.target} views {x.name} by its strides, which the partitioner moves for it "
+                f"({emitter.plan.strategy[made[0]].outs[made[1]]} there, {want} here) and whose elements do not fill "
+                f"their storage: the moved copy's memory is laid out otherwise. Write the view with slices, "
+                f"transposes and reshapes (x.unfold for sliding windows), or run it inside nf.shard_map.")
+        if order != sorted(order):
+            local = emitter.call(aten.permute.default, local, order)
+            local = emitter.call(aten.clone.default, local, memory_format=torch.contiguous_format)
+            local = emitter.call(aten.permute.default, local, inverse_permutation(order))
+    out = emitter.call(node.target, local, *node.args[1:], **node.kwargs)
+    val = node.meta["val"]
+    return prog.note_local(out, tuple(val.shape), val.dtype)
 
 
 def _unfold_backward(emitter, node, locals_):
@@ -761,6 +790,7 @@ register(aten.fill_.Scalar, strategies=_fill_rule)
 register(aten.fill_.Tensor, strategies=_fill_rule)
 register(aten.scatter_reduce.two, strategies=_scatter_reduce_rule)
 register(aten.unfold.default, strategies=_unfold_rule)
+register(aten.as_strided.default, lower=_as_strided)  # (no rule: whole)
 for _alike in (aten.hardshrink_backward.default, aten.softshrink_backward.default, aten.polar.default,
                aten.complex.default):  # (complex numbers from their parts: RoPE's `freqs_cis`)
     register(_alike, strategies=_alike_rule)
