@@ -736,6 +736,53 @@ def test_a_custom_op_with_a_registered_gradient_trains_under_jit():
     torch.testing.assert_close(got_grads, want_grads, **TOL)
 
 
+class _OldStyleGelu(torch.autograd.Function):  # BLOOM's GeLUFunction: forward(ctx, x), no setup_context
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x * 0.5 * (1.0 + torch.tanh(0.79788456 * x * (1 + 0.044715 * x * x)))
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        t = torch.tanh(0.79788456 * x * (1 + 0.044715 * x * x))
+        return grad * (0.5 * x * ((1 - t * t) * (0.79788456 + 0.1070322243 * x * x)) + 0.5 * (1 + t))
+
+
+class _OldStyleScaledExp(torch.autograd.Function):  # saves its output, keeps a number on its context
+    @staticmethod
+    def forward(ctx, x, scale):
+        out = torch.exp(x) * scale
+        ctx.save_for_backward(out)
+        ctx.scale = scale
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        (out,) = ctx.saved_tensors
+        return grad * out, None
+
+
+@pytest.mark.parametrize("function", ["gelu", "scaled_exp"])
+def test_an_old_style_autograd_function_trains_under_jit_and_torch_func_is_left_as_it_is(function):
+    # torch.func refuses a Function without setup_context (BLOOM's GeLU, RecurrentGemma's square
+    # root): every BLOOM raised. Inside a traced step it is applied as one with setup_context
+    params, x, y, t = _data()
+    act = _OldStyleGelu.apply if function == "gelu" else lambda z: _OldStyleScaledExp.apply(z * 0.1, 0.5)
+    loss = lambda p, x: (act(x @ p["w1"]) @ p["w2"] - y).square().mean()  # noqa: E731
+    leaves = {k: v.clone().requires_grad_() for k, v in params.items()}
+    value = loss(leaves, x)
+    want_grads = dict(zip(leaves, torch.autograd.grad(value, list(leaves.values()))))
+    with nf.simulate(2):
+        step = nf.jit(nf.value_and_grad(loss), mesh=nf.make_mesh(dp=2), in_shardings=(P(), P("dp")),
+                      out_shardings=(P(), P()))
+        got_loss, got_grads = nf.device_get(step(params, x))
+    torch.testing.assert_close(got_loss, value.detach(), **TOL)
+    torch.testing.assert_close(got_grads, want_grads, **TOL)
+    with pytest.raises(RuntimeError, match="must override the setup_context staticmethod"):
+        torch.func.grad(loss)(params, x)  # outside a traced step, torch's own
+
+
 def _binned(o, y, t):  # ATen's searchsorted has no sharding rule and no decomposition
     return (o * torch.searchsorted(torch.tensor([-1.0, 0.0, 1.0]), o)).pow(2).mean()
 

@@ -1,4 +1,4 @@
-"""Custom ops' registered gradients under `torch.func`.
+"""Custom ops' registered gradients, and old-style `autograd.Function`s, under `torch.func`.
 
 A `torch.library.custom_op` with a gradient registered for it (`torch.library.register_autograd`:
 transformers' grouped matmul of a mixture of experts, a kernel library's fused op) differentiates
@@ -7,11 +7,23 @@ under plain autograd, but torch.func refuses the `autograd.Function` torch makes
 under a gradient, such an op is called through a Function that has one, made of the same
 registered pieces (`call`); it is then the op in the program, as any op. One gradient only: its
 backward is no Function's forward (under a gradient of a gradient, torch.func's own refusal).
+
+An `autograd.Function` written the old way (`forward(ctx, *args)`, no `setup_context`: BLOOM's
+GeLU, RecurrentGemma's square root) is refused by torch.func as well. While a step is traced
+(`accepting_old_functions`), one is applied as a Function of the new form made of its own
+pieces (`_new_style`): its forward run with a stand-in context that records what it saves and
+sets, replayed onto the real context by `setup_context`.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import functools
+import threading
+
 import torch
+from torch.autograd.function import _is_setup_context_defined
 from torch._library.custom_ops import OPDEFS, CustomOpDef
 
 _OURS = ("aten", "prims", "ndfunc")
@@ -74,3 +86,99 @@ class _Registered(torch.autograd.Function):
         finally:
             ctx.needs_input_grad = needs
         return (None, None, None, *(found if isinstance(found, tuple) else (found,)))
+
+
+_ACCEPTING = contextvars.ContextVar("ndfunc_old_functions", default=False)
+_INSTALL = threading.Lock()
+
+
+@contextlib.contextmanager
+def accepting_old_functions():
+    """Inside (this thread, this context), an old-style Function applied under a torch.func
+    transform is applied as `_new_style` of it; elsewhere `Function.apply` is torch's, unchanged."""
+    token = _ACCEPTING.set(True)
+    try:
+        yield
+    finally:
+        _ACCEPTING.reset(token)
+
+
+def _install() -> None:
+    """`torch.autograd.Function.apply`, once in the process (when ndfunc is imported: before a
+    model's module takes `MyFunction.apply` as a name), as a pass-through to torch's that diverts
+    only old-style Functions under a transform inside `accepting_old_functions`."""
+    with _INSTALL:
+        torchs = torch.autograd.Function.apply
+        if getattr(torchs, "_ndfunc", False):
+            return
+
+        def apply(cls, *args, **kwargs):
+            if (_ACCEPTING.get() and not _is_setup_context_defined(cls.setup_context)
+                    and torch._C._are_functorch_transforms_active()):
+                return _new_style(cls).apply(*args, **kwargs)
+            return torchs.__func__(cls, *args, **kwargs)
+
+        apply._ndfunc = True
+        torch.autograd.Function.apply = classmethod(apply)
+
+
+class _Recorded:
+    """A stand-in for an old-style forward's context: what it saves, marks and sets."""
+
+    def __init__(self):
+        object.__setattr__(self, "saved", None)
+        object.__setattr__(self, "calls", [])
+        object.__setattr__(self, "attributes", {})
+
+    def save_for_backward(self, *tensors):
+        object.__setattr__(self, "saved", tensors)
+
+    def mark_non_differentiable(self, *tensors):
+        self.calls.append(("mark_non_differentiable", tensors))
+
+    def set_materialize_grads(self, value):
+        self.calls.append(("set_materialize_grads", (value,)))
+
+    def __setattr__(self, name, value):
+        self.attributes[name] = value
+
+
+_LAST = threading.local()  # the record of the forward that ran last here (its setup_context follows)
+
+
+@functools.cache
+def _new_style(cls) -> type[torch.autograd.Function]:
+    """`cls` (an old-style Function) as a Function with `setup_context`: the same forward and
+    backward; the tensors its forward saved, where they are its inputs or its output, saved as
+    `setup_context` sees those."""
+
+    def forward(*args):
+        ctx = _Recorded()
+        out = cls.forward(ctx, *args)
+        _LAST.record = (ctx, args, out)
+        return out
+
+    def setup_context(ctx, inputs, output):
+        record, args, out = _LAST.record  # (kept: under a transform each level's Function sets its context)
+        for name, value in record.attributes.items():
+            setattr(ctx, name, value)
+        outs = out if isinstance(out, tuple) else (out,)
+        given = output if isinstance(output, tuple) else (output,)
+
+        def as_seen(t):  # (an input or an output of the forward: the one setup_context sees)
+            for mine, theirs in ((args, inputs), (outs, given)):
+                for a, b in zip(mine, theirs):
+                    if t is a:
+                        return b
+            return t
+        for method, tensors in record.calls:
+            getattr(ctx, method)(*(as_seen(t) for t in tensors))
+        if record.saved is not None:
+            ctx.save_for_backward(*(as_seen(t) for t in record.saved))
+
+    return type(f"{cls.__name__}NewStyle", (torch.autograd.Function,), {
+        "forward": staticmethod(forward), "setup_context": staticmethod(setup_context),
+        "backward": staticmethod(lambda ctx, *grads: cls.backward(ctx, *grads))})
+
+
+_install()

@@ -47,6 +47,7 @@ from ndfunc._src.runtime import simulation_paused
 from ndfunc._src.sharding.partition_spec import PartitionSpec
 from ndfunc._src.sharding.shape_dtype import ShapeDtypeStruct
 from ndfunc._src.stamp import Stamps
+from ndfunc._src.custom_gradients import accepting_old_functions
 from ndfunc._src.traced_as import TracedAs
 from ndfunc._src.torch_compat import (
     DataDependentOutputException,
@@ -157,8 +158,8 @@ def trace(fn: Callable, args: Sequence[Any], kwargs: dict | None = None, *, stat
         try:
             # annotations (nf.remat's regions) reach the nodes; the graph's Python code is written
             # only if the traced program is called or shown (the partitioner reads the graph)
-            with (fx_traceback.preserve_node_meta(), traced_as_compiling(), TracedAs(), lazy_graph_modules(True),
-                  regions.routed(Stamps().call)):
+            with (fx_traceback.preserve_node_meta(), traced_as_compiling(), TracedAs(), accepting_old_functions(),
+                  lazy_graph_modules(True), regions.routed(Stamps().call)):
                 graph_module = make_fx(flat_fn, decomposition_table={**(decompositions or {}), **_DECOMPOSITIONS},
                                        tracing_mode="fake", record_stack_traces=record_stack_traces)(*fakes)
         except (DataDependentOutputException, DynamicOutputShapeException) as e:
