@@ -259,7 +259,13 @@ def _a_scan_into_zeros_like_a_transpose(o, y, t):  # RecurrentGemma's: `zeros_li
     return F.mse_loss(out.sum(1), y)
 
 
-IN_PLACE = {f.__name__[1:]: f for f in (_fill_a_column, _a_scan_into_zeros_like_a_transpose,
+def _a_column_zeroed(o, y, t):  # zero_ is a write of zeros (as an update it became aten.zero: no rule)
+    z = o * 1.0
+    z[:, 0].zero_()
+    return F.mse_loss(z, y)
+
+
+IN_PLACE = {f.__name__[1:]: f for f in (_fill_a_column, _a_column_zeroed, _a_scan_into_zeros_like_a_transpose,
                                         _scaled_through_a_transpose, _a_row_of_a_transpose_filled,
                                         _a_row_of_an_unsqueezed_view_filled, _a_slice_of_a_flattened_view_filled,
                                         _a_relative_shift_masked, _a_column_scaled_then_rows_filled,
@@ -301,6 +307,7 @@ def test_an_as_strided_of_rows_is_views_taking_the_elements_torch_takes(shape, s
     want = x.as_strided(size, stride, offset)
     assert torch.equal(got, want) and got.stride() == want.stride() and got.storage_offset() == offset
     assert _as_view(shape, contiguous_strides(shape), [7, 8], [7, 1], 0) is None  # rows that overlap: no view
+    assert _as_view([2, 3], [3, 1], [1], [4], 0) is None  # the diagonal's first element: not the diagonal
 
 
 @pytest.mark.parametrize("strategy", list(STRATEGIES))
@@ -752,9 +759,9 @@ class _OldStyleGelu(torch.autograd.Function):  # BLOOM's GeLUFunction: forward(c
 class _OldStyleScaledExp(torch.autograd.Function):  # saves its output, keeps a number on its context
     @staticmethod
     def forward(ctx, x, scale):
-        out = torch.exp(x) * scale
-        ctx.save_for_backward(out)
         ctx.scale = scale
+        out = torch.exp(x) * ctx.scale  # (read back)
+        ctx.save_for_backward(out)
         return out
 
     @staticmethod
@@ -781,6 +788,29 @@ def test_an_old_style_autograd_function_trains_under_jit_and_torch_func_is_left_
     torch.testing.assert_close(got_grads, want_grads, **TOL)
     with pytest.raises(RuntimeError, match="must override the setup_context staticmethod"):
         torch.func.grad(loss)(params, x)  # outside a traced step, torch's own
+    # under a gradient of a gradient what the forward saved would be a constant: torch's refusal
+    squared = lambda p, x: sum(g.square().sum() for g in torch.func.grad(loss)(p, x).values())  # noqa: E731
+    with nf.simulate(2), pytest.raises(RuntimeError, match="must override the setup_context staticmethod"):
+        nf.jit(nf.value_and_grad(squared), mesh=nf.make_mesh(dp=2), in_shardings=(P(), P("dp")),
+               out_shardings=(P(), P()))(params, x)
+
+
+def test_the_math_traced_for_torch_functions_keeps_their_shapes_and_checks():
+    from ndfunc._src import traced_as
+
+    x, target = torch.randn(4), torch.tensor([2])
+    assert traced_as._multi_margin_loss(x, target, reduction="none").shape == F.multi_margin_loss(
+        x, target, reduction="none").shape == (1,)
+    ints = torch.arange(12).view(3, 4)
+    torch.testing.assert_close(traced_as._cov(ints), torch.cov(ints))  # (torch's own: a mean of integers)
+    with pytest.raises(RuntimeError, match="masked_scatter: expected self and source to have same dtypes"):
+        traced_as._masked_scatter(torch.zeros(4), torch.ones(4, dtype=torch.bool), torch.ones(4, dtype=torch.float64))
+    with pytest.raises(RuntimeError):  # batches that differ: torch's refusal, not a broadcast
+        traced_as._bilinear(torch.randn(2, 3), torch.randn(1, 3), torch.randn(5, 3, 3))
+    counts = torch.tensor([2])  # one count for every row: torch broadcasts it
+    rows = torch.randn(4, 3)
+    torch.testing.assert_close(traced_as._repeat_interleave(rows, counts, 0, output_size=8),
+                               torch.repeat_interleave(rows, counts, 0, output_size=8))
 
 
 def _binned(o, y, t):  # ATen's searchsorted has no sharding rule and no decomposition

@@ -239,7 +239,9 @@ def _in_order(shape: list, strides: list, size: list, stride: list, offset: int)
             if size[:-1] != [shape[d] for d in rest] or stride != [strides[d] for d in rest] + [strides[d1] + strides[d2]]:
                 continue
             for diagonal in (offset // strides[d2], -(offset // strides[d1])):
-                if (diagonal >= 0 and diagonal * strides[d2] == offset) or (diagonal < 0 and -diagonal * strides[d1] == offset):
+                length = min(shape[d1] - max(-diagonal, 0), shape[d2] - max(diagonal, 0))
+                if size[-1] == length and ((diagonal >= 0 and diagonal * strides[d2] == offset)
+                                           or (diagonal < 0 and -diagonal * strides[d1] == offset)):
                     return [(aten.diagonal.default, diagonal, d1, d2)]
         return None
     if len(size) != k:

@@ -24,6 +24,8 @@ import threading
 
 import torch
 from torch.autograd.function import _is_setup_context_defined
+
+from ndfunc._src import torch_compat
 from torch._library.custom_ops import OPDEFS, CustomOpDef
 
 _OURS = ("aten", "prims", "ndfunc")
@@ -41,7 +43,10 @@ def registered(func) -> CustomOpDef | None:
     if name.split("::", 1)[0] in _OURS:
         return None
     found = OPDEFS.get(name)
-    return found if found is not None and found._backward_fn is not None else None
+    if found is None or found._backward_fn is None or any(
+            isinstance(a.type, torch.ListType) for a in found._opoverload._schema.arguments):
+        return None  # (a list of tensors: torch's own Function, which torch.func refuses, as before)
+    return found
 
 
 def call(func, definition: CustomOpDef, args: tuple, kwargs: dict):
@@ -71,6 +76,8 @@ class _Registered(torch.autograd.Function):
     def setup_context(ctx, inputs, output):
         _, definition, keywords, *args = inputs
         ctx.definition = definition
+        if definition._setup_context_fn is None:  # (a gradient that reads nothing saved)
+            return
         if keywords:
             definition._setup_context_fn(ctx=ctx, inputs=tuple(args), keyword_only_inputs=keywords, output=output)
         else:
@@ -114,8 +121,8 @@ def _install() -> None:
 
         def apply(cls, *args, **kwargs):
             if (_ACCEPTING.get() and not _is_setup_context_defined(cls.setup_context)
-                    and torch._C._are_functorch_transforms_active()):
-                return _new_style(cls).apply(*args, **kwargs)
+                    and torch._C._are_functorch_transforms_active() and torch_compat.func_transforms() == ["Grad"]):
+                return _new_style(cls).apply(*args, **kwargs)  # (one gradient: what it saves is no constant)
             return torchs.__func__(cls, *args, **kwargs)
 
         apply._ndfunc = True
@@ -123,12 +130,15 @@ def _install() -> None:
 
 
 class _Recorded:
-    """A stand-in for an old-style forward's context: what it saves, marks and sets."""
+    """A stand-in for an old-style forward's context: what it saves, marks and sets, and what it
+    reads back of that (`needs_input_grad`: every tensor's, as under a gradient)."""
 
-    def __init__(self):
+    def __init__(self, args: tuple):
         object.__setattr__(self, "saved", None)
         object.__setattr__(self, "calls", [])
-        object.__setattr__(self, "attributes", {})
+        object.__setattr__(self, "attributes", {
+            "needs_input_grad": tuple(isinstance(a, torch.Tensor) and (a.is_floating_point() or a.is_complex())
+                                      for a in args)})
 
     def save_for_backward(self, *tensors):
         object.__setattr__(self, "saved", tensors)
@@ -136,11 +146,20 @@ class _Recorded:
     def mark_non_differentiable(self, *tensors):
         self.calls.append(("mark_non_differentiable", tensors))
 
+    def mark_dirty(self, *tensors):
+        self.calls.append(("mark_dirty", tensors))
+
     def set_materialize_grads(self, value):
         self.calls.append(("set_materialize_grads", (value,)))
 
     def __setattr__(self, name, value):
         self.attributes[name] = value
+
+    def __getattr__(self, name):
+        try:
+            return self.attributes[name]
+        except KeyError:
+            raise AttributeError(name) from None
 
 
 _LAST = threading.local()  # the record of the forward that ran last here (its setup_context follows)
@@ -153,7 +172,7 @@ def _new_style(cls) -> type[torch.autograd.Function]:
     `setup_context` sees those."""
 
     def forward(*args):
-        ctx = _Recorded()
+        ctx = _Recorded(args)
         out = cls.forward(ctx, *args)
         _LAST.record = (ctx, args, out)
         return out
@@ -161,7 +180,8 @@ def _new_style(cls) -> type[torch.autograd.Function]:
     def setup_context(ctx, inputs, output):
         record, args, out = _LAST.record  # (kept: under a transform each level's Function sets its context)
         for name, value in record.attributes.items():
-            setattr(ctx, name, value)
+            if name != "needs_input_grad":  # (the context's own)
+                setattr(ctx, name, value)
         outs = out if isinstance(out, tuple) else (out,)
         given = output if isinstance(output, tuple) else (output,)
 

@@ -25,10 +25,12 @@ rnn_backward_op = torch.ops.ndfunc.rnn_backward.default
 _KERNELS = {"lstm": torch.lstm, "gru": torch.gru, "rnn_tanh": torch.rnn_tanh, "rnn_relu": torch.rnn_relu}
 
 
-def _run(mode, input, hx, params, has_biases, num_layers, bidirectional, batch_first) -> list[torch.Tensor]:
-    """torch's own recurrent function (no dropout): [output, *final states]."""
+def _run(mode, input, hx, params, has_biases, num_layers, bidirectional, batch_first,
+         train: bool = False) -> list[torch.Tensor]:
+    """torch's own recurrent function (no dropout): [output, *final states]. `train`: as a training
+    step's (cuDNN differentiates only those)."""
     state = tuple(hx) if mode == "lstm" else hx[0]
-    made = _KERNELS[mode](input, state, params, has_biases, num_layers, 0.0, False, bidirectional, batch_first)
+    made = _KERNELS[mode](input, state, params, has_biases, num_layers, 0.0, train, bidirectional, batch_first)
     return list(made)
 
 
@@ -38,7 +40,7 @@ def _run_backward(mode, grads, input, hx, params, has_biases, num_layers, bidire
     with torch.enable_grad():
         leaves = [t.detach().requires_grad_() for t in (input, *hx, *params)]
         made = _run(mode, leaves[0], leaves[1:1 + len(hx)], leaves[1 + len(hx):], has_biases, num_layers,
-                    bidirectional, batch_first)
+                    bidirectional, batch_first, train=True)
         found = torch.autograd.grad(made, leaves, grads, allow_unused=True)
     return [torch.zeros_like(x) if g is None else g for g, x in zip(found, leaves)]
 

@@ -82,7 +82,8 @@ def _cov(input, *, correction=1, fweights=None, aweights=None):
     """`torch.cov` without weights as its math, the observations' count a shape: ATen's reads the
     normalizer's value to warn where it is not positive (a covariance loss raised
     DataDependentError). With weights (values), torch's own."""
-    if fweights is not None or aweights is not None or input.dim() > 2:
+    if fweights is not None or aweights is not None or input.dim() > 2 or not (
+            input.is_floating_point() or input.is_complex()):
         return torch.cov(input, correction=correction, fweights=fweights, aweights=aweights)
     x = input.reshape(1, -1) if input.dim() < 2 else input
     dof = x.shape[1] - correction
@@ -95,7 +96,7 @@ def _cov(input, *, correction=1, fweights=None, aweights=None):
 
 def _corrcoef(input):
     """`torch.corrcoef` as its math over `_cov`'s (ATen's calls its own cov)."""
-    if input.dim() > 2 or input.is_complex():
+    if input.dim() > 2 or input.is_complex() or not input.is_floating_point():
         return torch.corrcoef(input)
     c = _cov(input)
     if c.dim() == 0:
@@ -109,8 +110,8 @@ def _masked_scatter(input, mask, source):
     embeddings) as its math: the k-th masked element, in order, takes the source's k-th element,
     found by a running count of the mask (ATen's has no sharding rule: it ran whole on every
     rank, its inputs gathered). An empty source is torch's own."""
-    if not (isinstance(source, torch.Tensor) and source.numel()):
-        return torch.Tensor.masked_scatter(input, mask, source)
+    if not (isinstance(source, torch.Tensor) and source.numel() and source.dtype == input.dtype):
+        return torch.Tensor.masked_scatter(input, mask, source)  # (torch's checks)
     input, mask = torch.broadcast_tensors(input, mask)
     taken = mask.reshape(-1).to(torch.int64).cumsum(0) - 1  # which source element each takes
     values = source.reshape(-1).index_select(0, taken.clamp(min=0)).view(input.shape)
@@ -119,8 +120,8 @@ def _masked_scatter(input, mask, source):
 
 def _bilinear(input1, input2, weight, bias=None):
     """`F.bilinear` as an einsum (ATen's `_trilinear` has no sharding rule: it ran whole)."""
-    if input1.dim() < 1 or weight.dim() != 3:
-        return torch.nn.functional.bilinear(input1, input2, weight, bias)
+    if input1.dim() < 1 or weight.dim() != 3 or input1.shape[:-1] != input2.shape[:-1]:
+        return torch.nn.functional.bilinear(input1, input2, weight, bias)  # (torch's checks)
     out = torch.einsum("...i,oij,...j->...o", input1, weight, input2)
     return out if bias is None else out + bias
 
@@ -132,7 +133,10 @@ def _repeat_interleave(input, repeats=None, dim=None, *, output_size=None):
     whole). Without `output_size` the shape comes from the values: torch's own, which says so."""
     only_repeats = repeats is None
     counts = input if only_repeats else repeats
-    if not (isinstance(counts, torch.Tensor) and counts.dim() == 1 and isinstance(output_size, int)):
+    items = None if only_repeats or not isinstance(input, torch.Tensor) else \
+        input.numel() if dim is None else input.shape[dim]
+    if not (isinstance(counts, torch.Tensor) and counts.dim() == 1 and isinstance(output_size, int)
+            and (items is None or counts.numel() == items)):  # (one count for every item: torch broadcasts it)
         return torch.repeat_interleave(input, repeats, dim, output_size=output_size) if not only_repeats else \
             torch.repeat_interleave(input, output_size=output_size)
     starts = (counts.cumsum(0) - counts).clamp(max=output_size)
@@ -163,7 +167,7 @@ def _multi_margin_loss(input, target, p=1, margin=1.0, weight=None, size_average
     if weight is not None:
         gaps = gaps * weight[y]
     losses = gaps.sum(1) / x.shape[1]
-    return _reduced(losses if input.dim() == 2 else losses[0], reduction)
+    return _reduced(losses if input.dim() == 2 else losses.view(target.shape), reduction)
 
 
 def _multilabel_margin_loss(input, target, size_average=None, reduce=None, reduction="mean"):

@@ -55,7 +55,7 @@ _SCATTERS = {aten.slice.Tensor: aten.slice_scatter.default, aten.select.int: ate
 # reordered (or reshaped) back
 _REORDERS = (aten.permute.default, aten.transpose.int, aten.t.default,
              aten.unsqueeze.default, aten.squeeze.dim, aten.view.default)  # (and of another shape)
-_WRITES = (aten.copy_.default, aten.fill_.Scalar, aten.fill_.Tensor)
+_WRITES = (aten.copy_.default, aten.fill_.Scalar, aten.fill_.Tensor, aten.zero_.default)
 
 
 def as_functional(gm: torch.fx.GraphModule) -> None:
@@ -118,7 +118,7 @@ def views_as_scatters(gm: torch.fx.GraphModule) -> bool:
         if any(order[r] < order[write] and writes_into(r, a) for a in [base, *seen] for r in a.users):
             continue  # written through another view before: left as it is
         readers = {a: [r for r in a.users if r is not write and order[r] > order[write]] for a in [base, *seen]}
-        into, src = view.meta["val"], write.args[1]
+        into, src = view.meta["val"], write.args[1] if len(write.args) > 1 else 0  # (zero_: zeros)
         made = []
         with gm.graph.inserting_before(write):
             if not isinstance(src, torch.fx.Node):  # a fill with a number
