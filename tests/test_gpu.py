@@ -356,3 +356,22 @@ def test_a_cuda_step_runs_right_with_the_cpu_matmul_rewrite_on(onednn, no_tf32):
     # operands: the same cuBLAS call
     a = torch.randn(256, 256, device="cuda")
     torch.testing.assert_close(nf.jit(torch.mm)(a, a), a @ a, rtol=0, atol=0)
+
+
+@gpu
+@pytest.mark.parametrize("layer", ["lstm", "gru"])
+def test_a_recurrent_layer_on_cuda_runs_cudnn_forward_and_backward_split_by_the_batch(layer, no_tf32):
+    # ndfunc::rnn runs torch's kernel for the device (cuDNN), and its gradient makes the forward
+    # again in training mode (cuDNN differentiates only those)
+    torch.manual_seed(0)
+    module = (torch.nn.LSTM if layer == "lstm" else torch.nn.GRU)(16, 64, num_layers=2, batch_first=True).cuda()
+    params, buffers, apply = nf.nn.functional(module)
+    x = torch.randn(8, 12, 16, device="cuda")
+    loss = lambda p, x: apply(p, buffers, x)[0].square().mean()  # noqa: E731
+    want_grads, want_loss = torch.func.grad_and_value(loss)(params, x)
+    with nf.simulate(2):
+        step = nf.jit(nf.value_and_grad(loss), mesh=nf.make_mesh(dp=2), in_shardings=(P(), P("dp")),
+                      out_shardings=(P(), P()))
+        got_loss, got_grads = nf.device_get(step(params, x))
+    torch.testing.assert_close(got_loss, want_loss, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got_grads, want_grads, rtol=1e-4, atol=1e-5)
