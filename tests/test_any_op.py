@@ -265,7 +265,13 @@ def _a_column_zeroed(o, y, t):  # zero_ is a write of zeros (as an update it bec
     return F.mse_loss(z, y)
 
 
-IN_PLACE = {f.__name__[1:]: f for f in (_fill_a_column, _a_column_zeroed, _a_scan_into_zeros_like_a_transpose,
+def _every_other_element_clamped(o, y, t):  # through a reshape: autograd reads elements a step apart
+    z = o * 1.0
+    z.view(-1, 2)[:, 0].clamp_(min=0.0)
+    return F.mse_loss(z, y)
+
+
+IN_PLACE = {f.__name__[1:]: f for f in (_fill_a_column, _a_column_zeroed, _every_other_element_clamped, _a_scan_into_zeros_like_a_transpose,
                                         _scaled_through_a_transpose, _a_row_of_a_transpose_filled,
                                         _a_row_of_an_unsqueezed_view_filled, _a_slice_of_a_flattened_view_filled,
                                         _a_relative_shift_masked, _a_column_scaled_then_rows_filled,
@@ -307,7 +313,10 @@ def test_an_as_strided_of_rows_is_views_taking_the_elements_torch_takes(shape, s
     want = x.as_strided(size, stride, offset)
     assert torch.equal(got, want) and got.stride() == want.stride() and got.storage_offset() == offset
     assert _as_view(shape, contiguous_strides(shape), [7, 8], [7, 1], 0) is None  # rows that overlap: no view
-    assert _as_view([2, 3], [3, 1], [1], [4], 0) is None  # the diagonal's first element: not the diagonal
+    first = torch.arange(6.0).view(2, 3)  # the diagonal's first element (not the diagonal: its length)
+    for op, *args in _as_view([2, 3], [3, 1], [1], [4], 0):
+        first = op(first, *args)
+    assert first.tolist() == [0.0] and first.stride() == (4,)
 
 
 @pytest.mark.parametrize("strategy", list(STRATEGIES))

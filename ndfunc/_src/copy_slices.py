@@ -221,6 +221,9 @@ def _as_view(shape: list, strides: list, size: list, stride: list, offset: int) 
     found = _in_order(shape, strides, *in_order, offset) if order != sorted(order) else None
     if found is None or found[0][0] is aten.view.default:
         found = _windows(shape, *in_order, offset)
+    if found is None and in_order[1] and in_order[1][-1] > 1:  # elements a step apart: rows of one, the rest cut
+        found = _windows(shape, [*in_order[0], 1], [*in_order[1], 1], offset)
+        found = None if found is None else [*found, (aten.squeeze.dim, len(size))]
     if found is None or order == sorted(order):
         return found
     return [*found, (aten.permute.default, inverse_permutation(order))]
