@@ -376,3 +376,33 @@ def test_lstm_cells_is_torchs_lstm_as_its_decomposition_computes_it_off_the_cpu(
     args = (x, state, module._flat_weights, True, 2, 0.0, False, True, True)
     for got, want in zip(compat.lstm_cells(*args), torch.lstm(*args)):
         torch.testing.assert_close(got, want)
+
+
+@torch.library.custom_op("ndfunc_compat_tests::double", mutates_args=())
+def _double(x: torch.Tensor) -> torch.Tensor:
+    return x * 2
+
+
+torch.library.register_autograd("ndfunc_compat_tests::double", lambda ctx, g: g * 2)
+
+
+class _OldStyle(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x
+
+    @staticmethod
+    def backward(ctx, g):
+        return g
+
+
+def test_registered_gradient_has_setup_context_func_transforms_active():
+    schema, backward, setup = compat.registered_gradient("ndfunc_compat_tests::double")
+    assert [a.name for a in schema.arguments] == ["x"] and setup is None
+    assert torch.equal(backward(None, torch.ones(2)), torch.full((2,), 2.0))
+    assert compat.registered_gradient("aten::add") is None
+    assert not compat.has_setup_context(_OldStyle)
+    assert compat.has_setup_context(torch.autograd.Function) is False  # (the base class defines none)
+    seen = []
+    torch.func.grad(lambda x: seen.append(compat.func_transforms_active()) or x.sum())(torch.ones(2))
+    assert seen == [True] and not compat.func_transforms_active()

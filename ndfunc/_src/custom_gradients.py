@@ -23,17 +23,16 @@ import functools
 import threading
 
 import torch
-from torch.autograd.function import _is_setup_context_defined
 
 from ndfunc._src import torch_compat
-from torch._library.custom_ops import OPDEFS, CustomOpDef
 
 _OURS = ("aten", "prims", "ndfunc")
 
 
-def registered(func) -> CustomOpDef | None:
-    """The definition of `func` (an op of `torch.ops`) where it is a custom op with a gradient
-    registered; else None. A few lookups: the tracer asks it of every call."""
+def registered(func) -> tuple | None:
+    """(schema, backward, setup_context) of `func` (an op of `torch.ops`) where it is a custom op
+    with a gradient registered (`torch_compat.registered_gradient`); else None. A few lookups: the
+    tracer asks it of every call."""
     if isinstance(func, torch._ops.OpOverloadPacket):
         name = func._qualified_op_name
     elif isinstance(func, torch._ops.OpOverload):
@@ -42,17 +41,17 @@ def registered(func) -> CustomOpDef | None:
         return None
     if name.split("::", 1)[0] in _OURS:
         return None
-    found = OPDEFS.get(name)
-    if found is None or found._backward_fn is None or any(
-            isinstance(a.type, torch.ListType) for a in found._opoverload._schema.arguments):
+    found = torch_compat.registered_gradient(name)
+    if found is None or any(isinstance(a.type, torch.ListType) for a in found[0].arguments):
         return None  # (a list of tensors: torch's own Function, which torch.func refuses, as before)
     return found
 
 
-def call(func, definition: CustomOpDef, args: tuple, kwargs: dict):
-    """`func(*args, **kwargs)` through `_Registered`: its arguments read as the dispatcher reads
-    them (those before the keyword-only ones positional, however they were passed)."""
-    schema = definition._opoverload._schema
+def call(func, definition: tuple, args: tuple, kwargs: dict):
+    """`func(*args, **kwargs)` through `_Registered` (`definition`: `registered`'s): its arguments
+    read as the dispatcher reads them (those before the keyword-only ones positional, however they
+    were passed)."""
+    schema = definition[0]
     given = list(args)
     positional, keywords = [], {}
     for i, a in enumerate(schema.arguments):
@@ -75,13 +74,13 @@ class _Registered(torch.autograd.Function):
     @staticmethod
     def setup_context(ctx, inputs, output):
         _, definition, keywords, *args = inputs
-        ctx.definition = definition
-        if definition._setup_context_fn is None:  # (a gradient that reads nothing saved)
+        ctx._ndfunc_backward, setup = definition[1:]
+        if setup is None:  # (a gradient that reads nothing saved)
             return
         if keywords:
-            definition._setup_context_fn(ctx=ctx, inputs=tuple(args), keyword_only_inputs=keywords, output=output)
+            setup(ctx=ctx, inputs=tuple(args), keyword_only_inputs=keywords, output=output)
         else:
-            definition._setup_context_fn(ctx=ctx, inputs=tuple(args), output=output)
+            setup(ctx=ctx, inputs=tuple(args), output=output)
 
     @staticmethod
     def backward(ctx, *grads):
@@ -89,7 +88,7 @@ class _Registered(torch.autograd.Function):
         ctx.needs_input_grad = needs[3:]  # (as the op's own Function shows its backward: the op's inputs)
         try:
             with torch.no_grad():  # (one gradient only: a custom op its backward calls is called as in plain autograd)
-                found = ctx.definition._backward_fn(ctx, *grads)
+                found = ctx._ndfunc_backward(ctx, *grads)
         finally:
             ctx.needs_input_grad = needs
         return (None, None, None, *(found if isinstance(found, tuple) else (found,)))
@@ -120,8 +119,8 @@ def _install() -> None:
             return
 
         def apply(cls, *args, **kwargs):
-            if (_ACCEPTING.get() and not _is_setup_context_defined(cls.setup_context)
-                    and torch._C._are_functorch_transforms_active() and torch_compat.func_transforms() == ["Grad"]):
+            if (_ACCEPTING.get() and torch_compat.func_transforms_active() and not torch_compat.has_setup_context(cls)
+                    and torch_compat.func_transforms() == ["Grad"]):
                 return _new_style(cls).apply(*args, **kwargs)  # (one gradient: what it saves is no constant)
             return torchs.__func__(cls, *args, **kwargs)
 

@@ -57,6 +57,7 @@ __all__ = [
     "DynamicOutputShapeException", "core_aten_decompositions", "decomposition_table",
     "route_nested_compile_regions", "func_transforms", "current_tracer", "function_modes", "current_graph", "outside_the_trace",
     "trace_nested", "node_of", "tracked", "fake_like", "known_fakes", "new_node", "runs_hooks", "lstm_cells",
+    "registered_gradient", "has_setup_context", "func_transforms_active",
 ]
 
 current_dispatch_mode = _get_current_dispatch_mode
@@ -329,6 +330,30 @@ def route_nested_compile_regions(current: Callable) -> None:
         return torch_call(fn, *args, **kwargs) if call is None else call(fn, args, kwargs)
 
     module.invoke_subgraph_placeholder = placeholder
+
+
+def registered_gradient(name: str) -> tuple | None:
+    """(schema, backward, setup_context) of the `torch.library.custom_op` named `name` (ns::op)
+    where a gradient was registered for it (`register_autograd`; setup_context may be None); else
+    None (no such op, or one defined otherwise)."""
+    from torch._library.custom_ops import OPDEFS
+
+    found = OPDEFS.get(name)
+    if found is None or found._backward_fn is None:
+        return None
+    return found._opoverload._schema, found._backward_fn, found._setup_context_fn
+
+
+def has_setup_context(cls) -> bool:
+    """Whether the `autograd.Function` class `cls` defines `setup_context` (the form torch.func takes)."""
+    from torch.autograd.function import _is_setup_context_defined
+
+    return _is_setup_context_defined(cls.setup_context)
+
+
+def func_transforms_active() -> bool:
+    """Whether any `torch.func` transform is in force (cheaper than `func_transforms`)."""
+    return torch._C._are_functorch_transforms_active()
 
 
 def func_transforms() -> list[str]:
