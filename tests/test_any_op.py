@@ -11,7 +11,7 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.distributed.tensor import Shard
+from torch.distributed.tensor import Partial, Shard
 
 import ndfunc as nf
 from ndfunc.sharding import P
@@ -271,7 +271,8 @@ def _every_other_element_clamped(o, y, t):  # through a reshape: autograd reads 
     return F.mse_loss(z, y)
 
 
-IN_PLACE = {f.__name__[1:]: f for f in (_fill_a_column, _a_column_zeroed, _every_other_element_clamped, _a_scan_into_zeros_like_a_transpose,
+IN_PLACE = {f.__name__[1:]: f for f in (_fill_a_column, _a_column_zeroed, _every_other_element_clamped,
+                                        _a_scan_into_zeros_like_a_transpose,
                                         _scaled_through_a_transpose, _a_row_of_a_transpose_filled,
                                         _a_row_of_an_unsqueezed_view_filled, _a_slice_of_a_flattened_view_filled,
                                         _a_relative_shift_masked, _a_column_scaled_then_rows_filled,
@@ -694,6 +695,39 @@ def test_an_op_without_a_rule_of_its_own_splits_by_the_batch(op):
         got_loss, got_grad = nf.device_get(step(x, y))
     torch.testing.assert_close(got_loss, want_loss, **TOL)
     torch.testing.assert_close(got_grad, want_grad, **TOL)
+
+
+def test_transformers_grouped_matmul_of_experts_splits_its_weights_as_megatron_does():
+    # transformers' float32 mixture of experts calls its custom op (its gradient registered: see
+    # `_src/custom_gradients.py`); with no rule it ran whole, the experts' weights gathered. Its rule
+    # splits the first matmul's columns and the second's rows: the pending sum is reduced once
+    import transformers.integrations.moe  # noqa: F401 (defines transformers::grouped_mm_fallback)
+
+    if not hasattr(torch.ops.transformers, "grouped_mm_fallback"):
+        pytest.skip("this transformers (before 5) has no grouped_mm_fallback op")
+    fallback = torch.ops.transformers.grouped_mm_fallback
+
+    g = torch.Generator().manual_seed(0)
+    params = {"w1": torch.randn(4, 16, 32, generator=g) * 0.2, "w2": torch.randn(4, 32, 16, generator=g) * 0.2}
+    x, offs = torch.randn(12, 16, generator=g), torch.tensor([3, 6, 6, 12], dtype=torch.int32)
+
+    def loss(p, x):
+        h = fallback(x, p["w1"], offs=offs).relu()
+        return fallback(h, p["w2"], offs=offs).square().mean()
+
+    leaves = {k: v.clone().requires_grad_() for k, v in params.items()}
+    want_loss = loss(leaves, x)
+    want_grads = dict(zip(leaves, torch.autograd.grad(want_loss, list(leaves.values()))))
+    spec = {"w1": P(None, None, "tp"), "w2": P(None, "tp", None)}
+    with nf.simulate(2):
+        step = nf.jit(nf.value_and_grad(loss), mesh=nf.make_mesh(tp=2), in_shardings=(spec, P()),
+                      out_shardings=(P(), spec))
+        got_loss, got_grads = nf.device_get(step(params, x))
+        plan = step.lower(params, x).program.plan
+    torch.testing.assert_close(got_loss, want_loss.detach(), **TOL)
+    torch.testing.assert_close(got_grads, want_grads, **TOL)
+    made = [s.outs[0] for n, s in plan.strategy.items() if n.target is fallback.default]
+    assert made == [(Shard(1),), (Partial(),)]
 
 
 def test_an_as_strided_over_a_gathered_transpose_reads_the_memory_it_was_traced_over():

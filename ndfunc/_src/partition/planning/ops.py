@@ -91,6 +91,24 @@ def register(op, **fields) -> None:
     _RULES[op] = OpRule(**fields)
 
 
+# Rules of ops that exist only once a library defines them (transformers' custom ops), by their
+# qualified name: taken into the registry when the partitioner first meets the op (`_resolved`)
+_BY_NAME: dict[str, OpRule] = {}
+
+
+def register_by_name(name: str, **fields) -> None:
+    """`register` for the op `name` ("namespace::op", its default overload), which may not exist yet."""
+    _BY_NAME[name] = OpRule(**fields)
+
+
+def _resolved(op) -> OpRule | None:
+    """`op`'s rule, one registered by name taken in first."""
+    rule = _RULES.get(op)
+    if rule is None and isinstance(op, torch._ops.OpOverload) and op._name in _BY_NAME:
+        rule = _RULES[op] = _BY_NAME.pop(op._name)
+    return rule
+
+
 def rule_of(op) -> OpRule | None:
     """The registered rule of `op`, or None."""
     return _RULES.get(op)
@@ -249,7 +267,7 @@ def _candidates(node: torch.fx.Node, sizes: tuple[int, ...]) -> Sequence[Strateg
     k = len(sizes)
     if k == 0:  # nothing to partition over: every op runs whole
         return _replicated_rule(node, sizes)
-    rule = _RULES.get(op)
+    rule = _resolved(op)
     if rule is not None and rule.strategies is not None:
         found = rule.strategies(node, sizes)
     elif (found := from_dtensor(node, ins, outs, sizes)) is None:
@@ -467,6 +485,22 @@ def _unfold_backward(emitter, node, locals_):
     shape = local_shape(tuple(val.shape), emitter.plan.strategy[node].outs[0], emitter.sizes)
     out = emitter.call(aten.unfold_backward.default, locals_[0], list(shape), *node.args[2:])
     return prog.note_local(out, shape, val.dtype)
+
+
+def _grouped_mm_fallback_rule(node, sizes) -> Fitted:
+    """transformers' grouped matmul of a mixture of experts in float32 (`grouped_mm_fallback(input
+    (tokens, K) sorted by expert, weight (experts, K, N), offs)`) and its backward (the input's and
+    the weight's gradients), per mesh axis: whole, or the experts' weights split by their columns
+    N (the output's too), or by the contracted K (the input's too, the output a pending sum). Never
+    the tokens: each expert's run of them is read off `offs`, a value."""
+    R, P, S1, S2 = Replicate(), Partial("sum"), Shard(1), Shard(2)
+    if node.target._name.endswith("_backward"):  # grad input, grad weight; input, weight, offs, grad output
+        rules = [(R,) * 6, (P, S2, R, S2, R, S1), (S1, S1, S1, S1, R, R)]
+    else:  # output; input, weight, offs
+        rules = [(R,) * 4, (S1, R, S2, R), (P, S1, S1, R)]
+    outs = tensor_outputs(node)
+    shapes = [tuple(t.shape) for t in (*outs, *(a.meta["val"] for a in tensor_inputs(node)))]
+    return per_axis(rules, shapes, sizes, len(outs))
 
 
 def _scatter_reduce_rule(node, sizes) -> Fitted:
@@ -789,6 +823,8 @@ register(aten.stack.default, strategies=_stack_rule)
 register(aten.fill_.Scalar, strategies=_fill_rule)
 register(aten.fill_.Tensor, strategies=_fill_rule)
 register(aten.scatter_reduce.two, strategies=_scatter_reduce_rule)
+register_by_name("transformers::grouped_mm_fallback", strategies=_grouped_mm_fallback_rule)
+register_by_name("transformers::grouped_mm_fallback_backward", strategies=_grouped_mm_fallback_rule)
 register(aten.unfold.default, strategies=_unfold_rule)
 register(aten.as_strided.default, lower=_as_strided)  # (no rule: whole)
 for _alike in (aten.hardshrink_backward.default, aten.softshrink_backward.default, aten.polar.default,
