@@ -61,7 +61,7 @@ def _gaussian_nll_loss(input, target, var, full=False, eps=1e-6, reduction="mean
     loss = 0.5 * (torch.log(var) + (input - target) ** 2 / var)
     if full:
         loss = loss + 0.5 * math.log(2 * math.pi)
-    return loss.mean() if reduction == "mean" else loss.sum() if reduction == "sum" else loss
+    return _reduced(loss, reduction)
 
 
 def _setitem(x, key, value):
@@ -139,13 +139,20 @@ def _repeat_interleave(input, repeats=None, dim=None, *, output_size=None):
             and (items is None or counts.numel() == items)):  # (one count for every item: torch broadcasts it)
         return torch.repeat_interleave(input, repeats, dim, output_size=output_size) if not only_repeats else \
             torch.repeat_interleave(input, output_size=output_size)
-    starts = (counts.cumsum(0) - counts).clamp(max=output_size)
-    begun = torch.zeros(output_size + 1, dtype=torch.int64, device=counts.device)
-    index = begun.index_add(0, starts, torch.ones_like(starts, dtype=torch.int64)).cumsum(0)[:output_size] - 1
+    index = _run_of_each(counts.cumsum(0) - counts, output_size)
     if only_repeats:
         return index
     x = input.reshape(-1) if dim is None else input
     return x.index_select(0 if dim is None else dim, index)
+
+
+def _run_of_each(starts: torch.Tensor, n: int) -> torch.Tensor:
+    """For each of `n` positions, the run it falls in, runs starting at `starts` (ascending; a run
+    starting where the next does is empty, one at `n` or past it too): how many runs start at or
+    before it, less one. Shapes from shapes, where `searchsorted` has no rule."""
+    begun = torch.zeros(n + 1, dtype=torch.int64, device=starts.device)
+    starts = starts.clamp(max=n)
+    return begun.index_add(0, starts, torch.ones_like(starts, dtype=torch.int64)).cumsum(0)[:n] - 1
 
 
 def _reduced(losses: torch.Tensor, reduction: str) -> torch.Tensor:
@@ -228,8 +235,7 @@ def _bags_by_offsets(input, rows, kept, starts, mode):
     does), and the rows are summed, averaged or maxed into their bags; an empty bag (or one of
     padding only) is zeros, as torch's."""
     n, bags = input.shape[0], starts.shape[0]
-    begun = torch.zeros(n + 1, dtype=torch.int64, device=input.device)  # (a bag may start at n: empty)
-    bag = begun.index_add(0, starts, torch.ones_like(starts, dtype=torch.int64)).cumsum(0)[:n] - 1
+    bag = _run_of_each(starts, n)
     zeros = rows.new_zeros(bags, rows.shape[-1])
     if mode == "max":
         if kept is not None:

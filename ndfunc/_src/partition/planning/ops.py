@@ -443,17 +443,6 @@ def _unfold_rule(node, sizes) -> Fitted:
     return per_axis(rules, [tuple(t.shape) for t in tensors], sizes, 1)
 
 
-def _alike_rule(node, sizes) -> Fitted:
-    """An op computed element by element over tensors of one shape (`hardshrink`'s backward, a
-    complex number from its parts: DTensor's pointwise rules leave them out), per mesh axis: whole,
-    or each split alike along any dim."""
-    tensors = [node.meta["val"], *(a.meta["val"] for a in tensor_inputs(node))]
-    if len({tuple(t.shape) for t in tensors}) != 1:
-        raise NoStrategy(node.target)
-    rules = [(Replicate(),) * len(tensors), *((Shard(d),) * len(tensors) for d in range(tensors[0].dim()))]
-    return per_axis(rules, [tuple(t.shape) for t in tensors], sizes, 1)
-
-
 def _as_strided(emitter, node, locals_):
     """`as_strided` (with no rule: whole) reads its input's memory, not its elements. Over a copy the
     plan moved for it (a gathered block, contiguous) it read another layout's memory: that input is
@@ -827,9 +816,11 @@ register_by_name("transformers::grouped_mm_fallback", strategies=_grouped_mm_fal
 register_by_name("transformers::grouped_mm_fallback_backward", strategies=_grouped_mm_fallback_rule)
 register(aten.unfold.default, strategies=_unfold_rule)
 register(aten.as_strided.default, lower=_as_strided)  # (no rule: whole)
+# element by element over tensors of one shape, which DTensor's pointwise rules leave out (complex
+# numbers from their parts: RoPE's `freqs_cis`)
 for _alike in (aten.hardshrink_backward.default, aten.softshrink_backward.default, aten.polar.default,
-               aten.complex.default):  # (complex numbers from their parts: RoPE's `freqs_cis`)
-    register(_alike, strategies=_alike_rule)
+               aten.complex.default):
+    register(_alike, strategies=_leading_dims_rule(0))
 register(aten.unfold_backward.default, strategies=_unfold_rule, lower=_unfold_backward)
 register(aten.linalg_solve_triangular.default, strategies=_solve_triangular_rule)
 register(aten._cdist_forward.default, strategies=_cdist_rule)
