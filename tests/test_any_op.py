@@ -11,7 +11,7 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.distributed.tensor import Partial, Shard
+from torch.distributed.tensor import Partial, Replicate, Shard
 
 import ndfunc as nf
 from ndfunc.sharding import P
@@ -745,6 +745,31 @@ def test_an_as_strided_over_a_gathered_transpose_reads_the_memory_it_was_traced_
         got_loss, got_grad = nf.device_get(step(w, x))
     torch.testing.assert_close(got_loss, want_loss, **TOL)
     torch.testing.assert_close(got_grad, want_grad, **TOL)
+
+
+def test_an_as_strided_over_a_gathered_value_with_gaps_is_refused_not_read_wrong():
+    # a slice of columns has gaps in its memory: no copy the plan gathers for it is laid out so,
+    # and the strides would read other elements. The partitioner gathers before such a view (the
+    # end-to-end cases never move it), so the lowering is asked here with a plan that moves it
+    from types import SimpleNamespace
+
+    from ndfunc._src.partition.planning import ops
+    from ndfunc._src.partition.planning.strategies import Strategy
+
+    graph = torch.fx.Graph()
+    x = graph.placeholder("columns")
+    x.meta["val"] = torch.empty(4, 6)[:, 1:]
+    node = graph.call_function(torch.ops.aten.as_strided.default, (x, [2, 2], [1, 1], 1))
+    node.meta["val"] = torch.empty(2, 2)
+    whole = (Replicate(),)
+    plan = SimpleNamespace(strategy={x: Strategy(outs=((Shard(0),),), ins=()),
+                                     node: Strategy(outs=(whole,), ins=(whole,))})
+    with pytest.raises(NotImplementedError, match=re.escape(
+            "aten.as_strided.default views columns by its strides, which the partitioner moves for it ((Shard(dim=0),) "
+            "there, (Replicate(),) here) and whose elements do not fill their storage: the moved copy's memory is laid "
+            "out otherwise. Write the view with slices, transposes and reshapes (x.unfold for sliding windows), or run "
+            "it inside nf.shard_map.")):
+        ops._as_strided(SimpleNamespace(plan=plan), node, [x])
 
 
 @torch.library.custom_op("ndfunc_tests::scaled_mm", mutates_args=())
