@@ -16,6 +16,7 @@ from collections.abc import Callable
 
 import torch
 from torch._decomp import core_aten_decompositions, decomposition_table
+from torch._library.custom_ops import OPDEFS
 from torch._subclasses.fake_tensor import (
     DataDependentOutputException,
     DynamicOutputShapeException,
@@ -23,6 +24,7 @@ from torch._subclasses.fake_tensor import (
     FakeTensorMode,
     unset_fake_temporarily,
 )
+from torch.autograd.function import _is_setup_context_defined
 from torch.distributed._local_tensor import (
     LocalTensor,
     LocalTensorMode,
@@ -336,8 +338,6 @@ def registered_gradient(name: str) -> tuple | None:
     """(schema, backward, setup_context) of the `torch.library.custom_op` named `name` (ns::op)
     where a gradient was registered for it (`register_autograd`; setup_context may be None); else
     None (no such op, or one defined otherwise)."""
-    from torch._library.custom_ops import OPDEFS
-
     found = OPDEFS.get(name)
     if found is None or found._backward_fn is None:
         return None
@@ -346,8 +346,6 @@ def registered_gradient(name: str) -> tuple | None:
 
 def has_setup_context(cls) -> bool:
     """Whether the `autograd.Function` class `cls` defines `setup_context` (the form torch.func takes)."""
-    from torch.autograd.function import _is_setup_context_defined
-
     return _is_setup_context_defined(cls.setup_context)
 
 
