@@ -73,6 +73,26 @@ def test_ring_forward_and_gradients_equal_full_attention_fp32(layout, kv_heads, 
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("kernel", ["cpu_flash", "math"])
+def test_a_query_that_sees_no_key_on_any_rank_has_torchs_zero_output_and_gradients(kernel):
+    # left padding under a causal mask, as Hugging Face builds it: the first keys are padding, so
+    # the first queries see no key at all; torch's attention gives them out 0 and gradients 0
+    (q, k, v, grad_out), positions = inputs(layout="contiguous")
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    mask = positions[:, None, :, None] >= positions[:, None, None, :]
+    mask[..., :3] = False
+    expected = F.scaled_dot_product_attention(*leaves, attn_mask=mask)
+    expected.backward(grad_out)
+    with nf.simulate(N):
+        kw = ring_kwargs(mask, kernel)
+        out, lse = ring.ring_forward(blocks(q), blocks(k), blocks(v), **kw)
+        dq, dk, dv = ring.ring_backward(blocks(grad_out), blocks(q), blocks(k), blocks(v), out, lse, **kw)
+        got = [whole(x) for x in (out, dq, dk, dv)]
+    assert not any(x.isnan().any() for x in got)
+    for a, b in zip(got, [expected, *(x.grad for x in leaves)]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
 def test_ring_in_bf16_is_within_bf16_rounding_of_fp32_attention():
     # inputs and outputs rounded to bf16 (8 bits of mantissa: relative 2**-8 = 0.4%), scores,
     # softmax and merges in fp32: the error is that rounding, a few of it at most, on values of

@@ -280,6 +280,10 @@ def ring_backward(grad_out, q, k, v, out, lse, *, mask, scale, kernel, coords, a
     values, in fp32 (fp64 for fp64), and are home after `size` steps."""
     acc, run, scale = attention.accumulator(q.dtype), attention.KERNELS[kernel], attention.default_scale(q, scale)
     mask = _causal_mask(q, coords, axis, size) if mask is None else mask
+    # a row that sees no key on any rank (left padding under a causal mask) has lse -inf, and out
+    # 0 whatever its scores: a finite lse there makes every block's probabilities 0 (its keys all
+    # masked), so its gradients are 0, as torch's kernels give, not exp(-inf + inf)'s nan
+    lse = lse.masked_fill(lse == -math.inf, 0.0)
     rows, cols = _halves(q.shape[2], skip), _halves(k.shape[2], skip)
     dq = [torch.zeros(q[:, :, r].shape, dtype=acc, device=q.device) for r in rows]
     dk = torch.zeros(k.shape, dtype=acc, device=k.device)
