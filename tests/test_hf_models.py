@@ -160,7 +160,7 @@ def test_a_hugging_face_model_trains_equal_to_eager_with_torch_adamw(family, att
 @pytest.mark.parametrize("family", FAMILIES)
 def test_ring_attention_on_attention_written_as_matmuls_says_to_use_sdpa(family):
     with pytest.raises(ValueError, match=r"^nf\.ring_attention\('cp'\): step has no scaled-dot-product attention "
-                       r"with a mask or is_causal=True to run as a ring\. Attention written as matmuls and a softmax "
+                       r"to run as a ring\. Attention written as matmuls and a softmax "
                        r"\(Hugging Face's attn_implementation='eager'\) is not one op: use "):
         jitted_run(family, "eager", "cp_ring")
 

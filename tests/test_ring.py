@@ -39,7 +39,7 @@ def whole(x, dim=2):
 
 
 def ring_kwargs(mask, kernel="cpu_flash"):
-    return dict(mask=blocks(mask), scale=None, kernel=kernel, coords=LocalTensor({r: torch.tensor([r]) for r in range(N)}), axis=0,
+    return dict(mask=blocks(mask), causal=False, scale=None, kernel=kernel, coords=LocalTensor({r: torch.tensor([r]) for r in range(N)}), axis=0,
                 size=N, peers=tuple((r, (r + 1) % N) for r in range(N)), skip=True)
 
 
@@ -171,6 +171,29 @@ def test_sequence_sharded_attention_in_jit_equals_full_attention(transforms):
     if transforms:  # K and V go round the ring, never gathered
         assert costs["collectives"]["ppermute"] == 2
         assert costs["comm_bytes"].get("all_gather", 0) < L * K * 4 * 2  # positions only, not K and V
+
+
+@pytest.mark.parametrize("load_balance", ["zigzag", None])
+def test_an_encoders_attention_with_no_mask_runs_as_a_ring_equal_to_full_attention(load_balance):
+    # BERT's self-attention without an attention mask: every query sees every key
+    (q, k, v, w), _ = inputs(layout="contiguous")
+    q, k, v, w = (x[:1, :1] for x in (q, k, v, w))
+
+    def step(q, k, v, w):
+        return nf.value_and_grad(lambda q, k, v: (F.scaled_dot_product_attention(q, k, v) * w).sum(),
+                                 argnums=(0, 1, 2))(q, k, v)
+
+    expected = step(q, k, v, w)
+    seq = P(None, None, "cp")
+    with nf.simulate(N):
+        f = nf.jit(step, mesh=nf.make_mesh(cp=N), in_shardings=(seq,) * 4, out_shardings=(P(), (seq, seq, seq)),
+                   transforms=[nf.ring_attention("cp", load_balance=load_balance)])
+        got = nf.device_get(f(q, k, v, w))
+        costs = f.lower(q, k, v, w).cost_analysis()
+    for a, b in zip(optree.tree_leaves(got), optree.tree_leaves(expected)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert costs["collectives"]["ppermute"] == 2  # K and V go round the ring, never gathered
+    assert costs["comm_bytes"].get("all_gather", 0) == 0
 
 
 def test_ring_holds_less_than_the_gathered_keys_and_falls_with_the_ring_size():

@@ -12,10 +12,11 @@ each block is computed in quarters (a rank's two chunks of queries by the block'
 on real ranks, the quarters no query sees are skipped: 2n + 1 of 4n on every rank, half the work.
 
 `is_causal=True` without a mask (Hugging Face's sdpa path) is the causal mask of the sequence in
-order: each rank's queries are positions `rank * block ..`, and the mask comes from those.
+order: each rank's queries are positions `rank * block ..`, and the mask comes from those. Neither
+(an encoder's attention, every key seen) is a mask that hides nothing; no block is skipped.
 
-The pass marks each masked or causal attention (forward and backward) in the traced program; the partitioner
-may then keep its keys and values split over the axis, and the lowering writes the ring there.
+The pass marks each attention (forward and backward) in the traced program; the partitioner may
+then keep its keys and values split over the axis, and the lowering writes the ring there.
 """
 
 from __future__ import annotations
@@ -79,15 +80,14 @@ class ring_attention(Transform):  # noqa: N801 - a transform is named like the f
         ring = _Ring(live=live, axis=self.axis, size=grid.shape[dim], peers=peers, skip=self.load_balance == "zigzag")
         marked = 0
         for node in program.traced.graph.nodes:
-            if node.target in (ATTENTION, ATTENTION_BACKWARD) and (
-                    attention.argument(node, "attn_mask") is not None or attention.argument(node, "is_causal")):
+            if node.target in (ATTENTION, ATTENTION_BACKWARD):
                 prog.keep_split(node, ring)
                 prog.set_local_op(node, _lower)
                 marked += 1
         if not marked:
             raise ValueError(
-                f"nf.ring_attention({self.axis!r}): {program.name} has no scaled-dot-product attention with a "
-                f"mask or is_causal=True to run as a ring. Attention written as matmuls and a softmax (Hugging Face's "
+                f"nf.ring_attention({self.axis!r}): {program.name} has no scaled-dot-product attention to run "
+                f"as a ring. Attention written as matmuls and a softmax (Hugging Face's "
                 f"attn_implementation='eager') is not one op: use torch.nn.functional.scaled_dot_product_attention "
                 f"(attn_implementation='sdpa'), or leave the transform out (the sequence split then gathers keys "
                 f"and values).")
@@ -183,8 +183,10 @@ def _lower(ctx: prog.LoweringContext, node, strategy, op, args, kwargs):
     kv = k.meta["val"]
     # every block is masked (by the mask's columns, or the causal mask's): the kernel for that
     kernel = attention.choose(kv.device.type, kv.dtype, kv.shape[-1], masked=True)
-    common = dict(mask=named.get("attn_mask"), scale=named.get("scale"), kernel=kernel, coords=ctx.coords, axis=ctx.axis_names.index(ring.axis), size=ring.size,
-                  peers=ring.peers, skip=ring.skip)
+    mask, causal = named.get("attn_mask"), bool(named.get("is_causal"))
+    common = dict(mask=mask, causal=causal, scale=named.get("scale"), kernel=kernel, coords=ctx.coords,
+                  axis=ctx.axis_names.index(ring.axis), size=ring.size, peers=ring.peers,
+                  skip=ring.skip and (mask is not None or causal))  # (a mask hiding nothing: no block to skip)
     shape = local_shape(tuple(kv.shape), strategy.ins[k_slot], ctx.sizes)
     block = math.prod(shape) * kv.element_size()
     n = ring.size
@@ -207,6 +209,16 @@ SEQ = torch.distributed.tensor.Shard(2)
 def _shift(x: torch.Tensor, peers: tuple) -> torch.Tensor:
     """Each rank's block to the next rank along the ring (`peers`: (global rank, next) pairs)."""
     return permute_blocks(x, peers)
+
+
+def _mask_of(mask, causal: bool, q: torch.Tensor, k: torch.Tensor, coords, axis: int, size: int) -> torch.Tensor:
+    """This rank's queries against every key, True where one may attend: the mask given, else
+    `is_causal`'s, else (neither: an encoder's attention) every key."""
+    if mask is not None:
+        return mask
+    if causal:
+        return _causal_mask(q, coords, axis, size)
+    return torch.ones((1, 1, q.shape[2], k.shape[2] * size), dtype=torch.bool, device=q.device)
 
 
 def _causal_mask(q: torch.Tensor, coords, axis: int, size: int) -> torch.Tensor:
@@ -239,14 +251,14 @@ def _halves(n: int, skip: bool) -> list[slice]:
 
 
 @across_ranks
-def ring_forward(q, k, v, *, mask, scale, kernel, coords, axis, size, peers, skip):
+def ring_forward(q, k, v, *, mask, causal, scale, kernel, coords, axis, size, peers, skip):
     """(out, logsumexp) of this rank's queries against every rank's keys, the keys and values
     travelling the ring. Each block by `kernel` (the device's attention kernel; no score matrix
     held), in quarters with `skip` (those no query sees skipped on real ranks: half of every
     other rank's block under zigzag); the parts merge by their log-sum-exps, in fp32 (fp64 for
     fp64)."""
     acc, run, scale = attention.accumulator(q.dtype), attention.KERNELS[kernel], attention.default_scale(q, scale)
-    mask = _causal_mask(q, coords, axis, size) if mask is None else mask
+    mask = _mask_of(mask, causal, q, k, coords, axis, size)
     rows, cols = _halves(q.shape[2], skip), _halves(k.shape[2], skip)
     out = [torch.zeros(q[:, :, r].shape, dtype=acc, device=q.device) for r in rows]
     lse = [torch.full(q[:, :, r].shape[:-1], -math.inf, dtype=acc, device=q.device) for r in rows]
@@ -274,12 +286,12 @@ def ring_forward(q, k, v, *, mask, scale, kernel, coords, axis, size, peers, ski
 
 
 @across_ranks
-def ring_backward(grad_out, q, k, v, out, lse, *, mask, scale, kernel, coords, axis, size, peers, skip):
+def ring_backward(grad_out, q, k, v, out, lse, *, mask, causal, scale, kernel, coords, axis, size, peers, skip):
     """(dq, dk, dv): each block's gradients by `kernel`'s backward, given the whole output and
     log-sum-exp (so each block's softmax is the global one); dk and dv travel with their keys and
     values, in fp32 (fp64 for fp64), and are home after `size` steps."""
     acc, run, scale = attention.accumulator(q.dtype), attention.KERNELS[kernel], attention.default_scale(q, scale)
-    mask = _causal_mask(q, coords, axis, size) if mask is None else mask
+    mask = _mask_of(mask, causal, q, k, coords, axis, size)
     # a row that sees no key on any rank (left padding under a causal mask) has lse -inf, and out
     # 0 whatever its scores: a finite lse there makes every block's probabilities 0 (its keys all
     # masked), so its gradients are 0, as torch's kernels give, not exp(-inf + inf)'s nan
