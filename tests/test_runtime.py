@@ -1,3 +1,5 @@
+import sys
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -12,7 +14,7 @@ from ndfunc.sharding import IndivisibleError, NamedSharding, P, ShardingError
 def test_simulate_leaves_no_state_behind():
     from torch.distributed.tensor import _random
 
-    tracker = _random._rng_tracker
+    tracker, hook = _random._rng_tracker, sys.excepthook
     with nf.simulate(4):
         assert nf.world_size() == 4 and nf.rank() == 0 and nf.is_simulated()
         assert dist.is_initialized() and local_tensor_mode() is not None
@@ -21,6 +23,7 @@ def test_simulate_leaves_no_state_behind():
     assert not dist.is_initialized()
     assert local_tensor_mode() is None and not nf.is_simulated()
     assert _random._rng_tracker is tracker
+    assert sys.excepthook is hook  # (torch's process group wraps it to prefix "[rank0]: ", once a simulation)
     assert nf.world_size() == 1 and nf.get_mesh() is None
     with nf.simulate(2):  # and it can start again
         assert nf.world_size() == 2

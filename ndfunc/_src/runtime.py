@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -100,7 +101,11 @@ class simulate:
             )
         self._rng_tracker = random_rng_tracker()
         self._mesh_context = mesh_context()
+        hook = sys.excepthook
         dist.init_process_group("fake", rank=0, world_size=self.num_ranks, store=fake_store())
+        # torch wraps the hook to prefix every line of a traceback with "[rank0]: ", and never
+        # unwraps it: one process playing every rank would gain a prefix per simulation
+        sys.excepthook = hook
         self._mode = _SimulatedRanks(self.num_ranks)
         self._mode.__enter__()
         return self
