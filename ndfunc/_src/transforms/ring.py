@@ -181,9 +181,9 @@ def _lower(ctx: prog.LoweringContext, node, strategy, op, args, kwargs):
     named = dict(zip((a.name for a in node.target._schema.arguments), args))
     q, k, v = named["query"], named["key"], named["value"]
     kv = k.meta["val"]
-    # every block is masked (by the mask's columns, or the causal mask's): the kernel for that
-    kernel = attention.choose(kv.device.type, kv.dtype, kv.shape[-1], masked=True)
     mask, causal = named.get("attn_mask"), bool(named.get("is_causal"))
+    # every block is masked (by the mask's columns, or the causal mask's), or none: the kernel for that
+    kernel = attention.choose(kv.device.type, kv.dtype, kv.shape[-1], masked=mask is not None or causal)
     common = dict(mask=mask, causal=causal, scale=named.get("scale"), kernel=kernel, coords=ctx.coords,
                   axis=ctx.axis_names.index(ring.axis), size=ring.size, peers=ring.peers,
                   skip=ring.skip and (mask is not None or causal))  # (a mask hiding nothing: no block to skip)
@@ -211,14 +211,10 @@ def _shift(x: torch.Tensor, peers: tuple) -> torch.Tensor:
     return permute_blocks(x, peers)
 
 
-def _mask_of(mask, causal: bool, q: torch.Tensor, k: torch.Tensor, coords, axis: int, size: int) -> torch.Tensor:
+def _mask_of(mask, causal: bool, q: torch.Tensor, coords, axis: int, size: int) -> torch.Tensor | None:
     """This rank's queries against every key, True where one may attend: the mask given, else
-    `is_causal`'s, else (neither: an encoder's attention) every key."""
-    if mask is not None:
-        return mask
-    if causal:
-        return _causal_mask(q, coords, axis, size)
-    return torch.ones((1, 1, q.shape[2], k.shape[2] * size), dtype=torch.bool, device=q.device)
+    `is_causal`'s, else (neither: an encoder's attention, every key seen) None."""
+    return _causal_mask(q, coords, axis, size) if mask is None and causal else mask
 
 
 def _causal_mask(q: torch.Tensor, coords, axis: int, size: int) -> torch.Tensor:
@@ -258,27 +254,30 @@ def ring_forward(q, k, v, *, mask, causal, scale, kernel, coords, axis, size, pe
     other rank's block under zigzag); the parts merge by their log-sum-exps, in fp32 (fp64 for
     fp64)."""
     acc, run, scale = attention.accumulator(q.dtype), attention.KERNELS[kernel], attention.default_scale(q, scale)
-    mask = _mask_of(mask, causal, q, k, coords, axis, size)
+    mask = _mask_of(mask, causal, q, coords, axis, size)
     rows, cols = _halves(q.shape[2], skip), _halves(k.shape[2], skip)
     out = [torch.zeros(q[:, :, r].shape, dtype=acc, device=q.device) for r in rows]
     lse = [torch.full(q[:, :, r].shape[:-1], -math.inf, dtype=acc, device=q.device) for r in rows]
     for step in range(size):
-        block, _ = _block(mask, coords, axis, size, step)
+        block = None if mask is None else _block(mask, coords, axis, size, step)[0]
         for i, r in enumerate(rows):
             for c in cols:
-                m = block[:, :, r, c]
-                if skip and not _visible(m):
+                m = None if block is None else block[:, :, r, c]
+                if skip and m is not None and not _visible(m):
                     continue
-                m = attention.additive(m, q.dtype)
+                m = None if m is None else attention.additive(m, q.dtype)
                 part_out, part_lse = run.forward(q[:, :, r], k[:, :, c], v[:, :, c], m, False, scale)
-                # a row that sees no key of this part: kernels say lse 0 (or -inf) and out 0 (or
-                # nan); it is -inf, and adds nothing
-                seen = (m > -math.inf).any(-1).expand(part_lse.shape)
-                part_lse = part_lse.to(acc).masked_fill(~seen, -math.inf)
+                part_out, part_lse = part_out.to(acc), part_lse.to(acc)
+                if m is not None:
+                    # a row that sees no key of this part: kernels say lse 0 (or -inf) and out 0
+                    # (or nan); it is -inf, and adds nothing
+                    seen = (m > -math.inf).any(-1).expand(part_lse.shape)
+                    part_lse = part_lse.masked_fill(~seen, -math.inf)
+                    part_out = part_out.masked_fill(~seen.unsqueeze(-1), 0.0)
                 new = torch.logaddexp(lse[i], part_lse)
                 keep = torch.exp(lse[i] - new).nan_to_num(0.0).unsqueeze(-1)
                 take = torch.exp(part_lse - new).nan_to_num(0.0).unsqueeze(-1)
-                out[i] = out[i] * keep + part_out.to(acc).masked_fill(~seen.unsqueeze(-1), 0.0) * take
+                out[i] = out[i] * keep + part_out * take
                 lse[i] = new
         if step < size - 1:
             k, v = _shift(k, peers), _shift(v, peers)
@@ -291,7 +290,7 @@ def ring_backward(grad_out, q, k, v, out, lse, *, mask, causal, scale, kernel, c
     log-sum-exp (so each block's softmax is the global one); dk and dv travel with their keys and
     values, in fp32 (fp64 for fp64), and are home after `size` steps."""
     acc, run, scale = attention.accumulator(q.dtype), attention.KERNELS[kernel], attention.default_scale(q, scale)
-    mask = _mask_of(mask, causal, q, k, coords, axis, size)
+    mask = _mask_of(mask, causal, q, coords, axis, size)
     # a row that sees no key on any rank (left padding under a causal mask) has lse -inf, and out
     # 0 whatever its scores: a finite lse there makes every block's probabilities 0 (its keys all
     # masked), so its gradients are 0, as torch's kernels give, not exp(-inf + inf)'s nan
@@ -301,17 +300,17 @@ def ring_backward(grad_out, q, k, v, out, lse, *, mask, causal, scale, kernel, c
     dk = torch.zeros(k.shape, dtype=acc, device=k.device)
     dv = torch.zeros(v.shape, dtype=acc, device=v.device)
     for step in range(size):
-        block, _ = _block(mask, coords, axis, size, step)
+        block = None if mask is None else _block(mask, coords, axis, size, step)[0]
         dk_parts = [torch.zeros(k[:, :, c].shape, dtype=acc, device=k.device) for c in cols]
         dv_parts = [torch.zeros(v[:, :, c].shape, dtype=acc, device=v.device) for c in cols]
         for i, r in enumerate(rows):
             for j, c in enumerate(cols):
-                m = block[:, :, r, c]
-                if skip and not _visible(m):
+                m = None if block is None else block[:, :, r, c]
+                if skip and m is not None and not _visible(m):
                     continue
                 dq_part, dk_part, dv_part = run.backward(
                     grad_out[:, :, r], q[:, :, r], k[:, :, c], v[:, :, c], out[:, :, r], lse[:, :, r],
-                    attention.additive(m, q.dtype), False, scale)
+                    None if m is None else attention.additive(m, q.dtype), False, scale)
                 dq[i] = dq[i] + dq_part.to(acc)
                 dk_parts[j], dv_parts[j] = dk_parts[j] + dk_part.to(acc), dv_parts[j] + dv_part.to(acc)
         dk, dv = dk + torch.cat(dk_parts, 2), dv + torch.cat(dv_parts, 2)
