@@ -73,6 +73,23 @@ def test_ring_forward_and_gradients_equal_full_attention_fp32(layout, kv_heads, 
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("skip", [True, False])
+def test_is_causal_without_a_mask_is_the_causal_mask_of_the_sequence_in_order(skip):
+    # Hugging Face's sdpa path with no padding: is_causal=True, each rank's queries the positions
+    # rank * block ..; each block's mask made for it alone
+    (q, k, v, grad_out), positions = inputs(layout="contiguous")
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    expected, expected_lse, _ = full_attention(*leaves, positions)
+    expected.backward(grad_out)
+    with nf.simulate(N):
+        kw = {**ring_kwargs(torch.ones(B, 1, L, L, dtype=torch.bool)), "mask": None, "causal": True, "skip": skip}
+        out, lse = ring.ring_forward(blocks(q), blocks(k), blocks(v), **kw)
+        dq, dk, dv = ring.ring_backward(blocks(grad_out), blocks(q), blocks(k), blocks(v), out, lse, **kw)
+        got = [whole(x) for x in (out, lse, dq, dk, dv)]
+    for a, b in zip(got, [expected, expected_lse, *(x.grad for x in leaves)]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("kernel", ["cpu_flash", "math"])
 def test_a_query_that_sees_no_key_on_any_rank_has_torchs_zero_output_and_gradients(kernel):
     # left padding under a causal mask, as Hugging Face builds it: the first keys are padding, so

@@ -211,18 +211,19 @@ def _shift(x: torch.Tensor, peers: tuple) -> torch.Tensor:
     return permute_blocks(x, peers)
 
 
-def _mask_of(mask, causal: bool, q: torch.Tensor, coords, axis: int, size: int) -> torch.Tensor | None:
-    """This rank's queries against every key, True where one may attend: the mask given, else
-    `is_causal`'s, else (neither: an encoder's attention, every key seen) None."""
-    return _causal_mask(q, coords, axis, size) if mask is None and causal else mask
-
-
-def _causal_mask(q: torch.Tensor, coords, axis: int, size: int) -> torch.Tensor:
-    """`is_causal`'s mask for this rank's queries against every key, the sequence split in order
-    (rank i holds positions i * rows ..): (1, 1, rows, rows * size), True where a query may attend."""
+def _block_mask(mask, causal: bool, q: torch.Tensor, coords, axis: int, size: int, step: int) -> torch.Tensor | None:
+    """Which keys of the block a rank holds at `step` (its own at 0, then the previous rank's, ...)
+    its queries may attend, (.., rows, block columns): the mask's columns for it, or `is_causal`'s
+    made for this block alone (the sequence in order: rank i holds positions i * rows ..; never
+    the whole rows x sequence, 2 GB a rank at 128k tokens over 8), or None (neither: every key)."""
+    if mask is not None:
+        return _block(mask, coords, axis, size, step)[0]
+    if not causal:
+        return None
     rows = q.shape[2]
     queries = coords[axis] * rows + torch.arange(rows, device=q.device)
-    return (torch.arange(rows * size, device=q.device)[None, :] <= queries[:, None]).reshape(1, 1, rows, rows * size)
+    keys = torch.remainder(coords[axis] - step, size) * rows + torch.arange(rows, device=q.device)
+    return (keys[None, :] <= queries[:, None]).reshape(1, 1, rows, rows)
 
 
 def _block(mask: torch.Tensor, coords, axis: int, size: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -254,12 +255,11 @@ def ring_forward(q, k, v, *, mask, causal, scale, kernel, coords, axis, size, pe
     other rank's block under zigzag); the parts merge by their log-sum-exps, in fp32 (fp64 for
     fp64)."""
     acc, run, scale = attention.accumulator(q.dtype), attention.KERNELS[kernel], attention.default_scale(q, scale)
-    mask = _mask_of(mask, causal, q, coords, axis, size)
     rows, cols = _halves(q.shape[2], skip), _halves(k.shape[2], skip)
     out = [torch.zeros(q[:, :, r].shape, dtype=acc, device=q.device) for r in rows]
     lse = [torch.full(q[:, :, r].shape[:-1], -math.inf, dtype=acc, device=q.device) for r in rows]
     for step in range(size):
-        block = None if mask is None else _block(mask, coords, axis, size, step)[0]
+        block = _block_mask(mask, causal, q, coords, axis, size, step)
         for i, r in enumerate(rows):
             for c in cols:
                 m = None if block is None else block[:, :, r, c]
@@ -290,7 +290,6 @@ def ring_backward(grad_out, q, k, v, out, lse, *, mask, causal, scale, kernel, c
     log-sum-exp (so each block's softmax is the global one); dk and dv travel with their keys and
     values, in fp32 (fp64 for fp64), and are home after `size` steps."""
     acc, run, scale = attention.accumulator(q.dtype), attention.KERNELS[kernel], attention.default_scale(q, scale)
-    mask = _mask_of(mask, causal, q, coords, axis, size)
     # a row that sees no key on any rank (left padding under a causal mask) has lse -inf, and out
     # 0 whatever its scores: a finite lse there makes every block's probabilities 0 (its keys all
     # masked), so its gradients are 0, as torch's kernels give, not exp(-inf + inf)'s nan
@@ -300,7 +299,7 @@ def ring_backward(grad_out, q, k, v, out, lse, *, mask, causal, scale, kernel, c
     dk = torch.zeros(k.shape, dtype=acc, device=k.device)
     dv = torch.zeros(v.shape, dtype=acc, device=v.device)
     for step in range(size):
-        block = None if mask is None else _block(mask, coords, axis, size, step)[0]
+        block = _block_mask(mask, causal, q, coords, axis, size, step)
         dk_parts = [torch.zeros(k[:, :, c].shape, dtype=acc, device=k.device) for c in cols]
         dv_parts = [torch.zeros(v[:, :, c].shape, dtype=acc, device=v.device) for c in cols]
         for i, r in enumerate(rows):
