@@ -213,6 +213,29 @@ def test_an_encoders_attention_with_no_mask_runs_as_a_ring_equal_to_full_attenti
     assert costs["comm_bytes"].get("all_gather", 0) == 0
 
 
+def test_an_attention_whose_sequence_the_axis_does_not_divide_is_split_as_without_the_ring():
+    # a vision-language model: the text's causal attention over the sequence split on cp, and the
+    # vision tower's over 17 tokens (CLS and 16 patches), which the ring cannot split: that one is
+    # split by the batch, as without the transform (it ran whole, with a warning; pytest errors on it)
+    g = torch.Generator().manual_seed(0)  # float64: sums of squares' gradients, summed in another order
+    w, text, img = (torch.randn(*shape, generator=g, dtype=torch.float64) for shape in ((8, 8), (4, 2, 16, 8), (4, 2, 17, 8)))
+
+    def loss(w, text, img):
+        t = F.scaled_dot_product_attention(text @ w, text, text, is_causal=True)
+        v = F.scaled_dot_product_attention(img @ w, img, img)
+        return t.square().sum() + v.square().sum()
+
+    want = nf.value_and_grad(loss)(w, text, img)
+    with nf.simulate(4):
+        f = nf.jit(nf.value_and_grad(loss), mesh=nf.make_mesh(dp_shard=2, cp=2),
+                   in_shardings=(P(), P("dp_shard", None, "cp"), P("dp_shard")), out_shardings=(P(), P()),
+                   transforms=[nf.ring_attention("cp", load_balance=None)])
+        got = nf.device_get(f(w, text, img))
+        ring_nodes = [n for n in f.lower(w, text, img).program.local.graph.nodes if n.target is ring.ring_forward]
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert len(ring_nodes) == 1  # the text's
+
+
 def test_ring_holds_less_than_the_gathered_keys_and_falls_with_the_ring_size():
     (q, k, v, w), positions = inputs(layout="zigzag")
     q, k, v, w = (x[:1, :1] for x in (q, k, v, w))

@@ -297,8 +297,8 @@ def _attention_rule(node, sizes) -> list[Strategy]:
     With an explicit mask (not `is_causal`, whose mask assumes the block starts at position 0) the
     sequence may be split too: each rank's queries against every key and value (gathered), the mask's
     rows following the queries; in backward the key and value gradients are then partial sums
-    over that axis. On the axis `nf.ring_attention` marked, keys and values (and their gradients)
-    stay split instead: the lowering writes a ring there."""
+    over that axis. On the axis `nf.ring_attention` marked, where it divides the sequence, keys and
+    values (and their gradients) stay split instead: the lowering writes a ring there."""
     backward = node.target is attention.attention_backward_op
     ins = tensor_inputs(node)
     outs = tensor_outputs(node)
@@ -309,6 +309,8 @@ def _attention_rule(node, sizes) -> list[Strategy]:
     q_shape = tuple(q.meta["val"].shape)
     seq = Shard(2)
     ring = getattr(prog.kept_split(node), "live", None)  # nf.ring_attention's axis: keys stay split
+    if ring is not None and any(t.meta["val"].shape[2] % sizes[ring] for t in (q, *kv)):
+        ring = None  # a sequence the axis does not divide (a vision tower's CLS and patches): as without the ring
     per_axis = [Replicate(), Shard(0), Shard(1)] + ([] if causal else [seq])
     # on the ring's axis the sequence is what is split (else the cheapest plan may well split the
     # batch there instead, which is data parallelism, not context parallelism)
