@@ -998,6 +998,49 @@ def test_code_that_needs_a_value_is_an_error_naming_the_line_and_what_to_do(case
     assert "DataDependentOutputException" not in message and "DynamicOutputShapeException" not in message
 
 
+def _tolist(x):
+    return x * len([v for v in x.tolist() if v > 0])
+
+
+def test_tolist_under_a_gradient_is_the_same_error_naming_the_line():
+    # torch.func's grad wrapper says "tolist() shouldn't be called on a tensor with unallocated
+    # storage" (Qwen2-VL's image grid read as numbers); a plain trace names the op
+    line = _tolist.__code__.co_firstlineno + 1
+    with nf.simulate(2):
+        f = nf.jit(nf.grad(lambda x: _tolist(x).sum()), mesh=nf.make_mesh(dp=2), in_shardings=P("dp"))
+        with pytest.raises(nf.DataDependentError, match=re.escape(
+                f"<lambda> reads a tensor's value (`.tolist()`: `.item()`, `float(x)`, `int(x)`, `bool(x)` or `if "
+                f"x:` on a tensor) at {__file__}:{line} (return x * len([v for v in x.tolist() if v > 0])). A traced "
+                f"step sees shapes and dtypes, not values")):
+            f(torch.randn(8))
+
+
+@pytest.mark.parametrize("under_grad", [False, True], ids=["jit", "grad"])
+def test_a_libraries_value_check_and_its_message_trace_without_reading_values(under_grad):
+    # transformers' image-token check of a vision-language model, under a compiler: the message an
+    # f-string of a traced count (torch reads a number's value to format it), the check
+    # torch._check_tensor_all(cond), a compiler's hint
+    messages = []
+
+    def loss(w, ids, x):
+        n = (ids == 3).sum()
+        messages.append(f"tokens: {n}, {n:d}, features: {x.shape[0]}, rows: {x[0]}, mean: {x.mean():.2f}")
+        torch._check_tensor_all(n * x.shape[1] >= 0, lambda: messages[-1])
+        return (x @ w).square().sum()
+
+    g = torch.Generator().manual_seed(0)
+    w, ids, x = torch.randn(4, 2, generator=g), torch.randint(0, 5, (8,), generator=g), torch.randn(8, 4, generator=g)
+    step = nf.value_and_grad(loss) if under_grad else loss
+    expected = step(w, ids, x)
+    with nf.simulate(2):
+        f = nf.jit(step, mesh=nf.make_mesh(dp=2), in_shardings=(P(), P("dp"), P("dp")))
+        got = nf.device_get(f(w, ids, x))
+        with pytest.raises(TypeError, match=r"^cond tensor must have dtype torch.bool, but got torch.int64$"):
+            nf.jit(lambda x: torch._check_tensor_all(x.sum()) or x, mesh=nf.make_mesh(dp=2), in_shardings=P("dp"))(ids)
+    torch.testing.assert_close(got, expected)
+    assert messages[-1] == "tokens: <traced int64[]>, <traced int64[]>, features: 8, rows: <traced float32[4]>, mean: <traced float32[]>"
+
+
 def test_a_draw_from_torchs_generator_is_an_error_and_dropout_off_is_fine():
     def noisy(x):
         return x + torch.rand_like(x)

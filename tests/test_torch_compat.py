@@ -154,7 +154,10 @@ def test_traced_as_compiling_sets_what_torch_compiler_is_compiling_reads():
     assert not torch.compiler.is_compiling()
     with compat.traced_as_compiling():
         assert torch.compiler.is_compiling()
+        torch._check_tensor_all(torch.tensor([True, False]))  # the hint's values are not read
     assert not torch.compiler.is_compiling()
+    with pytest.raises(RuntimeError, match="Expected cond to be True"):  # and torch's own is back
+        torch._check_tensor_all(torch.tensor([True, False]))
 
 
 def test_core_aten_decompositions_decomposition_table_datadependentoutputexception_dynamicoutputshapeexception():

@@ -306,15 +306,28 @@ def shape_only_device_mesh(sizes: tuple[int, ...]):
 @contextlib.contextmanager
 def traced_as_compiling():
     """`torch.compiler.is_compiling()` is True inside, as during torch.export's make_fx tracing:
-    libraries skip the checks that read a tensor's value (transformers' attention-mask checks)."""
+    libraries skip the checks that read a tensor's value (transformers' attention-mask checks).
+    What they call instead as a compiler's hint, `torch._check_tensor_all(cond)`, checks the
+    condition's type and not its values (a trace has none): transformers' image-token count of a
+    vision-language model."""
     import torch.compiler as compiler
 
-    old = compiler._is_compiling_flag
+    old, old_check = compiler._is_compiling_flag, torch._check_tensor_all_with
     compiler._is_compiling_flag = True
+    torch._check_tensor_all_with = _check_tensor_all_as_hint
     try:
         yield
     finally:
         compiler._is_compiling_flag = old
+        torch._check_tensor_all_with = old_check
+
+
+def _check_tensor_all_as_hint(error_type, cond, message=None) -> None:
+    """`torch._check_tensor_all_with` less its read of the values."""
+    if not isinstance(cond, torch.Tensor):
+        raise TypeError(f"cond must be a tensor, but got {type(cond)}")
+    if cond.dtype != torch.bool:
+        raise TypeError(f"cond tensor must have dtype torch.bool, but got {cond.dtype}")
 
 
 @functools.cache

@@ -286,11 +286,14 @@ def first_calls(run: Callable[[], Any], ops: Sequence) -> dict:
 
 # what a fake tensor says when a kernel reads its data directly (`tensor_split`'s tensor indices),
 # and what a tensor under torch.func's transforms says
-_READS_DATA = ("data is not allocated yet", "Cannot access data pointer of Tensor that doesn't have storage")
+_READS_DATA = ("data is not allocated yet", "Cannot access data pointer of Tensor that doesn't have storage",
+               "tolist() shouldn't be called on a tensor with unallocated storage")  # (under torch.func's grad)
 
 
 def _data_dependent_message(name: str, e: Exception) -> str:
     where = where_called(traceback.extract_tb(e.__traceback__))
+    if not isinstance(e, (DataDependentOutputException, DynamicOutputShapeException)) and "tolist()" in str(e):
+        e = DataDependentOutputException("`.tolist()`")  # (`_READS_DATA`: what it says under torch.func's grad)
     op = getattr(e, "func", None)
     if not isinstance(e, (DataDependentOutputException, DynamicOutputShapeException)):  # (`_READS_DATA`: unnamed)
         what = ("reads a tensor's value (an op given a tensor where it reads numbers: `torch.tensor_split` or "

@@ -45,6 +45,13 @@ class TracedAs(torch.overrides.TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+def _format(x: torch.Tensor, format_spec: str = "") -> str:
+    """`format(x, spec)` (an f-string) of a traced tensor: its dtype and shape, as `as_text` writes
+    them (`<traced int64[]>`), whatever the spec: a trace has no value to write, where torch reads a
+    number's (a library builds a check's message before the check: transformers' image-token count)."""
+    return f"<traced {str(x.dtype).removeprefix('torch.')}{list(x.shape)}>"
+
+
 def _gaussian_nll_loss(input, target, var, full=False, eps=1e-6, reduction="mean"):
     """`F.gaussian_nll_loss` without its check that no variance is negative (it reads values; a
     negative variance gives nan through the log here). A float variance is torch's own case."""
@@ -303,4 +310,5 @@ TRACED_AS = {torch.nn.functional.one_hot: _one_hot,
              torch.nn.functional.multilabel_margin_loss: _multilabel_margin_loss,
              torch.Tensor.__setitem__: _setitem,
              torch.nn.functional.gaussian_nll_loss: _gaussian_nll_loss,
-             torch.nn.functional.scaled_dot_product_attention: traced_sdpa}
+             torch.nn.functional.scaled_dot_product_attention: traced_sdpa,
+             torch.Tensor.__format__: _format}
