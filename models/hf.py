@@ -227,8 +227,9 @@ def save_model(path: str | os.PathLike, model: torch.nn.Module, params: dict) ->
     path = pathlib.Path(path)
     path.mkdir(parents=True, exist_ok=True)
     tensors = dict(model.state_dict(keep_vars=True))
-    given = {name for name, _ in model.named_parameters()}  # each tied parameter once
-    missing = sorted(given - set(params))
+    first = {name for name, _ in model.named_parameters()}  # each tied parameter once
+    # a frozen one (no gradient: not among nf.nn.functional's params) as the model holds it
+    missing = sorted({name for name, p in model.named_parameters() if p.requires_grad} - set(params))
     if missing:
         raise ValueError(f"save_model: {len(missing)} of {type(model).__name__}'s parameters are not among those "
                          f"given (e.g. {missing[0]!r}); pass every parameter nf.nn.functional(model) gives.")
@@ -236,9 +237,9 @@ def save_model(path: str | os.PathLike, model: torch.nn.Module, params: dict) ->
     for name, x in tensors.items():
         if name in params:
             x = params[name]
-        elif isinstance(x, torch.nn.Parameter):
+        elif isinstance(x, torch.nn.Parameter) and name not in first:
             continue  # a tie's other name: transformers ties it again on loading
-        entries.append((name, tuple(x.shape), x.dtype, lambda x=x: nf.device_get(x).contiguous()))
+        entries.append((name, tuple(x.shape), x.dtype, lambda x=x: nf.device_get(x.detach()).contiguous()))
     writer = nf.rank() == 0
     safetensors_io.write(path / "model.safetensors", entries, metadata={"format": "pt"}, write=writer)
     if writer:

@@ -200,6 +200,65 @@ def test_functional_gives_the_modules_tensors_and_a_pure_apply():
     assert not torch.equal(apply(doubled, buffers, ids).logits, model(ids).logits)  # it reads the given tensors
 
 
+def test_a_frozen_parameter_is_a_constant_of_the_step_laid_out_as_the_others_and_saved(tmp_path):
+    # requires_grad_(False): a frozen vision tower, LoRA's base weights, Whisper's sinusoidal
+    # positions; eager AdamW over model.parameters() leaves it as it is (no gradient: skipped)
+    from models import hf
+
+    model = make_model("llama", "sdpa")
+    frozen = "model.embed_tokens.weight"
+    model.get_input_embeddings().weight.requires_grad_(False)
+    want_losses, want = eager_run_of(model)
+    params, buffers, apply = nf.nn.functional(model)
+    assert frozen in buffers and frozen not in params and len(params) == len(list(model.parameters())) - 1
+    opt = nf.optim.adamw(LR, eps=1e-5, weight_decay=0.1)
+
+    def step(params, state, buffers, ids):
+        loss, grads = nf.value_and_grad(lambda p: apply(p, buffers, ids, labels=ids).loss)(params)
+        updates, state = opt.update(grads, state, params)
+        return nf.optim.apply_updates(params, updates), state, loss
+
+    with nf.simulate(4):
+        mesh = nf.make_mesh(dp_shard=2, tp=2)
+        pspec = nf.nn.partition_specs(model, mesh, tp="tp", fsdp="dp_shard")
+        bspec = nf.nn.partition_specs(model, mesh, tp="tp", fsdp="dp_shard", of=buffers)
+        assert set(pspec) == set(params) and set(bspec) == set(buffers)
+        assert bspec[frozen] == P("tp", "dp_shard") and bspec["model.rotary_emb.inv_freq"] == P()  # a buffer: whole
+        state = opt.init(params)
+        sspec = nf.optim.state_shardings(state, pspec)
+        f = nf.jit(step, mesh=mesh, in_shardings=(pspec, sspec, bspec, P("dp_shard")), out_shardings=(pspec, sspec, P()))
+        ids = tokens()
+        losses = []
+        for _ in range(2):
+            params, state, loss = f(params, state, buffers, ids)
+            losses.append(nf.device_get(loss))
+        params = {k: nf.device_get(v) for k, v in params.items()}
+        hf.save_model(tmp_path, model, params)
+    torch.testing.assert_close(torch.stack(losses), want_losses, **LOSS_TOL)
+    for k, v in params.items():
+        torch.testing.assert_close(v, want[k], **PARAM_TOL)
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert torch.equal(loaded.get_input_embeddings().weight, model.get_input_embeddings().weight)  # written, as it was
+    assert torch.equal(loaded.lm_head.weight, params["lm_head.weight"])
+
+
+def eager_run_of(model: torch.nn.Module, steps: int = 2):
+    """`eager_run` of this model (a copy trained): losses, and parameters by name."""
+    import copy
+
+    model = copy.deepcopy(model)
+    ids = tokens()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=1e-5, weight_decay=0.1)
+    losses = []
+    for _ in range(steps):
+        loss = model(ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.detach())
+    return torch.stack(losses), {k: v.detach().clone() for k, v in model.named_parameters()}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("family", FAMILIES)
 def test_the_train_job_trains_a_hugging_face_model_from_its_directory(family, tmp_path):

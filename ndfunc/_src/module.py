@@ -37,13 +37,20 @@ def functional(module: torch.nn.Module) -> tuple[dict, dict, Callable[..., Any]]
     parameters once, under their first name), and `apply(params, buffers, *args, **kwargs)`, the
     module called on those (`torch.func.functional_call`, ties kept).
 
+    A parameter with `requires_grad=False` (a frozen vision tower, LoRA's base weights, Whisper's
+    sinusoidal positions) is among the buffers: a constant of the step, given no gradient and no
+    optimizer state, as torch's autograd and optimizers leave it. Pass the buffers as an argument
+    of the step with `partition_specs(module, mesh, ..., of=buffers)` to lay them out (a frozen
+    base split as FSDP2 splits it); closed over, each is whole on every rank.
+
     Under `nf.jit`, the layers of a `ModuleList` that are alike are traced once and copied per layer
     (`ndfunc._src.repeated_layers`), as a layer marked `torch.compiler.nested_compile_region` is. A
     module whose forward takes `use_cache` (a Hugging Face model) is called with `use_cache=False`
     unless the call says otherwise: a train step has no use for a KV cache, and layers that write one
     are traced op by op."""
-    params = {name: p.detach() for name, p in module.named_parameters()}
-    buffers = {name: b for name, b in module.named_buffers()}
+    params = {name: p.detach() for name, p in module.named_parameters() if p.requires_grad}
+    buffers = {name: p.detach() for name, p in module.named_parameters() if not p.requires_grad}
+    buffers.update(module.named_buffers())
     caches = "use_cache" in inspect.signature(module.forward).parameters
 
     def apply(params: Mapping, buffers: Mapping, *args, **kwargs):
@@ -57,8 +64,10 @@ def functional(module: torch.nn.Module) -> tuple[dict, dict, Callable[..., Any]]
 
 
 def partition_specs(module: torch.nn.Module, mesh: AbstractMesh, *, tp: str | None = None, fsdp: str | None = None,
-                    plan: Mapping[str, str] | None = None) -> dict[str, PartitionSpec]:
-    """A PartitionSpec per parameter of `module` (names as `functional` gives them).
+                    plan: Mapping[str, str] | None = None, of: Mapping[str, Any] | None = None) -> dict[str, PartitionSpec]:
+    """A PartitionSpec per parameter `functional(module)` gives as params (those with
+    `requires_grad`), or per name of `of` (its buffers: a frozen parameter laid out as the others,
+    a buffer whole).
 
     `tp`: the mesh axis of the tensor-parallel plan, `plan` (module-path patterns, `*` one path
     component, to 'colwise' or 'rowwise' and transformers' variants of them), by default the
@@ -72,8 +81,11 @@ def partition_specs(module: torch.nn.Module, mesh: AbstractMesh, *, tp: str | No
              for pattern, style in (plan or {}).items()]
     kinds = {name: sub for name, sub in module.named_modules()}
     sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
-    specs = {}
+    names = [name for name, p in module.named_parameters() if p.requires_grad] if of is None else list(of)
+    specs = {name: PartitionSpec() for name in names}  # (a buffer: whole)
     for name, p in module.named_parameters():
+        if name not in names:
+            continue
         owner, _, leaf = name.rpartition(".")
         spec: list = [None] * p.ndim
         style = next((s for rx, s in rules if rx.match(owner)), None) if tp is not None else None
