@@ -998,6 +998,32 @@ def test_code_that_needs_a_value_is_an_error_naming_the_line_and_what_to_do(case
     assert "DataDependentOutputException" not in message and "DynamicOutputShapeException" not in message
 
 
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+@pytest.mark.parametrize("axes,specs", [(dict(dp=2), (P("dp"), P(), P("dp"))), (dict(tp=2), (P(), P("tp"), P()))],
+                         ids=["rows", "vocabulary"])
+def test_linear_cross_entropy_in_chunks_is_traced_as_its_reference(reduction, axes, specs):
+    # its chunked path (options) is a custom op whose forward makes the gradients; torch.func refuses it
+    from torch.nn.modules.linear_cross_entropy_options import LinearCrossEntropyOptions
+
+    options = LinearCrossEntropyOptions(batch_chunk_size=2)
+    g = torch.Generator().manual_seed(0)
+    x, w, t = torch.randn(8, 6, generator=g), torch.randn(10, 6, generator=g), torch.randint(0, 10, (8,), generator=g)
+    t[3] = -100  # ignored
+
+    def loss(x, w, t):
+        return F.linear_cross_entropy(x, w, t, reduction=reduction, options=options).square().sum()
+
+    leaves = [x.clone().requires_grad_(), w.clone().requires_grad_()]
+    want = loss(*leaves, t)
+    want.backward()
+    with nf.simulate(2):
+        f = nf.jit(nf.value_and_grad(loss, argnums=(0, 1)), mesh=nf.make_mesh(**axes), in_shardings=specs)
+        got, grads = nf.device_get(f(x, w, t))
+    torch.testing.assert_close(got, want.detach())
+    for a, b in zip(grads, leaves):
+        torch.testing.assert_close(a, b.grad)
+
+
 def _tolist(x):
     return x * len([v for v in x.tolist() if v > 0])
 

@@ -45,6 +45,14 @@ class TracedAs(torch.overrides.TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+def _linear_cross_entropy(input, linear_weight, target, *, options=None, **kwargs):
+    """`F.linear_cross_entropy` as its reference, a linear layer and a cross-entropy, whatever
+    `options` ask: its chunks are eager's way to hold less (a custom op whose forward makes the
+    gradients, which torch.func refuses), where a traced step's memory is the plan's and `nf.remat`'s,
+    and the loss traced so splits over the vocabulary."""
+    return torch.nn.functional.linear_cross_entropy(input, linear_weight, target, **kwargs)
+
+
 def _format(x: torch.Tensor, format_spec: str = "") -> str:
     """`format(x, spec)` (an f-string) of a traced tensor: its dtype and shape, as `as_text` writes
     them (`<traced int64[]>`), whatever the spec: a trace has no value to write, where torch reads a
@@ -311,4 +319,5 @@ TRACED_AS = {torch.nn.functional.one_hot: _one_hot,
              torch.Tensor.__setitem__: _setitem,
              torch.nn.functional.gaussian_nll_loss: _gaussian_nll_loss,
              torch.nn.functional.scaled_dot_product_attention: traced_sdpa,
-             torch.Tensor.__format__: _format}
+             torch.Tensor.__format__: _format,
+             torch.nn.functional.linear_cross_entropy: _linear_cross_entropy}
