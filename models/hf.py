@@ -244,7 +244,8 @@ def save_model(path: str | os.PathLike, model: torch.nn.Module, params: dict) ->
     safetensors_io.write(path / "model.safetensors", entries, metadata={"format": "pt"}, write=writer)
     if writer:
         config = type(model.config).from_dict(model.config.to_dict())
-        dtype = next(iter(params.values())).dtype
+        first_name = next(name for name, _ in model.named_parameters())  # (a frozen base's, where it is one)
+        dtype = params.get(first_name, model.get_parameter(first_name)).dtype
         # transformers >= 4.56 names it `dtype`; before, `torch_dtype`
         setattr(config, "dtype" if "dtype" in config.to_dict() else "torch_dtype", dtype)
         config.save_pretrained(path)

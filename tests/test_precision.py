@@ -98,3 +98,28 @@ def test_the_program_computes_in_bf16_and_sums_gradients_in_fp32():
     assert sums and all(n.args[0].meta["val"].dtype == torch.float32 for n in sums)
     outs = gm.graph.find_nodes(op="output")[0].args[0]
     assert all(o.meta["val"].dtype in (torch.float32, torch.int32) for o in outs)
+
+
+def test_a_frozen_parameter_computes_in_bf16_where_the_trained_ones_do():
+    # a frozen base (LoRA's, a vision tower's) is among nf.nn.functional's buffers, not
+    # differentiated: cast as the differentiated parameters are, as FSDP2's policy casts it
+    from ndfunc.sharding import P
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(16, 8), torch.nn.Linear(8, 8), torch.nn.Linear(8, 16))
+    model[1].requires_grad_(False)
+    ids = torch.randint(0, 16, (2, 4))
+    by_hand = {k: v.detach().to(torch.bfloat16).requires_grad_(v.requires_grad) for k, v in model.named_parameters()}
+    want = torch.func.functional_call(model, by_hand, (ids,)).float().logsumexp(-1).mean()
+    want.backward()
+    params, buffers, apply = nf.nn.functional(model)
+    with nf.simulate(2):
+        f = nf.jit(nf.value_and_grad(lambda p, ids: apply(p, buffers, ids).float().logsumexp(-1).mean()),
+                   mesh=nf.make_mesh(dp=2), in_shardings=(P(), P("dp")), out_shardings=(P(), P()),
+                   transforms=[nf.mixed_precision(torch.bfloat16, torch.float32)])
+        loss, grads = nf.device_get(f(params, ids))
+    torch.testing.assert_close(loss, want.detach())
+    assert set(grads) == {"0.weight", "2.weight", "2.bias"}
+    for k, g in grads.items():
+        assert g.dtype == torch.float32
+        torch.testing.assert_close(g, by_hand[k].grad.float(), rtol=1e-2, atol=1e-2)

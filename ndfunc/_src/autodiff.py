@@ -35,6 +35,9 @@ AROUND_GRAD: list[Callable[[], Any]] = []
 # sets it while a jitted step is traced); None: as they are.
 COMPUTE_DTYPE: contextvars.ContextVar[torch.dtype | None] = contextvars.ContextVar("ndfunc_compute_dtype",
                                                                                     default=None)
+# The dtype they were cast to, while `fn` runs (None: not cast): what else it reads of a model's
+# parameters that is not differentiated (a frozen one, `nf.nn.functional`) computes in it too
+CAST_TO: contextvars.ContextVar[torch.dtype | None] = contextvars.ContextVar("ndfunc_cast_to", default=None)
 
 
 def grad(fn: Callable[..., Any], argnums: ArgNums = 0, has_aux: bool = False) -> Callable[..., Any]:
@@ -114,8 +117,12 @@ def value_and_grad(fn: Callable[..., Any], argnums: ArgNums = 0, has_aux: bool =
                 if compute is not None:  # nf.mixed_precision: compute in it; gradients come back as the leaves are
                     leaves = [x.to(compute) if x.is_floating_point() else x for x in leaves]
                 new_args[i] = optree.tree_unflatten(spec, leaves)
-            with fx_traceback.annotate({FORWARD: True}):  # nf.remat tells forward from backward by it
-                out = fn(*new_args, **kw)
+            cast = CAST_TO.set(compute)
+            try:
+                with fx_traceback.annotate({FORWARD: True}):  # nf.remat tells forward from backward by it
+                    out = fn(*new_args, **kw)
+            finally:
+                CAST_TO.reset(cast)
             if not has_aux:
                 return _check_loss(out, fn)
             if not (isinstance(out, (tuple, list)) and len(out) == 2):

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from ndfunc._src import repeated_layers
+from ndfunc._src.autodiff import CAST_TO
 from ndfunc._src.sharding.mesh import AbstractMesh
 from ndfunc._src.sharding.partition_spec import PartitionSpec
 
@@ -39,7 +40,8 @@ def functional(module: torch.nn.Module) -> tuple[dict, dict, Callable[..., Any]]
 
     A parameter with `requires_grad=False` (a frozen vision tower, LoRA's base weights, Whisper's
     sinusoidal positions) is among the buffers: a constant of the step, given no gradient and no
-    optimizer state, as torch's autograd and optimizers leave it. Pass the buffers as an argument
+    optimizer state, as torch's autograd and optimizers leave it (under `nf.mixed_precision`,
+    computed in its dtype where the differentiated ones are, as FSDP2 casts them). Pass the buffers as an argument
     of the step with `partition_specs(module, mesh, ..., of=buffers)` to lay them out (a frozen
     base split as FSDP2 splits it); closed over, each is whole on every rank.
 
@@ -50,12 +52,15 @@ def functional(module: torch.nn.Module) -> tuple[dict, dict, Callable[..., Any]]
     are traced op by op."""
     params = {name: p.detach() for name, p in module.named_parameters() if p.requires_grad}
     buffers = {name: p.detach() for name, p in module.named_parameters() if not p.requires_grad}
+    frozen = frozenset(buffers)
     buffers.update(module.named_buffers())
     caches = "use_cache" in inspect.signature(module.forward).parameters
 
     def apply(params: Mapping, buffers: Mapping, *args, **kwargs):
         if caches:
             kwargs.setdefault("use_cache", False)
+        if frozen and (dtype := CAST_TO.get()) is not None:  # nf.mixed_precision: frozen ones compute as the others
+            buffers = {k: v.to(dtype) if k in frozen and v.is_floating_point() else v for k, v in buffers.items()}
         with repeated_layers.routed(module):
             return torch.func.functional_call(module, (dict(params), dict(buffers)), args, kwargs)
 
