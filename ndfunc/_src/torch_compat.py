@@ -9,6 +9,7 @@ torch upgrade is checked in one file (then widen `torch<` in pyproject.toml).
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 import re
 import threading
@@ -303,31 +304,45 @@ def shape_only_device_mesh(sizes: tuple[int, ...]):
     return DeviceMesh("cpu", torch.arange(math.prod(sizes)).view(sizes), _init_backend=False, _rank=0)
 
 
+_CHECKS_AS_HINTS = contextvars.ContextVar("ndfunc_checks_as_hints", default=False)
+
+
 @contextlib.contextmanager
 def traced_as_compiling():
     """`torch.compiler.is_compiling()` is True inside, as during torch.export's make_fx tracing:
     libraries skip the checks that read a tensor's value (transformers' attention-mask checks).
     What they call instead as a compiler's hint, `torch._check_tensor_all(cond)`, checks the
-    condition's type and not its values (a trace has none): transformers' image-token count of a
-    vision-language model."""
+    condition's type and not its values (a trace has none) in this thread and context, and as
+    torch's everywhere else: transformers' image-token count of a vision-language model."""
     import torch.compiler as compiler
 
-    old, old_check = compiler._is_compiling_flag, torch._check_tensor_all_with
+    _install_check_as_hint()
+    old = compiler._is_compiling_flag
     compiler._is_compiling_flag = True
-    torch._check_tensor_all_with = _check_tensor_all_as_hint
+    token = _CHECKS_AS_HINTS.set(True)
     try:
         yield
     finally:
         compiler._is_compiling_flag = old
-        torch._check_tensor_all_with = old_check
+        _CHECKS_AS_HINTS.reset(token)
 
 
-def _check_tensor_all_as_hint(error_type, cond, message=None) -> None:
-    """`torch._check_tensor_all_with` less its read of the values."""
-    if not isinstance(cond, torch.Tensor):
-        raise TypeError(f"cond must be a tensor, but got {type(cond)}")
-    if cond.dtype != torch.bool:
-        raise TypeError(f"cond tensor must have dtype torch.bool, but got {cond.dtype}")
+@functools.cache
+def _install_check_as_hint() -> None:
+    """`torch._check_tensor_all_with`, once in the process: torch's, less its read of the values
+    inside `traced_as_compiling`."""
+    torchs = torch._check_tensor_all_with
+
+    def check(error_type, cond, message=None) -> None:
+        if not _CHECKS_AS_HINTS.get():
+            return torchs(error_type, cond, message)
+        if not isinstance(cond, torch.Tensor):
+            raise TypeError(f"cond must be a tensor, but got {type(cond)}")
+        if cond.dtype != torch.bool:
+            raise TypeError(f"cond tensor must have dtype torch.bool, but got {cond.dtype}")
+        return None
+
+    torch._check_tensor_all_with = check
 
 
 @functools.cache
