@@ -73,13 +73,20 @@ def test_ring_forward_and_gradients_equal_full_attention_fp32(layout, kv_heads, 
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("skip", [True, False])
-def test_is_causal_without_a_mask_is_the_causal_mask_of_the_sequence_in_order(skip):
+@pytest.mark.parametrize("skip,keys", [(True, L), (False, L), (False, L // 2), (False, 2 * L)],
+                         ids=["skip", "all", "fewer-keys", "more-keys"])
+def test_is_causal_without_a_mask_is_the_causal_mask_of_the_sequence_in_order(skip, keys):
     # Hugging Face's sdpa path with no padding: is_causal=True, each rank's queries the positions
-    # rank * block ..; each block's mask made for it alone
-    (q, k, v, grad_out), positions = inputs(layout="contiguous")
+    # rank * block ..; each block's mask made for it alone; with another number of keys, torch's
+    # top-left causal mask (key j seen by query i where j <= i)
+    (q, k, v, grad_out), _ = inputs(layout="contiguous")
+    g = torch.Generator().manual_seed(1)
+    k, v = (torch.randn(B, H, keys, K, generator=g) for _ in range(2))
     leaves = [x.clone().requires_grad_() for x in (q, k, v)]
-    expected, expected_lse, _ = full_attention(*leaves, positions)
+    expected = F.scaled_dot_product_attention(*leaves, is_causal=True)
+    scores = (leaves[0] @ leaves[1].transpose(-1, -2) / math.sqrt(K)).masked_fill(
+        torch.ones(L, keys, dtype=torch.bool).tril().logical_not(), -math.inf)
+    expected_lse = torch.logsumexp(scores, -1)
     expected.backward(grad_out)
     with nf.simulate(N):
         kw = {**ring_kwargs(torch.ones(B, 1, L, L, dtype=torch.bool)), "mask": None, "causal": True, "skip": skip}

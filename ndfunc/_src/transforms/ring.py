@@ -211,19 +211,21 @@ def _shift(x: torch.Tensor, peers: tuple) -> torch.Tensor:
     return permute_blocks(x, peers)
 
 
-def _block_mask(mask, causal: bool, q: torch.Tensor, coords, axis: int, size: int, step: int) -> torch.Tensor | None:
+def _block_mask(mask, causal: bool, q: torch.Tensor, k: torch.Tensor, coords, axis: int, size: int,
+                step: int) -> torch.Tensor | None:
     """Which keys of the block a rank holds at `step` (its own at 0, then the previous rank's, ...)
     its queries may attend, (.., rows, block columns): the mask's columns for it, or `is_causal`'s
-    made for this block alone (the sequence in order: rank i holds positions i * rows ..; never
-    the whole rows x sequence, 2 GB a rank at 128k tokens over 8), or None (neither: every key)."""
+    made for this block alone (the sequences in order: rank i holds queries i * rows .. and keys
+    i * columns ..; torch's top-left causal mask, key j seen by query i where j <= i; never the
+    whole rows x sequence, 2 GB a rank at 128k tokens over 8), or None (neither: every key)."""
     if mask is not None:
         return _block(mask, coords, axis, size, step)[0]
     if not causal:
         return None
-    rows = q.shape[2]
+    rows, cols = q.shape[2], k.shape[2]
     queries = coords[axis] * rows + torch.arange(rows, device=q.device)
-    keys = torch.remainder(coords[axis] - step, size) * rows + torch.arange(rows, device=q.device)
-    return (keys[None, :] <= queries[:, None]).reshape(1, 1, rows, rows)
+    keys = torch.remainder(coords[axis] - step, size) * cols + torch.arange(cols, device=q.device)
+    return (keys[None, :] <= queries[:, None]).reshape(1, 1, rows, cols)
 
 
 def _block(mask: torch.Tensor, coords, axis: int, size: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -259,7 +261,7 @@ def ring_forward(q, k, v, *, mask, causal, scale, kernel, coords, axis, size, pe
     out = [torch.zeros(q[:, :, r].shape, dtype=acc, device=q.device) for r in rows]
     lse = [torch.full(q[:, :, r].shape[:-1], -math.inf, dtype=acc, device=q.device) for r in rows]
     for step in range(size):
-        block = _block_mask(mask, causal, q, coords, axis, size, step)
+        block = _block_mask(mask, causal, q, k, coords, axis, size, step)
         for i, r in enumerate(rows):
             for c in cols:
                 m = None if block is None else block[:, :, r, c]
@@ -299,7 +301,7 @@ def ring_backward(grad_out, q, k, v, out, lse, *, mask, causal, scale, kernel, c
     dk = torch.zeros(k.shape, dtype=acc, device=k.device)
     dv = torch.zeros(v.shape, dtype=acc, device=v.device)
     for step in range(size):
-        block = _block_mask(mask, causal, q, coords, axis, size, step)
+        block = _block_mask(mask, causal, q, k, coords, axis, size, step)
         dk_parts = [torch.zeros(k[:, :, c].shape, dtype=acc, device=k.device) for c in cols]
         dv_parts = [torch.zeros(v[:, :, c].shape, dtype=acc, device=v.device) for c in cols]
         for i, r in enumerate(rows):
