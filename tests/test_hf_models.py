@@ -3,6 +3,7 @@ by one jitted AdamW step on every strategy, against the eager model and `torch.o
 device. Specs come from the model's own TP plan (`nf.nn.partition_specs`)."""
 
 import contextlib
+import copy
 import logging
 
 import pytest
@@ -81,17 +82,22 @@ _EAGER: dict = {}
 def eager_run(family: str, attn: str, steps: int = 2):
     """Losses and parameters after `steps` steps of the eager model with torch.optim.AdamW."""
     if (family, attn, steps) not in _EAGER:
-        model, ids = make_model(family, attn), tokens()
-        opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=1e-5, weight_decay=0.1)
-        losses = []
-        for _ in range(steps):
-            loss = model(ids, labels=ids).loss
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            losses.append(loss.detach())
-        _EAGER[family, attn, steps] = torch.stack(losses), {k: v.detach().clone() for k, v in model.named_parameters()}
+        _EAGER[family, attn, steps] = eager_run_of(make_model(family, attn), steps)
     return _EAGER[family, attn, steps]
+
+
+def eager_run_of(model: torch.nn.Module, steps: int = 2):
+    """`eager_run` of this model (a copy trained): losses, and parameters by name."""
+    model, ids = copy.deepcopy(model), tokens()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=1e-5, weight_decay=0.1)
+    losses = []
+    for _ in range(steps):
+        loss = model(ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.detach())
+    return torch.stack(losses), {k: v.detach().clone() for k, v in model.named_parameters()}
 
 
 def jitted_run(family: str, attn: str, strategy: str, axes: dict | None = None, steps: int = 2):
@@ -241,22 +247,6 @@ def test_a_frozen_parameter_is_a_constant_of_the_step_laid_out_as_the_others_and
     assert torch.equal(loaded.get_input_embeddings().weight, model.get_input_embeddings().weight)  # written, as it was
     assert torch.equal(loaded.lm_head.weight, params["lm_head.weight"])
 
-
-def eager_run_of(model: torch.nn.Module, steps: int = 2):
-    """`eager_run` of this model (a copy trained): losses, and parameters by name."""
-    import copy
-
-    model = copy.deepcopy(model)
-    ids = tokens()
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=1e-5, weight_decay=0.1)
-    losses = []
-    for _ in range(steps):
-        loss = model(ids, labels=ids).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.detach())
-    return torch.stack(losses), {k: v.detach().clone() for k, v in model.named_parameters()}
 
 
 @pytest.mark.slow
