@@ -69,7 +69,8 @@ def functional(module: torch.nn.Module) -> tuple[dict, dict, Callable[..., Any]]
 
 
 def partition_specs(module: torch.nn.Module, mesh: AbstractMesh, *, tp: str | None = None, fsdp: str | None = None,
-                    plan: Mapping[str, str] | None = None, of: Mapping[str, Any] | None = None) -> dict[str, PartitionSpec]:
+                    plan: Mapping[str, str] | None = None,
+                    of: Mapping[str, Any] | None = None) -> dict[str, PartitionSpec]:
     """A PartitionSpec per parameter `functional(module)` gives as params (those with
     `requires_grad`), or per name of `of` (its buffers: a frozen parameter laid out as the others,
     a buffer whole).
