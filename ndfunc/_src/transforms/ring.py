@@ -182,8 +182,9 @@ def _lower(ctx: prog.LoweringContext, node, strategy, op, args, kwargs):
     q, k, v = named["query"], named["key"], named["value"]
     kv = k.meta["val"]
     mask, causal = named.get("attn_mask"), bool(named.get("is_causal"))
-    # every block is masked (by the mask's columns, or the causal mask's), or none: the kernel for that
-    kernel = attention.choose(kv.device.type, kv.dtype, kv.shape[-1], masked=mask is not None or causal)
+    # every block is masked (by the mask's columns, or the causal mask's), or none: a kernel that takes
+    # a mask either way (the one the ring's merges were checked with on GPUs)
+    kernel = attention.choose(kv.device.type, kv.dtype, kv.shape[-1], masked=True)
     common = dict(mask=mask, causal=causal, scale=named.get("scale"), kernel=kernel, coords=ctx.coords,
                   axis=ctx.axis_names.index(ring.axis), size=ring.size, peers=ring.peers,
                   skip=ring.skip and (mask is not None or causal))  # (a mask hiding nothing: no block to skip)
