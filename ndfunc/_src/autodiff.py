@@ -20,6 +20,7 @@ import optree
 import torch
 import torch.fx.traceback as fx_traceback
 
+from ndfunc._src.module import CAST_TO
 from ndfunc.tree import tree_flatten_with_path
 
 ArgNums = int | tuple[int, ...]
@@ -35,9 +36,6 @@ AROUND_GRAD: list[Callable[[], Any]] = []
 # sets it while a jitted step is traced); None: as they are.
 COMPUTE_DTYPE: contextvars.ContextVar[torch.dtype | None] = contextvars.ContextVar("ndfunc_compute_dtype",
                                                                                     default=None)
-# The dtype they were cast to, while `fn` runs (None: not cast): what else it reads of a model's
-# parameters that is not differentiated (a frozen one, `nf.nn.functional`) computes in it too
-CAST_TO: contextvars.ContextVar[torch.dtype | None] = contextvars.ContextVar("ndfunc_cast_to", default=None)
 
 
 def grad(fn: Callable[..., Any], argnums: ArgNums = 0, has_aux: bool = False) -> Callable[..., Any]:

@@ -16,6 +16,7 @@ program, so any specs give the single device's results; the plan decides only wh
 
 from __future__ import annotations
 
+import contextvars
 import inspect
 import re
 from collections.abc import Callable, Mapping
@@ -24,10 +25,13 @@ from typing import Any
 import torch
 
 from ndfunc._src import repeated_layers
-from ndfunc._src.autodiff import CAST_TO
 from ndfunc._src.sharding.mesh import AbstractMesh
 from ndfunc._src.sharding.partition_spec import PartitionSpec
 
+# The dtype differentiated arguments were cast to while the function differentiated runs
+# (`autodiff` sets it under `nf.mixed_precision`; None: not cast): a frozen parameter, not
+# differentiated, computes in it too (`functional`)
+CAST_TO: contextvars.ContextVar[torch.dtype | None] = contextvars.ContextVar("ndfunc_cast_to", default=None)
 _COLWISE = ("colwise", "colwise_rep", "colwise_gather_output", "local_colwise", "packed_colwise",
             "embedding_colwise")
 _ROWWISE = ("rowwise", "rowwise_rep", "local_rowwise", "packed_rowwise", "rowwise_split_input", "embedding_rowwise")
