@@ -1050,7 +1050,8 @@ def test_a_libraries_value_check_and_its_message_trace_without_reading_values(un
 
     def loss(w, ids, x):
         n = (ids == 3).sum()
-        messages.append(f"tokens: {n}, {n:d}, features: {x.shape[0]}, rows: {x[0]}, mean: {x.mean():.2f}")
+        messages.append(f"tokens: {n}, {n:d}, features: {x.shape[0]}, rows: {x[0]}, mean: {x.mean():.2f}, "
+                        f"scale: {torch.tensor(0.5):.2f}")  # a literal: its value is known
         torch._check_tensor_all(n * x.shape[1] >= 0, lambda: messages[-1])
         return (x @ w).square().sum()
 
@@ -1064,7 +1065,8 @@ def test_a_libraries_value_check_and_its_message_trace_without_reading_values(un
         with pytest.raises(TypeError, match=r"^cond tensor must have dtype torch.bool, but got torch.int64$"):
             nf.jit(lambda x: torch._check_tensor_all(x.sum()) or x, mesh=nf.make_mesh(dp=2), in_shardings=P("dp"))(ids)
     torch.testing.assert_close(got, expected)
-    assert messages[-1] == "tokens: <traced int64[]>, <traced int64[]>, features: 8, rows: <traced float32[4]>, mean: <traced float32[]>"
+    assert messages[-1] == ("tokens: <traced int64[]>, <traced int64[]>, features: 8, rows: <traced float32[4]>, "
+                            "mean: <traced float32[]>, scale: 0.50")
 
 
 def test_a_draw_from_torchs_generator_is_an_error_and_dropout_off_is_fine():

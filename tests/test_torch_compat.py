@@ -409,3 +409,16 @@ def test_registered_gradient_has_setup_context_func_transforms_active():
     seen = []
     torch.func.grad(lambda x: seen.append(compat.func_transforms_active()) or x.sum())(torch.ones(2))
     assert seen == [True] and not compat.func_transforms_active()
+
+
+def test_traced_constant_is_what_the_trace_knows_of_a_value_under_torch_func_too():
+    seen = []
+
+    def f(x):
+        seen.append((compat.traced_constant(torch.tensor(2.5)), compat.traced_constant(x)))
+        return x * 2
+
+    with nf.simulate(2):
+        nf.jit(nf.grad(lambda x: f(x).sum()), mesh=nf.make_mesh(dp=2), in_shardings=nf.sharding.P("dp"))(torch.ones(4))
+    (literal, traced), = seen
+    assert torch.equal(literal, torch.tensor(2.5)) and traced is None

@@ -60,7 +60,7 @@ __all__ = [
     "DynamicOutputShapeException", "core_aten_decompositions", "decomposition_table",
     "route_nested_compile_regions", "func_transforms", "current_tracer", "function_modes", "current_graph", "outside_the_trace",
     "trace_nested", "node_of", "tracked", "fake_like", "known_fakes", "new_node", "runs_hooks", "lstm_cells",
-    "registered_gradient", "has_setup_context", "func_transforms_active",
+    "registered_gradient", "has_setup_context", "func_transforms_active", "traced_constant",
 ]
 
 current_dispatch_mode = _get_current_dispatch_mode
@@ -416,6 +416,14 @@ def outside_the_trace():
 
     with disable_proxy_modes_tracing(), temporarily_clear_interpreter_stack():
         yield
+
+
+def traced_constant(x: torch.Tensor) -> torch.Tensor | None:
+    """The value of `x` where the trace knows it (a literal's: fake tensor's `constant`, under
+    torch.func's wrappers), else None."""
+    while torch._C._functorch.is_functorch_wrapped_tensor(x):
+        x = torch._C._functorch.get_unwrapped(x)
+    return x.constant if isinstance(x, FakeTensor) else None
 
 
 def trace_nested(fn: Callable, args: list) -> torch.fx.GraphModule:

@@ -56,7 +56,12 @@ def _linear_cross_entropy(input, linear_weight, target, *, options=None, **kwarg
 def _format(x: torch.Tensor, format_spec: str = "") -> str:
     """`format(x, spec)` (an f-string) of a traced tensor: its dtype and shape, as `as_text` writes
     them (`<traced int64[]>`), whatever the spec: a trace has no value to write, where torch reads a
-    number's (a library builds a check's message before the check: transformers' image-token count)."""
+    number's (a library builds a check's message before the check: transformers' image-token count).
+    A value known while tracing (a literal, `torch.tensor(2.5)`) is written as torch writes it."""
+    known = torch_compat.traced_constant(x)
+    if known is not None:
+        with torch_compat.no_dispatch_modes():  # (the trace's: a real tensor, unrecorded)
+            return torch.Tensor.__format__(known, format_spec)
     return f"<traced {str(x.dtype).removeprefix('torch.')}{list(x.shape)}>"
 
 
