@@ -1,5 +1,7 @@
 """The tracer: one functional graph over global shapes, checked against running the step eagerly."""
 
+import re
+
 import pytest
 import torch
 
@@ -132,6 +134,22 @@ def test_a_tensor_made_under_simulate_cannot_be_closed_over():
                            r"value per simulated rank, and a tensor a step closes over is a constant, the same on "
                            r"every rank\. Pass it to the step as an argument \(with the sharding its values have\)\.$"):
             trace(lambda x: x * per_rank, (torch.randn(4),))
+
+
+def _embedded(table, x):
+    return torch.nn.functional.embedding(x, table).sum()
+
+
+def test_a_sharded_tensor_cannot_be_closed_over_and_the_error_says_to_pass_it():
+    # a frozen base laid out by nf.device_put, closed over: DTensor's own refusal was raw torch
+    with nf.simulate(2):
+        table = nf.device_put(torch.randn(8, 4), nf.sharding.NamedSharding(nf.make_mesh(dp=2), nf.sharding.P("dp")))
+        with pytest.raises(TypeError, match=re.escape(
+                f"<lambda> closes over a sharded tensor (a DTensor, as nf.device_put makes) at {__file__}:"
+                f"{_embedded.__code__.co_firstlineno + 1} (return torch.nn.functional.embedding(x, table).sum()): a "
+                f"tensor a step closes over is a constant of the program, whole on every rank. Pass it to the step as "
+                f"an argument; its sharding comes with it")):
+            trace(lambda x: _embedded(table, x), (torch.zeros(3, dtype=torch.long),))
 
 
 def test_a_step_that_writes_into_a_tensor_it_closes_over_is_refused():

@@ -87,6 +87,31 @@ def test_accumulated_micro_batches_equal_one_big_batch():
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
+def test_accumulation_takes_a_sharded_frozen_base_after_the_batch_as_it_is():
+    # a frozen embedding (nf.nn.functional's buffers, laid out by partition_specs(of=buffers)) is
+    # neither cut into micro-batches nor differentiated
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(16, 8), torch.nn.Linear(8, 16))
+    model[0].weight.requires_grad_(False)
+    params, buffers, apply = nf.nn.functional(model)
+    ids = torch.randint(0, 16, (8, 5), generator=torch.Generator().manual_seed(1))
+
+    def loss(p, b, bufs):
+        return F.cross_entropy(apply(p, bufs, b).flatten(0, 1), b.flatten())
+
+    expected = nf.value_and_grad(loss)(params, ids, buffers)
+    with nf.simulate(2):
+        mesh = nf.make_mesh(dp_shard=2)
+        specs = nf.nn.partition_specs(model, mesh, fsdp="dp_shard", of=buffers)
+        assert specs == {"0.weight": P("dp_shard", None)}
+        frozen = nf.device_put(buffers, {k: NamedSharding(mesh, s) for k, s in specs.items()})
+        accumulated = nf.accumulate(nf.value_and_grad(loss), 2)
+        got = nf.device_get(accumulated(params, nf.device_put(ids, NamedSharding(mesh, P("dp_shard"))), frozen))
+    assert set(got[1]) == {"1.weight", "1.bias"}
+    for a, b in zip(optree.tree_leaves(got), optree.tree_leaves(expected)):  # fp32 sums in another order
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.slow
 def test_accumulating_fsdp_gradients_reduces_them_per_micro_batch_or_once_at_the_end():
     cfg, params, big, value_and_grad, expected = accumulation_case(16)

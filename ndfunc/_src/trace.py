@@ -165,6 +165,13 @@ def trace(fn: Callable, args: Sequence[Any], kwargs: dict | None = None, *, stat
         except (DataDependentOutputException, DynamicOutputShapeException) as e:
             raise DataDependentError(_data_dependent_message(getattr(fn, "__name__", "the step"), e)) from None
         except RuntimeError as e:  # an ATen kernel that reads its argument's values itself, not through an op
+            if "got mixed torch.Tensor and DTensor" in str(e):  # (DTensor's refusal of a traced value beside it)
+                where = where_called(traceback.extract_tb(e.__traceback__))
+                raise TypeError(
+                    f"{getattr(fn, '__name__', 'the step')} closes over a sharded tensor (a DTensor, as nf.device_put "
+                    f"makes) {where}: a tensor a step closes over is a constant of the program, whole on every rank. "
+                    f"Pass it to the step as an argument; its sharding comes with it (with nf.accumulate, after the "
+                    f"batch: it reaches every micro-batch as it is).") from None
             if not any(said in str(e) for said in _READS_DATA):
                 raise
             raise DataDependentError(_data_dependent_message(getattr(fn, "__name__", "the step"), e)) from None

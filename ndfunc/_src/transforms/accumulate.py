@@ -14,7 +14,9 @@ reduced once, after the last micro-batch: more memory, a `k`-th of the gradient 
 
 A sharded batch (DTensor) is cut per rank: each rank's micro-batch `i` is rows `i*b .. (i+1)*b`
 of its own block, so no data moves; the micro-batches are then other samples than a cut of the
-global batch would give, which the mean does not notice.
+global batch would give, which the mean does not notice. Arguments after the batch (a frozen base,
+`nf.nn.functional`'s buffers) reach every micro-batch as they are: not cut, not differentiated,
+laid out as given.
 """
 
 from __future__ import annotations
@@ -33,8 +35,8 @@ from ndfunc.sharding import NamedSharding, P
 
 def accumulate(value_and_grad_fn: Callable, num_micro_batches: int, transforms=(), reduce: str = "each",
                compile: bool | str = False) -> Callable:
-    """`fn(params, batch) -> (loss, grads)` over `num_micro_batches` micro-batches of `batch`,
-    returning the means (see the module's text). `value_and_grad_fn` is what `nf.value_and_grad`
+    """`fn(params, batch, *rest) -> (loss, grads)` over `num_micro_batches` micro-batches of `batch`,
+    returning the means (see the module's text); `rest` is passed to each as it is. `value_and_grad_fn` is what `nf.value_and_grad`
     returns for a mean loss; `transforms` and `compile` go to the micro-batch program's `nf.jit`;
     `reduce`: `'each'` micro-batch reduces its gradients, or they are reduced once at the `'end'`."""
     if isinstance(num_micro_batches, bool) or not isinstance(num_micro_batches, int) or num_micro_batches < 1:
@@ -44,8 +46,8 @@ def accumulate(value_and_grad_fn: Callable, num_micro_batches: int, transforms=(
                          f"'end' (reduce once, after the last), got {reduce!r}.")
     k = num_micro_batches
 
-    def add(params, sums, batch):
-        loss, grads = value_and_grad_fn(params, batch)
+    def add(params, sums, batch, *rest):
+        loss, grads = value_and_grad_fn(params, batch, *rest)
         return sums[0] + loss, optree.tree_map(torch.add, sums[1], grads)
 
     def zeros(params):
@@ -56,14 +58,14 @@ def accumulate(value_and_grad_fn: Callable, num_micro_batches: int, transforms=(
 
     programs: dict = {}
 
-    def compiled(params, batch):
+    def compiled(params, batch, rest=()):
         """(zeros, add, mean): the programs for arguments laid out as these, made once. The sums
         are laid out as the parameters (a plain parameter: replicated), so each run hands the
         next sums in the layout it takes."""
         key = tuple((tuple(x.shape), x.dtype, getattr(x, "placements", None))
-                    for x in optree.tree_leaves((params, batch)))
+                    for x in optree.tree_leaves((params, batch, rest)))
         if key not in programs:
-            found = [s for s in map(sharding_of, optree.tree_leaves((params, batch))) if s is not None]
+            found = [s for s in map(sharding_of, optree.tree_leaves((params, batch, rest))) if s is not None]
             mesh = found[0].mesh if found else None
             spec = P() if mesh is not None else None
             shardings = optree.tree_map(lambda p: sharding_of(p) or spec, params)
@@ -91,17 +93,18 @@ class Accumulated:
     def __init__(self, compiled, k: int):
         self._compiled, self._k = compiled, k
 
-    def __call__(self, params, batch):
-        make_zeros, add_one, take_mean = self._compiled(params, batch)
+    def __call__(self, params, batch, *rest):
+        make_zeros, add_one, take_mean = self._compiled(params, batch, rest)
         sums = make_zeros(params)
         for i in range(self._k):
-            sums = add_one(params, sums, optree.tree_map(lambda x, i=i: _micro(x, i, self._k), batch))
+            sums = add_one(params, sums, optree.tree_map(lambda x, i=i: _micro(x, i, self._k), batch), *rest)
         return take_mean(sums)
 
-    def lower(self, params, batch):
+    def lower(self, params, batch, *rest):
         """The program run once per micro-batch, lowered (read its text and costs)."""
-        make_zeros, add_one, _ = self._compiled(params, batch)
-        return add_one.lower(params, make_zeros(params), optree.tree_map(lambda x: _micro(x, 0, self._k), batch))
+        make_zeros, add_one, _ = self._compiled(params, batch, rest)
+        return add_one.lower(params, make_zeros(params), optree.tree_map(lambda x: _micro(x, 0, self._k), batch),
+                             *rest)
 
     @property
     def trace_count(self) -> int:
