@@ -50,6 +50,8 @@ def accumulate(value_and_grad_fn: Callable, num_micro_batches: int, transforms=(
         loss, grads = value_and_grad_fn(params, batch, *rest)
         return sums[0] + loss, optree.tree_map(torch.add, sums[1], grads)
 
+    add.__name__ = getattr(value_and_grad_fn, "__name__", "add")  # (the program, and its errors, named as the loss)
+
     def zeros(params):
         return torch.zeros(()), optree.tree_map(torch.zeros_like, params)
 
