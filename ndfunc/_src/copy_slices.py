@@ -13,6 +13,7 @@ moves no element is dropped, and a functional `copy` is its source broadcast
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 
@@ -85,11 +86,7 @@ def fresh_copies(gm: torch.fx.GraphModule) -> bool:
             continue
         made = []
         with gm.graph.inserting_before(copy):  # laid out as the empty tensor was: its dims in `order`
-            out = moved(gm, made, src, into)
-            permuted = order != sorted(order)
-            out = call(gm, made, aten.permute.default, out, order) if permuted else out
-            out = call(gm, made, aten.clone.default, out, memory_format=torch.contiguous_format)
-            out = call(gm, made, aten.permute.default, out, inverse_permutation(order)) if permuted else out
+            out = copied_in_order(functools.partial(call, gm, made), moved(gm, made, src, into), order)
         annotate(made, copy)
         copy.replace_all_uses_with(out)
         gm.graph.erase_node(copy)
@@ -163,6 +160,15 @@ def dense_order(t: torch.Tensor) -> list[int] | None:
     dense = all(t.stride(d) == want for d, want in zip(order, contiguous_strides([t.shape[d] for d in order]))
                 if t.shape[d] != 1)
     return order if dense else None
+
+
+def copied_in_order(call, x, order: list[int]):
+    """`x` copied into fresh memory whose dims run in `order`, outermost first (`dense_order`'s), by
+    `call(op, *args, **kwargs)` (a graph's, or a local program's emitter)."""
+    permuted = order != sorted(order)
+    x = call(aten.permute.default, x, order) if permuted else x
+    x = call(aten.clone.default, x, memory_format=torch.contiguous_format)
+    return call(aten.permute.default, x, inverse_permutation(order)) if permuted else x
 
 
 def _strided(node: torch.fx.Node) -> tuple[list, list, int]:

@@ -34,9 +34,8 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.nn import _reduction
 
 from ndfunc._src import attention, ctc_loss, manual, rnn
-from ndfunc._src.copy_slices import dense_order
-from ndfunc._src.graph_edits import inverse_permutation
 from ndfunc._src.constraints import sharding_constraint_op
+from ndfunc._src.copy_slices import copied_in_order, dense_order
 from ndfunc._src.partition import program as prog
 from ndfunc._src.partition.planning import redistribute
 from ndfunc._src.partition.planning.layout import (
@@ -92,7 +91,7 @@ def register(op, **fields) -> None:
 
 
 # Rules of ops that exist only once a library defines them (transformers' custom ops), by their
-# qualified name: taken into the registry when the partitioner first meets the op (`_resolved`)
+# qualified name: taken into the registry when the partitioner first asks for the op's rule (`rule_of`)
 _BY_NAME: dict[str, OpRule] = {}
 
 
@@ -101,28 +100,23 @@ def register_by_name(name: str, **fields) -> None:
     _BY_NAME[name] = OpRule(**fields)
 
 
-def _resolved(op) -> OpRule | None:
-    """`op`'s rule, one registered by name taken in first."""
+def rule_of(op) -> OpRule | None:
+    """The registered rule of `op` (one registered by name taken in the first time it is asked), or None."""
     rule = _RULES.get(op)
     if rule is None and isinstance(op, torch._ops.OpOverload) and op._name in _BY_NAME:
         rule = _RULES[op] = _BY_NAME.pop(op._name)
     return rule
 
 
-def rule_of(op) -> OpRule | None:
-    """The registered rule of `op`, or None."""
-    return _RULES.get(op)
-
-
 def saved_by_remat(op) -> bool:
-    rule = _RULES.get(op)
+    rule = rule_of(op)
     return rule is not None and rule.saved_by_remat
 
 
 def has_rule(op) -> bool:
     """Whether ndfunc (this registry) or DTensor has a sharding rule for `op`."""
     table = propagator()
-    ours = _RULES.get(op)
+    ours = rule_of(op)
     return (ours is not None and ours.strategies is not None) or op in table.op_single_dim_strategy_funcs \
         or op in table.op_strategy_funcs
 
@@ -267,7 +261,7 @@ def _candidates(node: torch.fx.Node, sizes: tuple[int, ...]) -> Sequence[Strateg
     k = len(sizes)
     if k == 0:  # nothing to partition over: every op runs whole
         return _replicated_rule(node, sizes)
-    rule = _resolved(op)
+    rule = rule_of(op)
     if rule is not None and rule.strategies is not None:
         found = rule.strategies(node, sizes)
     elif (found := from_dtensor(node, ins, outs, sizes)) is None:
@@ -462,9 +456,7 @@ def _as_strided(emitter, node, locals_):
                 f"their storage: the moved copy's memory is laid out otherwise. Write the view with slices, "
                 f"transposes and reshapes (x.unfold for sliding windows), or run it inside nf.shard_map.")
         if order != sorted(order):
-            local = emitter.call(aten.permute.default, local, order)
-            local = emitter.call(aten.clone.default, local, memory_format=torch.contiguous_format)
-            local = emitter.call(aten.permute.default, local, inverse_permutation(order))
+            local = copied_in_order(emitter.call, local, order)
     out = emitter.call(node.target, local, *node.args[1:], **node.kwargs)
     val = node.meta["val"]
     return prog.note_local(out, tuple(val.shape), val.dtype)
