@@ -227,9 +227,9 @@ def save_model(path: str | os.PathLike, model: torch.nn.Module, params: dict) ->
     path = pathlib.Path(path)
     path.mkdir(parents=True, exist_ok=True)
     tensors = dict(model.state_dict(keep_vars=True))
-    first = {name for name, _ in model.named_parameters()}  # each tied parameter once
+    first = dict(model.named_parameters())  # each tied parameter once, under its first name
     # a frozen one (no gradient: not among nf.nn.functional's params) as the model holds it
-    missing = sorted({name for name, p in model.named_parameters() if p.requires_grad} - set(params))
+    missing = sorted({name for name, p in first.items() if p.requires_grad} - set(params))
     if missing:
         raise ValueError(f"save_model: {len(missing)} of {type(model).__name__}'s parameters are not among those "
                          f"given (e.g. {missing[0]!r}); pass every parameter nf.nn.functional(model) gives.")
@@ -244,8 +244,8 @@ def save_model(path: str | os.PathLike, model: torch.nn.Module, params: dict) ->
     safetensors_io.write(path / "model.safetensors", entries, metadata={"format": "pt"}, write=writer)
     if writer:
         config = type(model.config).from_dict(model.config.to_dict())
-        first_name = next(name for name, _ in model.named_parameters())  # (a frozen base's, where it is one)
-        dtype = params.get(first_name, model.get_parameter(first_name)).dtype
+        name = next(iter(first))  # (a frozen base's, where it is one)
+        dtype = params.get(name, first[name]).dtype
         # transformers >= 4.56 names it `dtype`; before, `torch_dtype`
         setattr(config, "dtype" if "dtype" in config.to_dict() else "torch_dtype", dtype)
         config.save_pretrained(path)

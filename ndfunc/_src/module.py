@@ -45,9 +45,9 @@ def functional(module: torch.nn.Module) -> tuple[dict, dict, Callable[..., Any]]
     A parameter with `requires_grad=False` (a frozen vision tower, LoRA's base weights, Whisper's
     sinusoidal positions) is among the buffers: a constant of the step, given no gradient and no
     optimizer state, as torch's autograd and optimizers leave it (under `nf.mixed_precision`,
-    computed in its dtype where the differentiated ones are, as FSDP2 casts them). Pass the buffers as an argument
-    of the step with `partition_specs(module, mesh, ..., of=buffers)` to lay them out (a frozen
-    base split as FSDP2 splits it); closed over, each is whole on every rank.
+    computed in its dtype where the differentiated ones are, as FSDP2 casts them). Pass the buffers
+    as an argument of the step with `partition_specs(module, mesh, ..., of=buffers)` to lay them
+    out (a frozen base split as FSDP2 splits it); closed over, each is whole on every rank.
 
     Under `nf.jit`, the layers of a `ModuleList` that are alike are traced once and copied per layer
     (`ndfunc._src.repeated_layers`), as a layer marked `torch.compiler.nested_compile_region` is. A
@@ -94,7 +94,7 @@ def partition_specs(module: torch.nn.Module, mesh: AbstractMesh, *, tp: str | No
     names = [name for name, p in module.named_parameters() if p.requires_grad] if of is None else list(of)
     specs = {name: PartitionSpec() for name in names}  # (a buffer: whole)
     for name, p in module.named_parameters():
-        if name not in names:
+        if name not in specs:
             continue
         owner, _, leaf = name.rpartition(".")
         spec: list = [None] * p.ndim

@@ -43,11 +43,11 @@ from torch.nn import _reduction
 from ndfunc._src import regions, writes
 from ndfunc._src.attention import cpu_flash_as_attention
 from ndfunc._src.constraints import decode_spec, sharding_constraint_op
+from ndfunc._src.custom_gradients import accepting_old_functions
 from ndfunc._src.runtime import simulation_paused
 from ndfunc._src.sharding.partition_spec import PartitionSpec
 from ndfunc._src.sharding.shape_dtype import ShapeDtypeStruct
 from ndfunc._src.stamp import Stamps
-from ndfunc._src.custom_gradients import accepting_old_functions
 from ndfunc._src.traced_as import TracedAs
 from ndfunc._src.torch_compat import (
     DataDependentOutputException,
@@ -164,7 +164,7 @@ def trace(fn: Callable, args: Sequence[Any], kwargs: dict | None = None, *, stat
                                        tracing_mode="fake", record_stack_traces=record_stack_traces)(*fakes)
         except (DataDependentOutputException, DynamicOutputShapeException) as e:
             raise DataDependentError(_data_dependent_message(getattr(fn, "__name__", "the step"), e)) from None
-        except RuntimeError as e:  # an ATen kernel that reads its argument's values itself, not through an op
+        except RuntimeError as e:
             if "got mixed torch.Tensor and DTensor" in str(e):  # (DTensor's refusal of a traced value beside it)
                 where = where_called(traceback.extract_tb(e.__traceback__))
                 raise TypeError(
@@ -172,7 +172,7 @@ def trace(fn: Callable, args: Sequence[Any], kwargs: dict | None = None, *, stat
                     f"makes) {where}: a tensor a step closes over is a constant of the program, whole on every rank. "
                     f"Pass it to the step as an argument; its sharding comes with it (with nf.accumulate, after the "
                     f"batch: it reaches every micro-batch as it is).") from None
-            if not any(said in str(e) for said in _READS_DATA):
+            if not any(said in str(e) for said in _READS_DATA):  # (an ATen kernel reading its argument's data)
                 raise
             raise DataDependentError(_data_dependent_message(getattr(fn, "__name__", "the step"), e)) from None
         finally:

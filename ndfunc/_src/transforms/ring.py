@@ -238,8 +238,9 @@ def _block(mask: torch.Tensor, coords, axis: int, size: int, step: int) -> tuple
 
 
 def _visible(m) -> bool:
-    """Whether any query sees any key of this block (always True where it cannot be known here)."""
-    if isinstance(m, (LocalTensor, FakeTensor)):
+    """Whether any query sees any key of this block (always True where it cannot be known here, or
+    with no mask)."""
+    if m is None or isinstance(m, (LocalTensor, FakeTensor)):
         return True
     return bool((m if m.dtype == torch.bool else m > -math.inf).any())
 
@@ -266,7 +267,7 @@ def ring_forward(q, k, v, *, mask, causal, scale, kernel, coords, axis, size, pe
         for i, r in enumerate(rows):
             for c in cols:
                 m = None if block is None else block[:, :, r, c]
-                if skip and m is not None and not _visible(m):
+                if skip and not _visible(m):
                     continue
                 m = None if m is None else attention.additive(m, q.dtype)
                 part_out, part_lse = run.forward(q[:, :, r], k[:, :, c], v[:, :, c], m, False, scale)
@@ -308,7 +309,7 @@ def ring_backward(grad_out, q, k, v, out, lse, *, mask, causal, scale, kernel, c
         for i, r in enumerate(rows):
             for j, c in enumerate(cols):
                 m = None if block is None else block[:, :, r, c]
-                if skip and m is not None and not _visible(m):
+                if skip and not _visible(m):
                     continue
                 dq_part, dk_part, dv_part = run.backward(
                     grad_out[:, :, r], q[:, :, r], k[:, :, c], v[:, :, c], out[:, :, r], lse[:, :, r],
