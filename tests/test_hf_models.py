@@ -249,6 +249,50 @@ def test_a_frozen_parameter_is_a_constant_of_the_step_laid_out_as_the_others_and
 
 
 
+@pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")  # PEFT's own call
+def test_a_peft_lora_model_is_split_by_the_wrapped_models_plan_and_trains_as_eager():
+    # PEFT wraps the model (names under base_model.model.) and each adapted Linear (its weight
+    # under .base_layer, the adapters under .lora_A.default / .lora_B.default): the Llama's own
+    # plan still names them, and the adapters follow their layer's split
+    import peft
+
+    model = peft.get_peft_model(make_model("llama", "sdpa"), peft.LoraConfig(
+        r=4, target_modules=["q_proj", "v_proj", "o_proj"], lora_dropout=0.0, init_lora_weights=False))
+    want_losses, want = eager_run_of(model)
+    params, buffers, apply = nf.nn.functional(model)
+    opt = nf.optim.adamw(LR, eps=1e-5, weight_decay=0.1)
+
+    def step(params, state, buffers, ids):
+        loss, grads = nf.value_and_grad(lambda p: apply(p, buffers, ids, labels=ids).loss)(params)
+        updates, state = opt.update(grads, state, params)
+        return nf.optim.apply_updates(params, updates), state, loss
+
+    with nf.simulate(4):
+        mesh = nf.make_mesh(dp_shard=2, tp=2)
+        pspec = nf.nn.partition_specs(model, mesh, tp="tp")
+        bspec = nf.nn.partition_specs(model, mesh, tp="tp", of=buffers)
+        layer = "base_model.model.model.layers.0."
+        assert bspec[layer + "self_attn.q_proj.base_layer.weight"] == P("tp", None)  # colwise, wrapped
+        assert bspec[layer + "self_attn.o_proj.base_layer.weight"] == P(None, "tp")  # rowwise, wrapped
+        assert bspec[layer + "self_attn.k_proj.weight"] == P("tp", None)  # not adapted
+        assert bspec["base_model.model.model.embed_tokens.weight"] == P("tp", None)
+        assert pspec[layer + "self_attn.q_proj.lora_A.default.weight"] == P(None, None)
+        assert pspec[layer + "self_attn.q_proj.lora_B.default.weight"] == P("tp", None)  # its outputs
+        assert pspec[layer + "self_attn.o_proj.lora_A.default.weight"] == P(None, "tp")  # its inputs
+        assert pspec[layer + "self_attn.o_proj.lora_B.default.weight"] == P(None, None)
+        state = opt.init(params)
+        sspec = nf.optim.state_shardings(state, pspec)
+        f = nf.jit(step, mesh=mesh, in_shardings=(pspec, sspec, bspec, P("dp_shard")), out_shardings=(pspec, sspec, P()))
+        losses = []
+        for _ in range(2):
+            params, state, loss = f(params, state, buffers, tokens())
+            losses.append(nf.device_get(loss))
+        params = {k: nf.device_get(v) for k, v in params.items()}
+    torch.testing.assert_close(torch.stack(losses), want_losses, **LOSS_TOL)
+    for k, v in params.items():
+        torch.testing.assert_close(v, want[k], **PARAM_TOL)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("family", FAMILIES)
 def test_the_train_job_trains_a_hugging_face_model_from_its_directory(family, tmp_path):

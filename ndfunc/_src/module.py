@@ -79,14 +79,18 @@ def partition_specs(module: torch.nn.Module, mesh: AbstractMesh, *, tp: str | No
     `requires_grad`), or per name of `of` (its buffers: a frozen parameter laid out as the others,
     a buffer whole).
 
-    `tp`: the mesh axis of the tensor-parallel plan, `plan` (module-path patterns, `*` one path
-    component, to 'colwise' or 'rowwise' and transformers' variants of them), by default the
-    module's own (`module.tp_plan`); a parameter the plan does not name stays whole over `tp`.
-    `fsdp`: the axis every parameter is also split over, along its largest dim that `tp` leaves whole
-    and the axis divides (none: whole).
+    `tp`: the mesh axis of the tensor-parallel plan, `plan` (module-path patterns from `module`, `*`
+    one path component, to 'colwise' or 'rowwise' and transformers' variants of them), by default
+    the plans the module and its submodules carry (`tp_plan` or transformers' `_tp_plan`, each
+    read from where its module sits: a Hugging Face model inside a PEFT wrapper keeps its plan);
+    a parameter the plan does not name stays whole over `tp`. A layer the plan names that PEFT's
+    LoRA wraps is split as the plan says (its `base_layer`), and so are its adapters, so that the
+    low-rank path's result is split as the layer's: colwise splits `lora_B`'s outputs, rowwise
+    `lora_A`'s inputs; the other stays whole. `fsdp`: the axis every parameter is also split over,
+    along its largest dim that `tp` leaves whole and the axis divides (none: whole).
     """
     if plan is None and tp is not None:
-        plan = getattr(module, "tp_plan", None) or getattr(module, "_tp_plan", None) or {}
+        plan = _carried_plan(module)
     rules = [(re.compile(re.escape(pattern).replace(r"\*", r"[^.]+") + r"\Z"), style)
              for pattern, style in (plan or {}).items()]
     kinds = {name: sub for name, sub in module.named_modules()}
@@ -98,9 +102,9 @@ def partition_specs(module: torch.nn.Module, mesh: AbstractMesh, *, tp: str | No
             continue
         owner, _, leaf = name.rpartition(".")
         spec: list = [None] * p.ndim
-        style = next((s for rx, s in rules if rx.match(owner)), None) if tp is not None else None
+        style, role = _tp_style(owner, rules) if tp is not None else (None, None)
         if style is not None:
-            dim = _tp_dim(kinds.get(owner), leaf, style, p.ndim)
+            dim = _tp_dim(kinds.get(owner), leaf, style, p.ndim) if role is None else _lora_dim(role, leaf, style)
             if dim is not None and p.shape[dim] % sizes[tp] == 0:
                 spec[dim] = tp
         if fsdp is not None and sizes.get(fsdp, 1) > 1:
@@ -109,6 +113,46 @@ def partition_specs(module: torch.nn.Module, mesh: AbstractMesh, *, tp: str | No
                 spec[max(free, key=lambda d: (p.shape[d], -d))] = fsdp
         specs[name] = PartitionSpec(*spec)
     return specs
+
+
+def _carried_plan(module: torch.nn.Module) -> dict[str, str]:
+    """The TP plans `module` and its submodules carry, each pattern prefixed by where its module
+    sits (an outer plan first: it wins where both name a module)."""
+    plan: dict[str, str] = {}
+    for path, sub in module.named_modules():
+        own = next((found for name in ("tp_plan", "_tp_plan")
+                    if isinstance(found := vars(sub).get(name, getattr(type(sub), name, None)), Mapping)), None)
+        for pattern, style in (own or {}).items():
+            plan.setdefault(f"{path}.{pattern}" if path else pattern, style)
+    return plan
+
+
+def _tp_style(owner: str, rules: list) -> tuple[str | None, str | None]:
+    """The plan's style for the module at path `owner`, and its role in a PEFT LoRA wrapper of
+    the module the plan names (None: it is that module): 'base' (`base_layer`), 'lora_A' or
+    'lora_B' (`lora_A.<adapter>`)."""
+    style = next((s for rx, s in rules if rx.match(owner)), None)
+    if style is not None:
+        return style, None
+    parts = owner.split(".")
+    for role, depth in (("base", 1), ("lora_A", 2), ("lora_B", 2)):
+        if len(parts) > depth and parts[-depth] == ("base_layer" if role == "base" else role):
+            wrapped = ".".join(parts[:-depth])
+            style = next((s for rx, s in rules if rx.match(wrapped)), None)
+            if style is not None:
+                return style, None if role == "base" else role
+    return None, None
+
+
+def _lora_dim(role: str, leaf: str, style: str) -> int | None:
+    """The dim of a LoRA adapter's `leaf` that the wrapped layer's TP style splits: colwise the
+    outputs of `lora_B` (r -> out), rowwise the inputs of `lora_A` (in -> r); whole otherwise (the
+    rank r is small: its partial sums are what a rowwise layer reduces)."""
+    if leaf != "weight":
+        return None
+    if style in _COLWISE:
+        return 0 if role == "lora_B" else None
+    return 1 if role == "lora_A" and style in _ROWWISE else None
 
 
 def _tp_dim(owner: torch.nn.Module | None, leaf: str, style: str, ndim: int) -> int | None:
