@@ -123,3 +123,23 @@ def test_a_frozen_parameter_computes_in_bf16_where_the_trained_ones_do():
     for k, g in grads.items():
         assert g.dtype == torch.float32
         torch.testing.assert_close(g, by_hand[k].grad.float(), rtol=1e-2, atol=1e-2)
+
+
+def test_an_eval_step_computes_a_module_in_bf16_as_its_training_forward_does():
+    # nothing differentiated: the module's apply casts its parameters (a frozen one too) under the
+    # transform, as FSDP2's policy casts in every forward; a bf16 model by hand is the reference
+    from ndfunc.sharding import P
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(16, 8), torch.nn.Linear(8, 8), torch.nn.Linear(8, 16))
+    model[1].requires_grad_(False)
+    ids = torch.randint(0, 16, (2, 4))
+    want = torch.func.functional_call(model, {k: v.detach().to(torch.bfloat16) for k, v in model.named_parameters()},
+                                      (ids,))
+    params, buffers, apply = nf.nn.functional(model)
+    with nf.simulate(2):
+        f = nf.jit(lambda p, ids: apply(p, buffers, ids), mesh=nf.make_mesh(dp=2), in_shardings=(P(), P("dp")),
+                   out_shardings=P("dp"), transforms=[nf.mixed_precision(torch.bfloat16, torch.float32)])
+        got = nf.device_get(f(params, ids))
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got, want, rtol=0, atol=0)

@@ -11,7 +11,6 @@ functional graph with no autograd left in it.
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import functools
 from collections.abc import Callable
 from typing import Any
@@ -20,7 +19,7 @@ import optree
 import torch
 import torch.fx.traceback as fx_traceback
 
-from ndfunc._src.module import CAST_TO
+from ndfunc._src.module import COMPUTE_DTYPE  # differentiated float arguments are cast to it
 from ndfunc.tree import tree_flatten_with_path
 
 ArgNums = int | tuple[int, ...]
@@ -32,10 +31,6 @@ DIFFERENTIATED = "ndfunc_differentiated"  # the mark on its ops and on those of 
 # remat regions, which torch.func could not differentiate)
 AROUND_GRAD: list[Callable[[], Any]] = []
 
-# The dtype differentiated float arguments are cast to before `fn` runs (`nf.mixed_precision`
-# sets it while a jitted step is traced); None: as they are.
-COMPUTE_DTYPE: contextvars.ContextVar[torch.dtype | None] = contextvars.ContextVar("ndfunc_compute_dtype",
-                                                                                    default=None)
 
 
 def grad(fn: Callable[..., Any], argnums: ArgNums = 0, has_aux: bool = False) -> Callable[..., Any]:
@@ -115,12 +110,8 @@ def value_and_grad(fn: Callable[..., Any], argnums: ArgNums = 0, has_aux: bool =
                 if compute is not None:  # nf.mixed_precision: compute in it; gradients come back as the leaves are
                     leaves = [x.to(compute) if x.is_floating_point() else x for x in leaves]
                 new_args[i] = optree.tree_unflatten(spec, leaves)
-            cast = CAST_TO.set(compute)
-            try:
-                with fx_traceback.annotate({FORWARD: True}):  # nf.remat tells forward from backward by it
-                    out = fn(*new_args, **kw)
-            finally:
-                CAST_TO.reset(cast)
+            with fx_traceback.annotate({FORWARD: True}):  # nf.remat tells forward from backward by it
+                out = fn(*new_args, **kw)
             if not has_aux:
                 return _check_loss(out, fn)
             if not (isinstance(out, (tuple, list)) and len(out) == 2):

@@ -28,10 +28,11 @@ from ndfunc._src import repeated_layers
 from ndfunc._src.sharding.mesh import AbstractMesh
 from ndfunc._src.sharding.partition_spec import PartitionSpec
 
-# The dtype differentiated arguments were cast to while the function differentiated runs
-# (`autodiff` sets it under `nf.mixed_precision`; None: not cast): a frozen parameter, not
-# differentiated, computes in it too (`functional`)
-CAST_TO: contextvars.ContextVar[torch.dtype | None] = contextvars.ContextVar("ndfunc_cast_to", default=None)
+# The dtype `nf.mixed_precision` computes in while a jitted step is traced (None: as they are):
+# `autodiff` casts differentiated float arguments to it, and a module's apply its parameters,
+# differentiated or not (`functional`)
+COMPUTE_DTYPE: contextvars.ContextVar[torch.dtype | None] = contextvars.ContextVar("ndfunc_compute_dtype",
+                                                                                    default=None)
 _COLWISE = ("colwise", "colwise_rep", "colwise_gather_output", "local_colwise", "packed_colwise",
             "embedding_colwise")
 _ROWWISE = ("rowwise", "rowwise_rep", "local_rowwise", "packed_rowwise", "rowwise_split_input", "embedding_rowwise")
@@ -44,8 +45,9 @@ def functional(module: torch.nn.Module) -> tuple[dict, dict, Callable[..., Any]]
 
     A parameter with `requires_grad=False` (a frozen vision tower, LoRA's base weights, Whisper's
     sinusoidal positions) is among the buffers: a constant of the step, given no gradient and no
-    optimizer state, as torch's autograd and optimizers leave it (under `nf.mixed_precision`,
-    computed in its dtype where the differentiated ones are, as FSDP2 casts them). Pass the buffers
+    optimizer state, as torch's autograd and optimizers leave it. Under `nf.mixed_precision` every
+    parameter, frozen or not, computes in its `param_dtype` in every call, differentiated or not
+    (an eval step's too), as FSDP2's policy casts in every forward. Pass the buffers
     as an argument of the step with `partition_specs(module, mesh, ..., of=buffers)` to lay them
     out (a frozen base split as FSDP2 splits it); closed over, each is whole on every rank.
 
@@ -63,8 +65,11 @@ def functional(module: torch.nn.Module) -> tuple[dict, dict, Callable[..., Any]]
     def apply(params: Mapping, buffers: Mapping, *args, **kwargs):
         if caches:
             kwargs.setdefault("use_cache", False)
-        if frozen and (dtype := CAST_TO.get()) is not None:  # nf.mixed_precision: frozen ones compute as the others
-            buffers = {k: v.to(dtype) if k in frozen and v.is_floating_point() else v for k, v in buffers.items()}
+        if (dtype := COMPUTE_DTYPE.get()) is not None:  # nf.mixed_precision: in every forward, as FSDP2 casts
+            # (differentiated parameters come cast already: `.to` leaves them as they are)
+            params = {k: v.to(dtype) if v.is_floating_point() else v for k, v in params.items()}
+            if frozen:
+                buffers = {k: v.to(dtype) if k in frozen and v.is_floating_point() else v for k, v in buffers.items()}
         with repeated_layers.routed(module):
             return torch.func.functional_call(module, (dict(params), dict(buffers)), args, kwargs)
 
