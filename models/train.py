@@ -98,18 +98,15 @@ def make_loss_step(loss, opt: nf.optim.GradientTransformation, rules=None):
 
 def hf_implementations(config) -> dict:
     """How the job has transformers build a causal LM of `config`: SDPA attention where the model
-    has it (the kernel `nf.ring_attention` runs as a ring), else its own (eager: Gemma 2's); a
-    mixture of experts' experts as batched matmuls (transformers' grouped matmul, traced, falls
-    back to a custom op that `torch.func` cannot differentiate)."""
+    has it (the kernel `nf.ring_attention` runs as a ring), else its own (eager: Gemma 2's). A
+    mixture of experts' experts as transformers picks them (grouped matmuls): any implementation is
+    one `ndfunc::experts` per call, split by the tokens (`ndfunc._src.experts`)."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
     cls = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None)
     if cls is None:  # not a causal LM transformers knows: its own error says so
         return {"attn_implementation": "sdpa"}
-    out = {"attn_implementation": "sdpa" if getattr(cls, "_supports_sdpa", False) else "eager"}
-    if getattr(cls, "_can_set_experts_implementation", lambda: False)():
-        out["experts_implementation"] = "batched_mm"
-    return out
+    return {"attn_implementation": "sdpa" if getattr(cls, "_supports_sdpa", False) else "eager"}
 
 
 def load_hf_model(path: str) -> torch.nn.Module:

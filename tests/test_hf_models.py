@@ -9,6 +9,7 @@ import logging
 import pytest
 import torch
 import transformers
+from torch.distributed.tensor import Shard
 
 import ndfunc as nf
 from ndfunc.sharding import P
@@ -49,13 +50,14 @@ def make_model(family: str, attn: str) -> torch.nn.Module:
                                            num_attention_heads=4, new_decoder_architecture=True, num_kv_heads=2,
                                            vocab_size=VOCAB, bos_token_id=0, eos_token_id=0)
         cls = transformers.FalconForCausalLM
-    elif family == "mixtral":  # experts as batched matmuls, as the job builds them (train.hf_implementations)
+    elif family.startswith("mixtral"):  # its experts as transformers' default calls them (grouped), or "mixtral:<impl>"
         config = transformers.MixtralConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                             num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
                                             num_experts_per_tok=2, vocab_size=VOCAB, max_position_embeddings=64,
                                             bos_token_id=0, eos_token_id=0, pad_token_id=0)
         config._attn_implementation = attn
-        return transformers.AutoModelForCausalLM.from_config(config, experts_implementation="batched_mm")
+        _, _, experts = family.partition(":")
+        return transformers.AutoModelForCausalLM.from_config(config, **({"experts_implementation": experts} if experts else {}))
     elif family == "gemma":
         config = transformers.GemmaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                           num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=VOCAB,
@@ -86,9 +88,9 @@ def eager_run(family: str, attn: str, steps: int = 2):
     return _EAGER[family, attn, steps]
 
 
-def eager_run_of(model: torch.nn.Module, steps: int = 2):
-    """`eager_run` of this model (a copy trained): losses, and parameters by name."""
-    model, ids = copy.deepcopy(model), tokens()
+def eager_run_of(model: torch.nn.Module, steps: int = 2, ids: torch.Tensor | None = None):
+    """`eager_run` of this model (a copy trained on `ids`, else `tokens()`): losses, and parameters by name."""
+    model, ids = copy.deepcopy(model), tokens() if ids is None else ids
     opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=1e-5, weight_decay=0.1)
     losses = []
     for _ in range(steps):
@@ -247,6 +249,45 @@ def test_a_frozen_parameter_is_a_constant_of_the_step_laid_out_as_the_others_and
     assert torch.equal(loaded.get_input_embeddings().weight, model.get_input_embeddings().weight)  # written, as it was
     assert torch.equal(loaded.lm_head.weight, params["lm_head.weight"])
 
+
+
+@pytest.mark.parametrize("experts", ["grouped_mm", "batched_mm", "eager"])
+def test_a_mixture_of_experts_runs_each_ranks_own_tokens_through_the_experts_as_its_implementation_does(experts):
+    # transformers' experts call, whichever implementation the config names, is one ndfunc::experts
+    # split by the tokens: grouped ran every token on every rank (its offsets counted from all of
+    # them), batched held a copy of an expert's weights per token, the loop raised DataDependentError
+    from ndfunc._src import experts as experts_ops
+
+    model = make_model(f"mixtral:{experts}", "sdpa")
+    assert model.config._experts_implementation == experts
+    ids = torch.randint(0, VOCAB, (8, 32), generator=torch.Generator().manual_seed(1))  # (fewer: the backward whole is cheaper)
+    want_losses, want = eager_run_of(model, ids=ids)
+    params, buffers, apply = nf.nn.functional(model)
+    opt = nf.optim.adamw(LR, eps=1e-5, weight_decay=0.1)
+
+    def step(params, state, ids):
+        loss, grads = nf.value_and_grad(lambda p: apply(p, buffers, ids, labels=ids).loss)(params)
+        updates, state = opt.update(grads, state, params)
+        return nf.optim.apply_updates(params, updates), state, loss
+
+    with nf.simulate(2):
+        mesh = nf.make_mesh(dp_shard=2)
+        pspec = nf.nn.partition_specs(model, mesh, fsdp="dp_shard")
+        state = opt.init(params)
+        sspec = nf.optim.state_shardings(state, pspec)
+        f = nf.jit(step, mesh=mesh, in_shardings=(pspec, sspec, P("dp_shard")), out_shardings=(pspec, sspec, P()))
+        plan = f.lower(params, state, ids).program.plan
+        losses = []
+        for _ in range(2):
+            params, state, loss = f(params, state, ids)
+            losses.append(nf.device_get(loss))
+        params = {k: nf.device_get(v) for k, v in params.items()}
+    calls = [(n.target, s) for n, s in plan.strategy.items() if n.target in (experts_ops.experts_op, experts_ops.experts_backward_op)]
+    assert sorted(str(op) for op, _ in calls) == ["ndfunc.experts.default"] * 2 + ["ndfunc.experts_backward.default"] * 2
+    assert all(s.ins[0] == (Shard(0),) for _, s in calls)  # each rank's own tokens (hidden states, or their gradient)
+    torch.testing.assert_close(torch.stack(losses), want_losses, **LOSS_TOL)
+    for k, v in params.items():
+        torch.testing.assert_close(v, want[k], **PARAM_TOL)
 
 
 @pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")  # PEFT's own call

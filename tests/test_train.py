@@ -194,6 +194,23 @@ def test_train_under_torchrun_matches_the_simulated_run(tmp_path, monkeypatch):
     assert real == pytest.approx(simulated[-1:], rel=1e-4), proc.stdout
 
 
+@pytest.mark.gloo
+def test_a_mixture_of_experts_under_torchrun_matches_the_simulated_run(tmp_path):
+    # transformers' Mixtral as it is (its experts' grouped matmuls): each rank runs its own tokens
+    # through the experts (`ndfunc::experts`), made by transformers' implementation on the rank
+    config = transformers.MixtralConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                                        num_experts_per_tok=2)
+    torch.manual_seed(0)
+    transformers.MixtralForCausalLM(config).save_pretrained(tmp_path / "model")
+    flags = ["--hf-model", str(tmp_path / "model"), "--steps", "2", "--dp-shard", "2", "--cp", "1", "--tp", "2",
+             "--log-every", "1", *QUICK]
+    simulated = train.main(flags)
+    proc = torchrun(pathlib.Path(train.__file__), *flags)
+    real = [float(x) for x in re.findall(r"loss (\d\.\d+)  ", proc.stdout)]
+    assert real == pytest.approx(simulated, rel=1e-4), proc.stdout
+
+
 @pytest.mark.slow
 def test_train_from_a_hugging_face_checkpoint(tmp_path):
     config = transformers.LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=1,

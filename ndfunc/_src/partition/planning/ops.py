@@ -33,7 +33,7 @@ import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.nn import _reduction
 
-from ndfunc._src import attention, ctc_loss, manual, rnn
+from ndfunc._src import attention, ctc_loss, experts, manual, rnn
 from ndfunc._src.constraints import sharding_constraint_op
 from ndfunc._src.copy_slices import copied_in_order, dense_order
 from ndfunc._src.partition import program as prog
@@ -509,6 +509,17 @@ def _rnn_rule(node, sizes) -> Fitted:
     return per_axis([(Replicate(),) * len(tensors), split], [tuple(t.shape) for t in tensors], sizes, len(made))
 
 
+def _experts_rule(node, sizes) -> Fitted:
+    """`ndfunc::experts` (a mixture of experts' experts, one call) and its backward, per mesh axis:
+    whole, or split by the tokens (their hidden states, picks and routing weights) with the experts'
+    weights whole, their gradients then each rank's sum over its own tokens, pending."""
+    made, read = experts.token_dims(node)
+    tensors = [*tensor_outputs(node), *(a.meta["val"] for a in tensor_inputs(node))]
+    split = tuple(Shard(d) if d is not None else Partial("sum") if i < len(made) else Replicate()
+                  for i, d in enumerate(made + read))
+    return per_axis([(Replicate(),) * len(tensors), split], [tuple(t.shape) for t in tensors], sizes, len(made))
+
+
 def _ctc_flops(node) -> int:
     """CTC's forward variables: a few operations per time step, sample and extended label, with the
     gradient's backward variables as many again."""
@@ -802,6 +813,8 @@ register(ctc_loss.ctc_losses_op, strategies=_by_samples_rule((0, 1, 0, 0, 0)), f
 register(ctc_loss.ctc_losses_backward_op, strategies=_by_samples_rule((1, 0, 1, 0, 0, 0)), flops=_ctc_flops)
 register(rnn.rnn_op, strategies=_rnn_rule, flops=rnn.flops)  # (output, *final states); input, *states, *weights
 register(rnn.rnn_backward_op, strategies=_rnn_rule, flops=rnn.flops)
+register(experts.experts_op, strategies=_experts_rule, flops=experts.flops)  # output; hidden, index, weights, *params
+register(experts.experts_backward_op, strategies=_experts_rule, flops=experts.flops)
 register(aten.stack.default, strategies=_stack_rule)
 register(aten.fill_.Scalar, strategies=_fill_rule)
 register(aten.fill_.Tensor, strategies=_fill_rule)

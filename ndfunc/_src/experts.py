@@ -1,0 +1,177 @@
+"""A mixture of experts' experts as one op per call, split by the tokens.
+
+transformers calls the experts of a mixture-of-experts layer (a class decorated with
+`use_experts_implementation`: Mixtral, Qwen2/3-MoE, DeepSeek-V3, gpt-oss, ...) as one function of
+`(hidden_states (tokens, dim), top_k_index (tokens, k), top_k_weights (tokens, k))`, picked from its
+`ExpertsInterface` by `config._experts_implementation`: grouped matmuls (its default), batched
+matmuls, or the layer's own loop ('eager'). Each token's result reads its own row and the experts'
+weights only, but traced op by op the call is a sort of every token by expert and offsets counted
+from it: values, which no layout splits. So every rank ran every token's experts (grouped, the
+offsets whole), held a copy of an expert's weights per token (batched), or raised DataDependentError
+(the loop's `torch.where`).
+
+While a step is traced, the call is one `ndfunc::experts`, made at run time by the implementation
+the model asked for, on each rank's own tokens (its offsets its own); `ndfunc::experts_backward` is
+its gradient, the forward made again under autograd (nothing is kept between the two but the
+inputs, at the price of a second forward, as `ndfunc::rnn`'s). Both split by the tokens with the
+weights whole (FSDP gathers them as any other); the weights' gradients are then each rank's sum over
+its own tokens, pending, and the routing weights' follow their tokens.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+import sys
+import weakref
+
+import torch
+
+_lib = torch.library.Library("ndfunc", "FRAGMENT")
+_lib.define("experts(str layer, Tensor hidden, Tensor index, Tensor weights, Tensor[] params) -> Tensor")
+_lib.define("experts_backward(str layer, Tensor grad, Tensor hidden, Tensor index, Tensor weights, "
+            "Tensor[] params) -> Tensor[]")
+experts_op = torch.ops.ndfunc.experts.default
+experts_backward_op = torch.ops.ndfunc.experts_backward.default
+
+# An experts module by the name its ops carry: its attributes (config, activation, flags) are read
+# at run time, its parameters are the op's (a layer traced once stands for every layer like it).
+# The name is its class's and the order its config was first met in the process, the same on every
+# rank (the ranks check that they run one program)
+_LAYERS: dict[str, tuple[weakref.ref, tuple[str, ...]]] = {}
+_NAMED: list[tuple[type, weakref.ref, str]] = []  # (experts class, its config, the name)
+_TRACING: contextvars.ContextVar[bool] = contextvars.ContextVar("ndfunc_experts_traced", default=False)
+
+
+def _layer(name: str) -> tuple[torch.nn.Module, tuple[str, ...]]:
+    ref, names = _LAYERS[name]
+    module = ref()
+    if module is None:
+        raise RuntimeError(f"ndfunc::experts: the experts module {name} the step was traced with is gone; "
+                           f"keep the model alive while its step runs.")
+    return module, names
+
+
+def _run(layer: str, hidden, index, weights, params) -> torch.Tensor:
+    """The experts module's own call (the implementation its config names) on these tensors, its
+    parameters `params`."""
+    module, names = _layer(layer)
+    token = _TRACING.set(False)  # (a program run while another step is traced: the call itself)
+    try:
+        return torch.func.functional_call(module, dict(zip(names, params)), (hidden, index, weights))
+    finally:
+        _TRACING.reset(token)
+
+
+def _run_backward(layer: str, grad, hidden, index, weights, params) -> list[torch.Tensor]:
+    """The gradients of `_run`'s result `grad` to [hidden, weights, *params]: the forward made
+    again, under autograd."""
+    with torch.enable_grad():
+        leaves = [t.detach().requires_grad_() for t in (hidden, weights, *params)]
+        made = _run(layer, leaves[0], index, leaves[1], leaves[2:])
+        found = torch.autograd.grad(made, leaves, grad, allow_unused=True)
+    return [torch.zeros_like(x) if g is None else g for g, x in zip(found, leaves)]
+
+
+_lib.impl("experts", _run, "CompositeExplicitAutograd")
+_lib.impl("experts_backward", _run_backward, "CompositeExplicitAutograd")
+torch.library.register_fake("ndfunc::experts", lambda layer, hidden, *_: torch.empty_like(hidden), lib=_lib)
+torch.library.register_fake("ndfunc::experts_backward", lambda layer, grad, hidden, index, weights, params: [
+    torch.empty_like(t) for t in (hidden, weights, *params)], lib=_lib)
+
+
+class _Experts(torch.autograd.Function):
+    """`ndfunc::experts` with `ndfunc::experts_backward` as its gradient (a Function: torch.func's
+    transforms trace through it); its tensors flat: hidden, index, weights, then the parameters."""
+
+    @staticmethod
+    def forward(layer, hidden, index, weights, *params):
+        return experts_op(layer, hidden, index, weights, list(params))
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.layer, *tensors = inputs
+        ctx.save_for_backward(*tensors)
+
+    @staticmethod
+    def backward(ctx, grad):
+        hidden, index, weights, *params = ctx.saved_tensors
+        made = experts_backward_op(ctx.layer, grad, hidden, index, weights, list(params))
+        return None, made[0], None, made[1], *made[2:]
+
+
+def _traced(implementation, module, *args, **kwargs):
+    """An experts call while a step is traced: one `ndfunc::experts` where it has the interface's
+    arguments (else `implementation`, op by op)."""
+    names = ("hidden_states", "top_k_index", "top_k_weights")
+    if len(args) + len(kwargs) != 3 or any(k not in names[len(args):] for k in kwargs):
+        return implementation(module, *args, **kwargs)
+    hidden, index, weights = (*args, *(kwargs[k] for k in names[len(args):]))
+    named = list(module.named_parameters())
+    if (hidden.dim() != 2 or index.dim() != 2 or weights.shape != index.shape or index.shape[0] != hidden.shape[0]
+            or index.is_floating_point() or not named):
+        return implementation(module, *args, **kwargs)
+    layer = _name_of(module)
+    _LAYERS[layer] = (weakref.ref(module), tuple(n for n, _ in named))
+    return _Experts.apply(layer, hidden, index, weights, *(p for _, p in named))
+
+
+def _name_of(module: torch.nn.Module) -> str:
+    """The name of `module`'s kind: its class and its config (the layers of one model share both)."""
+    config = getattr(module, "config", None)
+    owner = module if config is None or not hasattr(type(config), "__weakref__") else config
+    for cls, ref, name in _NAMED:
+        if cls is type(module) and ref() is owner:
+            return name
+    name = f"{type(module).__qualname__}:{sum(cls is type(module) for cls, _, _ in _NAMED)}"
+    _NAMED.append((type(module), weakref.ref(owner), name))
+    return name
+
+
+@contextlib.contextmanager
+def traced():
+    """Inside, a transformers experts call is one `ndfunc::experts` (in this thread and context)."""
+    _install()
+    token = _TRACING.set(True)
+    try:
+        yield
+    finally:
+        _TRACING.reset(token)
+
+
+def _install() -> None:
+    """Route transformers' `ExpertsInterface` through `_traced` while `_TRACING`, once transformers
+    has defined it (ndfunc never imports it)."""
+    moe = sys.modules.get("transformers.integrations.moe")
+    interface = getattr(moe, "ExpertsInterface", None)
+    if interface is None or getattr(interface.get_interface, "ndfunc_routed", False):
+        return
+    theirs = interface.get_interface
+
+    def get_interface(self, experts_implementation, default):
+        found = theirs(self, experts_implementation, default)
+        return functools.partial(_traced, found) if _TRACING.get() else found
+
+    get_interface.ndfunc_routed = True
+    interface.get_interface = get_interface
+
+
+def token_dims(node: torch.fx.Node) -> tuple[list, list]:
+    """For a node of `ndfunc::experts` or its backward: (the token dim of each tensor output, of
+    each tensor input; None for a parameter or its gradient)."""
+    params = node.args[-1]
+    if node.target is experts_backward_op:
+        return [0, 0, *[None] * len(params)], [0, 0, 0, 0, *[None] * len(params)]
+    return [0], [0, 0, 0, *[None] * len(params)]
+
+
+def flops(node: torch.fx.Node) -> int:
+    """Each token's k experts' matmuls: 2 flops per weight element of one expert (a parameter's
+    first dim counts the experts), per token and pick; its backward three times that (the forward
+    made again, then two products per weight)."""
+    backward = node.target is experts_backward_op
+    hidden, index = node.args[2:4] if backward else node.args[1:3]
+    picks = index.meta["val"].numel()
+    per_expert = sum(p.meta["val"].numel() // p.meta["val"].shape[0] for p in node.args[-1] if p.meta["val"].dim() >= 3)
+    return 2 * picks * per_expert * (3 if backward else 1)
