@@ -127,6 +127,10 @@ def test_other_user_errors():
         grad(lambda w: w.sum(), argnums=[0])
     with pytest.raises(ValueError, match="names an argument twice"):
         grad(lambda w: w.sum(), argnums=(0, 0))
+    # a model with every parameter frozen: nf.nn.functional's params are {} (torch.optim refuses an empty list)
+    with pytest.raises(ValueError, match=r"with respect to argument 0, an empty dict, with no tensor in it: nothing "
+                                         r"would train. A model whose parameters are all frozen"):
+        grad(lambda p, x: x.sum())({}, w)
 
 
 def test_nothing_is_modified_in_place():
