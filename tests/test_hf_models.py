@@ -102,6 +102,41 @@ def eager_run_of(model: torch.nn.Module, steps: int = 2, ids: torch.Tensor | Non
     return torch.stack(losses), {k: v.detach().clone() for k, v in model.named_parameters()}
 
 
+def trained(apply, params, mesh, pspec, ids, buffers=None, bspec=None, lowered: list | None = None):
+    """`eager_run_of`'s two AdamW steps, jitted on `mesh` (inside `nf.simulate`) with the batch split
+    over dp_shard: losses, and parameters read back. `buffers` laid out by `bspec` are passed to the
+    step (else `apply`'s are closed over); `lowered` gets the lowered step."""
+    opt = nf.optim.adamw(LR, eps=1e-5, weight_decay=0.1)
+    closed = buffers if bspec is None else None
+
+    def step(params, state, *rest):
+        *given, ids = rest
+        held = given[0] if given else closed
+        loss, grads = nf.value_and_grad(lambda p: apply(p, held, ids, labels=ids).loss)(params)
+        updates, state = opt.update(grads, state, params)
+        return nf.optim.apply_updates(params, updates), state, loss
+
+    state = opt.init(params)
+    sspec = nf.optim.state_shardings(state, pspec)
+    given, given_specs = ((), ()) if bspec is None else ((buffers,), (bspec,))
+    f = nf.jit(step, mesh=mesh, in_shardings=(pspec, sspec, *given_specs, P("dp_shard")),
+               out_shardings=(pspec, sspec, P()))
+    if lowered is not None:
+        lowered.append(f.lower(params, state, *given, ids))
+    losses = []
+    for _ in range(2):
+        params, state, loss = f(params, state, *given, ids)
+        losses.append(nf.device_get(loss))
+    return torch.stack(losses), {k: nf.device_get(v) for k, v in params.items()}
+
+
+def assert_as_eager(got, want) -> None:
+    (losses, params), (want_losses, want_params) = got, want
+    torch.testing.assert_close(losses, want_losses, **LOSS_TOL)
+    for k, v in params.items():
+        torch.testing.assert_close(v, want_params[k], **PARAM_TOL)
+
+
 def jitted_run(family: str, attn: str, strategy: str, axes: dict | None = None, steps: int = 2):
     """The same steps by nf.jit on `strategy`, simulated (`axes`: on the real ranks of this process
     group, over these mesh axes instead): (losses, parameters, lowering count, the cost analysis where
@@ -216,35 +251,19 @@ def test_a_frozen_parameter_is_a_constant_of_the_step_laid_out_as_the_others_and
     model = make_model("llama", "sdpa")
     frozen = "model.embed_tokens.weight"
     model.get_input_embeddings().weight.requires_grad_(False)
-    want_losses, want = eager_run_of(model)
+    want = eager_run_of(model)
     params, buffers, apply = nf.nn.functional(model)
     assert frozen in buffers and frozen not in params and len(params) == len(list(model.parameters())) - 1
-    opt = nf.optim.adamw(LR, eps=1e-5, weight_decay=0.1)
-
-    def step(params, state, buffers, ids):
-        loss, grads = nf.value_and_grad(lambda p: apply(p, buffers, ids, labels=ids).loss)(params)
-        updates, state = opt.update(grads, state, params)
-        return nf.optim.apply_updates(params, updates), state, loss
-
     with nf.simulate(4):
         mesh = nf.make_mesh(dp_shard=2, tp=2)
         pspec = nf.nn.partition_specs(model, mesh, tp="tp", fsdp="dp_shard")
         bspec = nf.nn.partition_specs(model, mesh, tp="tp", fsdp="dp_shard", of=buffers)
         assert set(pspec) == set(params) and set(bspec) == set(buffers)
         assert bspec[frozen] == P("tp", "dp_shard") and bspec["model.rotary_emb.inv_freq"] == P()  # a buffer: whole
-        state = opt.init(params)
-        sspec = nf.optim.state_shardings(state, pspec)
-        f = nf.jit(step, mesh=mesh, in_shardings=(pspec, sspec, bspec, P("dp_shard")), out_shardings=(pspec, sspec, P()))
-        ids = tokens()
-        losses = []
-        for _ in range(2):
-            params, state, loss = f(params, state, buffers, ids)
-            losses.append(nf.device_get(loss))
-        params = {k: nf.device_get(v) for k, v in params.items()}
+        got = trained(apply, params, mesh, pspec, tokens(), buffers, bspec)
+        params = got[1]
         hf.save_model(tmp_path, model, params)
-    torch.testing.assert_close(torch.stack(losses), want_losses, **LOSS_TOL)
-    for k, v in params.items():
-        torch.testing.assert_close(v, want[k], **PARAM_TOL)
+    assert_as_eager(got, want)
     loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
     assert torch.equal(loaded.get_input_embeddings().weight, model.get_input_embeddings().weight)  # written, as it was
     assert torch.equal(loaded.lm_head.weight, params["lm_head.weight"])
@@ -261,33 +280,18 @@ def test_a_mixture_of_experts_runs_each_ranks_own_tokens_through_the_experts_as_
     model = make_model(f"mixtral:{experts}", "sdpa")
     assert model.config._experts_implementation == experts
     ids = torch.randint(0, VOCAB, (8, 32), generator=torch.Generator().manual_seed(1))  # (fewer: the backward whole is cheaper)
-    want_losses, want = eager_run_of(model, ids=ids)
+    want = eager_run_of(model, ids=ids)
     params, buffers, apply = nf.nn.functional(model)
-    opt = nf.optim.adamw(LR, eps=1e-5, weight_decay=0.1)
-
-    def step(params, state, ids):
-        loss, grads = nf.value_and_grad(lambda p: apply(p, buffers, ids, labels=ids).loss)(params)
-        updates, state = opt.update(grads, state, params)
-        return nf.optim.apply_updates(params, updates), state, loss
-
+    lowered: list = []
     with nf.simulate(2):
         mesh = nf.make_mesh(dp_shard=2)
-        pspec = nf.nn.partition_specs(model, mesh, fsdp="dp_shard")
-        state = opt.init(params)
-        sspec = nf.optim.state_shardings(state, pspec)
-        f = nf.jit(step, mesh=mesh, in_shardings=(pspec, sspec, P("dp_shard")), out_shardings=(pspec, sspec, P()))
-        plan = f.lower(params, state, ids).program.plan
-        losses = []
-        for _ in range(2):
-            params, state, loss = f(params, state, ids)
-            losses.append(nf.device_get(loss))
-        params = {k: nf.device_get(v) for k, v in params.items()}
-    calls = [(n.target, s) for n, s in plan.strategy.items() if n.target in (experts_ops.experts_op, experts_ops.experts_backward_op)]
+        got = trained(apply, params, mesh, nf.nn.partition_specs(model, mesh, fsdp="dp_shard"), ids, buffers,
+                      lowered=lowered)
+    calls = [(n.target, s) for n, s in lowered[0].program.plan.strategy.items()
+             if n.target in (experts_ops.experts_op, experts_ops.experts_backward_op)]
     assert sorted(str(op) for op, _ in calls) == ["ndfunc.experts.default"] * 2 + ["ndfunc.experts_backward.default"] * 2
     assert all(s.ins[0] == (Shard(0),) for _, s in calls)  # each rank's own tokens (hidden states, or their gradient)
-    torch.testing.assert_close(torch.stack(losses), want_losses, **LOSS_TOL)
-    for k, v in params.items():
-        torch.testing.assert_close(v, want[k], **PARAM_TOL)
+    assert_as_eager(got, want)
 
 
 @pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")  # PEFT's own call
@@ -299,15 +303,8 @@ def test_a_peft_lora_model_is_split_by_the_wrapped_models_plan_and_trains_as_eag
 
     model = peft.get_peft_model(make_model("llama", "sdpa"), peft.LoraConfig(
         r=4, target_modules=["q_proj", "v_proj", "o_proj"], lora_dropout=0.0, init_lora_weights=False))
-    want_losses, want = eager_run_of(model)
+    want = eager_run_of(model)
     params, buffers, apply = nf.nn.functional(model)
-    opt = nf.optim.adamw(LR, eps=1e-5, weight_decay=0.1)
-
-    def step(params, state, buffers, ids):
-        loss, grads = nf.value_and_grad(lambda p: apply(p, buffers, ids, labels=ids).loss)(params)
-        updates, state = opt.update(grads, state, params)
-        return nf.optim.apply_updates(params, updates), state, loss
-
     with nf.simulate(4):
         mesh = nf.make_mesh(dp_shard=2, tp=2)
         pspec = nf.nn.partition_specs(model, mesh, tp="tp")
@@ -321,17 +318,8 @@ def test_a_peft_lora_model_is_split_by_the_wrapped_models_plan_and_trains_as_eag
         assert pspec[layer + "self_attn.q_proj.lora_B.default.weight"] == P("tp", None)  # its outputs
         assert pspec[layer + "self_attn.o_proj.lora_A.default.weight"] == P(None, "tp")  # its inputs
         assert pspec[layer + "self_attn.o_proj.lora_B.default.weight"] == P(None, None)
-        state = opt.init(params)
-        sspec = nf.optim.state_shardings(state, pspec)
-        f = nf.jit(step, mesh=mesh, in_shardings=(pspec, sspec, bspec, P("dp_shard")), out_shardings=(pspec, sspec, P()))
-        losses = []
-        for _ in range(2):
-            params, state, loss = f(params, state, buffers, tokens())
-            losses.append(nf.device_get(loss))
-        params = {k: nf.device_get(v) for k, v in params.items()}
-    torch.testing.assert_close(torch.stack(losses), want_losses, **LOSS_TOL)
-    for k, v in params.items():
-        torch.testing.assert_close(v, want[k], **PARAM_TOL)
+        got = trained(apply, params, mesh, pspec, tokens(), buffers, bspec)
+    assert_as_eager(got, want)
 
 
 @pytest.mark.slow
