@@ -125,9 +125,8 @@ def _carried_plan(module: torch.nn.Module) -> dict[str, str]:
     sits (an outer plan first: it wins where both name a module)."""
     plan: dict[str, str] = {}
     for path, sub in module.named_modules():
-        own = next((found for name in ("tp_plan", "_tp_plan")
-                    if isinstance(found := vars(sub).get(name, getattr(type(sub), name, None)), Mapping)), None)
-        for pattern, style in (own or {}).items():
+        own = getattr(sub, "tp_plan", None) or getattr(sub, "_tp_plan", None)
+        for pattern, style in (own.items() if isinstance(own, Mapping) else ()):
             plan.setdefault(f"{path}.{pattern}" if path else pattern, style)
     return plan
 
