@@ -375,3 +375,28 @@ def test_a_recurrent_layer_on_cuda_runs_cudnn_forward_and_backward_split_by_the_
         got_loss, got_grads = nf.device_get(step(params, x))
     torch.testing.assert_close(got_loss, want_loss, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(got_grads, want_grads, rtol=1e-4, atol=1e-5)
+
+
+@gpu
+def test_a_mixture_of_experts_on_cuda_runs_transformers_grouped_matmuls_on_each_ranks_tokens():
+    # ndfunc::experts runs the implementation the config names (grouped: torch's grouped_mm kernel
+    # in bf16 on CUDA) on each rank's own tokens; the eager bf16 model on CUDA is the reference
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.MixtralConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                                        num_experts_per_tok=2, vocab_size=64, attn_implementation="sdpa")
+    model = transformers.AutoModelForCausalLM.from_config(config).to("cuda", torch.bfloat16)
+    params, buffers, apply = nf.nn.functional(model)
+    ids = torch.randint(0, 64, (8, 32), device="cuda")
+    loss = lambda p, ids: apply(p, buffers, ids, labels=ids).loss  # noqa: E731
+    want_grads, want_loss = torch.func.grad_and_value(loss)(params, ids)
+    with nf.simulate(2):
+        mesh = nf.make_mesh(dp_shard=2)
+        spec = nf.nn.partition_specs(model, mesh, fsdp="dp_shard")
+        step = nf.jit(nf.value_and_grad(loss), mesh=mesh, in_shardings=(spec, P("dp_shard")), out_shardings=(P(), spec))
+        got_loss, got_grads = nf.device_get(step(params, ids))
+    torch.testing.assert_close(got_loss, want_loss, **BF16)
+    for k, g in got_grads.items():
+        torch.testing.assert_close(g.float(), want_grads[k].float(), **BF16)
