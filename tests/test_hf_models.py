@@ -294,6 +294,50 @@ def test_a_mixture_of_experts_runs_each_ranks_own_tokens_through_the_experts_as_
     assert_as_eager(got, want)
 
 
+def test_an_experts_subclass_forward_around_the_decorated_one_runs_once():
+    # transformers' Ergo: its experts subclass the decorated class and scale what super().forward
+    # gives; the op runs the implementation the interface picked, not the subclass's forward again
+    from transformers.integrations.moe import use_experts_implementation
+
+    class Config:
+        _experts_implementation = "eager"
+
+    @use_experts_implementation(has_gate=False, is_transposed=True)
+    class Experts(torch.nn.Module):
+        def __init__(self, config):
+            super().__init__()
+            self.up_proj = torch.nn.Parameter(torch.randn(4, 8, 16) / 4)
+            self.down_proj = torch.nn.Parameter(torch.randn(4, 16, 8) / 4)
+
+        def forward(self, hidden_states, top_k_index, top_k_weights):
+            out = torch.zeros_like(hidden_states)
+            for k in range(top_k_index.shape[1]):
+                up = torch.einsum("td,tdf->tf", hidden_states, self.up_proj[top_k_index[:, k]]).relu()
+                out = out + top_k_weights[:, k, None] * torch.einsum("tf,tfd->td", up, self.down_proj[top_k_index[:, k]])
+            return out
+
+    class Scaled(Experts):
+        def __init__(self, config):
+            super().__init__(config)
+            self.scale = torch.nn.Parameter(torch.full((8,), 3.0))
+
+        def forward(self, hidden_states, top_k_index, top_k_weights):
+            return super().forward(hidden_states, top_k_index, top_k_weights) * self.scale
+
+    torch.manual_seed(0)
+    module = Scaled(Config())
+    h, index, weights = torch.randn(16, 8), torch.randint(0, 4, (16, 2)), torch.rand(16, 2)
+    params = {k: v.detach() for k, v in module.named_parameters()}
+    loss = lambda p, h, index, weights: torch.func.functional_call(module, p, (h, index, weights)).square().sum()  # noqa: E731
+    want_grads, want = torch.func.grad_and_value(loss)(params, h, index, weights)
+    with nf.simulate(2):
+        f = nf.jit(nf.value_and_grad(loss), mesh=nf.make_mesh(dp_shard=2),
+                   in_shardings=(P(), P("dp_shard"), P("dp_shard"), P("dp_shard")), out_shardings=(P(), P()))
+        got, grads = nf.device_get(f(params, h, index, weights))
+    torch.testing.assert_close(got, want, **LOSS_TOL)
+    torch.testing.assert_close(grads, want_grads, **PARAM_TOL)
+
+
 @pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")  # PEFT's own call
 def test_a_peft_lora_model_is_split_by_the_wrapped_models_plan_and_trains_as_eager():
     # PEFT wraps the model (names under base_model.model.) and each adapted Linear (its weight

@@ -25,6 +25,7 @@ import contextvars
 import functools
 import sys
 import weakref
+from collections.abc import Callable
 
 import torch
 
@@ -39,27 +40,36 @@ experts_backward_op = torch.ops.ndfunc.experts_backward.default
 # at run time, its parameters are the op's (a layer traced once stands for every layer like it).
 # The name is its class's and the order its config was first met in the process, the same on every
 # rank (the ranks check that they run one program)
-_LAYERS: dict[str, tuple[weakref.ref, tuple[str, ...]]] = {}
+_LAYERS: dict[str, tuple[weakref.ref, tuple[str, ...], Callable]] = {}  # name -> (module, its parameters' names, implementation)
 _NAMED: list[tuple[type, weakref.ref, str]] = []  # (experts class, its config, the name)
 _TRACING: contextvars.ContextVar[bool] = contextvars.ContextVar("ndfunc_experts_traced", default=False)
 
 
-def _layer(name: str) -> tuple[torch.nn.Module, tuple[str, ...]]:
-    ref, names = _LAYERS[name]
-    module = ref()
-    if module is None:
-        raise RuntimeError(f"ndfunc::experts: the experts module {name} the step was traced with is gone; "
-                           f"keep the model alive while its step runs.")
-    return module, names
+class _Implemented(torch.nn.Module):
+    """An experts module called through the implementation its interface picked, not through its
+    `forward`: a subclass's forward around the decorated one (transformers' Ergo scales the
+    experts' output) stays outside the op, traced as it is, and is not made again inside."""
+
+    def __init__(self, experts: torch.nn.Module, implementation: Callable):
+        super().__init__()
+        self.experts, self.implementation = experts, implementation
+
+    def forward(self, hidden, index, weights):
+        return self.implementation(self.experts, hidden, index, weights)
 
 
 def _run(layer: str, hidden, index, weights, params) -> torch.Tensor:
-    """The experts module's own call (the implementation its config names) on these tensors, its
-    parameters `params`."""
-    module, names = _layer(layer)
+    """The experts call the step was traced with (the implementation its config names) on these
+    tensors, the module's parameters `params`."""
+    ref, names, implementation = _LAYERS[layer]
+    module = ref()
+    if module is None:
+        raise RuntimeError(f"ndfunc::experts: the experts module {layer} the step was traced with is gone; "
+                           f"keep the model alive while its step runs.")
     token = _TRACING.set(False)  # (a program run while another step is traced: the call itself)
     try:
-        return torch.func.functional_call(module, dict(zip(names, params)), (hidden, index, weights))
+        return torch.func.functional_call(_Implemented(module, implementation),
+                                          {f"experts.{n}": p for n, p in zip(names, params)}, (hidden, index, weights))
     finally:
         _TRACING.reset(token)
 
@@ -113,7 +123,7 @@ def _traced(implementation, module, *args, **kwargs):
             or index.is_floating_point() or not named):
         return implementation(module, *args, **kwargs)
     layer = _name_of(module)
-    _LAYERS[layer] = (weakref.ref(module), tuple(n for n, _ in named))
+    _LAYERS[layer] = (weakref.ref(module), tuple(n for n, _ in named), implementation)
     return _Experts.apply(layer, hidden, index, weights, *(p for _, p in named))
 
 
