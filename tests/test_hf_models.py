@@ -294,38 +294,38 @@ def test_a_mixture_of_experts_runs_each_ranks_own_tokens_through_the_experts_as_
     assert_as_eager(got, want)
 
 
-def test_an_experts_subclass_forward_around_the_decorated_one_runs_once():
-    # transformers' Ergo: its experts subclass the decorated class and scale what super().forward
-    # gives; the op runs the implementation the interface picked, not the subclass's forward again
-    from transformers.integrations.moe import use_experts_implementation
+class ExpertsConfig:
+    _experts_implementation = "eager"
 
-    class Config:
-        _experts_implementation = "eager"
+
+def decorated_experts() -> type:
+    """A mixture of experts' experts as transformers decorates them (`use_experts_implementation`),
+    their own loop the 'eager' implementation; `limit` clamps the up projection, per layer (as
+    transformers' Step3p7 and BailingHybrid experts hold `config.swiglu_limits[layer_idx]`)."""
+    from transformers.integrations.moe import use_experts_implementation
 
     @use_experts_implementation(has_gate=False, is_transposed=True)
     class Experts(torch.nn.Module):
-        def __init__(self, config):
+        def __init__(self, config, limit: float = 1e9):
             super().__init__()
-            self.up_proj = torch.nn.Parameter(torch.randn(4, 8, 16) / 4)
+            self.up_proj = torch.nn.Parameter(torch.randn(4, 8, 16) / 2)
             self.down_proj = torch.nn.Parameter(torch.randn(4, 16, 8) / 4)
+            self.limit = limit
 
         def forward(self, hidden_states, top_k_index, top_k_weights):
             out = torch.zeros_like(hidden_states)
             for k in range(top_k_index.shape[1]):
-                up = torch.einsum("td,tdf->tf", hidden_states, self.up_proj[top_k_index[:, k]]).relu()
+                up = torch.einsum("td,tdf->tf", hidden_states, self.up_proj[top_k_index[:, k]]).clamp(max=self.limit)
                 out = out + top_k_weights[:, k, None] * torch.einsum("tf,tfd->td", up, self.down_proj[top_k_index[:, k]])
             return out
 
-    class Scaled(Experts):
-        def __init__(self, config):
-            super().__init__(config)
-            self.scale = torch.nn.Parameter(torch.full((8,), 3.0))
+    return Experts
 
-        def forward(self, hidden_states, top_k_index, top_k_weights):
-            return super().forward(hidden_states, top_k_index, top_k_weights) * self.scale
 
-    torch.manual_seed(0)
-    module = Scaled(Config())
+def experts_as_eager(module: torch.nn.Module) -> None:
+    """`module(h, index, weights)`'s loss and gradients under nf.jit on 2 ranks split by the tokens,
+    against torch.func's on one device."""
+    torch.manual_seed(1)
     h, index, weights = torch.randn(16, 8), torch.randint(0, 4, (16, 2)), torch.rand(16, 2)
     params = {k: v.detach() for k, v in module.named_parameters()}
     loss = lambda p, h, index, weights: torch.func.functional_call(module, p, (h, index, weights)).square().sum()  # noqa: E731
@@ -336,6 +336,63 @@ def test_an_experts_subclass_forward_around_the_decorated_one_runs_once():
         got, grads = nf.device_get(f(params, h, index, weights))
     torch.testing.assert_close(got, want, **LOSS_TOL)
     torch.testing.assert_close(grads, want_grads, **PARAM_TOL)
+
+
+def test_an_experts_subclass_forward_around_the_decorated_one_runs_once():
+    # transformers' Ergo: its experts subclass the decorated class and scale what super().forward
+    # gives; the op runs the implementation the interface picked, not the subclass's forward again
+    class Scaled(decorated_experts()):
+        def __init__(self, config):
+            super().__init__(config)
+            self.scale = torch.nn.Parameter(torch.full((8,), 3.0))
+
+        def forward(self, hidden_states, top_k_index, top_k_weights):
+            return super().forward(hidden_states, top_k_index, top_k_weights) * self.scale
+
+    torch.manual_seed(0)
+    experts_as_eager(Scaled(ExpertsConfig()))
+
+
+def test_experts_layers_that_share_a_config_but_not_an_attribute_each_run_with_their_own():
+    # one config, a limit per layer: each layer's op runs that layer's module (one name per module),
+    # where the name of the class and config ran every layer with the last one's limit
+    experts = decorated_experts()
+
+    class Layers(torch.nn.Module):
+        def __init__(self, config):
+            super().__init__()
+            self.layers = torch.nn.ModuleList(experts(config, limit) for limit in (0.1, 100.0))
+
+        def forward(self, h, index, weights):
+            for layer in self.layers:
+                h = h + layer(h, index, weights)
+            return h
+
+    torch.manual_seed(0)
+    experts_as_eager(Layers(ExpertsConfig()))
+
+
+def test_frozen_experts_get_no_gradient_made_and_the_rest_trains_as_eager():
+    # a MoE's router or adapters fine-tuned, its experts frozen: the op's backward makes the hidden
+    # states' and routing weights' gradients only
+    from ndfunc._src import experts as experts_ops
+
+    model = make_model("mixtral", "sdpa")
+    for name, p in model.named_parameters():
+        if ".experts." in name:
+            p.requires_grad_(False)
+    ids = torch.randint(0, VOCAB, (8, 32), generator=torch.Generator().manual_seed(1))
+    want = eager_run_of(model, ids=ids)
+    params, buffers, apply = nf.nn.functional(model)
+    lowered: list = []
+    with nf.simulate(2):
+        mesh = nf.make_mesh(dp_shard=2)
+        got = trained(apply, params, mesh, nf.nn.partition_specs(model, mesh, fsdp="dp_shard"), ids, buffers,
+                      lowered=lowered)
+    made = [[tuple(v.shape) for v in n.meta["val"]] for n in lowered[0].program.plan.strategy
+            if n.target is experts_ops.experts_backward_op]
+    assert made == [[(256, 32), (256, 2)]] * 2  # no (experts, ...) gradient
+    assert_as_eager(got, want)
 
 
 @pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")  # PEFT's own call

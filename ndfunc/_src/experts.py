@@ -23,7 +23,9 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
+import itertools
 import sys
+import threading
 import weakref
 from collections.abc import Callable
 
@@ -32,16 +34,19 @@ import torch
 _lib = torch.library.Library("ndfunc", "FRAGMENT")
 _lib.define("experts(str layer, Tensor hidden, Tensor index, Tensor weights, Tensor[] params) -> Tensor")
 _lib.define("experts_backward(str layer, Tensor grad, Tensor hidden, Tensor index, Tensor weights, "
-            "Tensor[] params) -> Tensor[]")
+            "Tensor[] params, bool[] wanted) -> Tensor[]")
 experts_op = torch.ops.ndfunc.experts.default
 experts_backward_op = torch.ops.ndfunc.experts_backward.default
 
-# An experts module by the name its ops carry: its attributes (config, activation, flags) are read
-# at run time, its parameters are the op's (a layer traced once stands for every layer like it).
-# The name is its class's and the order its config was first met in the process, the same on every
-# rank (the ranks check that they run one program)
-_LAYERS: dict[str, tuple[weakref.ref, tuple[str, ...], Callable]] = {}  # name -> (module, its parameters' names, implementation)
-_NAMED: list[tuple[type, weakref.ref, str]] = []  # (experts class, its config, the name)
+# A traced experts call by the name its ops carry: the module (its attributes, which may differ layer
+# by layer, are read at run time; its parameters are the op's, so a layer traced once for every layer
+# alike, `repeated_layers`, stands for them all), its parameters' names and the implementation its
+# interface picked. A name is the class's and a count of the calls named in the process, in the
+# order met: the same on every rank tracing the same steps (the ranks check that they run one program)
+_LAYERS: dict[str, tuple[weakref.ref, tuple[str, ...], Callable]] = {}
+_NAMES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # module -> implementation -> its name
+_COUNT = itertools.count()
+_NAMING = threading.Lock()
 _TRACING: contextvars.ContextVar[bool] = contextvars.ContextVar("ndfunc_experts_traced", default=False)
 
 
@@ -61,11 +66,11 @@ class _Implemented(torch.nn.Module):
 def _run(layer: str, hidden, index, weights, params) -> torch.Tensor:
     """The experts call the step was traced with (the implementation its config names) on these
     tensors, the module's parameters `params`."""
-    ref, names, implementation = _LAYERS[layer]
+    ref, names, implementation = _LAYERS.get(layer, (lambda: None, (), None))
     module = ref()
     if module is None:
-        raise RuntimeError(f"ndfunc::experts: the experts module {layer} the step was traced with is gone; "
-                           f"keep the model alive while its step runs.")
+        raise RuntimeError(f"ndfunc::experts: the experts module {layer} this step was traced with is gone (its "
+                           f"model freed); keep the model a step was traced from alive while the step runs.")
     token = _TRACING.set(False)  # (a program run while another step is traced: the call itself)
     try:
         return torch.func.functional_call(_Implemented(module, implementation),
@@ -74,21 +79,22 @@ def _run(layer: str, hidden, index, weights, params) -> torch.Tensor:
         _TRACING.reset(token)
 
 
-def _run_backward(layer: str, grad, hidden, index, weights, params) -> list[torch.Tensor]:
-    """The gradients of `_run`'s result `grad` to [hidden, weights, *params]: the forward made
-    again, under autograd."""
+def _run_backward(layer: str, grad, hidden, index, weights, params, wanted) -> list[torch.Tensor]:
+    """The gradients of `_run`'s result `grad` to those of [hidden, weights, *params] `wanted`
+    says (a frozen expert's weights get none): the forward made again, under autograd."""
     with torch.enable_grad():
-        leaves = [t.detach().requires_grad_() for t in (hidden, weights, *params)]
+        leaves = [t.detach().requires_grad_(w) for t, w in zip((hidden, weights, *params), wanted)]
         made = _run(layer, leaves[0], index, leaves[1], leaves[2:])
-        found = torch.autograd.grad(made, leaves, grad, allow_unused=True)
-    return [torch.zeros_like(x) if g is None else g for g, x in zip(found, leaves)]
+        asked = [x for x, w in zip(leaves, wanted) if w]
+        found = torch.autograd.grad(made, asked, grad, allow_unused=True) if asked else ()
+    return [torch.zeros_like(x) if g is None else g for g, x in zip(found, asked)]
 
 
 _lib.impl("experts", _run, "CompositeExplicitAutograd")
 _lib.impl("experts_backward", _run_backward, "CompositeExplicitAutograd")
 torch.library.register_fake("ndfunc::experts", lambda layer, hidden, *_: torch.empty_like(hidden), lib=_lib)
-torch.library.register_fake("ndfunc::experts_backward", lambda layer, grad, hidden, index, weights, params: [
-    torch.empty_like(t) for t in (hidden, weights, *params)], lib=_lib)
+torch.library.register_fake("ndfunc::experts_backward", lambda layer, grad, hidden, index, weights, params, wanted: [
+    torch.empty_like(t) for t, w in zip((hidden, weights, *params), wanted) if w], lib=_lib)
 
 
 class _Experts(torch.autograd.Function):
@@ -107,8 +113,11 @@ class _Experts(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         hidden, index, weights, *params = ctx.saved_tensors
-        made = experts_backward_op(ctx.layer, grad, hidden, index, weights, list(params))
-        return None, made[0], None, made[1], *made[2:]
+        _, wants_hidden, _, wants_weights, *wants_params = ctx.needs_input_grad
+        wanted = [wants_hidden, wants_weights, *wants_params]
+        made = iter(experts_backward_op(ctx.layer, grad, hidden, index, weights, list(params), wanted))
+        hidden_grad, weights_grad, *params_grads = (next(made) if w else None for w in wanted)
+        return None, hidden_grad, None, weights_grad, *params_grads
 
 
 def _traced(implementation, module, *args, **kwargs):
@@ -122,21 +131,21 @@ def _traced(implementation, module, *args, **kwargs):
     if (hidden.dim() != 2 or index.dim() != 2 or weights.shape != index.shape or index.shape[0] != hidden.shape[0]
             or index.is_floating_point() or not named):
         return implementation(module, *args, **kwargs)
-    layer = _name_of(module)
-    _LAYERS[layer] = (weakref.ref(module), tuple(n for n, _ in named), implementation)
+    layer = _name_of(module, implementation, tuple(n for n, _ in named))
     return _Experts.apply(layer, hidden, index, weights, *(p for _, p in named))
 
 
-def _name_of(module: torch.nn.Module) -> str:
-    """The name of `module`'s kind: its class and its config (the layers of one model share both)."""
-    config = getattr(module, "config", None)
-    owner = module if config is None or not hasattr(type(config), "__weakref__") else config
-    for cls, ref, name in _NAMED:
-        if cls is type(module) and ref() is owner:
-            return name
-    name = f"{type(module).__qualname__}:{sum(cls is type(module) for cls, _, _ in _NAMED)}"
-    _NAMED.append((type(module), weakref.ref(owner), name))
-    return name
+def _name_of(module: torch.nn.Module, implementation: Callable, names: tuple[str, ...]) -> str:
+    """The name of `module` called through `implementation` (`_LAYERS`), its entry made the first
+    time and dropped with the module."""
+    with _NAMING:
+        by_implementation = _NAMES.setdefault(module, {})
+        layer = by_implementation.get(implementation)
+        if layer is None:
+            layer = by_implementation[implementation] = f"{type(module).__qualname__}:{next(_COUNT)}"
+            _LAYERS[layer] = (weakref.ref(module, lambda _, layer=layer: _LAYERS.pop(layer, None)), names,
+                              implementation)
+        return layer
 
 
 @contextlib.contextmanager
@@ -157,6 +166,12 @@ def _install() -> None:
     interface = getattr(moe, "ExpertsInterface", None)
     if interface is None or getattr(interface.get_interface, "ndfunc_routed", False):
         return
+    with _NAMING:
+        if not getattr(interface.get_interface, "ndfunc_routed", False):
+            _route(interface)
+
+
+def _route(interface) -> None:
     theirs = interface.get_interface
 
     def get_interface(self, experts_implementation, default):
@@ -170,10 +185,11 @@ def _install() -> None:
 def token_dims(node: torch.fx.Node) -> tuple[list, list]:
     """For a node of `ndfunc::experts` or its backward: (the token dim of each tensor output, of
     each tensor input; None for a parameter or its gradient)."""
-    params = node.args[-1]
     if node.target is experts_backward_op:
-        return [0, 0, *[None] * len(params)], [0, 0, 0, 0, *[None] * len(params)]
-    return [0], [0, 0, 0, *[None] * len(params)]
+        params, wanted = node.args[5:7]
+        made = [d for d, w in zip((0, 0, *[None] * len(params)), wanted) if w]
+        return made, [0, 0, 0, 0, *[None] * len(params)]
+    return [0], [0, 0, 0, *[None] * len(node.args[4])]
 
 
 def flops(node: torch.fx.Node) -> int:
@@ -181,7 +197,7 @@ def flops(node: torch.fx.Node) -> int:
     first dim counts the experts), per token and pick; its backward three times that (the forward
     made again, then two products per weight)."""
     backward = node.target is experts_backward_op
-    hidden, index = node.args[2:4] if backward else node.args[1:3]
+    index, params = (node.args[3], node.args[5]) if backward else (node.args[2], node.args[4])
     picks = index.meta["val"].numel()
-    per_expert = sum(p.meta["val"].numel() // p.meta["val"].shape[0] for p in node.args[-1] if p.meta["val"].dim() >= 3)
+    per_expert = sum(p.meta["val"].numel() // p.meta["val"].shape[0] for p in params if p.meta["val"].dim() >= 3)
     return 2 * picks * per_expert * (3 if backward else 1)
