@@ -232,6 +232,29 @@ def test_partition_specs_follow_the_models_own_tp_plan_and_fsdp_takes_a_free_dim
     assert conv["transformer.h.0.attn.c_proj.bias"] == P(None)
 
 
+def test_a_module_carrying_its_own_tp_plan_is_split_by_it_alone():
+    # a wrapper's plan (a property here) is the plan, not merged with the wrapped model's; a wrapper
+    # carrying none (PEFT's) is split by the plans of the models inside it, from where they sit
+    class Wrapper(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = make_model("llama", "sdpa")
+
+        @property
+        def tp_plan(self):
+            return {"inner.model.layers.*.self_attn.q_proj": "rowwise"}
+
+    wrapper = Wrapper()
+    with nf.simulate(2):
+        mesh = nf.make_mesh(tp=2)
+        own = nf.nn.partition_specs(wrapper, mesh, tp="tp")
+        del Wrapper.tp_plan
+        inner = nf.nn.partition_specs(wrapper, mesh, tp="tp")
+    layer = "inner.model.layers.0.self_attn."
+    assert (own[layer + "q_proj.weight"], own[layer + "k_proj.weight"]) == (P(None, "tp"), P(None, None))
+    assert (inner[layer + "q_proj.weight"], inner[layer + "k_proj.weight"]) == (P("tp", None), P("tp", None))
+
+
 def test_functional_gives_the_modules_tensors_and_a_pure_apply():
     model = make_model("gpt2", "sdpa")
     params, buffers, apply = nf.nn.functional(model)

@@ -121,14 +121,33 @@ def partition_specs(module: torch.nn.Module, mesh: AbstractMesh, *, tp: str | No
 
 
 def _carried_plan(module: torch.nn.Module) -> dict[str, str]:
-    """The TP plans `module` and its submodules carry, each pattern prefixed by where its module
-    sits (an outer plan first: it wins where both name a module)."""
+    """The TP plan `module` carries; where it carries none (a PEFT wrapper), those its submodules
+    carry, each pattern prefixed by where its module sits (an outer one first: it wins where both
+    name a module)."""
+    own = _own_plan(module)
+    if own:
+        return dict(own)
     plan: dict[str, str] = {}
     for path, sub in module.named_modules():
-        own = getattr(sub, "tp_plan", None) or getattr(sub, "_tp_plan", None)
-        for pattern, style in (own.items() if isinstance(own, Mapping) else ()):
+        for pattern, style in (_own_plan(sub) or {}).items():
             plan.setdefault(f"{path}.{pattern}" if path else pattern, style)
     return plan
+
+
+def _own_plan(module: torch.nn.Module) -> Mapping | None:
+    """`module.tp_plan` (or transformers' `_tp_plan`) as the module itself defines it, a property
+    read: not a plan another object's `__getattr__` forwards (PEFT's wrappers hand back the inner
+    model's, whose patterns start below them)."""
+    for name in ("tp_plan", "_tp_plan"):
+        try:
+            found = inspect.getattr_static(module, name)
+        except AttributeError:
+            continue
+        if isinstance(found, property):
+            found = getattr(module, name)
+        if isinstance(found, Mapping) and found:
+            return found
+    return None
 
 
 def _tp_style(owner: str, rules: list) -> tuple[str | None, str | None]:
