@@ -128,9 +128,11 @@ def test_other_user_errors():
     with pytest.raises(ValueError, match="names an argument twice"):
         grad(lambda w: w.sum(), argnums=(0, 0))
     # a model with every parameter frozen: nf.nn.functional's params are {} (torch.optim refuses an empty list)
-    with pytest.raises(ValueError, match=r"with respect to argument 0, an empty dict, with no tensor in it: nothing "
-                                         r"would train. A model whose parameters are all frozen"):
+    with pytest.raises(ValueError, match=r"with respect to argument 0 \(a dict\), which holds no tensor: nothing "
+                                         r"would train \(jax.grad would return the empty tree; torch.optim refuses"):
         grad(lambda p, x: x.sum())({}, w)
+    with pytest.raises(ValueError, match=r"arguments \(0, 1\) \(None, a tuple\), which hold no tensor"):
+        grad(lambda p, q, x: x.sum(), argnums=(0, 1))(None, ({}, {}), w)
 
 
 def test_nothing_is_modified_in_place():

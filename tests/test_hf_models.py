@@ -12,6 +12,7 @@ import transformers
 from torch.distributed.tensor import Shard
 
 import ndfunc as nf
+from ndfunc._src import experts as experts_ops
 from ndfunc.sharding import P
 
 logging.getLogger("transformers").setLevel(logging.ERROR)
@@ -298,8 +299,6 @@ def test_a_mixture_of_experts_runs_each_ranks_own_tokens_through_the_experts_as_
     # transformers' experts call, whichever implementation the config names, is one ndfunc::experts
     # split by the tokens: grouped ran every token on every rank (its offsets counted from all of
     # them), batched held a copy of an expert's weights per token, the loop raised DataDependentError
-    from ndfunc._src import experts as experts_ops
-
     model = make_model(f"mixtral:{experts}", "sdpa")
     assert model.config._experts_implementation == experts
     ids = torch.randint(0, VOCAB, (8, 32), generator=torch.Generator().manual_seed(1))  # (fewer: the backward whole is cheaper)
@@ -314,6 +313,41 @@ def test_a_mixture_of_experts_runs_each_ranks_own_tokens_through_the_experts_as_
              if n.target in (experts_ops.experts_op, experts_ops.experts_backward_op)]
     assert sorted(str(op) for op, _ in calls) == ["ndfunc.experts.default"] * 2 + ["ndfunc.experts_backward.default"] * 2
     assert all(s.ins[0] == (Shard(0),) for _, s in calls)  # each rank's own tokens (hidden states, or their gradient)
+    assert_as_eager(got, want)
+
+
+# other mixtures of experts, tiny: shared experts (Qwen3-MoE's), grouped routing and latent attention
+# (DeepSeek-V3's), biased and clamped experts with attention sinks (gpt-oss's)
+MOE_FAMILIES = {
+    "qwen3_moe": (transformers.Qwen3MoeConfig, dict(moe_intermediate_size=32, num_experts=4, decoder_sparse_step=1,
+                                                    mlp_only_layers=[], head_dim=8), "sdpa"),
+    "deepseek_v3": (transformers.DeepseekV3Config, dict(moe_intermediate_size=32, n_routed_experts=4, n_shared_experts=1,
+                                                        first_k_dense_replace=0, n_group=1, topk_group=1, kv_lora_rank=16,
+                                                        q_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
+                                                        v_head_dim=8, num_key_value_heads=4), "sdpa"),
+    "gpt_oss": (transformers.GptOssConfig, dict(num_local_experts=4, head_dim=8, sliding_window=16,
+                                                layer_types=["sliding_attention", "full_attention"]), "eager"),
+}
+
+
+@pytest.mark.parametrize("family", sorted(MOE_FAMILIES))
+def test_other_mixtures_of_experts_train_as_eager_with_each_ranks_own_tokens(family):
+    cls, extra, attn = MOE_FAMILIES[family]
+    config = cls(**{"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+                    "num_key_value_heads": 2, "num_experts_per_tok": 2, "vocab_size": VOCAB,
+                    "max_position_embeddings": 64, "bos_token_id": 0, "eos_token_id": 0, "pad_token_id": 0, **extra})
+    config._attn_implementation = attn
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    ids = torch.randint(0, VOCAB, (8, 32), generator=torch.Generator().manual_seed(1))
+    want = eager_run_of(model, ids=ids)
+    params, buffers, apply = nf.nn.functional(model)
+    lowered: list = []
+    with nf.simulate(2):
+        mesh = nf.make_mesh(dp_shard=2)
+        got = trained(apply, params, mesh, nf.nn.partition_specs(model, mesh, fsdp="dp_shard"), ids, buffers,
+                      lowered=lowered)
+    assert sum(n.target is experts_ops.experts_op for n in lowered[0].program.plan.strategy) == 2
     assert_as_eager(got, want)
 
 
@@ -398,8 +432,6 @@ def test_experts_layers_that_share_a_config_but_not_an_attribute_each_run_with_t
 def test_frozen_experts_get_no_gradient_made_and_the_rest_trains_as_eager():
     # a MoE's router or adapters fine-tuned, its experts frozen: the op's backward makes the hidden
     # states' and routing weights' gradients only
-    from ndfunc._src import experts as experts_ops
-
     model = make_model("mixtral", "sdpa")
     for name, p in model.named_parameters():
         if ".experts." in name:

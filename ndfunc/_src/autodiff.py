@@ -95,12 +95,14 @@ def value_and_grad(fn: Callable[..., Any], argnums: ArgNums = 0, has_aux: bool =
             flat.append(_differentiable_leaves(args[i], i))
             specs.append(optree.tree_structure(args[i]))
         if not any(flat):  # (torch.optim refuses an empty parameter list alike)
-            which = (f"argument {indices[0]}, an empty {type(args[indices[0]]).__name__}," if len(indices) == 1
-                     else f"arguments {tuple(indices)}, all empty,")
+            kinds = ", ".join("None" if args[i] is None else f"a {type(args[i]).__name__}" for i in indices)
+            which = (f"argument {indices[0]} ({kinds}), which holds" if len(indices) == 1
+                     else f"arguments {tuple(indices)} ({kinds}), which hold")
             raise ValueError(
-                f"the gradient of {_name(fn)} is taken with respect to {which} with no tensor in it: nothing would "
-                f"train. A model whose parameters are all frozen (requires_grad_(False)) gives nf.nn.functional's "
-                f"params empty; unfreeze those to train, or call the function without a gradient.")
+                f"the gradient of {_name(fn)} is taken with respect to {which} no tensor: nothing would train "
+                f"(jax.grad would return the empty tree; torch.optim refuses an empty parameter list). A model "
+                f"whose parameters are all frozen (requires_grad_(False)) gives nf.nn.functional's params empty; "
+                f"unfreeze those to train, or call the function without a gradient.")
         aux_box: list = []
 
         others = [i for i in range(len(args)) if i not in indices]

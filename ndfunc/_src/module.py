@@ -86,9 +86,9 @@ def partition_specs(module: torch.nn.Module, mesh: AbstractMesh, *, tp: str | No
 
     `tp`: the mesh axis of the tensor-parallel plan, `plan` (module-path patterns from `module`, `*`
     one path component, to 'colwise' or 'rowwise' and transformers' variants of them), by default
-    the plans the module and its submodules carry (`tp_plan` or transformers' `_tp_plan`, each
-    read from where its module sits: a Hugging Face model inside a PEFT wrapper keeps its plan);
-    a parameter the plan does not name stays whole over `tp`. A layer the plan names that PEFT's
+    the module's own (`tp_plan`, or transformers' `_tp_plan`), or where it carries none (a PEFT
+    wrapper) those of the models inside it, each read from where it sits; a parameter the plan
+    does not name stays whole over `tp`. A layer the plan names that PEFT's
     LoRA wraps is split as the plan says (its `base_layer`), and so are its adapters, so that the
     low-rank path's result is split as the layer's: colwise splits `lora_B`'s outputs, rowwise
     `lora_A`'s inputs; the other stays whole. `fsdp`: the axis every parameter is also split over,
