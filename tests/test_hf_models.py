@@ -429,6 +429,27 @@ def test_experts_layers_that_share_a_config_but_not_an_attribute_each_run_with_t
     experts_as_eager(Layers(ExpertsConfig()))
 
 
+def test_the_experts_op_leaves_the_models_own_parameters_in_place_while_it_runs(monkeypatch):
+    # the op swaps its blocks into a copy of the module's tables: the model, perhaps evaluated
+    # eagerly in another thread meanwhile, reads its own weights throughout
+    model = make_model("mixtral", "sdpa")
+    experts = model.model.layers[0].mlp.experts
+    own, seen = experts.gate_up_proj, []
+    run = experts_ops._Implemented.forward
+
+    def spied(self, *args):
+        seen.append(experts.gate_up_proj is own and self.experts.gate_up_proj is not own)
+        return run(self, *args)
+
+    monkeypatch.setattr(experts_ops._Implemented, "forward", spied)
+    params, buffers, apply = nf.nn.functional(model)
+    with nf.simulate(2):
+        f = nf.jit(nf.value_and_grad(lambda p, ids: apply(p, buffers, ids, labels=ids).loss),
+                   mesh=nf.make_mesh(dp=2), in_shardings=(P(), P("dp")), out_shardings=(P(), P()))
+        nf.device_get(f(params, tokens()))
+    assert seen and all(seen)
+
+
 def test_frozen_experts_get_no_gradient_made_and_the_rest_trains_as_eager():
     # a MoE's router or adapters fine-tuned, its experts frozen: the op's backward makes the hidden
     # states' and routing weights' gradients only

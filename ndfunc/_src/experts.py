@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import copy
 import functools
 import itertools
 import sys
@@ -73,10 +74,19 @@ def _run(layer: str, hidden, index, weights, params) -> torch.Tensor:
                            f"model freed); keep the model a step was traced from alive while the step runs.")
     token = _TRACING.set(False)  # (a program run while another step is traced: the call itself)
     try:
-        return torch.func.functional_call(_Implemented(module, implementation),
+        return torch.func.functional_call(_Implemented(_own_tensors(module), implementation),
                                           {f"experts.{n}": p for n, p in zip(names, params)}, (hidden, index, weights))
     finally:
         _TRACING.reset(token)
+
+
+def _own_tensors(module: torch.nn.Module) -> torch.nn.Module:
+    """`module` with its own parameter and buffer tables (the rest shared): the op's tensors are
+    swapped into those, and the model itself, perhaps run eagerly in another thread, keeps its own."""
+    copied = copy.copy(module)
+    copied._parameters, copied._buffers = dict(module._parameters), dict(module._buffers)
+    copied._modules = {name: None if sub is None else _own_tensors(sub) for name, sub in module._modules.items()}
+    return copied
 
 
 def _run_backward(layer: str, grad, hidden, index, weights, params, wanted) -> list[torch.Tensor]:
