@@ -73,7 +73,7 @@ def measure(step, batches) -> tuple[list, list, list, int, int]:
     return losses, times, cpu, _kib("VmHWM:") * 1024, before * 1024
 
 
-def torch_step(cfg, path, config: nf.ParallelConfig, mesh, lr, wd):
+def torch_step(path, config: nf.ParallelConfig, mesh, lr, wd):
     import transformers
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import (
@@ -82,7 +82,8 @@ def torch_step(cfg, path, config: nf.ParallelConfig, mesh, lr, wd):
         parallelize_module,
     )
 
-    model = transformers.LlamaForCausalLM.from_pretrained(path, torch_dtype=torch.float32, attn_implementation="sdpa")
+    # (the Llama `models.hf.save_llama` wrote; `moe.py`'s Mixtral)
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32, attn_implementation="sdpa")
     if config.tp_size > 1:
         plan = {"self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
                 "self_attn.v_proj": ColwiseParallel(), "self_attn.o_proj": RowwiseParallel(),
@@ -165,7 +166,7 @@ def worker(args) -> None:
         if rank == 0:
             hf.save_llama(path, cfg, params)
         dist.barrier()
-        step = torch_step(cfg, path, config, mesh, lr, wd)
+        step = torch_step(path, config, mesh, lr, wd)
         per = args.batch // config.dp_shard_size
         me = mesh.coordinate(rank)[1]  # position along dp_shard
         run = lambda b: step({k: v[me * per:(me + 1) * per] for k, v in b.items()})  # noqa: E731

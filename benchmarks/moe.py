@@ -32,7 +32,7 @@ import tempfile
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from fsdp import _figures, measure, named
+from fsdp import _figures, measure, named, torch_step
 
 import ndfunc as nf
 from ndfunc.sharding import P
@@ -55,31 +55,6 @@ def batches(batch: int, seq: int, steps: int) -> list[dict]:
         tokens = torch.randint(0, VOCAB, (batch, seq + 1), generator=g)
         out.append({"tokens": tokens[:, :-1], "targets": tokens[:, 1:]})
     return out
-
-
-def torch_step(path: str, mesh, lr: float, wd: float):
-    import transformers
-    from torch.distributed.fsdp import fully_shard
-
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    dp_mesh = mesh.device_mesh["dp_shard"]
-    for layer in model.model.layers:
-        fully_shard(layer, mesh=dp_mesh)
-    fully_shard(model, mesh=dp_mesh)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=wd, eps=1e-8)
-    group = mesh.device_mesh.get_group("dp_shard")
-
-    def step(batch):
-        optimizer.zero_grad(set_to_none=True)
-        logits = model(input_ids=batch["tokens"]).logits
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), batch["targets"].flatten())
-        loss.backward()
-        optimizer.step()
-        total = loss.detach().clone()
-        dist.all_reduce(total, group=group)
-        return total / dist.get_world_size(group)
-
-    return step
 
 
 def jit_step(path: str, mesh, lr: float, wd: float):
@@ -128,7 +103,7 @@ def worker(args) -> None:
     data = batches(args.batch, args.seq, args.steps)
     lr, wd = 1e-3, 0.1
     if args.impl == "torch":
-        step = torch_step(path, mesh, lr, wd)
+        step = torch_step(path, nf.ParallelConfig(dp_shard_size=4), mesh, lr, wd)  # fsdp.py's FSDP2
         per = args.batch // 4
         me = mesh.coordinate(rank)[1]  # position along dp_shard
         run = lambda b: step({k: v[me * per:(me + 1) * per] for k, v in b.items()})  # noqa: E731

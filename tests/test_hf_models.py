@@ -294,14 +294,10 @@ def test_a_frozen_parameter_is_a_constant_of_the_step_laid_out_as_the_others_and
 
 
 
-@pytest.mark.parametrize("experts", ["grouped_mm", "batched_mm", "eager"])
-def test_a_mixture_of_experts_runs_each_ranks_own_tokens_through_the_experts_as_its_implementation_does(experts):
-    # transformers' experts call, whichever implementation the config names, is one ndfunc::experts
-    # split by the tokens: grouped ran every token on every rank (its offsets counted from all of
-    # them), batched held a copy of an expert's weights per token, the loop raised DataDependentError
-    model = make_model(f"mixtral:{experts}", "sdpa")
-    assert model.config._experts_implementation == experts
-    ids = torch.randint(0, VOCAB, (8, 32), generator=torch.Generator().manual_seed(1))  # (fewer: the backward whole is cheaper)
+def trained_moe_as_eager(model: torch.nn.Module):
+    """`model` (a mixture of experts) trained on 2 ranks over dp_shard against eager, on 256 tokens
+    (on fewer, running the experts' backward whole is the cheaper plan): the lowered step's plan."""
+    ids = torch.randint(0, VOCAB, (8, 32), generator=torch.Generator().manual_seed(1))
     want = eager_run_of(model, ids=ids)
     params, buffers, apply = nf.nn.functional(model)
     lowered: list = []
@@ -309,11 +305,21 @@ def test_a_mixture_of_experts_runs_each_ranks_own_tokens_through_the_experts_as_
         mesh = nf.make_mesh(dp_shard=2)
         got = trained(apply, params, mesh, nf.nn.partition_specs(model, mesh, fsdp="dp_shard"), ids, buffers,
                       lowered=lowered)
-    calls = [(n.target, s) for n, s in lowered[0].program.plan.strategy.items()
+    assert_as_eager(got, want)
+    return lowered[0].program.plan
+
+
+@pytest.mark.parametrize("experts", ["grouped_mm", "batched_mm", "eager"])
+def test_a_mixture_of_experts_runs_each_ranks_own_tokens_through_the_experts_as_its_implementation_does(experts):
+    # transformers' experts call, whichever implementation the config names, is one ndfunc::experts
+    # split by the tokens: grouped ran every token on every rank (its offsets counted from all of
+    # them), batched held a copy of an expert's weights per token, the loop raised DataDependentError
+    model = make_model(f"mixtral:{experts}", "sdpa")
+    assert model.config._experts_implementation == experts
+    calls = [(n.target, s) for n, s in trained_moe_as_eager(model).strategy.items()
              if n.target in (experts_ops.experts_op, experts_ops.experts_backward_op)]
     assert sorted(str(op) for op, _ in calls) == ["ndfunc.experts.default"] * 2 + ["ndfunc.experts_backward.default"] * 2
     assert all(s.ins[0] == (Shard(0),) for _, s in calls)  # each rank's own tokens (hidden states, or their gradient)
-    assert_as_eager(got, want)
 
 
 # other mixtures of experts, tiny: shared experts (Qwen3-MoE's), grouped routing and latent attention
@@ -339,16 +345,7 @@ def test_other_mixtures_of_experts_train_as_eager_with_each_ranks_own_tokens(fam
     config._attn_implementation = attn
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config)
-    ids = torch.randint(0, VOCAB, (8, 32), generator=torch.Generator().manual_seed(1))
-    want = eager_run_of(model, ids=ids)
-    params, buffers, apply = nf.nn.functional(model)
-    lowered: list = []
-    with nf.simulate(2):
-        mesh = nf.make_mesh(dp_shard=2)
-        got = trained(apply, params, mesh, nf.nn.partition_specs(model, mesh, fsdp="dp_shard"), ids, buffers,
-                      lowered=lowered)
-    assert sum(n.target is experts_ops.experts_op for n in lowered[0].program.plan.strategy) == 2
-    assert_as_eager(got, want)
+    assert sum(n.target is experts_ops.experts_op for n in trained_moe_as_eager(model).strategy) == 2
 
 
 class ExpertsConfig:
@@ -457,18 +454,9 @@ def test_frozen_experts_get_no_gradient_made_and_the_rest_trains_as_eager():
     for name, p in model.named_parameters():
         if ".experts." in name:
             p.requires_grad_(False)
-    ids = torch.randint(0, VOCAB, (8, 32), generator=torch.Generator().manual_seed(1))
-    want = eager_run_of(model, ids=ids)
-    params, buffers, apply = nf.nn.functional(model)
-    lowered: list = []
-    with nf.simulate(2):
-        mesh = nf.make_mesh(dp_shard=2)
-        got = trained(apply, params, mesh, nf.nn.partition_specs(model, mesh, fsdp="dp_shard"), ids, buffers,
-                      lowered=lowered)
-    made = [[tuple(v.shape) for v in n.meta["val"]] for n in lowered[0].program.plan.strategy
+    made = [[tuple(v.shape) for v in n.meta["val"]] for n in trained_moe_as_eager(model).strategy
             if n.target is experts_ops.experts_backward_op]
     assert made == [[(256, 32), (256, 2)]] * 2  # no (experts, ...) gradient
-    assert_as_eager(got, want)
 
 
 @pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")  # PEFT's own call
