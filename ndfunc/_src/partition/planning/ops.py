@@ -498,26 +498,18 @@ def _scatter_reduce_rule(node, sizes) -> Fitted:
     return per_axis([whole, *((Shard(d),) * 4 for d in dims)], shapes, sizes, 1)
 
 
-def _rnn_rule(node, sizes) -> Fitted:
-    """`ndfunc::rnn` (an LSTM, GRU or RNN call) and its backward, per mesh axis: whole, or split by
-    the batch with the weights whole, their gradients then each rank's sum over its own samples,
-    pending."""
-    made, read = rnn.batch_dims(node)
-    tensors = [*tensor_outputs(node), *(a.meta["val"] for a in tensor_inputs(node))]
-    split = tuple(Shard(d) if d is not None else Partial("sum") if i < len(made) else Replicate()
-                  for i, d in enumerate(made + read))
-    return per_axis([(Replicate(),) * len(tensors), split], [tuple(t.shape) for t in tensors], sizes, len(made))
-
-
-def _experts_rule(node, sizes) -> Fitted:
-    """`ndfunc::experts` (a mixture of experts' experts, one call) and its backward, per mesh axis:
-    whole, or split by the tokens (their hidden states, picks and routing weights) with the experts'
-    weights whole, their gradients then each rank's sum over its own tokens, pending."""
-    made, read = experts.token_dims(node)
-    tensors = [*tensor_outputs(node), *(a.meta["val"] for a in tensor_inputs(node))]
-    split = tuple(Shard(d) if d is not None else Partial("sum") if i < len(made) else Replicate()
-                  for i, d in enumerate(made + read))
-    return per_axis([(Replicate(),) * len(tensors), split], [tuple(t.shape) for t in tensors], sizes, len(made))
+def _split_along(dims_of: Callable[[torch.fx.Node], tuple[list, list]]) -> Callable:
+    """A rule, per mesh axis: whole, or each tensor split along the dim `dims_of(node)` gives for it
+    ((outputs, inputs); None: a weight, whole, and its gradient each rank's sum over its own part,
+    pending). `ndfunc::rnn` and its backward split by the batch (`rnn.batch_dims`), `ndfunc::experts`
+    and its backward by the tokens (`experts.token_dims`)."""
+    def rule(node, sizes) -> Fitted:
+        made, read = dims_of(node)
+        tensors = [*tensor_outputs(node), *(a.meta["val"] for a in tensor_inputs(node))]
+        split = tuple(Shard(d) if d is not None else Partial("sum") if i < len(made) else Replicate()
+                      for i, d in enumerate(made + read))
+        return per_axis([(Replicate(),) * len(tensors), split], [tuple(t.shape) for t in tensors], sizes, len(made))
+    return rule
 
 
 def _ctc_flops(node) -> int:
@@ -811,10 +803,12 @@ register(aten.cat.default, strategies=_cat_rule)
 # the log-probabilities' gradient, after the losses' gradient)
 register(ctc_loss.ctc_losses_op, strategies=_by_samples_rule((0, 1, 0, 0, 0)), flops=_ctc_flops)
 register(ctc_loss.ctc_losses_backward_op, strategies=_by_samples_rule((1, 0, 1, 0, 0, 0)), flops=_ctc_flops)
-register(rnn.rnn_op, strategies=_rnn_rule, flops=rnn.flops)  # (output, *final states); input, *states, *weights
-register(rnn.rnn_backward_op, strategies=_rnn_rule, flops=rnn.flops)
-register(experts.experts_op, strategies=_experts_rule, flops=experts.flops)  # output; hidden, index, weights, *params
-register(experts.experts_backward_op, strategies=_experts_rule, flops=experts.flops)
+# (output, *final states); input, *states, *weights
+register(rnn.rnn_op, strategies=_split_along(rnn.batch_dims), flops=rnn.flops)
+register(rnn.rnn_backward_op, strategies=_split_along(rnn.batch_dims), flops=rnn.flops)
+# output; hidden, index, weights, *params
+register(experts.experts_op, strategies=_split_along(experts.token_dims), flops=experts.flops)
+register(experts.experts_backward_op, strategies=_split_along(experts.token_dims), flops=experts.flops)
 register(aten.stack.default, strategies=_stack_rule)
 register(aten.fill_.Scalar, strategies=_fill_rule)
 register(aten.fill_.Tensor, strategies=_fill_rule)
