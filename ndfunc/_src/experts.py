@@ -39,12 +39,14 @@ _lib.define("experts_backward(str layer, Tensor grad, Tensor hidden, Tensor inde
 experts_op = torch.ops.ndfunc.experts.default
 experts_backward_op = torch.ops.ndfunc.experts_backward.default
 
-# A traced experts call by the name its ops carry: the module (its attributes, which may differ layer
-# by layer, are read at run time; its parameters are the op's, so a layer traced once for every layer
-# alike, `repeated_layers`, stands for them all), its parameters' names and the implementation its
-# interface picked. A name is the class's and a count of the calls named in the process, in the
-# order met: the same on every rank tracing the same steps (the ranks check that they run one program)
-_LAYERS: dict[str, tuple[weakref.ref, tuple[str, ...], Callable]] = {}
+# A traced experts call by the name its ops carry: the module (while it lives), its parameters' names
+# as the call's own module names them, and that module: the implementation its interface picked
+# over a copy of the experts module made when traced (its attributes, which may differ layer by
+# layer, as they were; its parameters the op's, swapped in at run time, so a layer traced once for
+# every layer alike, `repeated_layers`, stands for them all). A name is the class's and a count of
+# the calls named in the process, in the order met: the same on every rank tracing the same steps
+# (the ranks check that they run one program)
+_LAYERS: dict[str, tuple[weakref.ref, tuple[str, ...], torch.nn.Module]] = {}
 _NAMES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # module -> implementation -> its name
 _COUNT = itertools.count()
 _NAMING = threading.Lock()
@@ -67,15 +69,13 @@ class _Implemented(torch.nn.Module):
 def _run(layer: str, hidden, index, weights, params) -> torch.Tensor:
     """The experts call the step was traced with (the implementation its config names) on these
     tensors, the module's parameters `params`."""
-    ref, names, implementation = _LAYERS.get(layer, (lambda: None, (), None))
-    module = ref()
-    if module is None:
+    ref, names, call = _LAYERS.get(layer, (lambda: None, (), None))
+    if ref() is None:
         raise RuntimeError(f"ndfunc::experts: the experts module {layer} this step was traced with is gone (its "
                            f"model freed); keep the model a step was traced from alive while the step runs.")
     token = _TRACING.set(False)  # (a program run while another step is traced: the call itself)
     try:
-        return torch.func.functional_call(_Implemented(_own_tensors(module), implementation),
-                                          {f"experts.{n}": p for n, p in zip(names, params)}, (hidden, index, weights))
+        return torch.func.functional_call(call, dict(zip(names, params)), (hidden, index, weights))
     finally:
         _TRACING.reset(token)
 
@@ -153,8 +153,8 @@ def _name_of(module: torch.nn.Module, implementation: Callable, names: tuple[str
         layer = by_implementation.get(implementation)
         if layer is None:
             layer = by_implementation[implementation] = f"{type(module).__qualname__}:{next(_COUNT)}"
-            _LAYERS[layer] = (weakref.ref(module, lambda _, layer=layer: _LAYERS.pop(layer, None)), names,
-                              implementation)
+            _LAYERS[layer] = (weakref.ref(module, lambda _, layer=layer: _LAYERS.pop(layer, None)),
+                              tuple(f"experts.{n}" for n in names), _Implemented(_own_tensors(module), implementation))
         return layer
 
 
@@ -172,24 +172,18 @@ def traced():
 def _install() -> None:
     """Route transformers' `ExpertsInterface` through `_traced` while `_TRACING`, once transformers
     has defined it (ndfunc never imports it)."""
-    moe = sys.modules.get("transformers.integrations.moe")
-    interface = getattr(moe, "ExpertsInterface", None)
-    if interface is None or getattr(interface.get_interface, "ndfunc_routed", False):
-        return
     with _NAMING:
-        if not getattr(interface.get_interface, "ndfunc_routed", False):
-            _route(interface)
+        interface = getattr(sys.modules.get("transformers.integrations.moe"), "ExpertsInterface", None)
+        if interface is None or getattr(interface.get_interface, "ndfunc_routed", False):
+            return
+        theirs = interface.get_interface
 
+        def get_interface(self, experts_implementation, default):
+            found = theirs(self, experts_implementation, default)
+            return functools.partial(_traced, found) if _TRACING.get() else found
 
-def _route(interface) -> None:
-    theirs = interface.get_interface
-
-    def get_interface(self, experts_implementation, default):
-        found = theirs(self, experts_implementation, default)
-        return functools.partial(_traced, found) if _TRACING.get() else found
-
-    get_interface.ndfunc_routed = True
-    interface.get_interface = get_interface
+        get_interface.ndfunc_routed = True
+        interface.get_interface = get_interface
 
 
 def token_dims(node: torch.fx.Node) -> tuple[list, list]:
