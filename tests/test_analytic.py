@@ -2,6 +2,8 @@
 (computed here from shapes and mesh sizes, not by the partitioner), on abstract meshes of the
 sizes users plan for: nothing is simulated or allocated."""
 
+import math
+
 import optree
 import pytest
 import torch
@@ -368,3 +370,55 @@ def test_fsdp_under_mixed_precision_holds_two_units_in_the_compute_dtype_at_any_
     assert gathered[2] == gathered[4]  # not a layer's more each layer: freed after forward
     if strategy in STRATEGIES:  # the closed form's cases (`closed_forms`), at half their bytes
         assert gathered[2] == pytest.approx(2 * (head + layer) / tp, rel=0.05)
+
+
+MOE_LAYOUTS = {"fsdp8": (1, 8, 1, 1), "fsdp4_tp2": (1, 4, 1, 2), "tp8": (1, 1, 1, 8), "hsdp2x4": (2, 4, 1, 1)}
+
+
+@pytest.mark.slow  # a Mixtral-8x7B-shaped step lowered per case: seconds each
+@pytest.mark.parametrize("strategy", MOE_LAYOUTS)
+def test_a_mixture_of_experts_step_lands_on_the_planners_closed_forms(strategy):
+    # transformers' Mixtral of 8x7B's dimensions (8 of its 32 layers), trained as the job trains a
+    # Hugging Face model (its TP plan, FSDP over dp_shard, bf16 compute), lowered; against what
+    # `nf.plan` prices for the layout: its parameters held per rank, and what each mesh axis moves (the
+    # axes put on links of their own, so each figure reads one axis). The experts run on each rank's
+    # own tokens, their weights whole over tp: under TP their gradients are all-reduced there, most of
+    # what tp moves (a dense model's closed forms would say 1/40 of it at tp 8).
+    transformers = pytest.importorskip("transformers")
+    from models import train
+    from ndfunc.plan import Cluster, Layout, Options, TransformerShape, estimate, memory_per_rank
+
+    sizes = MOE_LAYOUTS[strategy]
+    hf = transformers.MixtralConfig(vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=8,
+                                    num_attention_heads=32, num_key_value_heads=8, num_local_experts=8,
+                                    num_experts_per_tok=2)
+    config, seq = nf.ParallelConfig(*sizes), 4096
+    mesh = config.build_abstract_mesh()
+    params, loss = train.abstract_hf_model(hf, mesh)
+    opt = nf.optim.adamw(3e-4)
+    state = opt.init(params)
+    laid_out = optree.tree_map(nf.sharding_of, (params, state))
+    transforms = [nf.fsdp("dp_shard")] if sizes[1] > 1 else []
+    step = nf.jit(train.make_loss_step(loss, opt), mesh=mesh, out_shardings=(*laid_out, P()),
+                  transforms=[*transforms, nf.mixed_precision(torch.bfloat16, torch.float32)])
+    lowered = step.lower(params, state, train.abstract_batch(config, mesh, config.dp_world_size, seq))
+    moved: dict = {}
+    for _, c in collectives(lowered.program.local):
+        moved[c.axes] = moved.get(c.axes, 0) + c.moved
+
+    shape, layout = TransformerShape.from_config(hf), Layout(*sizes)
+    assert shape.num_params == sum(math.prod(p.shape) for p in optree.tree_leaves(params))
+    options = Options("none", micro_batch=1)
+    fp32_params = memory_per_rank(shape, layout, options, seq).params
+    assert lowered.memory_analysis().breakdown.arguments["0"] == pytest.approx(fp32_params, rel=1e-3)
+    # each axis on its own link: the inner one on NVLink, the outer over the fabric
+    inner, outer = {"fsdp8": (("dp_shard",), None), "fsdp4_tp2": (("tp",), ("dp_shard",)),
+                    "tp8": (("tp",), None), "hsdp2x4": (("dp_shard",), ("dp_replicate",))}[strategy]
+    cluster = Cluster.of("h100", 8, gpus_per_node=8 // (2 if strategy == "hsdp2x4" else 4 if outer else 1))
+    planned = estimate(shape, layout, options, cluster=cluster, global_batch=layout.dp_size, seq_len=seq)
+    other = sum(v for axes, v in moved.items() if axes not in (inner, outer))  # the loss's, the norms' sums
+    assert other < 1e-4 * sum(moved.values())
+    # FSDP's gathers are 7% under: ndfunc keeps the last layer and the head gathered for backward
+    assert moved[inner] == pytest.approx(planned.intra_bytes, rel=0.05)
+    if outer:
+        assert moved[outer] == pytest.approx(planned.inter_bytes, rel=0.05)

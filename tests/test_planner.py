@@ -7,6 +7,7 @@ import dataclasses
 import importlib.util
 import json
 import pathlib
+import re
 import sys
 
 import pytest
@@ -88,13 +89,145 @@ def test_from_config_counts_what_transformers_builds():
         shape = TransformerShape.from_config({**base, **extra})
         assert shape.num_params == sum(p.numel() for p in model.parameters())
     assert TransformerShape.from_config({**base, "head_dim": 96}).q_dim == 384
-    with pytest.raises(ValueError, match=r"^the config describes a mixture of experts \(num_local_experts=8\); "
-                                         r"TransformerShape models dense Llama-style decoders and would count one "
-                                         r"expert of many\. Plan this model from its own step instead: "
-                                         r"ndfunc\.plan\.plan_step\.$"):
-        TransformerShape.from_config({**base, "num_local_experts": 8})
     with pytest.raises(ValueError, match=r"^TransformerShape\.tie_embeddings must be True or False, got 'false'\.$"):
         TransformerShape.from_config({**base, "tie_word_embeddings": "false"})
+
+
+# Published totals and active parameters (per token) of mixtures of experts, each from its config.json:
+# Mistral's announcement of Mixtral 8x7B ("46.7B total parameters but only uses 12.9B parameters per
+# token"), the model cards of Qwen3-30B-A3B ("30.5B in total and 3.3B activated") and
+# Qwen1.5-MoE-A2.7B ("14.3B parameters in total and 2.7B activated"), and OLMoE-1B-7B's paper
+# (Muennighoff et al. 2024: 6.9B total, 1.3B active).
+PUBLISHED_MOE = {
+    "mixtral-8x7b": ({"model_type": "mixtral", "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 14336,
+                      "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+                      "num_local_experts": 8, "num_experts_per_tok": 2, "tie_word_embeddings": False}, 46.7e9, 12.9e9),
+    "qwen3-30b-a3b": ({"model_type": "qwen3_moe", "vocab_size": 151936, "hidden_size": 2048,
+                       "intermediate_size": 6144, "moe_intermediate_size": 768, "num_hidden_layers": 48,
+                       "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128, "num_experts": 128,
+                       "num_experts_per_tok": 8, "decoder_sparse_step": 1, "mlp_only_layers": [],
+                       "tie_word_embeddings": False}, 30.5e9, 3.3e9),
+    "qwen1.5-moe-a2.7b": ({"model_type": "qwen2_moe", "vocab_size": 151936, "hidden_size": 2048,
+                           "intermediate_size": 5632, "moe_intermediate_size": 1408,
+                           "shared_expert_intermediate_size": 5632, "num_hidden_layers": 24, "num_attention_heads": 16,
+                           "num_key_value_heads": 16, "num_experts": 60, "num_experts_per_tok": 4,
+                           "tie_word_embeddings": False}, 14.3e9, 2.7e9),
+    "olmoe-1b-7b": ({"model_type": "olmoe", "vocab_size": 50304, "hidden_size": 2048, "intermediate_size": 1024,
+                     "num_hidden_layers": 16, "num_attention_heads": 16, "num_key_value_heads": 16,
+                     "num_experts": 64, "num_experts_per_tok": 8, "tie_word_embeddings": False}, 6.9e9, 1.3e9),
+}
+
+
+@pytest.mark.parametrize("name", PUBLISHED_MOE)
+def test_a_mixture_of_experts_counts_its_published_total_and_active_parameters(name):
+    config, total, active = PUBLISHED_MOE[name]
+    shape = TransformerShape.from_config(config)
+    # to the last digit published, a tenth of a billion (Qwen3's 3.35e9 is published as 3.3B: truncated)
+    assert shape.num_params == pytest.approx(total, abs=0.1e9)
+    assert shape.active_params == pytest.approx(active, abs=0.1e9)
+
+
+def test_a_mixture_of_experts_by_hand():
+    mixtral = TransformerShape.from_config(PUBLISHED_MOE["mixtral-8x7b"][0])
+    d, f, attention = 4096, 14336, 2 * 4096 * 4096 + 2 * 4096 * 1024
+    layer = attention + 8 * 3 * d * f + d * 8 + 2 * d  # attention, 8 experts, the router, two norms
+    assert (mixtral.n_experts, mixtral.experts_per_token, mixtral.ffn_dim) == (8, 2, f)
+    assert mixtral.num_params == 2 * 32000 * d + 32 * layer + d == 46_702_792_704
+    assert mixtral.active_params == mixtral.num_params - 32 * 6 * 3 * d * f
+    # torchtitan's convention for a mixture: 6 x the parameters a token reads, bar the embedding
+    assert mixtral.model_flops_per_token(4096) == 6 * (mixtral.active_params - 32000 * d) + 12 * 32 * d * 4096
+    # the experts' forward again inside their backward: 4 x 2 flops a weight; the rest 3 (+1 recomputed)
+    layers, experts, output, _ = mixtral.executed_flops_per_token(4096, "full")
+    assert experts == 32 * 2 * 2 * 3 * d * f * 4
+    assert layers == 32 * 2 * (attention + d * 8) * 4 and output == 2 * 32000 * d * 3
+    # Qwen2-MoE's shared expert and its gate: 3 x dim x width + dim, taken by every token
+    qwen = TransformerShape.from_config(PUBLISHED_MOE["qwen1.5-moe-a2.7b"][0])
+    assert qwen.layer_mlp_params == 60 * 3 * 2048 * 1408 + 2048 * 60 + 3 * 2048 * 5632 + 2048
+    assert qwen.active_params == qwen.num_params - 24 * 56 * 3 * 2048 * 1408
+
+
+def test_a_mixture_of_experts_counts_what_transformers_builds():
+    # each family built small on the meta device; what the shape leaves out is a few hundred weights
+    # a layer, by hand: Qwen2-MoE's q, k, v biases, Qwen3-MoE's per-head q and k norms, OLMoE's q and k
+    # norms over their whole width
+    import torch
+    import transformers
+
+    base = {"vocab_size": 1000, "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "num_experts_per_tok": 2}
+    cases = [(transformers.MixtralConfig, {"num_local_experts": 4}, 0),
+             (transformers.Qwen2MoeConfig, {"num_experts": 4, "moe_intermediate_size": 128,
+                                            "shared_expert_intermediate_size": 384}, 2 * (256 + 2 * 128)),
+             (transformers.Qwen3MoeConfig, {"num_experts": 4, "moe_intermediate_size": 128, "head_dim": 64},
+              2 * (64 + 64)),
+             (transformers.OlmoeConfig, {"num_experts": 4}, 2 * (256 + 128))]
+    for config_class, extra, left_out in cases:
+        config = config_class(**base, **extra)
+        with torch.device("meta"):
+            model = transformers.AutoModelForCausalLM.from_config(config)
+        shape = TransformerShape.from_config(config)
+        assert shape.n_experts == 4 and shape.num_params + left_out == sum(p.numel() for p in model.parameters()), \
+            config_class.__name__
+        # the same read from the config.json transformers writes
+        assert TransformerShape.from_config(config.to_dict()) == shape
+
+
+@pytest.mark.parametrize("extra, message", [
+    ({"model_type": "deepseek_v3", "n_routed_experts": 256, "num_experts_per_tok": 8},
+     "the config describes DeepSeek's mixture of experts (n_routed_experts=256), whose latent attention and dense "
+     "first layers are not a TransformerShape's. Plan this model from its own step instead: ndfunc.plan.plan_step."),
+    ({"model_type": "qwen2_moe", "num_experts": 60, "num_experts_per_tok": 4, "mlp_only_layers": [0, 1]},
+     "the config describes a mixture of experts whose layers differ (decoder_sparse_step=None, mlp_only_layers=[0, "
+     "1]: some take a dense MLP); a TransformerShape's layers are all alike. Plan this model from its own step "
+     "instead: ndfunc.plan.plan_step."),
+    ({"model_type": "gpt_oss", "num_local_experts": 32, "num_experts_per_tok": 4},
+     "the config describes a gpt_oss mixture of experts (num_local_experts=32); the closed forms know mixtral, "
+     "qwen2_moe, qwen3_moe, olmoe, whose layers are a TransformerShape's. Plan this model from its own step "
+     "instead: ndfunc.plan.plan_step."),
+    ({"num_local_experts": 8},
+     "the config describes a mixture of experts (num_local_experts=8) without num_experts_per_tok, the experts "
+     "each token takes. Plan this model from its own step instead: ndfunc.plan.plan_step."),
+])
+def test_a_mixture_of_experts_not_of_this_shape_says_what_to_use(extra, message):
+    base = {"vocab_size": 1000, "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2,
+            "num_attention_heads": 4}
+    with pytest.raises(ValueError, match="^" + re.escape(message) + "$"):
+        TransformerShape.from_config({**base, **extra})
+    with pytest.raises(ValueError, match=r"^TransformerShape: experts_per_token must be 1 to n_experts \(8\), got 9\.$"):
+        TransformerShape(1000, 256, 2, 4, 4, 512, n_experts=8, experts_per_token=9)
+    with pytest.raises(ValueError, match=r"^TransformerShape: experts_per_token \(2\) and shared_ffn_dim \(0\) "
+                                         r"describe a mixture of experts; give n_experts too\.$"):
+        TransformerShape(1000, 256, 2, 4, 4, 512, experts_per_token=2)
+
+
+def test_a_mixture_of_experts_is_priced_as_ndfunc_runs_it():
+    # The experts run on each rank's own tokens, their weights whole over tp: FSDP alone shards them
+    # (16 B a parameter), gathers a layer's every expert, and under TP their fp32 gradients (each
+    # rank's FSDP shard) are all-reduced over tp; the rest is split by Megatron's plan
+    mixtral = TransformerShape.from_config(PUBLISHED_MOE["mixtral-8x7b"][0])
+    experts = 32 * mixtral.layer_mlp_params
+    lay = Layout(dp_shard=4, tp=2)
+    mem = memory_per_rank(mixtral, lay, Options("full"), 4096)
+    assert mem.params + mem.grads + mem.optimizer == pytest.approx(
+        16 * ((mixtral.num_params - experts) / 8 + experts / 4), rel=REL)
+    layer = (mixtral.layer_params - mixtral.layer_mlp_params) / 2 + mixtral.layer_mlp_params
+    assert mem.gathered == pytest.approx(2 * layer * 2 + layer * 6, rel=REL)  # two units in bf16, one's gradient
+    # the experts' activations: the router's probabilities and the chosen experts, beside attention's
+    # (norms, q, k, v, attention output), and one layer's experts while they run
+    d, k = 4096, 1024
+    assert mixtral.activation_bytes_per_token("none") == 2 * (4 * d + 2 * d + 2 * k) + 4 * 8 + 12 * 2
+    assert mixtral.moe_rebuilt_bytes_per_token() == 2 * 2 * (2 * d + 4 * 14336)
+    none = memory_per_rank(mixtral, lay, Options("none"), 4096)
+    assert none.activations == pytest.approx(4096 / 2 * (32 * mixtral.activation_bytes_per_token("none")
+                                                         + mixtral.moe_rebuilt_bytes_per_token()), rel=REL)
+    c = Cluster.of("h100", 8, gpus_per_node=2)  # tp on NVLink, FSDP over the fabric
+    e = estimate(mixtral, lay, Options("full"), cluster=c, global_batch=4, seq_len=4096)
+    size = 4096 * d * 2
+    activations = (6 * 32 + 2) * 2 * size / 2  # Megatron's pairs, as a dense model's
+    assert e.intra_bytes == pytest.approx(activations + 2 * experts / 4 * 4 / 2, rel=REL)
+    dense = dataclasses.replace(mixtral, n_experts=0, experts_per_token=0)
+    assert estimate(dense, lay, Options("full"), cluster=c, global_batch=4, seq_len=4096).intra_bytes == \
+        pytest.approx(activations, rel=REL)
 
 
 def test_python_m_ndfunc_plan_prints_no_warning():
@@ -139,6 +272,9 @@ def test_cli_plans_a_hugging_face_config_json(tmp_path, capsys):
         "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "tie_word_embeddings": True}))
     main(["--model", str(tmp_path / "qwen-like.json"), "--gpus", "8", "--global-batch", "8", "--seq-len", "4096"])
     assert "qwen-like on 8 x H100-SXM-80GB" in capsys.readouterr().out
+    (tmp_path / "mixtral.json").write_text(json.dumps(PUBLISHED_MOE["mixtral-8x7b"][0]))  # a mixture of experts
+    main(["--model", str(tmp_path / "mixtral.json"), "--gpus", "64", "--global-batch", "256", "--seq-len", "4096"])
+    assert "mixtral on 64 x H100-SXM-80GB" in capsys.readouterr().out
     (tmp_path / "bad.json").write_text("{}")
     with pytest.raises(SystemExit):
         main(["--model", str(tmp_path / "bad.json"), "--gpus", "8", "--global-batch", "8", "--seq-len", "128"])

@@ -1,4 +1,5 @@
-"""ND-parallel layout planning: closed forms for Llama-shaped transformers, and any step's program.
+"""ND-parallel layout planning: closed forms for Llama-shaped transformers (dense or mixtures of experts),
+and any step's program.
 
 `plan`: give it a model shape, a cluster and a batch; it enumerates the layouts
 (dp_replicate x dp_shard x cp x tp) with the options that matter (remat, FSDP reshard and prefetch,

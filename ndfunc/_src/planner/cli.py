@@ -21,12 +21,13 @@ from ndfunc._src.planner.search import plan
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m ndfunc.plan",
-        description="Rank ND-parallel layouts (dp_replicate x dp_shard x cp x tp) of a Llama-shaped model by "
-                    "predicted step time; layouts that do not fit memory are dropped.",
+        description="Rank ND-parallel layouts (dp_replicate x dp_shard x cp x tp) of a Llama-shaped model (dense, "
+                    "or a mixture of experts) by predicted step time; layouts that do not fit memory are dropped.",
     )
     p.add_argument("--model", default="llama3-8b",
                    help=f"one of: {', '.join(model_names())}; or a Hugging Face config.json (or the directory "
-                        f"holding one) of a Llama-shaped model")
+                        f"holding one) of a Llama-shaped model: dense, or a mixture of experts (Mixtral, Qwen2-MoE, "
+                        f"Qwen3-MoE, OLMoE)")
     p.add_argument("--gpus", type=int, required=True, help="number of GPUs")
     p.add_argument("--gpus-per-node", type=int, default=8,
                    help="GPUs a node holds, joined by NVLink; nodes by the fabric (default %(default)s)")

@@ -4,7 +4,8 @@
 
 - compute = executed matmul flops / (peak x `Efficiency.matmul`) + executed attention flops /
   (bf16 peak x `Efficiency.attention`) (`TransformerShape.executed_flops_per_token`), the work
-  of `global_batch * seq_len / dp_size` tokens split over `cp x tp` ranks;
+  of `global_batch * seq_len / dp_size` tokens split over `cp x tp` ranks (a mixture's experts
+  at the bf16 peak under float8 too: they run in the compute dtype);
 - TP (Megatron with sequence parallelism): per layer an all-gather before and a reduce-scatter
   after attention and after the MLP, the same in backward and again in a full remat's recompute,
   each of `micro_batch * seq_len / cp * dim * 2 B`, plus one pair for embedding and output in
@@ -18,6 +19,9 @@
   embedding's and one layer's); without prefetch every all-gather waits;
 - HSDP: an fp32 all-reduce of each gradient shard over `dp_replicate`, behind compute like the
   reduce-scatter; plain DP (no sharding): one fp32 all-reduce per step behind the last backward;
+- a mixture of experts under TP: its MLP blocks' weights are whole over `tp` (each rank runs its
+  own tokens through them), so their fp32 gradients (each rank's FSDP shard of them) are
+  all-reduced over `tp` every micro-batch, behind compute like HSDP's, counted with TP's time;
 - the optimizer: AdamW reads weight, gradient and two moments and writes three (28 B per local
   parameter) at HBM bandwidth.
 """
@@ -140,10 +144,10 @@ def estimate(
 
     # compute: this rank's share of the batch's executed flops
     work = local * seq_len / (layout.cp * layout.tp)
-    layers, output, attention = model.executed_flops_per_token(seq_len, options.remat)
+    layers, experts, output, attention = model.executed_flops_per_token(seq_len, options.remat)
     mm_peak = dev.peak_fp8_flops if options.float8 else dev.peak_bf16_flops
     attention_time = work * attention / (dev.peak_bf16_flops * efficiency.attention)
-    compute = work * (layers / mm_peak + output / dev.peak_bf16_flops) / efficiency.matmul + attention_time
+    compute = work * (layers / mm_peak + (experts + output) / dev.peak_bf16_flops) / efficiency.matmul + attention_time
 
     # TP: all-gather + reduce-scatter pairs (an all-reduce's cost) on the critical path
     tokens = options.micro_batch * seq_len / layout.cp
@@ -164,35 +168,49 @@ def estimate(
 
     # FSDP (and HSDP's all-reduce of the shards), hidden behind compute where prefetch allows
     fsdp_time = dp_time = 0.0
-    params = model.num_params / layout.tp
+    behind = 0.0  # compute time the collectives hidden behind it take (DDP's: of the last backward)
+    params = model.local_params(layout.tp)
     if layout.fsdp_size > 1:
         n, link = layout.fsdp_size, layout.link("fsdp", cluster)
         gathers = 2 if options.reshard_after_forward else 1
         gather, reduce = link.all_gather(n, params * options.compute_bytes), link.reduce_scatter(n, params * FP32)
         # the first units gathered and the last reduced (the embedding's and one layer's) have no
         # compute to hide behind; without prefetch no all-gather has
-        edge = (model.embedding_params + model.layer_params) / layout.tp
+        edge = model.embedding_params / layout.tp + model.local_layer_params(layout.tp)
         first, last = link.all_gather(n, edge * options.compute_bytes), link.reduce_scatter(n, edge * FP32)
         if options.prefetch:
             exposed, hidden = first + last, gathers * gather + reduce - first - last
         else:
             exposed, hidden = gathers * gather + last, reduce - last
         fsdp_time = accum * exposed + max(0.0, accum * hidden - compute)
+        behind = accum * hidden
         traffic[level("fsdp")] += accum * (gathers * params * options.compute_bytes + params * FP32) * (n - 1) / n
         if layout.dp_replicate > 1:  # HSDP: all-reduce each fp32 gradient shard across replicas
             size = params / n * FP32
             rep = layout.link("dp_replicate", cluster)
-            budget = max(0.0, compute - accum * hidden)
-            dp_time = max(0.0, accum * rep.all_reduce(layout.dp_replicate, size) - budget)
+            budget = max(0.0, compute - behind)
+            busy = accum * rep.all_reduce(layout.dp_replicate, size)
+            dp_time, behind = max(0.0, busy - budget), behind + busy
             traffic[level("dp_replicate")] += accum * 2 * size * (layout.dp_replicate - 1) / layout.dp_replicate
     elif layout.dp_replicate > 1:  # DDP: one all-reduce per step, behind the last backward
         rep, r = layout.link("dp_replicate", cluster), layout.dp_replicate
         last_backward = compute / accum * 2 / 3
-        tail = rep.all_reduce(r, model.layer_params / layout.tp * FP32)
+        tail = rep.all_reduce(r, model.local_layer_params(layout.tp) * FP32)
         dp_time = tail + max(0.0, rep.all_reduce(r, params * FP32) - last_backward)
+        behind = min(last_backward, rep.all_reduce(r, params * FP32))
         traffic[level("dp_replicate")] += 2 * params * FP32 * (r - 1) / r
 
-    local_params = model.num_params / (layout.fsdp_size * layout.tp)
+    whole = model.n_layers * model.layer_whole_over_tp_params
+    if layout.tp > 1 and whole:  # a mixture's MLP blocks, whole over tp: their gradients summed there
+        size, link = whole / layout.fsdp_size * FP32, layout.link("tp", cluster)
+        if layout.fsdp_size > 1:  # each micro-batch's shards, behind compute as HSDP's
+            rounds, budget = accum, max(0.0, compute - behind)
+        else:  # once a step, behind the last backward (as DDP's, which goes first)
+            rounds, budget = 1, max(0.0, compute / accum * 2 / 3 - behind)
+        tp_time += max(0.0, rounds * link.all_reduce(layout.tp, size) - budget)
+        traffic[level("tp")] += rounds * 2 * size * (layout.tp - 1) / layout.tp
+
+    local_params = model.local_params(layout.tp) / layout.fsdp_size
     optimizer = local_params * ADAM_BYTES_PER_PARAM / dev.memory_bandwidth
     time = StepTime(compute, tp_time, cp_time, fsdp_time, dp_time, optimizer)
     memory = memory_per_rank(model, layout, options, seq_len)

@@ -29,14 +29,17 @@ class Memory:
     """Bytes one rank holds at its peak, term by term.
 
     - `params`, `grads`, `optimizer`: `num_params * (4 + 4 + 8) / (fsdp_size * tp)` (replicated
-      over `dp_replicate`).
+      over `dp_replicate`); a mixture of experts' MLP blocks over `fsdp_size` alone, whole over tp
+      (`TransformerShape.local_params`).
     - `gathered`: FSDP's bf16 full layers: `(2 if prefetch else 1) * unit * 2 B / tp`, unit the
       larger of one layer and the embedding, plus one layer's unsharded bf16 gradient and its fp32
       copy for the reduce-scatter (6 B per parameter); without reshard-after-forward every layer
-      stays gathered from forward to backward (`n_layers * layer * 2 B / tp`). 0 without FSDP.
+      stays gathered from forward to backward (`n_layers * layer * 2 B / tp`). 0 without FSDP. A
+      mixture's layer is gathered with every expert, whole over tp (`local_layer_params`).
     - `activations`: `micro_batch * seq_len / cp` tokens x `n_layers` x
       `TransformerShape.activation_bytes_per_token(remat) / tp`; under full remat plus one layer
-      rebuilt at a time (`none` bytes).
+      rebuilt at a time (`none` bytes); a mixture's experts plus what one layer of them holds
+      while they run (`moe_rebuilt_bytes_per_token`, its tokens split over tp too).
     - `logits`: `micro_batch * seq_len / cp * vocab / tp * 10 B` (loss-parallel output under TP).
     - `overhead`: the fixed allowance.
     """
@@ -67,20 +70,20 @@ def memory_per_rank(model: TransformerShape, layout: Layout, options: Options, s
         >>> mem.params + mem.grads + mem.optimizer == 16 * m.num_params / 8
         True
     """
-    shards = layout.fsdp_size * layout.tp
-    p = model.num_params / shards
+    p = model.local_params(layout.tp) / layout.fsdp_size
     gathered = 0.0
     if layout.fsdp_size > 1:
-        unit = max(model.layer_params, model.embedding_params) / layout.tp
-        gathered = (2 if options.prefetch else 1) * unit * options.compute_bytes + \
-            model.layer_params / layout.tp * (options.compute_bytes + 4)
+        layer = model.local_layer_params(layout.tp)
+        unit = max(layer, model.embedding_params / layout.tp)
+        gathered = (2 if options.prefetch else 1) * unit * options.compute_bytes + layer * (options.compute_bytes + 4)
         if not options.reshard_after_forward:
-            gathered += model.n_layers * model.layer_params / layout.tp * options.compute_bytes
+            gathered += model.n_layers * layer * options.compute_bytes
     tokens = options.micro_batch * seq_len / layout.cp
     per_layer = model.activation_bytes_per_token(options.remat, options.compute_bytes)
     activations = tokens * model.n_layers * per_layer / layout.tp
     if options.remat == "full":
         activations += tokens * model.activation_bytes_per_token("none", options.compute_bytes) / layout.tp
+    activations += tokens * model.moe_rebuilt_bytes_per_token(options.compute_bytes) / layout.tp
     logits = tokens * model.vocab_size / layout.tp * LOGIT_BYTES
     return Memory(
         params=4 * p, grads=4 * p, optimizer=(STATE_BYTES_PER_PARAM - 8) * p, gathered=gathered,
