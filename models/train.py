@@ -150,14 +150,16 @@ def hf_model(model: torch.nn.Module, mesh):
     return type(model).__name__, params, specs, loss, sum(p.numel() for p in params.values())
 
 
-def abstract_hf_model(hf_config, mesh) -> tuple[dict, object]:
+def abstract_hf_model(hf_config, mesh, remat: str = "none") -> tuple[dict, object]:
     """(parameters, loss(params, batch)) of transformers' causal LM for `hf_config` (a transformers
     config, e.g. `AutoConfig.from_pretrained(path)`), as `hf_model` gives them, its parameters as
     `nf.ShapeDtypeStruct` stand-ins laid out on `mesh` (an `AbstractMesh` will do) by the model's
     TP plan and FSDP over dp_shard: made on the meta device, nothing of its size allocated (its
     buffers, rotary tables, made empty: no value changes the program). Built as `load_hf_model`
     builds the job's (`hf_implementations`, out of training mode), so the program planned is the one
-    trained. To plan a Hugging Face model on a cluster you do not have (`nf.plan.plan_step`)."""
+    trained, each decoder layer recomputed in backward under `remat` ('full' or 'save_dots', as
+    `--remat` does: `remat_hf_layers`). To plan a Hugging Face model on a cluster you do not have
+    (`nf.plan.plan_step`)."""
     import transformers
 
     with torch.device("meta"):
@@ -165,6 +167,8 @@ def abstract_hf_model(hf_config, mesh) -> tuple[dict, object]:
     for name, buffer in list(model.named_buffers()):
         owner, _, leaf = name.rpartition(".")
         model.get_submodule(owner).register_buffer(leaf, torch.empty(buffer.shape, dtype=buffer.dtype))
+    if remat != "none":
+        remat_hf_layers(model, remat)
     _, params, specs, loss, _ = hf_model(model, mesh)
     stand_ins = {k: nf.ShapeDtypeStruct(tuple(v.shape), v.dtype, sharding=NamedSharding(mesh, specs[k]))
                  for k, v in params.items()}

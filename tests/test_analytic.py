@@ -422,3 +422,29 @@ def test_a_mixture_of_experts_step_lands_on_the_planners_closed_forms(strategy):
     assert moved[inner] == pytest.approx(planned.intra_bytes, rel=0.05)
     if outer:
         assert moved[outer] == pytest.approx(planned.inter_bytes, rel=0.05)
+
+
+@pytest.mark.parametrize("remat", ["none", "full"])
+def test_a_mixture_of_experts_step_executes_the_planners_flops(remat):
+    # the flops `cost_analysis` counts in a rank's program (a small Mixtral under FSDP over 4 ranks,
+    # its layers recomputed or not, as the job's --remat does) against what `nf.plan` prices: the
+    # experts' forward made again inside their backward, and once more where a layer is recomputed
+    transformers = pytest.importorskip("transformers")
+    from models import train
+    from ndfunc.plan import TransformerShape
+
+    hf = transformers.MixtralConfig(vocab_size=32000, hidden_size=1024, intermediate_size=3584, num_hidden_layers=2,
+                                    num_attention_heads=8, num_key_value_heads=2, num_local_experts=8,
+                                    num_experts_per_tok=2)
+    config, seq = nf.ParallelConfig(1, 4, 1, 1), 1024
+    mesh = config.build_abstract_mesh()
+    params, loss = train.abstract_hf_model(hf, mesh, remat)
+    opt = nf.optim.adamw(3e-4)
+    state = opt.init(params)
+    laid_out = optree.tree_map(nf.sharding_of, (params, state))
+    step = nf.jit(train.make_loss_step(loss, opt), mesh=mesh, out_shardings=(*laid_out, P()),
+                  transforms=[nf.fsdp("dp_shard")])
+    lowered = step.lower(params, state, train.abstract_batch(config, mesh, 4, seq))
+    planned = sum(TransformerShape.from_config(hf).executed_flops_per_token(seq, remat)) * seq  # a sequence a rank
+    # the program's attention counts every block, the plan's the causal half: 3% of the step here
+    assert lowered.cost_analysis()["flops"] == pytest.approx(planned, rel=0.05)

@@ -214,9 +214,8 @@ class TransformerShape:
 
         Matmuls: `2 * params * (3 + r)`, `r = 1` when a full remat recomputes each layer's forward
         (the output projection is outside the layers and never recomputed). The experts a token
-        takes (`experts_per_token x 3 dim x ffn_dim`): `2 * params * 4`, their forward made once
-        more inside their backward (`ndfunc::experts_backward`) and read by nothing a remat
-        recomputes. Attention: a causal flash kernel skips the masked half, so
+        takes (`experts_per_token x 3 dim x ffn_dim`): `2 * params * (4 + r)`, their forward made
+        once more inside their backward (`ndfunc::experts_backward`). Attention: a causal flash kernel skips the masked half, so
         `2 * 2 * L * q_dim * S / 2` forward, times `3 + r`. `selective` keeps every matmul and
         attention output, so it recomputes no matmul.
         """
@@ -226,7 +225,7 @@ class TransformerShape:
         layers = 2 * self.n_layers * (self.layer_linear_params - self.layer_inactive_params - experts) * (3 + r)
         output = 2 * self.vocab_size * self.dim * 3
         attention = 2 * self.n_layers * self.q_dim * seq_len * (3 + r)
-        return float(layers), float(2 * self.n_layers * experts * 4), float(output), float(attention)
+        return float(layers), float(2 * self.n_layers * experts * (4 + r)), float(output), float(attention)
 
     def activation_bytes_per_token(self, remat: str, element_bytes: int = BF16) -> float:
         """Bytes one layer keeps per token for backward, unsharded (bf16 unless `element_bytes`
