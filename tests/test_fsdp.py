@@ -404,3 +404,40 @@ def test_gradient_reductions_are_waited_for_in_turn_so_gradients_are_not_held_to
     expected = train.make_step(cfg, opt)(params, opt.init(params), batch)
     for a, b in zip(optree.tree_leaves(got), optree.tree_leaves(expected)):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=2e-5)
+
+
+def test_a_weight_gathered_over_two_axes_is_prefetched_whole():
+    # Weights stored split over dp by rows and over tp by columns, a batch split over both: the
+    # partitioner runs each layer data-parallel, its weight gathered over tp, then over dp (one
+    # chain, FSDP's unit over several axes). Prefetched, the last gather is in flight over the
+    # layer before's matmul, as a gather over one axis is; it was issued just before its own use.
+    params, opt, step, _, _ = setup()
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(32 * B, D, generator=g), torch.randn(32 * B, D, generator=g)  # activations outweigh weights
+    expected = step(params, opt.init(params), x, y)
+    with nf.simulate(4):
+        mesh = nf.make_mesh(dp=2, tp=2)
+        specs = optree.tree_map(lambda _: P("dp", "tp"), params)
+        state = opt.init(params)
+        sspecs = nf.optim.state_shardings(state, specs)
+        put = lambda t, s: nf.device_put(t, optree.tree_map(lambda q: NamedSharding(mesh, q), s,  # noqa: E731
+                                                             is_leaf=lambda q: isinstance(q, P)))
+        f = nf.jit(step, mesh=mesh, in_shardings=(specs, sspecs, P(("dp", "tp")), P(("dp", "tp"))),
+                   out_shardings=(specs, sspecs, P()), transforms=[nf.fsdp("dp", bucket_bytes=0)])
+        args = (put(params, specs), put(state, sspecs), x, y)
+        nodes = list(f.lower(*args).program.local.graph.nodes)
+        got = nf.device_get(f(*args))
+    for a, b in zip(optree.tree_leaves(got), optree.tree_leaves(expected)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    matmuls = [i for i, n in enumerate(nodes) if n.target is torch.ops.aten.mm.default]
+    gathers = [(i, n) for i, n in enumerate(nodes) if n.target is torch.ops._c10d_functional.all_gather_into_tensor.default]
+    last = []  # matmuls while each chain's gather over dp is in flight, in program order
+    for i, n in gathers:
+        if comm(n).axes == ("dp",):
+            before = n.args[0]  # a chain: it gathers what a gather over tp made (laid out by views)
+            while before.target is not torch.ops._c10d_functional.wait_tensor.default:
+                before = before.args[0]
+            assert comm(before.args[0]).axes == ("tp",)
+            (wait,) = n.users
+            last.append(sum(i < m < nodes.index(wait) for m in matmuls))
+    assert last[:N_LAYERS] == [0, 1, 1, 1]  # the forward's; before, [0, 0, 0, 0]

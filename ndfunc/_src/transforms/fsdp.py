@@ -281,14 +281,25 @@ def _prefetch(gm, gathers: list[_Gather], k: int, module: dict, also: list[tuple
         else:
             layers.append([(read, g, name)])
     for i, layer in enumerate(layers):
-        # the first k layers: all issued, in order, where the first is first read
-        anchor = layers[max(i - k, 0)][0][0]
         for _, g, _ in layer:
-            if g is not None and index[anchor] < index[g.start]:
-                for v in _views_of_source(g.start.args[0]):  # the parameter as sent, if made later
+            if g is None:
+                continue
+            # a gather over several axes (a weight stored split over dp_shard and gathered over tp
+            # too, or over dp_shard and cp) is a pipeline of stages, each reading the last: the
+            # last is issued where layer i - k is first read, each one before it a layer earlier,
+            # so that stage's wait (moved with the next stage's issue) finds it done. The first k
+            # layers' are issued, in order, where the first is first read.
+            stages = [j for j, n in enumerate(g.chain) if n.target is c10d.all_gather_into_tensor.default]
+            for s, j in enumerate(stages):
+                anchor = layers[max(i - k - (len(stages) - 1 - s), 0)][0][0]
+                if index[anchor] >= index[g.chain[j]]:
+                    continue
+                # the parameter as sent (if made later), else what the last stage made of it
+                before = _views_of_source(g.start.args[0]) if s == 0 else g.chain[stages[s - 1] + 1:j]
+                for v in before:
                     if index[v] > index[anchor]:
                         _move_before(v, anchor, index)
-                _move_before(g.start, anchor, index)  # issued there; its wait stays where it was
+                _move_before(g.chain[j], anchor, index)  # issued there; the last wait stays where it was
 
 
 def _move_before(node: torch.fx.Node, anchor: torch.fx.Node, index: dict) -> None:
