@@ -11,6 +11,7 @@ from test_matrix import MATRIX, run_sharded, setup
 
 import ndfunc as nf
 from models import llama
+from ndfunc._src.partition.program import comm
 
 c10d = torch.ops._c10d_functional
 
@@ -76,6 +77,23 @@ def test_a_gradient_summed_in_fp32_reaches_its_fp32_parameter_unrounded():
                       in_shardings=(nf.sharding.P(), nf.sharding.P("dp")), out_shardings=nf.sharding.P(),
                       transforms=[nf.mixed_precision(torch.bfloat16, torch.float32)])
         got = nf.device_get(grad(torch.ones(4), x))
+    assert got.dtype == torch.float32 and torch.equal(got, torch.full((4,), 1 + 3 * 2.0**-9))
+
+
+def test_a_gradient_summed_over_two_axes_in_turn_is_not_rounded_between_them():
+    # as above, each rank's row of x a bf16-exact gradient, the weight stored split over dp and
+    # replicated over tp: its gradient is reduce-scattered over dp, then all-reduced over tp, both
+    # in fp32. Rounded to bf16 between the two (as each reduction's sum was cast back to the bf16
+    # it came in), 1 + 2**-9 becomes 1 and the parameter gets 1 + 2**-8, not 1 + 3 * 2**-9
+    x = torch.tensor([[1.0] * 4] + [[2.0**-9] * 4] * 3)
+    with nf.simulate(4):
+        grad = nf.jit(nf.grad(lambda w, x: (x @ w).sum()), mesh=nf.make_mesh(dp=2, tp=2),
+                      in_shardings=(nf.sharding.P("dp"), nf.sharding.P(("dp", "tp"))), out_shardings=nf.sharding.P("dp"),
+                      transforms=[nf.mixed_precision(torch.bfloat16, torch.float32)])
+        sums = [(n.target, comm(n).axes) for n in grad.lower(torch.ones(4), x).program.local.graph.nodes
+                if n.target in (c10d.reduce_scatter_tensor.default, c10d.all_reduce.default)]
+        got = nf.device_get(grad(torch.ones(4), x))
+    assert sums == [(c10d.reduce_scatter_tensor.default, ("dp",)), (c10d.all_reduce.default, ("tp",))]
     assert got.dtype == torch.float32 and torch.equal(got, torch.full((4,), 1 + 3 * 2.0**-9))
 
 

@@ -24,6 +24,17 @@ def reduce_in(gm: torch.fx.GraphModule, dtype: torch.dtype, axes: tuple[str, ...
                     or (only_from is not None and given != only_from)):
                 continue
             (wait,) = node.users
+            source = node.args[0]
+            if _cast_to(source, given) and _summed_in(source.args[0], dtype):
+                # the sum of a reduction before (over another axis: dp_shard, then tp) cast back
+                # to `given`: summed on as it came, not rounded to `given` and up again
+                node.replace_input_with(source, source.args[0])
+                if not source.users:
+                    gm.graph.erase_node(source)
+                prog.set_comm(node, comm.in_dtype(dtype))
+                changed += 1
+                _take_as_summed(gm, wait, dtype, given)
+                continue
             with gm.graph.inserting_before(node):
                 cast = gm.graph.call_function(aten._to_copy.default, (node.args[0],), {"dtype": dtype})
             sent = prog.shape_dtype(node.args[0])
@@ -31,22 +42,35 @@ def reduce_in(gm: torch.fx.GraphModule, dtype: torch.dtype, axes: tuple[str, ...
                 prog.note_local(cast, sent[0], dtype)
             node.replace_input_with(node.args[0], cast)
             prog.set_comm(node, comm.in_dtype(dtype))
-            readers = list(wait.users)
-            if rest := [u for u in readers if not _cast_to(u, dtype)]:
-                with gm.graph.inserting_after(wait):
-                    back = gm.graph.call_function(aten._to_copy.default, (wait,), {"dtype": given})
-                for u in rest:
-                    u.replace_input_with(wait, back)
-            for up in readers:
-                if up not in rest:
-                    # the step casts the sum up to `dtype` itself (a bf16 gradient's way back to its
-                    # fp32 parameter): it takes the sum as it came, not rounded to `given` and back
-                    up.replace_all_uses_with(wait)
-                    gm.graph.erase_node(up)
+            _take_as_summed(gm, wait, dtype, given)
             changed += 1
     if changed:
         gm.recompile()
     return changed
+
+
+def _take_as_summed(gm: torch.fx.GraphModule, wait: torch.fx.Node, dtype: torch.dtype, given: torch.dtype) -> None:
+    """The readers of a sum made in `dtype` (`wait`) read it cast back to `given`, except those
+    that cast it up to `dtype` themselves (a bf16 gradient's way back to its fp32 parameter): they
+    take the sum as it came, not rounded to `given` and back."""
+    readers = list(wait.users)
+    if rest := [u for u in readers if not _cast_to(u, dtype)]:
+        with gm.graph.inserting_after(wait):
+            back = gm.graph.call_function(aten._to_copy.default, (wait,), {"dtype": given})
+        for u in rest:
+            u.replace_input_with(wait, back)
+    for up in readers:
+        if up not in rest:
+            up.replace_all_uses_with(wait)
+            gm.graph.erase_node(up)
+
+
+def _summed_in(node: torch.fx.Node, dtype: torch.dtype) -> bool:
+    """Whether `node` waits for a reduction that sums in `dtype` (one `reduce_in` changed)."""
+    if node.target is not torch.ops._c10d_functional.wait_tensor.default:
+        return False
+    comm = prog.comm(node.args[0])
+    return comm is not None and comm.dtype == dtype
 
 
 def _cast_to(node: torch.fx.Node, dtype: torch.dtype) -> bool:
