@@ -97,6 +97,36 @@ def test_a_gradient_summed_over_two_axes_in_turn_is_not_rounded_between_them():
     assert got.dtype == torch.float32 and torch.equal(got, torch.full((4,), 1 + 3 * 2.0**-9))
 
 
+def test_gradients_summed_over_dp_shard_then_tp_stay_in_fp32_between_the_two():
+    # Llama 3 8B's layer on dp_shard 8 x tp 2, shape-only, 4 sequences a rank: the partitioner runs
+    # the MLP data-parallel over tp (its weights gathered over both axes), so their gradients are
+    # reduce-scattered over dp_shard, laid out rank by rank, then reduce-scattered over tp. Each
+    # sum is fp32 and so is what passes between them: no cast to bf16 and back
+    from models import train
+
+    cfg = llama.LlamaConfig.llama3_8b(n_layers=1, remat="full")
+    lowered = train.lower_abstract(cfg, nf.ParallelConfig(1, 8, 1, 2), 4096,
+                                   [nf.mixed_precision(torch.bfloat16, torch.float32)], 4)
+    lowered.program.ensure_meta()
+    sums = (c10d.reduce_scatter_tensor.default, c10d.all_reduce.default)
+    aten = torch.ops.aten
+    passing = (aten.view.default, aten.reshape.default, aten.permute.default, aten.clone.default, aten.t.default,
+               aten._to_copy.default)  # a sum laid out for the next, and cast
+    chained = []  # (the first sum, the ops between, the second)
+    for n in lowered.program.local.graph.nodes:
+        if n.target in sums:
+            between, x = [], n.args[0]
+            while x.op == "call_function" and x.target in passing:
+                between.append(x)
+                x = x.args[0]
+            if x.target is c10d.wait_tensor.default and x.args[0].target in sums:
+                chained.append((x.args[0], between, n))
+    assert len(chained) >= 3  # w1, w2 and w3 at least
+    for first, between, second in chained:
+        assert comm(first).dtype == comm(second).dtype == torch.float32
+        assert all(b.meta["val"].dtype == torch.float32 for b in between), [b.target for b in between]
+
+
 def test_the_program_computes_in_bf16_and_sums_gradients_in_fp32():
     cfg, opt, step, params, batches = setup()
     config = nf.ParallelConfig(1, 4, 1, 1)

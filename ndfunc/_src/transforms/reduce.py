@@ -8,6 +8,10 @@ from ndfunc._src.partition import program as prog
 from ndfunc._src.partition.passes.schedule import REDUCTIONS
 
 aten = torch.ops.aten
+# ops that lay a value out without changing it, in any dtype: what the lowering writes between two
+# reductions of one gradient (the sum over one axis split rank by rank for the next)
+_LAYOUT_ONLY = (aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.permute.default,
+                aten.transpose.int, aten.t.default, aten.clone.default, aten.contiguous.default)
 
 
 def reduce_in(gm: torch.fx.GraphModule, dtype: torch.dtype, axes: tuple[str, ...] | None = None,
@@ -24,13 +28,23 @@ def reduce_in(gm: torch.fx.GraphModule, dtype: torch.dtype, axes: tuple[str, ...
                     or (only_from is not None and given != only_from)):
                 continue
             (wait,) = node.users
+            laid_out = []  # views and copies between the value reduced and a cast before them
             source = node.args[0]
+            while source.target in _LAYOUT_ONLY and len(source.users) == 1:
+                laid_out.append(source)
+                source = source.args[0]
             if _cast_to(source, given) and _summed_in(source.args[0], dtype):
                 # the sum of a reduction before (over another axis: dp_shard, then tp) cast back
-                # to `given`: summed on as it came, not rounded to `given` and up again
-                node.replace_input_with(source, source.args[0])
+                # to `given`, laid out for this one: summed on as it came, not rounded to `given`
+                # and up again
+                (laid_out[-1] if laid_out else node).replace_input_with(source, source.args[0])
                 if not source.users:
                     gm.graph.erase_node(source)
+                for n in laid_out:  # now in `dtype`
+                    made = prog.shape_dtype(n)
+                    n.meta.pop("val", None)
+                    if made is not None:
+                        prog.note_local(n, made[0], dtype)
                 prog.set_comm(node, comm.in_dtype(dtype))
                 changed += 1
                 _take_as_summed(gm, wait, dtype, given)
