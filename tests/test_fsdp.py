@@ -441,3 +441,40 @@ def test_a_weight_gathered_over_two_axes_is_prefetched_whole():
             (wait,) = n.users
             last.append(sum(i < m < nodes.index(wait) for m in matmuls))
     assert last[:N_LAYERS] == [0, 1, 1, 1]  # the forward's; before, [0, 0, 0, 0]
+
+
+def test_a_hugging_face_models_weights_gathered_over_two_axes_are_prefetched():
+    # transformers' Mixtral (3 layers, small) on dp_shard 2 x tp 2, 8 sequences a rank: the
+    # partitioner gathers weights over tp, lays the result out (views, copies) and gathers it over
+    # dp_shard. Each such chain is one FSDP unit: its gather over dp_shard is in flight over the
+    # layer before's matmuls. It was read as two gathers, the second issued just before its use.
+    transformers = pytest.importorskip("transformers")
+    from models import train
+
+    hf = transformers.MixtralConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                                    num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                                    num_experts_per_tok=2)
+    config = nf.ParallelConfig(1, 2, 1, 2)
+    mesh = config.build_abstract_mesh()
+    params, loss = train.abstract_hf_model(hf, mesh)
+    opt = nf.optim.adamw(3e-4)
+    state = opt.init(params)
+    laid_out = optree.tree_map(nf.sharding_of, (params, state))
+    step = nf.jit(train.make_loss_step(loss, opt), mesh=mesh, out_shardings=(*laid_out, P()),
+                  transforms=[nf.fsdp("dp_shard", bucket_bytes=0), nf.mixed_precision(torch.bfloat16, torch.float32)])
+    nodes = list(step.lower(params, state, train.abstract_batch(config, mesh, 16, 64)).program.local.graph.nodes)
+    c10d = torch.ops._c10d_functional
+    matmuls = [i for i, n in enumerate(nodes) if n.target is torch.ops.aten.mm.default]
+    second = []  # matmuls in flight over each gather over dp_shard of what a gather over tp made
+    for i, n in enumerate(nodes):
+        if n.target is c10d.all_gather_into_tensor.default and comm(n).axes == ("dp_shard",):
+            x = n.args[0]
+            while (x.op == "call_function" and x.target is not c10d.wait_tensor.default
+                   and isinstance(x.args[0], torch.fx.Node)):
+                x = x.args[0]
+            if x.target is c10d.wait_tensor.default and comm(x.args[0]).axes == ("tp",):
+                (wait,) = n.users
+                second.append(sum(i < m < nodes.index(wait) for m in matmuls))
+    # all but a few in flight: the first layer's, issued at the head, and the first regathered for
+    # backward, issued where the forward ends (before: every one of them at 0)
+    assert len(second) > 10 and sum(m == 0 for m in second) <= 3, second

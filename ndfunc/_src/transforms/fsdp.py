@@ -135,16 +135,22 @@ class _Gather:
 
 def _parameter_gathers(gm: torch.fx.GraphModule) -> list[_Gather]:
     """All-gathers of program inputs (through views), with the nodes that finish them (a gather
-    over several axes is one per axis, each reading the last: one chain)."""
+    over several axes is one per axis, each reading the last, through the views and copies that
+    lay it out for the next: one chain)."""
     found = []
     for start in gm.graph.find_nodes(op="call_function", target=c10d.all_gather_into_tensor.default):
         if _source(start.args[0]).op != "placeholder" or prog.comm(start) is None:
             continue
         chain = [start]
         value = _finish(start, chain)
-        while (user := _only_user(value)) is not None and (
-                user.target is c10d.all_gather_into_tensor.default and prog.comm(user) is not None):
-            chain.append(user)  # the gather over the next axis
+        while True:
+            laid_out, user = [], _only_user(value)
+            while user is not None and user.target in _VIEWS:
+                laid_out.append(user)
+                user = _only_user(user)
+            if user is None or user.target is not c10d.all_gather_into_tensor.default or prog.comm(user) is None:
+                break
+            chain += [*laid_out, user]  # the gather over the next axis
             value = _finish(user, chain)
         found.append(_Gather(start, chain, value))
     return found
