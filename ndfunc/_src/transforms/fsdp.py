@@ -15,7 +15,8 @@ too (`nf.fsdp('dp_shard')` under rules that shard over `('dp_shard', 'cp')`: one
   the last block: its backward gather would be issued where its forward ends);
 - prefetch: a layer's all-gathers are issued where the layer `prefetch` places earlier first reads
   its gathered parameters (each wait stays at its own first use), so the transfers overlap that
-  layer's compute;
+  layer's compute; a chain's gathers (over tp, then dp_shard: a weight the partitioner runs whole
+  over both) a layer apart, the last there, each one before it a layer earlier;
 - reduce_dtype: gradients are reduce-scattered in that dtype (cast before, cast back after);
 - buckets: the gathers of one layer's parameters (those whose paths agree up to the last list
   index, `layers.3.`, as FSDP2 wraps each block) issued one after another become one all-gather
