@@ -195,16 +195,19 @@ def test_train_under_torchrun_matches_the_simulated_run(tmp_path, monkeypatch):
 
 
 @pytest.mark.gloo
-def test_a_mixture_of_experts_under_torchrun_matches_the_simulated_run(tmp_path):
+@pytest.mark.parametrize("extra", [[], ["--mixed-precision", "bf16", "--fsdp-schedule"]], ids=["fp32", "bf16_fsdp"])
+def test_a_mixture_of_experts_under_torchrun_matches_the_simulated_run(tmp_path, extra):
     # transformers' Mixtral as it is (its experts' grouped matmuls): each rank runs its own tokens
-    # through the experts (`ndfunc::experts`), made by transformers' implementation on the rank
+    # through the experts (`ndfunc::experts`), made by transformers' implementation on the rank;
+    # and in bf16 under nf.fsdp's schedule, whose weights gathered over tp, then dp_shard, are
+    # prefetched as one unit and whose gradients summed over both stay fp32 between the two
     config = transformers.MixtralConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                         num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
                                         num_experts_per_tok=2)
     torch.manual_seed(0)
     transformers.MixtralForCausalLM(config).save_pretrained(tmp_path / "model")
     flags = ["--hf-model", str(tmp_path / "model"), "--steps", "2", "--dp-shard", "2", "--cp", "1", "--tp", "2",
-             "--log-every", "1", *QUICK]
+             "--log-every", "1", *QUICK, *extra]
     simulated = train.main(flags)
     proc = torchrun(pathlib.Path(train.__file__), *flags)
     real = [float(x) for x in re.findall(r"loss (\d\.\d+)  ", proc.stdout)]
