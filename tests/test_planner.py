@@ -193,6 +193,9 @@ def test_a_mixture_of_experts_not_of_this_shape_says_what_to_use(extra, message)
             "num_attention_heads": 4}
     with pytest.raises(ValueError, match="^" + re.escape(message) + "$"):
         TransformerShape.from_config({**base, **extra})
+
+
+def test_a_mixture_of_experts_shape_checks_its_fields():
     with pytest.raises(ValueError, match=r"^TransformerShape: experts_per_token must be 1 to n_experts \(8\), got 9\.$"):
         TransformerShape(1000, 256, 2, 4, 4, 512, n_experts=8, experts_per_token=9)
     with pytest.raises(ValueError, match=r"^TransformerShape: experts_per_token \(2\) and shared_ffn_dim \(0\) "
