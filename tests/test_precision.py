@@ -4,6 +4,8 @@ bf16, differentiated with respect to the fp32 parameters."""
 
 from __future__ import annotations
 
+import operator
+
 import optree
 import pytest
 import torch
@@ -80,6 +82,31 @@ def test_a_gradient_summed_in_fp32_reaches_its_fp32_parameter_unrounded():
     assert got.dtype == torch.float32 and torch.equal(got, torch.full((4,), 1 + 3 * 2.0**-9))
 
 
+def test_a_bucket_of_gradients_reaches_its_fp32_parameters_unrounded():
+    # as above, under nf.fsdp: a layer's two gradients are reduce-scattered as one bucket in fp32,
+    # then cut into their pieces; each piece reaches its fp32 parameter as summed, 1 + 3 * 2**-9,
+    # where the bucket was cast back to bf16 before the cut and each piece up again (1 + 2**-7)
+    P = nf.sharding.P
+    x = torch.tensor([[1.0] * 4] + [[2.0**-9] * 4] * 3)
+    params = {"layers": [{"a": torch.ones(4, 4), "b": torch.ones(4, 4)}]}
+    specs = {"layers": [{"a": P("dp"), "b": P("dp")}]}
+
+    def loss(p, x):
+        layer = p["layers"][0]
+        x = x.to(layer["a"].dtype)
+        return (x @ layer["a"]).sum() + (x @ layer["b"]).sum()
+
+    with nf.simulate(4):
+        grad = nf.jit(nf.grad(loss), mesh=nf.make_mesh(dp=4), in_shardings=(specs, P("dp")), out_shardings=specs,
+                      transforms=[nf.fsdp("dp"), nf.mixed_precision(torch.bfloat16, torch.float32)])
+        sums = [n for n in grad.lower(params, x).program.local.graph.nodes
+                if n.target is c10d.reduce_scatter_tensor.default]
+        got = nf.device_get(grad(params, x))
+    assert len(sums) == 1 and comm(sums[0]).dtype == torch.float32  # one bucket, summed in fp32
+    for g in (got["layers"][0]["a"], got["layers"][0]["b"]):
+        assert g.dtype == torch.float32 and torch.equal(g, torch.full((4, 4), 1 + 3 * 2.0**-9))
+
+
 def test_a_gradient_summed_over_two_axes_in_turn_is_not_rounded_between_them():
     # as above, each rank's row of x a bf16-exact gradient, the weight stored split over dp and
     # replicated over tp: its gradient is reduce-scattered over dp, then all-reduced over tp, both
@@ -97,21 +124,24 @@ def test_a_gradient_summed_over_two_axes_in_turn_is_not_rounded_between_them():
     assert got.dtype == torch.float32 and torch.equal(got, torch.full((4,), 1 + 3 * 2.0**-9))
 
 
-def test_gradients_summed_over_dp_shard_then_tp_stay_in_fp32_between_the_two():
+@pytest.mark.parametrize("schedule", [False, True], ids=["plain", "fsdp"])
+def test_gradients_summed_over_dp_shard_then_tp_stay_in_fp32_between_the_two(schedule):
     # Llama 3 8B's layer on dp_shard 8 x tp 2, shape-only, 4 sequences a rank: the partitioner runs
     # the MLP data-parallel over tp (its weights gathered over both axes), so their gradients are
     # reduce-scattered over dp_shard, laid out rank by rank, then reduce-scattered over tp. Each
-    # sum is fp32 and so is what passes between them: no cast to bf16 and back
+    # sum is fp32 and so is what passes between them: no cast to bf16 and back. Under nf.fsdp's
+    # schedule a layer's reduce-scatters over dp_shard are one bucket, split after it
     from models import train
 
     cfg = llama.LlamaConfig.llama3_8b(n_layers=1, remat="full")
+    transforms = [nf.fsdp("dp_shard")] if schedule else []
     lowered = train.lower_abstract(cfg, nf.ParallelConfig(1, 8, 1, 2), 4096,
-                                   [nf.mixed_precision(torch.bfloat16, torch.float32)], 4)
+                                   [*transforms, nf.mixed_precision(torch.bfloat16, torch.float32)], 4)
     lowered.program.ensure_meta()
     sums = (c10d.reduce_scatter_tensor.default, c10d.all_reduce.default)
     aten = torch.ops.aten
     passing = (aten.view.default, aten.reshape.default, aten.permute.default, aten.clone.default, aten.t.default,
-               aten._to_copy.default)  # a sum laid out for the next, and cast
+               aten._to_copy.default, operator.getitem, aten.split_with_sizes.default)  # laid out, cast, cut
     chained = []  # (the first sum, the ops between, the second)
     for n in lowered.program.local.graph.nodes:
         if n.target in sums:
@@ -124,7 +154,9 @@ def test_gradients_summed_over_dp_shard_then_tp_stay_in_fp32_between_the_two():
     assert len(chained) >= 3  # w1, w2 and w3 at least
     for first, between, second in chained:
         assert comm(first).dtype == comm(second).dtype == torch.float32
-        assert all(b.meta["val"].dtype == torch.float32 for b in between), [b.target for b in between]
+        assert all(v.dtype == torch.float32 for b in between
+                   for v in (b.meta["val"] if isinstance(b.meta["val"], (list, tuple)) else [b.meta["val"]])), \
+            [b.target for b in between]
 
 
 def test_the_program_computes_in_bf16_and_sums_gradients_in_fp32():
