@@ -223,3 +223,34 @@ def test_an_eval_step_computes_a_module_in_bf16_as_its_training_forward_does():
         got = nf.device_get(f(params, ids))
     assert got.dtype == torch.bfloat16
     torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_a_modules_float_inputs_compute_in_bf16_as_fsdp2_casts_them():
+    # an MLP fed float features: FSDP2's MixedPrecisionPolicy casts a module's floating-point
+    # inputs to param_dtype (cast_forward_inputs), so its matmuls meet bf16 weights in bf16; the
+    # reference is the model cast to bf16 by hand, input and all, differentiated as torch.func does.
+    # (The input went in as fp32: each rank's matmul of fp32 by bf16 raised when the step ran)
+    from ndfunc.sharding import P
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    x, y = torch.randn(16, 8), torch.randn(16, 2)
+    params, buffers, apply = nf.nn.functional(model)
+
+    def loss(p, x, y):
+        return torch.nn.functional.mse_loss(apply(p, buffers, x).float(), y)
+
+    def by_hand(p, x, y):
+        out = torch.func.functional_call(model, {k: v.to(torch.bfloat16) for k, v in p.items()}, (x.to(torch.bfloat16),))
+        return torch.nn.functional.mse_loss(out.float(), y)
+
+    want = torch.func.grad(by_hand)(params, x, y)
+    with nf.simulate(2):
+        grad = nf.jit(nf.grad(loss), mesh=nf.make_mesh(dp=2), in_shardings=(None, P("dp"), P("dp")),
+                      transforms=[nf.mixed_precision(torch.bfloat16, torch.float32)])
+        got = nf.device_get(grad(params, x, y))
+    for name, g in got.items():
+        assert g.dtype == torch.float32
+        # each rank's half of the batch in bf16, summed in fp32, against the whole batch in bf16: a
+        # rounding or two of bf16 apart (0.4% each)
+        torch.testing.assert_close(g, want[name], rtol=1e-2, atol=1e-3)

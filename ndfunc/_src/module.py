@@ -22,6 +22,7 @@ import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import optree
 import torch
 
 from ndfunc._src import repeated_layers
@@ -47,7 +48,8 @@ def functional(module: torch.nn.Module) -> tuple[dict, dict, Callable[..., Any]]
     sinusoidal positions) is among the buffers: a constant of the step, given no gradient and no
     optimizer state, as torch's autograd and optimizers leave it. Under `nf.mixed_precision` every
     parameter, frozen or not, computes in its `param_dtype` in every call, differentiated or not
-    (an eval step's too), as FSDP2's policy casts in every forward. Pass the buffers
+    (an eval step's too), and so do the call's float inputs, as FSDP2's policy casts in every
+    forward (`cast_forward_inputs`). Pass the buffers
     as an argument of the step with `partition_specs(module, mesh, ..., of=buffers)` to lay them
     out (a frozen base split as FSDP2 splits it); closed over, each is whole on every rank.
 
@@ -70,6 +72,9 @@ def functional(module: torch.nn.Module) -> tuple[dict, dict, Callable[..., Any]]
             params = {k: v.to(dtype) if v.is_floating_point() else v for k, v in params.items()}
             if frozen:
                 buffers = {k: v.to(dtype) if k in frozen and v.is_floating_point() else v for k, v in buffers.items()}
+            # and its float inputs, as FSDP2's `cast_forward_inputs` does: an image, a feature vector
+            args, kwargs = optree.tree_map(
+                lambda x: x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x, (args, kwargs))
         with repeated_layers.routed(module):
             return torch.func.functional_call(module, (dict(params), dict(buffers)), args, kwargs)
 

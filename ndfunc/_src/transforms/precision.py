@@ -1,10 +1,11 @@
 """`nf.mixed_precision`: fp32 master parameters and optimizer state, low-precision compute.
 
 While the step is traced, every function differentiated by `nf.grad` / `nf.value_and_grad` sees
-its float arguments cast to `param_dtype`: forward and backward run in it, and the gradients come
-back through the casts in the parameters' own dtype, for an optimizer that keeps everything in
-fp32; a module's apply (`nf.nn.functional`) casts its parameters in every call, differentiated
-or not, so an eval step computes as the training forward does. Casts are ops like any other: the partitioner places them, so a parameter stored sharded is
+the float arguments it differentiates cast to `param_dtype`: forward and backward run in it, and
+the gradients come back through the casts in the parameters' own dtype, for an optimizer that
+keeps everything in fp32; a module's apply (`nf.nn.functional`) casts its parameters in every
+call, differentiated or not, so an eval step computes as the training forward does, and its float
+inputs, as FSDP2's `cast_forward_inputs` does. Casts are ops like any other: the partitioner places them, so a parameter stored sharded is
 cast before it is gathered (the gather moves half the bytes) when that is cheaper. After lowering,
 every reduction of `param_dtype` values sums in `reduce_dtype` instead.
 """
