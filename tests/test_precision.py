@@ -5,6 +5,7 @@ bf16, differentiated with respect to the fp32 parameters."""
 from __future__ import annotations
 
 import operator
+import re
 
 import optree
 import pytest
@@ -254,3 +255,25 @@ def test_a_modules_float_inputs_compute_in_bf16_as_fsdp2_casts_them():
         # each rank's half of the batch in bf16, summed in fp32, against the whole batch in bf16: a
         # rounding or two of bf16 apart (0.4% each)
         torch.testing.assert_close(g, want[name], rtol=1e-2, atol=1e-3)
+
+
+def _fp32_by_bf16(w, x):
+    return (x @ w).sum()
+
+
+def test_a_product_of_mixed_dtypes_is_refused_when_traced_naming_the_line():
+    # x is not differentiated, so it stays fp32 while w computes in bf16: torch's mm refuses the
+    # pair (as eager torch would), which a fake tensor does not check; said at trace time, with the
+    # line, not by every rank's kernel as the step runs
+    line = _fp32_by_bf16.__code__.co_firstlineno + 1
+    with nf.simulate(2):
+        grad = nf.jit(nf.grad(_fp32_by_bf16), mesh=nf.make_mesh(dp=2),
+                      in_shardings=(nf.sharding.P(), nf.sharding.P("dp")),
+                      transforms=[nf.mixed_precision(torch.bfloat16, torch.float32)])
+        with pytest.raises(TypeError, match="^" + re.escape(
+                f"_fp32_by_bf16 multiplies float32 and bfloat16 operands (aten.mm.default) at {__file__}:{line} "
+                f"(return (x @ w).sum()): torch's kernels take one dtype, and every rank would raise as the step "
+                f"ran. Under nf.mixed_precision the arguments nf.grad differentiates (the parameters) come in its "
+                f"param_dtype: cast the others to match (`x.to(w.dtype)`), or call the model through "
+                f"nf.nn.functional, whose apply casts its float inputs.") + "$"):
+            grad(torch.ones(4, 4), torch.randn(4, 4))

@@ -182,6 +182,10 @@ def trace(fn: Callable, args: Sequence[Any], kwargs: dict | None = None, *, stat
         with simulation_paused(), fake_mode, TracedAs():  # once more, for the line
             where = first_calls(lambda: flat_fn(*fakes), [seeded.target]).get(seeded.target, "in the step")
         raise DataDependentError(_seeded_message(name, seeded, where))
+    if (mixed := _mixed_dtypes(graph_module)) is not None:
+        with simulation_paused(), fake_mode, TracedAs():  # once more, for the line
+            where = first_calls(lambda: flat_fn(*fakes), [mixed.target]).get(mixed.target, "in the step")
+        raise TypeError(_mixed_dtypes_message(name, mixed, where))
     _check_constants(graph_module, name)
     _scalars_as_factories(graph_module)
     writes.as_functional(graph_module)
@@ -347,6 +351,35 @@ def _seeded_message(name: str, node: torch.fx.Node, where: str) -> str:
             f"to be one. Draw them from a key passed to the step (nf.random: `nf.random.bernoulli(key, shape, "
             f"p=p)`, `nf.random.normal(key, shape)`), or turn it off (dropout: `model.eval()` or a dropout "
             f"probability of 0 in the model's config).")
+
+
+# products whose kernels take one floating dtype for every operand (a fake tensor does not check)
+_ONE_DTYPE = frozenset({
+    torch.ops.aten.mm.default, torch.ops.aten.bmm.default, torch.ops.aten.addmm.default, torch.ops.aten.baddbmm.default,
+    torch.ops.aten.addbmm.default, torch.ops.aten.mv.default, torch.ops.aten.dot.default,
+    torch.ops.aten.convolution.default})
+
+
+def _mixed_dtypes(gm: torch.fx.GraphModule) -> torch.fx.Node | None:
+    """The first product of `gm` (`_ONE_DTYPE`) given floating operands of different dtypes, which
+    its kernel refuses when the step runs."""
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and n.target in _ONE_DTYPE:
+            dtypes = {a.meta["val"].dtype for a in n.args if isinstance(a, torch.fx.Node)
+                      and isinstance(a.meta.get("val"), torch.Tensor) and a.meta["val"].is_floating_point()}
+            if len(dtypes) > 1:
+                return n
+    return None
+
+
+def _mixed_dtypes_message(name: str, node: torch.fx.Node, where: str) -> str:
+    dtypes = [str(a.meta["val"].dtype).removeprefix("torch.") for a in node.args
+              if isinstance(a, torch.fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)
+              and a.meta["val"].is_floating_point()]
+    return (f"{name} multiplies {' and '.join(dtypes)} operands ({node.target}) {where}: torch's kernels take "
+            f"one dtype, and every rank would raise as the step ran. Under nf.mixed_precision the arguments "
+            f"nf.grad differentiates (the parameters) come in its param_dtype: cast the others to match "
+            f"(`x.to(w.dtype)`), or call the model through nf.nn.functional, whose apply casts its float inputs.")
 
 
 def _check_constants(gm: torch.fx.GraphModule, name: str) -> None:
