@@ -16,20 +16,21 @@ from ndfunc.sharding import NamedSharding, P
 N_LAYERS, D, B = 4, 32, 16
 
 
-def setup(blocks: bool = True):
+def setup(blocks: bool = True, batch: int = B):
     """A chain of `tanh(h @ w)` layers, each weight a block of a list (`layers.i.w`), as FSDP
     wraps each block: the unit `nf.fsdp` gathers, prefetches and buckets by; or, `blocks=False`,
     weights side by side (`w0`, `w1`, ..), each then a unit of its own."""
     g = torch.Generator().manual_seed(0)
     weights = [torch.randn(D, D, generator=g) / D**0.5 for _ in range(N_LAYERS)]
     params = {"layers": [{"w": w} for w in weights]} if blocks else {f"w{i}": w for i, w in enumerate(weights)}
-    x, y = torch.randn(B, D, generator=g), torch.randn(B, D, generator=g)
+    x, y = torch.randn(batch, D, generator=g), torch.randn(batch, D, generator=g)
     opt = nf.optim.adam(1e-2)
 
     def step(p, s, x, y):
         def loss_fn(p):
-            h = x
-            for w in ([layer["w"] for layer in p["layers"]] if blocks else [p[f"w{i}"] for i in range(N_LAYERS)]):
+            weights = [layer["w"] for layer in p["layers"]] if blocks else [p[f"w{i}"] for i in range(N_LAYERS)]
+            h = x.to(weights[0].dtype)  # (under nf.mixed_precision the weights come in bf16)
+            for w in weights:
                 h = torch.tanh(h @ w)
             return ((h - y) ** 2).mean()
 
@@ -40,8 +41,8 @@ def setup(blocks: bool = True):
     return params, opt, step, x, y
 
 
-def jitted(mesh, transforms=(), blocks: bool = True):
-    params, opt, step, x, y = setup(blocks)
+def jitted(mesh, transforms=(), blocks: bool = True, batch: int = B):
+    params, opt, step, x, y = setup(blocks, batch)
     specs = optree.tree_map(lambda _: P("dp"), params)  # each weight stored as row blocks
     state = opt.init(params)
     sspecs = nf.optim.state_shardings(state, specs)
@@ -101,11 +102,13 @@ def test_under_mixed_precision_each_shard_is_cast_gathered_and_gathered_again_fo
     # bytes), and the gathered copy is freed after forward and made again for backward, as in fp32
     # (the test above); a cast between the stored shard and its gather does not make it a value
     # FSDP leaves alone
+    # (a batch of 4 x B: with its activations in bf16 too, at B the partitioner moves some layers'
+    # activations rather than gather their weights)
     bf16 = nf.mixed_precision(torch.bfloat16, torch.float32)
     with nf.simulate(4):
         mesh = nf.make_mesh(dp=4)
-        keep, args = jitted(mesh, [nf.fsdp("dp", reshard_after_forward=False, bucket_bytes=0), bf16])
-        reshard, _ = jitted(mesh, [nf.fsdp("dp", bucket_bytes=0), bf16])
+        keep, args = jitted(mesh, [nf.fsdp("dp", reshard_after_forward=False, bucket_bytes=0), bf16], batch=4 * B)
+        reshard, _ = jitted(mesh, [nf.fsdp("dp", bucket_bytes=0), bf16], batch=4 * B)
         lowered = {"keep": keep.lower(*args), "reshard": reshard.lower(*args)}
     c_keep, c_reshard = (lowered[k].cost_analysis() for k in ("keep", "reshard"))
     per_gather = D * D * 2 * 3 // 4  # (N-1)/N of a bf16 weight comes in
