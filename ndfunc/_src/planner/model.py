@@ -215,9 +215,9 @@ class TransformerShape:
         Matmuls: `2 * params * (3 + r)`, `r = 1` when a full remat recomputes each layer's forward
         (the output projection is outside the layers and never recomputed). The experts a token
         takes (`experts_per_token x 3 dim x ffn_dim`): `2 * params * (4 + r)`, their forward made
-        once more inside their backward (`ndfunc::experts_backward`). Attention: a causal flash kernel skips the masked half, so
-        `2 * 2 * L * q_dim * S / 2` forward, times `3 + r`. `selective` keeps every matmul and
-        attention output, so it recomputes no matmul.
+        once more inside their backward (`ndfunc::experts_backward`). Attention: a causal flash
+        kernel skips the masked half, so `2 * 2 * L * q_dim * S / 2` forward, times `3 + r`.
+        `selective` keeps every matmul and attention output, so it recomputes no matmul.
         """
         check_remat(remat)
         r = 1 if remat == "full" else 0

@@ -5,9 +5,10 @@ the float arguments it differentiates cast to `param_dtype`: forward and backwar
 the gradients come back through the casts in the parameters' own dtype, for an optimizer that
 keeps everything in fp32; a module's apply (`nf.nn.functional`) casts its parameters in every
 call, differentiated or not, so an eval step computes as the training forward does, and its float
-inputs, as FSDP2's `cast_forward_inputs` does. Casts are ops like any other: the partitioner places them, so a parameter stored sharded is
-cast before it is gathered (the gather moves half the bytes) when that is cheaper. After lowering,
-every reduction of `param_dtype` values sums in `reduce_dtype` instead.
+inputs, as FSDP2's `cast_forward_inputs` does. Casts are ops like any other: the partitioner
+places them, so a parameter stored sharded is cast before it is gathered (the gather moves half
+the bytes) when that is cheaper. After lowering, every reduction of `param_dtype` values sums in
+`reduce_dtype` instead, and what reads the sum takes it so unless it reads it in `param_dtype`.
 """
 
 from __future__ import annotations

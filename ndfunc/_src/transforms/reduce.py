@@ -25,7 +25,9 @@ def reduce_in(gm: torch.fx.GraphModule, dtype: torch.dtype, axes: tuple[str, ...
     by what casts it up to `dtype` anyway or sums it again in `dtype` (a bf16 gradient's way back
     to its fp32 parameter, or its sum over the next axis): those read it as it came, unrounded.
     Its recorded bytes follow. How many."""
-    todo = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in kinds and _changed(n, dtype, axes, only_from)]
+    todo = [n for n in gm.graph.nodes
+            if n.op == "call_function" and n.target in kinds and _changed(n, dtype, axes, only_from)]
+    changing = set(todo)
     fed: set = set()  # reductions of `todo` whose input now comes in `dtype` (a sum before, laid out)
     for node in todo:  # in program order: of a gradient's two sums in turn, the first first
         comm = prog.comm(node)
@@ -39,7 +41,7 @@ def reduce_in(gm: torch.fx.GraphModule, dtype: torch.dtype, axes: tuple[str, ...
             node.replace_input_with(node.args[0], cast)
         prog.set_comm(node, comm.in_dtype(dtype))
         (wait,) = node.users
-        fed |= _read_as(gm, wait, dtype, given, set(todo))
+        fed |= _read_as(gm, wait, dtype, given, changing)
     if todo:
         gm.recompile()
     return len(todo)
