@@ -166,16 +166,26 @@ def worker(args) -> None:
         if rank == 0:
             hf.save_llama(path, cfg, params)
         dist.barrier()
-        step = torch_step(path, config, mesh, lr, wd)
-        per = args.batch // config.dp_shard_size
-        me = mesh.coordinate(rank)[1]  # position along dp_shard
-        run = lambda b: step({k: v[me * per:(me + 1) * per] for k, v in b.items()})  # noqa: E731
+        run = own_rows(torch_step(path, config, mesh, lr, wd), args.batch, config, mesh, rank)
     else:
         run = jit_step(cfg, config, mesh, params, lr, wd)
+    report(rank, run, batches)
+    nf.shutdown()
+
+
+def own_rows(step, batch: int, config: nf.ParallelConfig, mesh, rank: int):
+    """`step` given this rank's rows of each global batch (its block along dp_shard), as a
+    data loader gives FSDP2's ranks theirs."""
+    per = batch // config.dp_shard_size
+    me = mesh.coordinate(rank)[1]  # position along dp_shard
+    return lambda b: step({k: v[me * per:(me + 1) * per] for k, v in b.items()})
+
+
+def report(rank: int, run, batches) -> None:
+    """`run` over `batches` (`measure`), printed as the JSON line `main` reads from each rank."""
     losses, times, cpu, peak, before = measure(run, batches)
     print(json.dumps({"rank": rank, "losses": losses, "step_s": statistics.median(times),
                       "cpu_s": statistics.median(cpu), "peak": peak, "before": before}), flush=True)
-    nf.shutdown()
 
 
 def main() -> None:

@@ -24,7 +24,6 @@ import contextlib
 import json
 import os
 import re
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -32,7 +31,7 @@ import tempfile
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from fsdp import _figures, measure, named, torch_step
+from fsdp import _figures, named, own_rows, report, torch_step
 
 import ndfunc as nf
 from ndfunc.sharding import P
@@ -92,7 +91,8 @@ def jit_step(path: str, mesh, lr: float, wd: float):
 def worker(args) -> None:
     nf.init()
     rank = nf.rank()
-    mesh = nf.ParallelConfig(dp_shard_size=4).build_mesh()
+    layout = nf.ParallelConfig(dp_shard_size=4)
+    mesh = layout.build_mesh()
     path = os.path.join(tempfile.gettempdir(), "ndfunc-bench-moe")
     if rank == 0:
         import transformers
@@ -103,19 +103,14 @@ def worker(args) -> None:
     data = batches(args.batch, args.seq, args.steps)
     lr, wd = 1e-3, 0.1
     if args.impl == "torch":
-        step = torch_step(path, nf.ParallelConfig(dp_shard_size=4), mesh, lr, wd)  # fsdp.py's FSDP2
-        per = args.batch // 4
-        me = mesh.coordinate(rank)[1]  # position along dp_shard
-        run = lambda b: step({k: v[me * per:(me + 1) * per] for k, v in b.items()})  # noqa: E731
+        run = own_rows(torch_step(path, layout, mesh, lr, wd), args.batch, layout, mesh, rank)  # fsdp.py's FSDP2
     else:
         if args.impl == "jit-whole":  # the experts op by op, as before ndfunc::experts
             from ndfunc._src import trace
 
             trace.experts.traced = contextlib.nullcontext
         run = jit_step(path, mesh, lr, wd)
-    losses, times, cpu, peak, before = measure(run, data)
-    print(json.dumps({"rank": rank, "losses": losses, "step_s": statistics.median(times),
-                      "cpu_s": statistics.median(cpu), "peak": peak, "before": before}), flush=True)
+    report(rank, run, data)
     nf.shutdown()
 
 
