@@ -178,14 +178,14 @@ def trace(fn: Callable, args: Sequence[Any], kwargs: dict | None = None, *, stat
         finally:
             _tracing.reset(token)
     name = getattr(fn, "__name__", "the step")
+    def line_of(node: torch.fx.Node) -> str:  # the user's line making `node`'s op first: once more, traced
+        with simulation_paused(), fake_mode, TracedAs():
+            return first_calls(lambda: flat_fn(*fakes), [node.target]).get(node.target, "in the step")
+
     if (seeded := _seeded(graph_module)) is not None:
-        with simulation_paused(), fake_mode, TracedAs():  # once more, for the line
-            where = first_calls(lambda: flat_fn(*fakes), [seeded.target]).get(seeded.target, "in the step")
-        raise DataDependentError(_seeded_message(name, seeded, where))
+        raise DataDependentError(_seeded_message(name, seeded, line_of(seeded)))
     if (mixed := _mixed_dtypes(graph_module)) is not None:
-        with simulation_paused(), fake_mode, TracedAs():  # once more, for the line
-            where = first_calls(lambda: flat_fn(*fakes), [mixed.target]).get(mixed.target, "in the step")
-        raise TypeError(_mixed_dtypes_message(name, mixed, where))
+        raise TypeError(_mixed_dtypes_message(name, mixed, line_of(mixed)))
     _check_constants(graph_module, name)
     _scalars_as_factories(graph_module)
     writes.as_functional(graph_module)
@@ -360,22 +360,21 @@ _ONE_DTYPE = frozenset({
     torch.ops.aten.convolution.default})
 
 
+def _float_dtypes(node: torch.fx.Node) -> list[torch.dtype]:
+    """The dtypes of `node`'s floating tensor operands, in order."""
+    vals = [a.meta.get("val") for a in node.args if isinstance(a, torch.fx.Node)]
+    return [v.dtype for v in vals if isinstance(v, torch.Tensor) and v.is_floating_point()]
+
+
 def _mixed_dtypes(gm: torch.fx.GraphModule) -> torch.fx.Node | None:
     """The first product of `gm` (`_ONE_DTYPE`) given floating operands of different dtypes, which
     its kernel refuses when the step runs."""
-    for n in gm.graph.nodes:
-        if n.op == "call_function" and n.target in _ONE_DTYPE:
-            dtypes = {a.meta["val"].dtype for a in n.args if isinstance(a, torch.fx.Node)
-                      and isinstance(a.meta.get("val"), torch.Tensor) and a.meta["val"].is_floating_point()}
-            if len(dtypes) > 1:
-                return n
-    return None
+    return next((n for n in gm.graph.nodes
+                 if n.op == "call_function" and n.target in _ONE_DTYPE and len(set(_float_dtypes(n))) > 1), None)
 
 
 def _mixed_dtypes_message(name: str, node: torch.fx.Node, where: str) -> str:
-    dtypes = [str(a.meta["val"].dtype).removeprefix("torch.") for a in node.args
-              if isinstance(a, torch.fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)
-              and a.meta["val"].is_floating_point()]
+    dtypes = [str(d).removeprefix("torch.") for d in _float_dtypes(node)]
     return (f"{name} multiplies {' and '.join(dtypes)} operands ({node.target}) {where}: torch's kernels take "
             f"one dtype, and every rank would raise as the step ran. Under nf.mixed_precision the arguments "
             f"nf.grad differentiates (the parameters) come in its param_dtype: cast the others to match "
