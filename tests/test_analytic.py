@@ -392,22 +392,18 @@ def test_a_mixture_of_experts_step_lands_on_the_planners_closed_forms(strategy):
     hf = transformers.MixtralConfig(vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=8,
                                     num_attention_heads=32, num_key_value_heads=8, num_local_experts=8,
                                     num_experts_per_tok=2)
-    config, seq = nf.ParallelConfig(*sizes), 4096
-    mesh = config.build_abstract_mesh()
-    params, loss = train.abstract_hf_model(hf, mesh)
-    opt = nf.optim.adamw(3e-4)
-    state = opt.init(params)
-    laid_out = optree.tree_map(nf.sharding_of, (params, state))
+    seq = 4096
     transforms = [nf.fsdp("dp_shard")] if sizes[1] > 1 else []
-    step = nf.jit(train.make_loss_step(loss, opt), mesh=mesh, out_shardings=(*laid_out, P()),
-                  transforms=[*transforms, nf.mixed_precision(torch.bfloat16, torch.float32)])
-    lowered = step.lower(params, state, train.abstract_batch(config, mesh, config.dp_world_size, seq))
+    lowered = train.lower_abstract_hf(hf, nf.ParallelConfig(*sizes), seq,
+                                      [*transforms, nf.mixed_precision(torch.bfloat16, torch.float32)])
     moved: dict = {}
     for _, c in collectives(lowered.program.local):
         moved[c.axes] = moved.get(c.axes, 0) + c.moved
 
     shape, layout = TransformerShape.from_config(hf), Layout(*sizes)
-    assert shape.num_params == sum(math.prod(p.shape) for p in optree.tree_leaves(params))
+    traced = lowered.program.traced  # the parameters: the step's first argument
+    assert shape.num_params == sum(math.prod(s.shape) for path, s in zip(traced.input_paths, traced.in_specs)
+                                   if path.startswith("0."))
     options = Options("none", micro_batch=1)
     fp32_params = memory_per_rank(shape, layout, options, seq).params
     assert lowered.memory_analysis().breakdown.arguments["0"] == pytest.approx(fp32_params, rel=1e-3)
@@ -436,15 +432,8 @@ def test_a_mixture_of_experts_step_executes_the_planners_flops(remat):
     hf = transformers.MixtralConfig(vocab_size=32000, hidden_size=1024, intermediate_size=3584, num_hidden_layers=2,
                                     num_attention_heads=8, num_key_value_heads=2, num_local_experts=8,
                                     num_experts_per_tok=2)
-    config, seq = nf.ParallelConfig(1, 4, 1, 1), 1024
-    mesh = config.build_abstract_mesh()
-    params, loss = train.abstract_hf_model(hf, mesh, remat)
-    opt = nf.optim.adamw(3e-4)
-    state = opt.init(params)
-    laid_out = optree.tree_map(nf.sharding_of, (params, state))
-    step = nf.jit(train.make_loss_step(loss, opt), mesh=mesh, out_shardings=(*laid_out, P()),
-                  transforms=[nf.fsdp("dp_shard")])
-    lowered = step.lower(params, state, train.abstract_batch(config, mesh, 4, seq))
+    seq = 1024
+    lowered = train.lower_abstract_hf(hf, nf.ParallelConfig(1, 4, 1, 1), seq, [nf.fsdp("dp_shard")], remat=remat)
     planned = sum(TransformerShape.from_config(hf).executed_flops_per_token(seq, remat)) * seq  # a sequence a rank
     # the program's attention counts every block, the plan's the causal half: 3% of the step here
     assert lowered.cost_analysis()["flops"] == pytest.approx(planned, rel=0.05)

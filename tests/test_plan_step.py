@@ -167,21 +167,14 @@ def test_a_hugging_face_model_as_it_is_is_planned_from_its_step():
     # transformers' LlamaForCausalLM (made on the meta device: stand-ins only), the train job's step
     # for it; under FSDP each rank runs a whole model on its sequence: 6 flops per parameter and
     # token in its matmuls, and torch's formula for attention, forward and backward (3.5 x 4BHL^2K)
-    import optree
     import transformers
     from models import hf, llama, train
 
     cfg, seq = llama.LlamaConfig.tiny(), 128
 
     def lower(layout):
-        config = nf.ParallelConfig(*layout.axis_sizes)
-        mesh = config.build_abstract_mesh()
-        params, loss = train.abstract_hf_model(transformers.LlamaConfig(**hf.config_to_hf(cfg, torch.float32)), mesh)
-        opt = nf.optim.adamw(1e-3)
-        state = opt.init(params)
-        laid_out = optree.tree_map(nf.sharding_of, (params, state))  # results leave as they came
-        step = nf.jit(train.make_loss_step(loss, opt), mesh=mesh, out_shardings=(*laid_out, P()))
-        return step.lower(params, state, train.abstract_batch(config, mesh, config.dp_world_size, seq))
+        return train.lower_abstract_hf(transformers.LlamaConfig(**hf.config_to_hf(cfg, torch.float32)),
+                                       nf.ParallelConfig(*layout.axis_sizes), seq, opt=nf.optim.adamw(1e-3))
 
     planned = plan_step(lower, [Layout(dp_shard=8), Layout(dp_shard=4, tp=2)], cluster=H100, tokens_per_step=8 * seq)
     assert len(planned.rows) == 2 and not planned.failed
@@ -196,9 +189,8 @@ def test_a_hugging_face_model_as_it_is_is_planned_from_its_step():
 def test_a_hugging_face_model_is_planned_as_the_job_builds_it(family):
     # as `models.train.load_hf_model` builds the job's model: Gemma 2 has no SDPA attention (its
     # own, eager), GPT-2's config keeps dropout on (out of training mode: none drawn), Mixtral's
-    # experts run as batched matmuls; each rank holds its parameters' blocks, what transformers
-    # builds divided over the mesh
-    import optree
+    # experts as transformers picks them (one ndfunc::experts per call); each rank holds its
+    # parameters' blocks, what transformers builds divided over the mesh
     import transformers
     from models import train
 
@@ -209,14 +201,7 @@ def test_a_hugging_face_model_is_planned_as_the_job_builds_it(family):
             "mixtral": lambda: transformers.MixtralConfig(hidden_size=64, intermediate_size=128, num_key_value_heads=2,
                                                           num_local_experts=4, num_experts_per_tok=2, **small)}
     hf_config = made[family]()
-    config = nf.ParallelConfig(dp_shard_size=4)
-    mesh = config.build_abstract_mesh()
-    params, loss = train.abstract_hf_model(hf_config, mesh)
-    opt = nf.optim.adamw(1e-3)
-    state = opt.init(params)
-    laid_out = optree.tree_map(nf.sharding_of, (params, state))
-    step = nf.jit(train.make_loss_step(loss, opt), mesh=mesh, out_shardings=(*laid_out, P()))
-    lowered = step.lower(params, state, train.abstract_batch(config, mesh, 4, 64))
+    lowered = train.lower_abstract_hf(hf_config, nf.ParallelConfig(dp_shard_size=4), 64, opt=nf.optim.adamw(1e-3))
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(hf_config, **train.hf_implementations(hf_config))
     whole = sum(p.numel() * p.element_size() for p in dict(model.named_parameters()).values())
