@@ -70,11 +70,15 @@ def test_mixed_precision_steps_keep_fp32_parameters_and_state_and_train(name, sc
     assert all(x.dtype == torch.float32 for x in optree.tree_leaves(got_params))
 
 
+# a rank's row each, every entry exact in bf16: their fp32 sum per column, 1 + 3 * 2**-9, is not
+ROWS = torch.tensor([[1.0] * 4] + [[2.0**-9] * 4] * 3)
+
+
 def test_a_gradient_summed_in_fp32_reaches_its_fp32_parameter_unrounded():
     # each of 4 ranks' bf16 gradient is exact in bf16 (1, then 2**-9 three times); their sum in fp32,
     # 1 + 3 * 2**-9, is not: the fp32 parameter gets that sum, as FSDP2's reduce_dtype keeps it, not
     # the sum rounded to bf16 (1 + 2**-7) and cast back
-    x = torch.tensor([[1.0] * 4] + [[2.0**-9] * 4] * 3)
+    x = ROWS
     with nf.simulate(4):
         grad = nf.jit(nf.grad(lambda w, x: (x @ w).sum()), mesh=nf.make_mesh(dp=4),
                       in_shardings=(nf.sharding.P(), nf.sharding.P("dp")), out_shardings=nf.sharding.P(),
@@ -88,7 +92,7 @@ def test_a_bucket_of_gradients_reaches_its_fp32_parameters_unrounded():
     # then cut into their pieces; each piece reaches its fp32 parameter as summed, 1 + 3 * 2**-9,
     # where the bucket was cast back to bf16 before the cut and each piece up again (1 + 2**-7)
     P = nf.sharding.P
-    x = torch.tensor([[1.0] * 4] + [[2.0**-9] * 4] * 3)
+    x = ROWS
     params = {"layers": [{"a": torch.ones(4, 4), "b": torch.ones(4, 4)}]}
     specs = {"layers": [{"a": P("dp"), "b": P("dp")}]}
 
@@ -113,7 +117,7 @@ def test_a_gradient_summed_over_two_axes_in_turn_is_not_rounded_between_them():
     # replicated over tp: its gradient is reduce-scattered over dp, then all-reduced over tp, both
     # in fp32. Rounded to bf16 between the two (as each reduction's sum was cast back to the bf16
     # it came in), 1 + 2**-9 becomes 1 and the parameter gets 1 + 2**-8, not 1 + 3 * 2**-9
-    x = torch.tensor([[1.0] * 4] + [[2.0**-9] * 4] * 3)
+    x = ROWS
     with nf.simulate(4):
         grad = nf.jit(nf.grad(lambda w, x: (x @ w).sum()), mesh=nf.make_mesh(dp=2, tp=2),
                       in_shardings=(nf.sharding.P("dp"), nf.sharding.P(("dp", "tp"))), out_shardings=nf.sharding.P("dp"),
