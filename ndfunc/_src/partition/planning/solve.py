@@ -25,7 +25,9 @@ and moving many nodes at once never undoes that.
 Inputs and `with_sharding_constraint` nodes have one candidate; requested output layouts are extra
 consumers; an output left to the partitioner only has to end without a pending sum.
 
-What makes it fast enough, without changing a plan (`tests/test_plan_pins.py`): layouts are ints (a
+What makes it fast enough, without changing a plan (`tests/test_plan_pins.py`): a candidate reading
+a pending mean, max or min that its input's producer never makes is left out before the search
+(`reachable`); layouts are ints (a
 rule-per-axis candidate list comes as its distinct layouts and each candidate's indices into them,
 `strategies.Fitted`, numbered once) and a layout change is walked on ints
 (`redistribute.coded_steps`), each pair once per process; a node's answer is remembered by
@@ -58,7 +60,7 @@ import numpy as np
 import torch
 from torch.distributed.tensor import Partial, Replicate
 
-from ndfunc._src.partition.planning import plan_cache, redistribute
+from ndfunc._src.partition.planning import plan_cache, reachable, redistribute
 from ndfunc._src.partition.planning.flops import node_flops
 from ndfunc._src.partition.planning.layout import MANUAL, Layout, placement_is, replicated
 from ndfunc._src.partition.planning.ops import candidates, runs_whole, strategy_key
@@ -154,6 +156,11 @@ class Problem:
         self._classes = None  # `_value_classes`, found once
         self._held: dict = {}  # `_held_cost`
         self._late: list = []  # (node, its work with its late candidates admitted), until `solve` does
+        self.pending: list[int] = []  # value id -> the pending reductions it can reach (`reachable.bits`)
+        self._sums = reachable.sums(len(sizes))  # (a pending sum always: at the last resort)
+        self._pending_made: dict = {}  # id(candidate outputs) -> (them, those bits per output)
+        self._kept: dict = {}  # (id(candidate list), its inputs' bits) -> (the list, `reachable.kept`)
+        self._bits_of: dict = {}  # id(layout or `Fitted`) -> (it, `reachable.bits` of it or of its layouts)
         node_ids: dict[torch.fx.Node, int] = {}
         placeholders = iter(input_layouts)
         for node in graph.nodes:
@@ -166,8 +173,8 @@ class Problem:
                 if node.target is operator.getitem and isinstance(node.args[0].meta.get("val"), (tuple, list)):
                     continue
                 ins = [self._value(value_of(a), node_ids) for a in tensor_inputs(node)]
-                self._add_node(node, node_ids, candidates(node, sizes, signatures.get(node)), ins, tensor_outputs(node),
-                               node_flops(node))
+                self._add_node(node, node_ids, self._reachable(candidates(node, sizes, signatures.get(node)), ins),
+                               ins, tensor_outputs(node), node_flops(node))
             elif node.op == "output":
                 self.output_values = [self._value(value_of(a), node_ids) for a in node.args[0]]
                 self.requested = list(output_layouts)
@@ -215,6 +222,53 @@ class Problem:
                             sum(1 << m for m, p in enumerate(lay) if not placement_is(p, Replicate)))
         self._layout_by_id[id(lay)] = (lay, i)
         return i
+
+    def _reachable(self, strategies, ins: list[int]):
+        """`strategies` less those reading a pending reduction no producer of theirs makes
+        (`reachable`), one list per candidate list and inputs' bits: identical layers share it. A
+        list of `Strategy`s has its layouts numbered first as it would be whole, so every layout
+        keeps its id (ties among equal costs are broken by id)."""
+        reads = tuple(self.pending[v] for v in ins)
+        key = (id(strategies), reads)
+        known = self._kept.get(key)
+        if known is None or known[0] is not strategies:
+            out = reachable.kept(strategies, reads, self._fitted_bits(strategies) if isinstance(strategies, Fitted)
+                                 else self._layout_bits)
+            if out is not strategies and not isinstance(strategies, Fitted):
+                for st in strategies:
+                    for lay in (*st.ins, *st.outs):
+                        if lay is not None:
+                            self._layout(lay)
+            known = self._kept[key] = (strategies, out)
+        return known[1]
+
+    def _fitted_bits(self, fitted: Fitted) -> np.ndarray:
+        """`reachable.bits` of each of a `Fitted`'s layouts, as an array (once per list)."""
+        known = self._bits_of.get(id(fitted))
+        if known is None or known[0] is not fitted:
+            known = self._bits_of[id(fitted)] = (fitted, np.array([*map(self._layout_bits, fitted.layouts)],
+                                                                   dtype=np.int64))
+        return known[1]
+
+    def _layout_bits(self, lay: Layout) -> int:
+        known = self._bits_of.get(id(lay))
+        if known is None or known[0] is not lay:
+            known = self._bits_of[id(lay)] = (lay, reachable.bits(redistribute.codes(lay)))
+        return known[1]
+
+    def _made_bits(self, c_outs: list) -> list[int]:
+        """Per output: the pending reductions some candidate makes it with (`reachable.bits`)."""
+        known = self._pending_made.get(id(c_outs))
+        if known is None or known[0] is not c_outs:
+            made = []
+            for j in range(len(c_outs[0])):
+                b = 0
+                for lay in {outs[j] for outs in c_outs}:
+                    if lay is not None:
+                        b |= reachable.bits(self.codes[lay])
+                made.append(b)
+            known = self._pending_made[id(c_outs)] = (c_outs, made)
+        return known[1]
 
     def _value(self, v: Value, node_ids) -> int:
         return self.value_ids[(node_ids[v[0]], v[1])]
@@ -282,10 +336,12 @@ class Problem:
         self.inputs.append(ins)
         for slot, v in enumerate(ins):
             self.consumers[v].append((n, slot))
+        made = self._made_bits(c_outs)
         for j, t in enumerate(outs):
             if t is not None:
                 v = self.value_ids[(n, j)] = len(self.values)
                 self.values.append((n, j))
+                self.pending.append(made[j] | self._sums)
                 meta = (tuple(t.shape), t.element_size())
                 self.value_meta.append(meta)
                 self.priced_as.append(_priced_as(*meta))

@@ -1,0 +1,70 @@
+"""Candidates reading a pending mean, max or min that no producer makes are left out before the
+search (`planning.reachable`): what that rests on (a layout change never starts a pending reduction
+but at the last resort), what it leaves out, and that the search then ends where it did with every
+candidate. (A pending sum stays within reach: `tests/test_train.py`'s accumulation until the end
+takes a whole gradient as one rank's part of a running sum.)"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+import numpy as np
+import pytest
+from torch.distributed.tensor import Partial, Replicate, Shard
+
+import ndfunc as nf
+from models import llama, train
+from ndfunc._src.partition.planning import reachable, redistribute, solve
+from ndfunc._src.partition.planning.layout import all_layouts
+from ndfunc._src.partition.planning.strategies import Fitted
+
+R = Replicate()
+SUM, MAX = Partial("sum"), Partial("max")
+
+
+@pytest.mark.parametrize("sizes", [(2, 2), (2, 3, 2)])
+def test_a_pending_reduction_is_reached_only_from_itself_or_at_the_last_resort(sizes):
+    """What leaving candidates out rests on: every layout change the partitioner prices into a
+    layout pending an op on an axis, from one not pending that op there, costs at least the last
+    resort (a replicated block kept as a local part) or has no plan."""
+    lays = [lay for lay in all_layouts((12, 12), sizes) if redistribute.codes(lay) is not None]
+    lays += [tuple(p) for p in itertools.product([R, Shard(0), SUM, MAX], repeat=len(sizes))]
+    checked = 0
+    for src, dst in itertools.product(lays, repeat=2):
+        s, d = redistribute.codes(src), redistribute.codes(dst)
+        if reachable.bits(d) & ~reachable.bits(s):
+            checked += 1
+            assert redistribute.coded_cost(s, d, (12, 12), sizes, 4) >= redistribute.LAST_RESORT, (src, dst)
+    assert checked > 100
+
+
+def test_a_candidate_is_kept_where_each_input_can_be_made_as_it_reads_it():
+    layouts = [(R, R), (SUM, R), (MAX, R), (R, SUM)]
+    bits = [reachable.bits(redistribute.codes(lay)) for lay in layouts]
+    lay_bits = np.array(bits, dtype=np.int64)
+    ins = [(0, 0), (1, 0), (2, 0), (3, 3), (1, 3)]  # (x, y) layouts of an add's candidates
+    fitted = Fitted(layouts, [(i,) for i, _ in ins], ins, late=frozenset({1, 4}))
+    # x may come pending a sum over axis 0, y only replicated or split
+    kept = reachable.kept(fitted, (bits[1], 0), lay_bits)
+    assert kept.ins == [(0, 0), (1, 0)] and kept.late == frozenset({1})
+    assert [s.ins for s in kept] == [((R, R), (R, R)), ((SUM, R), (R, R))]
+    assert reachable.kept(fitted, (bits[1] | bits[2] | bits[3], bits[3]), lay_bits) is fitted  # all can be made
+    only_pending = Fitted(layouts, [(2,)], [(2, 3)])
+    assert reachable.kept(only_pending, (0, 0), lay_bits) is only_pending  # none would be left: all stay
+
+
+@pytest.mark.slow  # two searches of a 4-axis step, one over every candidate: about 9 s
+def test_the_search_ends_where_it_ends_with_every_candidate_in_a_third_of_the_candidates(monkeypatch):
+    """The 4-axis tiny llama step: the plan is the one searched over DTensor's whole candidate lists,
+    over far fewer candidates (a candidate left out is never chosen)."""
+    cfg = dataclasses.replace(llama.LlamaConfig.tiny(), n_layers=2)
+    program = train.lower_abstract(cfg, nf.ParallelConfig(2, 2, 2, 2), seq_len=64).program
+    args = (program.traced.graph, program.sizes, program.in_layouts, program.out_layouts)
+    kept = solve.Problem(*args)
+    plan = kept.solve()
+    monkeypatch.setattr(solve.Problem, "_reachable", lambda self, strategies, ins: strategies)
+    whole = solve.Problem(*args)
+    assert sum(map(len, kept.c_ins)) < 0.35 * sum(map(len, whole.c_ins))
+    every = whole.solve()
+    assert plan.strategy == every.strategy and plan.outputs == every.outputs and plan.cost == every.cost
