@@ -39,6 +39,7 @@ def cold() -> None:
     ops._WHOLE.clear()
     strategies._LAYOUTS.clear()
     strategies._COMBINED.clear()
+    strategies._FITS.clear()
     solve._TRANSITIONS.clear()
     solve._PLANS.clear()
 

@@ -63,11 +63,8 @@ def kept(strategies: Sequence[Strategy], reads: tuple[int, ...], lay_bits) -> Se
             return strategies
         keep = np.flatnonzero(ok)
         new = {old: k for k, old in enumerate(keep.tolist())}
-        out = Fitted(strategies.layouts, [strategies.outs[i] for i in keep.tolist()],
-                     [strategies.ins[i] for i in keep.tolist()],
-                     frozenset(new[i] for i in strategies.late if i in new))
-        out.__dict__["arrays"] = (local_ins[keep], local_outs[keep])  # (`Fitted.arrays`, sliced)
-        return out
+        return Fitted(strategies.layouts, local_outs[keep], local_ins[keep],
+                      frozenset(new[i] for i in strategies.late if i in new))
     ok = [all(lay_bits(lay) & ~made == 0 for lay, made in zip(st.ins, reads)) for st in strategies]
     if all(ok) or not any(ok):
         return strategies

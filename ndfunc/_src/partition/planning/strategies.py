@@ -310,7 +310,7 @@ def _walked(codes, cut, cut_dims, shapes, sizes, n_outs, empty, n_checked) -> Fi
     at[:, reads] = renumber[number].reshape(keys.shape[1], len(reads))
     digits = distinct[order][:, None] // base ** np.arange(k - 1, -1, -1) % base  # (layout, axis)
     layouts = [*map(_layout_of, map(tuple, np.array(used, dtype=np.int64)[digits].tolist()))]
-    return Fitted(layouts, list(map(tuple, at[:, :n_outs].tolist())), list(map(tuple, at[:, n_outs:].tolist())))
+    return Fitted(layouts, np.ascontiguousarray(at[:, :n_outs]), np.ascontiguousarray(at[:, n_outs:]))
 
 
 class Fitted(Sequence):
@@ -318,15 +318,21 @@ class Fitted(Sequence):
     are made of and, per strategy, the index of each output's and input's layout among them (-1:
     an output the op leaves empty). A 4-axis op has thousands of strategies over a few dozen
     layouts: the partitioner reads the indices (`Problem._add_node`), and a `Strategy` is made
-    when one is read."""
+    when one is read. The indices come as lists of tuples or as (strategies, slots) int arrays
+    (`outs`, `ins`), and each form is made from the other when first read: the partitioner reads a
+    long list's arrays only."""
 
-    def __init__(self, layouts: list[Layout], outs: list[tuple[int, ...]], ins: list[tuple[int, ...]],
-                 late: frozenset[int] = frozenset()):
-        self.layouts, self.outs, self.ins = layouts, outs, ins
+    def __init__(self, layouts: list[Layout], outs, ins, late: frozenset[int] = frozenset()):
+        self.layouts = layouts
         self.late = late  # the strategies that are `Strategy.late`, by index
+        if isinstance(ins, np.ndarray):
+            self.__dict__["arrays"] = (ins, outs)
+        else:
+            self.__dict__["ins"], self.__dict__["outs"] = ins, outs
 
     def __len__(self) -> int:
-        return len(self.ins)
+        rows = self.__dict__.get("ins")
+        return len(rows) if rows is not None else len(self.arrays[0])
 
     @functools.cached_property
     def arrays(self) -> tuple[np.ndarray, np.ndarray]:
@@ -334,11 +340,23 @@ class Fitted(Sequence):
         return tuple(np.array(rows, dtype=np.int64).reshape(len(rows), len(rows[0]) if rows else 0)
                      for rows in (self.ins, self.outs))
 
+    @functools.cached_property
+    def ins(self) -> list[tuple[int, ...]]:
+        return list(map(tuple, self.arrays[0].tolist()))
+
+    @functools.cached_property
+    def outs(self) -> list[tuple[int, ...]]:
+        return list(map(tuple, self.arrays[1].tolist()))
+
     def __getitem__(self, i):
         if isinstance(i, slice):
             return [self[j] for j in range(*i.indices(len(self)))]
+        if "ins" in self.__dict__:
+            outs, ins = self.outs[i], self.ins[i]
+        else:  # one row of the arrays, not every row as a list
+            outs, ins = (a[i].tolist() for a in (self.arrays[1], self.arrays[0]))
         lays = self.layouts
-        return Strategy(tuple(None if k < 0 else lays[k] for k in self.outs[i]), tuple(lays[k] for k in self.ins[i]),
+        return Strategy(tuple(None if k < 0 else lays[k] for k in outs), tuple(lays[k] for k in ins),
                         late=i in self.late)
 
 
@@ -363,16 +381,14 @@ def fitted(found: Sequence[Strategy], shapes_in: list, shapes_out: list, sizes: 
 def _kept(rows, shapes_in: list, shapes_out: list, sizes: tuple[int, ...]) -> Fitted:
     """`fitted` of strategies given as placement codes: rows of (each input's codes, each output's
     (None: an output the op leaves empty), late)."""
-    memo: dict = {}  # (codes, shape) -> whether the layout fits
-
     def fit(codes, shape) -> bool:
         if shape is None:  # an output the op leaves empty takes any layout
             return True
         if codes is None:
             return False
-        ok = memo.get((codes, shape))
+        ok = _FITS.get((codes, shape, sizes))
         if ok is None:
-            ok = memo[codes, shape] = fits(_layout_of(codes), shape, sizes)
+            ok = _FITS[codes, shape, sizes] = fits(_layout_of(codes), shape, sizes)
         return ok
     at: dict = {}  # codes -> number, as first read (inputs, then outputs)
     outs, ins, late, seen = [], [], set(), set()
@@ -389,6 +405,10 @@ def _kept(rows, shapes_in: list, shapes_out: list, sizes: tuple[int, ...]) -> Fi
         ins.append(tuple([at[c] for c in in_codes]))
         outs.append(tuple([-1 if c is None else at[c] for c in out_codes]))
     return Fitted([*map(_layout_of, at)], outs, ins, frozenset(late))
+
+
+_FITS: dict = {}  # (placement codes, shape, mesh sizes) -> whether the layout fits (`_kept`): views of one
+# shape ask it for the same layouts
 
 
 def _holds(p, shape: tuple[int, ...]) -> bool:
