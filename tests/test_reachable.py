@@ -52,6 +52,11 @@ def test_a_candidate_is_kept_where_each_input_can_be_made_as_it_reads_it():
     assert reachable.kept(fitted, (bits[1] | bits[2] | bits[3], bits[3]), lay_bits) is fitted  # all can be made
     only_pending = Fitted(layouts, [(2,)], [(2, 3)])
     assert reachable.kept(only_pending, (0, 0), lay_bits) is only_pending  # none would be left: all stay
+    # the same as a list of `Strategy`s (an op's own rule), each layout's bits asked of a function
+    listed = list(fitted)
+    of_layout = dict(zip(layouts, bits)).__getitem__
+    assert reachable.kept(listed, (bits[1], 0), of_layout) == listed[:2]
+    assert reachable.kept(listed, (bits[1] | bits[2] | bits[3], bits[3]), of_layout) is listed
 
 
 @pytest.mark.slow  # two searches of a 4-axis step, one over every candidate: about 9 s

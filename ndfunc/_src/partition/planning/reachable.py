@@ -7,10 +7,10 @@ priced so that a plan takes it only where nothing else works). Plans do take it 
 asks for a pending sum: `nf.accumulate(reduce="end")` carries its running sums pending over
 dp_shard, and a whole gradient joins them so. A pending sum is therefore always within reach; a
 pending mean, max or min is not (no transform asks for one), and a candidate reading one that no
-candidate of the producer makes is not chosen while anything else works. DTensor's rules list such candidates for every op on every axis: an
-elementwise op over a 4-axis mesh has some 14,000 candidates. Left out in program order (a
-producer's candidates first, then what they can make), a 4-axis llama step keeps about a third of
-its candidates, and its search runs 20-30% faster.
+candidate of the producer makes is not chosen while anything else works. DTensor's rules list
+such candidates for every op on every axis: an elementwise op over a 4-axis mesh has some 14,000
+candidates. Left out in program order (a producer's candidates first, then what they can make), a
+4-axis llama step keeps about a third of its candidates, and its search runs 20-30% faster.
 
 Which pending ops a layout holds where, and which a value's producer can make, is one int each: a
 bit per (mesh axis, reduce op) (`bits`), so a candidate reads only what is made where its layouts'
