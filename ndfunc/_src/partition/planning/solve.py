@@ -25,9 +25,11 @@ and moving many nodes at once never undoes that.
 Inputs and `with_sharding_constraint` nodes have one candidate; requested output layouts are extra
 consumers; an output left to the partitioner only has to end without a pending sum.
 
-What makes it fast enough, without changing a plan (`tests/test_plan_pins.py`): a candidate reading
-a pending mean, max or min that its input's producer never makes is left out before the search
-(`reachable`); layouts are ints (a
+Before the search, a candidate reading a pending mean, max, min or product that its input's
+producer never makes is left out (`reachable`): it is not chosen while anything else works, and a
+4-axis search has a third of the candidates to walk.
+
+What makes it fast enough, without changing a plan (`tests/test_plan_pins.py`): layouts are ints (a
 rule-per-axis candidate list comes as its distinct layouts and each candidate's indices into them,
 `strategies.Fitted`, numbered once) and a layout change is walked on ints
 (`redistribute.coded_steps`), each pair once per process; a node's answer is remembered by
@@ -158,6 +160,7 @@ class Problem:
         self._late: list = []  # (node, its work with its late candidates admitted), until `solve` does
         self.pending: list[int] = []  # value id -> the pending reductions it can reach (`reachable.bits`)
         self._sums = reachable.sums(len(sizes))  # (a pending sum always: at the last resort)
+        self._pruned = reachable.applies(len(sizes))
         self._pending_made: dict = {}  # id(candidate outputs) -> (them, those bits per output)
         self._kept: dict = {}  # (id(candidate list), its inputs' bits) -> (the list, `reachable.kept`)
         self._bits_of: dict = {}  # id(layout or `Fitted`) -> (it, `reachable.bits` of it or of its layouts)
@@ -225,9 +228,12 @@ class Problem:
 
     def _reachable(self, strategies, ins: list[int]):
         """`strategies` less those reading a pending reduction no producer of theirs makes
-        (`reachable`), one list per candidate list and inputs' bits: identical layers share it. A
-        list of `Strategy`s has its layouts numbered first as it would be whole, so every layout
-        keeps its id (ties among equal costs are broken by id)."""
+        (`reachable`), one list per candidate list and inputs' bits: nodes alike in both (identical
+        layers, where their inputs are alike) share it. A list of `Strategy`s has its layouts
+        numbered first as it would be whole, so every layout keeps its id (ties among equal costs
+        are broken by id)."""
+        if not self._pruned:
+            return strategies
         reads = tuple(self.pending[v] for v in ins)
         key = (id(strategies), reads)
         known = self._kept.get(key)

@@ -319,8 +319,8 @@ class Fitted(Sequence):
     an output the op leaves empty). A 4-axis op has thousands of strategies over a few dozen
     layouts: the partitioner reads the indices (`Problem._add_node`), and a `Strategy` is made
     when one is read. The indices come as lists of tuples or as (strategies, slots) int arrays
-    (`outs`, `ins`), and each form is made from the other when first read: the partitioner reads a
-    long list's arrays only."""
+    (`outs`, `ins`), and each form is made from the other when first read: a walk of axis
+    combinations makes arrays, which is all the partitioner reads of a long list."""
 
     def __init__(self, layouts: list[Layout], outs, ins, late: frozenset[int] = frozenset()):
         self.layouts = layouts
