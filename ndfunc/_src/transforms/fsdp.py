@@ -146,7 +146,7 @@ def _parameter_gathers(gm: torch.fx.GraphModule) -> list[_Gather]:
         value = _finish(start, chain)
         while True:
             laid_out, user = [], _only_user(value)
-            while user is not None and user.target in _VIEWS:
+            while user is not None and user.target in prog.VIEWS:
                 laid_out.append(user)
                 user = _only_user(user)
             if user is None or user.target is not c10d.all_gather_into_tensor.default or prog.comm(user) is None:
@@ -326,16 +326,13 @@ def _modules(placeholders: list, paths: list[str]) -> dict:
             for ph, path, cut in zip(placeholders, paths, cuts)}
 
 
-_VIEWS = (aten.clone.default, aten.contiguous.default, aten.view.default, aten.reshape.default,
-          aten._unsafe_view.default, aten.permute.default, aten.transpose.int, aten.t.default, aten.unsqueeze.default,
-          aten.squeeze.dims, aten.squeeze.dim)
 _CASTS = (aten._to_copy.default, torch.ops.prims.convert_element_type.default)
 
 
 def _views_of_source(node: torch.fx.Node) -> list[torch.fx.Node]:
     """The views, copies, casts and all-to-alls from `_source(node)` to `node`, in program order."""
     chain = []
-    while node.op == "call_function" and (node.target in _VIEWS or _is_cast(node) or _is_all_to_all(node)):
+    while node.op == "call_function" and (node.target in prog.VIEWS or _is_cast(node) or _is_all_to_all(node)):
         chain.append(node)
         node = node.args[0]
     return chain[::-1]

@@ -13,9 +13,7 @@ aten = torch.ops.aten
 # ops that lay a value out, or cut it, without changing it, in any dtype: what the lowering writes
 # between a gradient's sum and its next (the sum over one axis split rank by rank for the next), and
 # what cuts a bucket of sums into its pieces (`nf.fsdp`'s buckets)
-_LAYOUT_ONLY = (aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.permute.default,
-                aten.transpose.int, aten.t.default, aten.clone.default, aten.contiguous.default,
-                aten.split.Tensor, aten.split_with_sizes.default, operator.getitem)
+_LAYOUT_ONLY = prog.VIEWS | {aten.split.Tensor, aten.split_with_sizes.default, operator.getitem}
 
 
 def reduce_in(gm: torch.fx.GraphModule, dtype: torch.dtype, axes: tuple[str, ...] | None = None,

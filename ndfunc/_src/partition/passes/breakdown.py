@@ -32,11 +32,8 @@ from ndfunc._src.partition import program as prog
 aten = torch.ops.aten
 _GATHER = torch.ops._c10d_functional.all_gather_into_tensor.default
 _KINDS = ("arguments", "gathered", "activations", "backward", "other")
-_PASS_THROUGH = frozenset({  # ops that leave a stored input what it is: a view, a copy, a cast
-    aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.permute.default, aten.t.default,
-    aten.transpose.int, aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims, aten.clone.default,
-    aten.contiguous.default, aten._to_copy.default, torch.ops.prims.convert_element_type.default,
-})
+# ops that leave a stored input what it is: a view, a copy, a cast
+_PASS_THROUGH = prog.VIEWS | {aten._to_copy.default, torch.ops.prims.convert_element_type.default}
 
 
 @dataclasses.dataclass(frozen=True)

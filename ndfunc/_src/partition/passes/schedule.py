@@ -80,9 +80,7 @@ def _frees(n: torch.fx.Node, root: dict, last: dict, index: dict) -> bool:
 c10d = torch.ops._c10d_functional
 aten = torch.ops.aten
 REDUCTIONS = (c10d.reduce_scatter_tensor.default, c10d.all_reduce.default)  # the gradient collectives
-_MOVES = {operator.getitem, aten.split.Tensor, aten.cat.default, aten.reshape.default, aten.view.default,
-          aten._unsafe_view.default, aten.permute.default, aten.transpose.int, aten.t.default, aten.clone.default,
-          aten.slice.Tensor, aten.squeeze.dims, aten.unsqueeze.default, aten.contiguous.default}
+_MOVES = prog.VIEWS | {operator.getitem, aten.split.Tensor, aten.cat.default, aten.slice.Tensor}  # data movement
 
 
 def issue_reductions_early(gm: torch.fx.GraphModule) -> int:
