@@ -85,6 +85,11 @@ SECOND_ROUNDS = 1
 # 1x128x1x8, 80 layers, with nf.fsdp: 0.02% less by the model, 12% more bytes sent once lowered);
 # its wins move 8-60% less (`tests/test_views.py`, `tests/test_analytic.py`)
 SECOND_GAIN = 0.01
+# ... and the first plan's last phase (`_relax`) spared where the second's is this much cheaper than
+# it before that phase, in its total and in its layout changes: on 22 layouts of Llama-3-70B, small
+# and tiny the phase lowered a total by 0.01-2.7% and layout changes by up to 6%, and the second
+# search's plans kept by 13-25% at 80 layers (1x32x4x8, 2x32x4x4), so its 0.3-0.5 s go to waste
+SECOND_FAR = 0.10
 VECTOR_MIN = 64  # a node with this many candidates has them priced as columns (`_vector_costs`)
 PRICED_TOGETHER = 64  # this many new layout changes in a column are walked together (`_tcosts`)
 HUB = 16  # a value with more consumers has what they want counted as the search chooses (`_Choice`)
@@ -830,15 +835,17 @@ class Problem:
         weights split there."""
         N = len(self.nodes)
         late, self._late = self._late, []
-        choice = self._settled(late)
+        first = self._settled(late)  # (it admits them)
+        second = self._second() if self._moves_what_late_would_not(late, first) else None
+        if second is None or not self._cheaper(second, first, by=SECOND_FAR):
+            first = self._relax(first)
+            if second is None and self._moves_what_late_would_not(late, first):
+                second = self._second()
+            if second is not None and not self._cheaper(second, first):
+                second = None
+        # the last phase only lowers a total: on the plan kept
+        choice = first if second is None else self._relax(second)
         cost = self.total(choice)
-        if self._moves_what_late_would_not(late, choice):  # (`_settled` admitted them)
-            # the last phase only lowers a total: run where it may pay
-            other = self._settled((), relax=False, rounds=SECOND_ROUNDS)
-            other_cost = self.total(other)
-            if other_cost < cost and self._moves(other, other_cost) < (1 - SECOND_GAIN) * self._moves(choice, cost):
-                choice = self._relax(other)
-                cost = self.total(choice)
         strategy = {self.nodes[n]: self.strategies[n][choice[n]] for n in range(N)}
         outputs = []
         for v, want in zip(self.output_values, self.requested):
@@ -847,15 +854,30 @@ class Problem:
             outputs.append((value, finished(strategy[value[0]].outs[j]) if want is None else want))
         return Plan(self.sizes, strategy, outputs, cost)
 
-    def _settled(self, late: list, relax: bool = True, rounds: int = 8) -> list:
+    def _settled(self, late: list, rounds: int = 8) -> list:
         """From the cheaper of the two greedy starts, moves of many nodes at once; then the `late`
-        candidates admitted and the same moves tried around them; last (`relax`), `_relax`."""
+        candidates admitted and the same moves tried around them (the last phase, `_relax`, is
+        the caller's)."""
         choice = min((self._search(wary) for wary in (False, True)), key=self.total)
         self._improve_together(choice, rounds)  # the costly part: on the better start only
         if late:  # then the late candidates (`Strategy.late`), from where the others settled
             self._admit(late)
             self._improve_together(choice, near={n for n, _ in late})
-        return self._relax(choice) if relax else choice
+        return choice
+
+    def _second(self) -> list:
+        """The search with the late candidates admitted from the start (`solve`), before its last
+        phase."""
+        return self._settled((), rounds=SECOND_ROUNDS)
+
+    def _cheaper(self, other: list, choice: list, by: float = 0.0) -> bool:
+        """Whether the second search's plan is kept against the first's: cheaper, and its layout
+        changes `SECOND_GAIN` cheaper; `by`: both by that much more (`SECOND_FAR`, against the
+        first before its last phase, which only lowers its total and has lowered it by about 1%:
+        the phase is then spared, as it would not change which is kept)."""
+        other_cost, cost = self.total(other), self.total(choice)
+        return other_cost < (1 - by) * cost and (
+            self._moves(other, other_cost) < (1 - by) * (1 - SECOND_GAIN) * self._moves(choice, cost))
 
     def _relax(self, choice: list) -> list:
         """Moves that rank a producer's new layout as its consumers could take it (`relaxed`):
