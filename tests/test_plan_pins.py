@@ -111,6 +111,25 @@ def test_identical_layers_are_searched_once_and_the_plan_is_a_full_searchs(monke
     assert shared.cost == alone.cost
 
 
+def test_the_first_searchs_last_phase_is_spared_only_where_it_would_not_change_the_plan(monkeypatch):
+    """Where the search with late candidates admitted from the start is kept by `SECOND_FAR` before
+    the first search's last phase, that phase is not run (`Problem.solve`): the plan is the one
+    made with it run. Llama-3-70B's shape on 1x32x4x8, 4 layers: the second search's plan is kept
+    there by about 20%."""
+    cfg = llama.LlamaConfig.llama3_70b(n_layers=4)
+    program = train.lower_abstract(cfg, nf.ParallelConfig(1, 32, 4, 8), seq_len=256).program
+    args = (program.traced.graph, program.sizes, program.in_layouts, program.out_layouts)
+    relaxed = []
+    relax = solve.Problem._relax
+    monkeypatch.setattr(solve.Problem, "_relax", lambda self, choice: relaxed.append(1) or relax(self, choice))
+    spared = solve.Problem(*args).solve()
+    assert len(relaxed) == 1  # the kept plan's only
+    monkeypatch.setattr(solve, "SECOND_FAR", 1.0)  # never far enough: both relaxed, as before
+    both = solve.Problem(*args).solve()
+    assert len(relaxed) == 3
+    assert table(spared) == table(both)
+    assert spared.cost == both.cost
+
 if __name__ == "__main__":
     TABLE.parent.mkdir(parents=True, exist_ok=True)
     out = {}
