@@ -1,6 +1,8 @@
 """Every private torch API ndfunc uses (`ndfunc._src.torch_compat`), exercised against what it stands
 for: after a torch upgrade this file says which entry point moved."""
 
+import operator
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -304,20 +306,35 @@ def test_route_nested_compile_regions_func_transforms_function_modes_current_tra
 
 
 def test_new_node_is_the_node_create_node_makes():
-    g = torch.fx.Graph()
-    x = g.placeholder("x")
-    made = [compat.new_node(g, "call_function", torch.ops.aten.view.default, (x, [2, 3])),
-            compat.new_node(g, "call_function", torch.ops.aten.sum.dim_IntList, (x, [0]), {"keepdim": True}),
-            compat.new_node(g, "call_function", torch.ops.aten.relu.default, (x,), name="relu_7")]
-    h = torch.fx.Graph()
-    y = h.placeholder("x")
-    want = [h.create_node("call_function", torch.ops.aten.view.default, (y, [2, 3])),
-            h.create_node("call_function", torch.ops.aten.sum.dim_IntList, (y, [0]), {"keepdim": True}),
-            h.create_node("call_function", torch.ops.aten.relu.default, (y,), name="relu_7")]
+    """Names (a target's twice, an explicit one), arguments, users, the insertion point and
+    `find_nodes`' table, as `Graph.create_node` leaves them."""
+    aten = torch.ops.aten
+
+    def build(make):
+        g = torch.fx.Graph()
+        x = g.placeholder("x")
+        made = [make(g, "call_function", aten.view.default, (x, [2, 3])),
+                make(g, "call_function", aten.sum.dim_IntList, (x, [0]), {"keepdim": True}),
+                make(g, "call_function", aten.relu.default, (x,), name="relu_7"),
+                make(g, "call_function", aten.view.default, (x, [3, 2]))]
+        with g.inserting_before(made[1]):
+            made.append(make(g, "call_function", operator.getitem, (x, 0)))
+        g.output(made[-1])
+        return g, x, made
+
+    def create(g, op, target, args, kwargs=None, name=None):
+        return g.create_node(op, target, args, kwargs, name=name)
+
+    g, x, made = build(compat.new_node)
+    h, y, want = build(create)
     for a, b in zip(made, want):
         assert (a.name, a.op, a.target, a.kwargs) == (b.name, b.op, b.target, b.kwargs)
         assert a.args[0] is x and b.args[0] is y and a.args[1:] == b.args[1:]
+    assert [n.name for n in made] == ["view_default", "sum_dim_int_list", "relu_7", "view_default_1", "getitem"]
     assert list(x.users) == made and g.python_code("self").src == h.python_code("self").src
+    assert [n.name for n in g.nodes] == [n.name for n in h.nodes] and len(g.nodes) == len(h.nodes) == 7
+    assert g.find_nodes(op="call_function", target=aten.view.default) == [made[0], made[3]]
+    g.lint()
 
 
 def test_eliminate_dead_code_removes_what_torchs_own_removes():
@@ -337,6 +354,17 @@ def test_eliminate_dead_code_removes_what_torchs_own_removes():
     assert [(n.op, n.target) for n in ours.nodes] == [(n.op, n.target) for n in theirs.nodes]
     assert [n.target for n in ours.nodes][1:4] == [torch.ops.aten.relu.default, torch.ops.aten.add_.Tensor,
                                                   torch.ops.aten.rand.default]
+    assert compat.eliminate_dead_code(ours) is False  # nothing left to remove
+
+    # a module holding a subgraph: its dead code goes too, as torch's own does
+    sub = torch.fx.GraphModule(torch.nn.Module(), build())
+    outer = torch.fx.Graph()
+    outer.output((outer.get_attr("sub"),))
+    root = torch.nn.Module()
+    root.sub = sub
+    gm = torch.fx.GraphModule(root, outer)
+    assert compat.eliminate_dead_code(gm.graph) is True
+    assert [(n.op, n.target) for n in gm.sub.graph.nodes] == [(n.op, n.target) for n in theirs.nodes]
 
 
 def test_runs_hooks_sees_a_modules_own_hooks_those_inside_it_and_global_ones():

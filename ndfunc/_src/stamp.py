@@ -305,8 +305,14 @@ def _copy(nodes: list, env: dict, graph: torch.fx.Graph, now: dict, then: dict) 
 
 def _name(graph: torch.fx.Graph, target: Any) -> str | None:
     """The name `make_fx` gives a node of `target` (an op's packet name: `add`, `add_1`, ...)."""
+    if target in _NAMES:
+        return _NAMES[target]
     packet = getattr(target, "overloadpacket", None)
-    return None if packet is None else graph._target_to_str(packet.__name__)
+    name = _NAMES[target] = None if packet is None else graph._target_to_str(packet.__name__)
+    return name
+
+
+_NAMES: dict = {}  # target -> `_name` (found once: a program copies tens of thousands of nodes)
 
 
 def _renumbered(key: str, mark: Any, fresh: dict) -> Any:

@@ -482,22 +482,53 @@ def fake_like(x: FakeTensor) -> FakeTensor:
 
 def new_node(graph: torch.fx.Graph, op: str, target, args: tuple = (), kwargs: dict | None = None,
              name: str | None = None) -> torch.fx.Node:
-    """`graph.create_node(op, target, args, kwargs, name)`, less the walk 2.13's `create_node` makes
-    over every argument with pytree to warn of raw SymInts (about a fifth of making a node, and a
-    lowering makes hundreds of thousands; ndfunc's programs have static shapes): the node is made
-    bare, then given its arguments through `Node.args` and `Node.kwargs`."""
-    node = graph.create_node(op, target, name=name)
-    if args:
-        node.args = args
-    if kwargs:
-        node.kwargs = kwargs
+    """`graph.create_node(op, target, args, kwargs, name)`, made as it makes it less two costs a
+    lowering pays per node (it makes hundreds of thousands): the walk 2.13's `create_node` makes
+    over every argument with pytree to warn of raw SymInts (ndfunc's programs have static shapes),
+    and the name it derives from the target afresh each time (here once per target). `args` is a
+    tuple. A graph whose module hooks node creation gets `create_node` itself."""
+    module = graph.owning_module
+    if module is not None and getattr(module, "_create_node_hooks", None):
+        node = graph.create_node(op, target, name=name)
+        if args:
+            node.args = args
+        if kwargs:
+            node.kwargs = kwargs
+        return node
+    if name is None:
+        try:
+            name = _TARGET_NAMES.get(target)
+        except TypeError:  # an unhashable target
+            name = graph._target_to_str(target)
+        if name is None:
+            name = _TARGET_NAMES[target] = graph._target_to_str(target)
+    namespace = graph._graph_namespace
+    name = namespace.create_name(name, None)
+    node = torch.fx.Node(graph, name, op, target, args, kwargs or {})
+    namespace.associate_name_with_obj(name, node)
+    graph._insert(node)
+    graph._find_nodes_lookup_table.insert(node)
+    graph._len += 1
     return node
 
 
+_TARGET_NAMES: dict = {}  # target -> the name `create_node` starts a node of it from
+
+
 def eliminate_dead_code(graph: torch.fx.Graph) -> bool:
-    """`graph.eliminate_dead_code()`, asking only the nodes nothing reads whether they are pure (its
-    own asks every node first: a lowering's tens of thousands)."""
-    return graph.eliminate_dead_code(lambda node: len(node.users) > 0 or node.is_impure())
+    """`graph.eliminate_dead_code()` on a graph built in order, without its `lint` first (a walk
+    over every node and argument) and asking only the nodes nothing reads whether they are pure
+    (its own asks every node: a lowering's tens of thousands). A graph whose module holds
+    subgraphs gets torch's own, which cleans those too."""
+    module = graph.owning_module
+    if module is not None and any(isinstance(m, torch.fx.GraphModule) for m in module.children()):
+        return graph.eliminate_dead_code(lambda node: len(node.users) > 0 or node.is_impure())
+    changed = False
+    for node in reversed(graph.nodes):
+        if not node.users and not node.is_impure():
+            graph.erase_node(node)
+            changed = True
+    return changed
 
 
 def runs_hooks(module: torch.nn.Module) -> bool:
