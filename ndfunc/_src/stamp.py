@@ -293,7 +293,7 @@ def _copy(nodes: list, env: dict, graph: torch.fx.Graph, now: dict, then: dict) 
     for n in nodes:
         new = torch_compat.new_node(graph, n.op, n.target, map_arg(n.args, env.__getitem__), map_arg(n.kwargs, env.__getitem__),
                        name=_name(graph, n.target))
-        new.meta = dict(n.meta)
+        new.meta.update(n.meta)  # (into its own fresh dict: assigning `meta` costs fx a table update)
         own = {k: _renumbered(k, v, fresh) for k, v in (n.meta.get("custom") or {}).items()
                if k not in then or then[k] != v}
         if now or own:
