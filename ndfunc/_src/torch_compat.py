@@ -485,8 +485,8 @@ def new_node(graph: torch.fx.Graph, op: str, target, args: tuple = (), kwargs: d
     """`graph.create_node(op, target, args, kwargs, name)`, made as it makes it less two costs a
     lowering pays per node (it makes hundreds of thousands): the walk 2.13's `create_node` makes
     over every argument with pytree to warn of raw SymInts (ndfunc's programs have static shapes),
-    and the name it derives from the target afresh each time (here once per target). `args` is a
-    tuple. A graph whose module hooks node creation gets `create_node` itself."""
+    and the name it derives and cleans from the target afresh each time (here once per target).
+    `args` is a tuple. A graph whose module hooks node creation gets `create_node` itself."""
     module = graph.owning_module
     if module is not None and getattr(module, "_create_node_hooks", None):
         node = graph.create_node(op, target, name=name)
@@ -500,8 +500,8 @@ def new_node(graph: torch.fx.Graph, op: str, target, args: tuple = (), kwargs: d
             name = _TARGET_NAMES.get(target)
         except TypeError:  # an unhashable target
             name = graph._target_to_str(target)
-        if name is None:
-            name = _TARGET_NAMES[target] = graph._target_to_str(target)
+        if name is None:  # as `create_name` cleans it (an op's `add.Tensor`), once
+            name = _TARGET_NAMES[target] = _ILLEGAL_CHARACTERS.sub("_", graph._target_to_str(target))
     namespace = graph._graph_namespace
     name = namespace.create_name(name, None)
     node = torch.fx.Node(graph, name, op, target, args, kwargs or {})
@@ -513,6 +513,7 @@ def new_node(graph: torch.fx.Graph, op: str, target, args: tuple = (), kwargs: d
 
 
 _TARGET_NAMES: dict = {}  # target -> the name `create_node` starts a node of it from
+_ILLEGAL_CHARACTERS = torch.fx.graph._illegal_char_regex
 
 
 def eliminate_dead_code(graph: torch.fx.Graph) -> bool:
