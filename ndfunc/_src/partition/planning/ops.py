@@ -54,7 +54,7 @@ from ndfunc._src.partition.planning.strategies import (
     from_dtensor,
     per_axis,
     from_op_strategy,
-    signature,
+    inputs_and_signature,
     tensor_inputs,
     tensor_outputs,
     value_of,
@@ -246,8 +246,9 @@ def strategy_key(node: torch.fx.Node) -> tuple:
 
 
 def _sig(node: torch.fx.Node) -> tuple:
-    layouts = (prog.constraint_layout(node), *(prog.constraint_layout(a) for a in tensor_inputs(node)))
-    return (signature(node), repr(prog.kept_split(node)), repr(layouts))
+    ins, sig = inputs_and_signature(node)
+    layouts = (prog.constraint_layout(node), *(prog.constraint_layout(a) for a in ins))
+    return (sig, repr(prog.kept_split(node)), repr(layouts))
 
 
 _CACHE: dict[tuple[int, ...], dict] = {}

@@ -1394,4 +1394,16 @@ def _problem_key(graph: torch.fx.Graph, sizes, input_layouts, output_layouts) ->
             entries.append(("output", tuple((at[p], j) for p, j in map(value_of, node.args[0]))))
         else:
             entries.append((node.op, (tuple(val.shape), val.dtype) if isinstance(val, torch.Tensor) else None))
-    return nodes, (tuple(sizes), tuple(input_layouts), tuple(output_layouts), tuple(entries)), signatures
+    return nodes, _Key((tuple(sizes), tuple(input_layouts), tuple(output_layouts), tuple(entries))), signatures
+
+
+class _Key(tuple):
+    """A problem's key, its hash found once: a program's key holds an entry per node, and the plans
+    remembered (`_PLANS`) hash it three times a lowering. (A tuple still: equal to, and written as,
+    the tuple it holds.)"""
+
+    def __hash__(self) -> int:
+        known = self.__dict__.get("hash")
+        if known is None:
+            known = self.__dict__["hash"] = tuple.__hash__(self)
+        return known

@@ -78,6 +78,11 @@ def tensor_inputs(node: torch.fx.Node) -> list[torch.fx.Node]:
     return list(_read(node)[0])
 
 
+def inputs_and_signature(node: torch.fx.Node) -> tuple[tuple, tuple]:
+    """(`tensor_inputs` as a tuple, `signature`) of `node`, read once."""
+    return _read(node)
+
+
 def _read(node: torch.fx.Node) -> tuple[tuple, tuple]:
     """(`tensor_inputs`, `signature`) of `node`, remembered while its arguments and their values
     are the objects they were (the partitioner and the lowering ask each node's many times)."""
