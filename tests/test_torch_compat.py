@@ -260,6 +260,19 @@ def test_no_dispatch_modes_runs_ops_on_plain_tensors_inside_a_simulation():
         assert isinstance(torch.ones(3), compat.LocalTensor)
 
 
+def test_no_python_dispatch_hides_ops_from_every_mode_and_reads_a_fake_tensors_metadata():
+    with compat.FakeTensorMode():
+        x = torch.empty(4, 6)[:, 1:]
+    with compat.no_python_dispatch():
+        assert (tuple(x.shape), x.stride(), x.storage_offset()) == ((4, 5), (6, 1), 1)
+        assert type(torch.ones(2) + 1) is torch.Tensor
+    with nf.simulate(2):
+        with compat.no_python_dispatch():
+            y = torch.ones(3) + 1
+        assert type(y) is torch.Tensor and y.tolist() == [2.0, 2.0, 2.0]
+        assert isinstance(torch.ones(3), compat.LocalTensor)
+
+
 def test_route_nested_compile_regions_func_transforms_function_modes_current_tracer_current_graph_outside_the_trace_trace_nested_node_of_tracked_fake_like():
     from torch.fx.experimental.proxy_tensor import make_fx
 

@@ -61,12 +61,15 @@ __all__ = [
     "route_nested_compile_regions", "func_transforms", "current_tracer", "function_modes", "current_graph", "outside_the_trace",
     "trace_nested", "node_of", "tracked", "fake_like", "known_fakes", "new_node", "runs_hooks", "lstm_cells",
     "registered_gradient", "has_setup_context", "func_transforms_active", "traced_constant",
+    "no_python_dispatch",
 ]
 
 current_dispatch_mode = _get_current_dispatch_mode
 pop_dispatch_mode = _pop_mode_temporarily
 no_dispatch_modes = _disable_current_modes  # a block where no Python dispatch mode sees an op (the
 # simulation's, fake tensors', a user's): the compiler's own arithmetic on plain tensors
+no_python_dispatch = torch._C._DisableTorchDispatch  # a block where no op reaches Python's dispatch
+# (modes nor tensor subclasses), switched off in C++ (torch.utils._mode_utils.no_dispatch)
 REDISTRIBUTE_LOGGER = "torch.distributed.tensor._redistribute"  # DTensor's redistribute warnings
 
 
@@ -469,8 +472,9 @@ def known_fakes(mode: FakeTensorMode, fakes: list[FakeTensor]) -> None:
 
 def fake_like(x: FakeTensor) -> FakeTensor:
     """A new fake tensor of `x`'s fake mode, shape, strides, storage offset, dtype and device, built
-    on a meta tensor: no mode or transform sees it made, so nothing is recorded."""
-    with torch._C.DisableTorchFunction(), torch._C._DisableFuncTorch(), no_dispatch_modes():
+    on a meta tensor: no mode or transform sees it made, so nothing is recorded (dispatch to
+    Python turned off in C++, not the modes popped and pushed back: a trace makes thousands)."""
+    with torch._C.DisableTorchFunction(), torch._C._DisableFuncTorch(), no_python_dispatch():
         offset = x.storage_offset()
         if offset == 0:
             meta = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="meta")
