@@ -203,20 +203,22 @@ def candidates(node: torch.fx.Node, sizes: tuple[int, ...], sig: tuple | None = 
     # spec is another layout on another mesh of these sizes (('dp_replicate', 'dp_shard') on dp=4
     # or on tp=4)
     sig = _sig(node) if sig is None else sig
-    if sig not in cache:
-        alike = _pointwise_key(node, sig, sizes)
-        if alike is not None and alike in cache:
-            cache[sig] = cache[alike]
-            return cache[sig]
-        try:
-            cache[sig] = _candidates(node, sizes)
-        except NoStrategy:  # no rule, or none that fits these shapes: the op whole
-            cache[sig] = _replicated_rule(node, sizes)
-            if not all(_constrained_replicated(a) for a in tensor_inputs(node)):  # (else the user chose it)
-                _WHOLE.setdefault(sizes, set()).add(sig)
-        else:
-            if alike is not None:
-                cache[alike] = cache[sig]
+    known = cache.get(sig)  # (a signature is a deep tuple: hashed once where it is known)
+    if known is not None:
+        return known
+    alike = _pointwise_key(node, sig, sizes)
+    if alike is not None and alike in cache:
+        cache[sig] = cache[alike]
+        return cache[sig]
+    try:
+        cache[sig] = _candidates(node, sizes)
+    except NoStrategy:  # no rule, or none that fits these shapes: the op whole
+        cache[sig] = _replicated_rule(node, sizes)
+        if not all(_constrained_replicated(a) for a in tensor_inputs(node)):  # (else the user chose it)
+            _WHOLE.setdefault(sizes, set()).add(sig)
+    else:
+        if alike is not None:
+            cache[alike] = cache[sig]
     return cache[sig]
 
 
