@@ -75,17 +75,12 @@ def planning_mesh(sizes: tuple[int, ...]) -> DeviceMesh:
 
 def tensor_inputs(node: torch.fx.Node) -> list[torch.fx.Node]:
     """The node's tensor-valued inputs, in the order DTensor's OpSchema lists them."""
-    return list(_read(node)[0])
+    return list(inputs_and_signature(node)[0])
 
 
 def inputs_and_signature(node: torch.fx.Node) -> tuple[tuple, tuple]:
-    """(`tensor_inputs` as a tuple, `signature`) of `node`, read once."""
-    return _read(node)
-
-
-def _read(node: torch.fx.Node) -> tuple[tuple, tuple]:
-    """(`tensor_inputs`, `signature`) of `node`, remembered while its arguments and their values
-    are the objects they were (the partitioner and the lowering ask each node's many times)."""
+    """(`tensor_inputs` as a tuple, `signature`) of `node`, remembered while its arguments and their
+    values are the objects they were (the partitioner and the lowering ask each node's many times)."""
     known = _READ.get(node)
     if known is not None and known[0] is node.args and known[1] is node.kwargs and all(
             a.meta.get("val") is v for a, v in known[2]):
@@ -166,7 +161,7 @@ def _meta(t: torch.Tensor) -> TensorMeta:
 
 def signature(node: torch.fx.Node) -> tuple:
     """What a node's strategies depend on: its op, its tensors' shapes and dtypes, other args."""
-    return _read(node)[1]
+    return inputs_and_signature(node)[1]
 
 
 def from_dtensor(node: torch.fx.Node, ins: list, outs: list, sizes: tuple[int, ...]) -> Sequence[Strategy] | None:
