@@ -2,6 +2,7 @@
 
     python benchmarks/compile_time.py [--layers 2 8 32 80] [--meshes 1,2,2,2 2,2,2,2 ...]
                                       [--config tiny] [--hf] [--repeat N] [--json OUT]
+                                      [--slope 1,16,1,1 2,2,2,2 ... [--slope-layers 8 32]]
 
 Each row lowers the step of `models.train` (AdamW, the ParallelConfig's rules on activations) over
 `nf.ShapeDtypeStruct` stand-ins on an `AbstractMesh` (the program simulated or real ranks get, with
@@ -9,6 +10,11 @@ nothing laid out or allocated: placing data is not compiling), and prints the se
 partitioner's candidate strategies (DTensor's rules asked), its search, and the passes after it.
 Every row starts from cold caches (no candidate, layout change or plan remembered from a row
 before), as a fresh process would. Depth rows use `--depth-mesh`; mesh rows use `--mesh-layers`.
+`--slope`: each of these meshes lowered at the two depths of `--slope-layers`, and the lower time
+split into what every layer adds and what is paid once (a line through the two), by how many axes
+the mesh splits: the search is solved once per distinct layer, so more axes can cost more once
+without costing more per layer. (Alone, it lowers a 2-layer step first and does not count it: a
+process's first lowering also pays torch's warm-up.)
 `--hf`: the same step for transformers' `LlamaForCausalLM` of the config's dims, called as it is
 (`models.train --hf-model`), its layers found alike and traced once (`nf.nn.functional`).
 """
@@ -104,23 +110,45 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=1,
                         help="lower each row this many times, from cold caches, and keep the fastest (a noisy machine)")
     parser.add_argument("--json", help="also write the rows to this file")
+    parser.add_argument("--slope", nargs="*", default=[], help="meshes whose per-layer and fixed lower time to print")
+    parser.add_argument("--slope-layers", type=int, nargs=2, default=[8, 32], metavar=("FEW", "MANY"))
     args = parser.parse_args()
     base = getattr(llama.LlamaConfig, args.config)()
     sizes_of = lambda text: tuple(int(x) for x in text.split(","))  # noqa: E731
     jobs = [(layers, sizes_of(args.depth_mesh)) for layers in args.layers]
     jobs += [(args.mesh_layers, sizes_of(m)) for m in args.meshes]
+    lower_row = hf_row if args.hf else row
+    slopes = [(layers, sizes_of(m)) for m in args.slope for layers in args.slope_layers]
+    if slopes and not jobs:  # a process's first lowering also pays torch's warm-up: not a layer's cost
+        lower_row(dataclasses.replace(base, n_layers=2), slopes[0][1])
+    jobs += slopes
     rows = []
     print(f"{'layers':>6} {'mesh':>12} {'ranks':>5} {'nodes':>6} {'lower s':>8} {'cands s':>8} {'search s':>8} "
           f"{'rest s':>7}")
     for layers, sizes in jobs:
-        r = min(((hf_row if args.hf else row)(dataclasses.replace(base, n_layers=layers), sizes)
+        r = min((lower_row(dataclasses.replace(base, n_layers=layers), sizes)
                  for _ in range(args.repeat)), key=lambda r: r["lower_s"])
         rows.append(r)
         print(f"{layers:6d} {'x'.join(map(str, sizes)):>12} {r['ranks']:5d} {r['nodes']:6d} {r['lower_s']:8.2f} "
               f"{r['candidates_s']:8.2f} {r['search_s']:8.2f} {r['rest_s']:7.2f}", flush=True)
+    if args.slope:
+        print_slopes(rows[len(rows) - 2 * len(args.slope):], args.slope_layers)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
+
+
+def print_slopes(rows: list[dict], depths: list[int]) -> None:
+    """Per mesh (rows in pairs: the two depths), the lower time as fixed + per layer x layers."""
+    few, many = depths
+    print(f"\nlower s = fixed + per layer x layers, through {few} and {many} layers")
+    print(f"{'mesh':>12} {'axes':>4} {'fixed s':>8} {'per layer ms':>12} {'per layer / first':>17}")
+    first = None
+    for a, b in zip(rows[::2], rows[1::2]):
+        per_layer = (b["lower_s"] - a["lower_s"]) / (many - few)
+        first = per_layer if first is None else first
+        print(f"{'x'.join(map(str, a['mesh'])):>12} {sum(n > 1 for n in a['mesh']):4d} "
+              f"{a['lower_s'] - per_layer * few:8.2f} {1e3 * per_layer:12.1f} {per_layer / first:17.2f}")
 
 
 if __name__ == "__main__":
