@@ -388,7 +388,7 @@ class Problem:
             if steps is None:
                 steps = _TRANSITIONS[full] = redistribute.coded_steps(*full)
             self._steps[key] = steps
-        numel, _, itemsize = self.priced_as[v]
+        numel, itemsize = self.priced_as[v]
         c = self._size_costs[v][key] = redistribute.priced(steps, numel, itemsize)
         return c
 
@@ -659,7 +659,7 @@ class Problem:
         new = np.flatnonzero(np.isnan(found) & lays.real)
         if len(new):
             xs = lays.index[new]
-            numel, _, itemsize = self.priced_as[v]
+            numel, itemsize = self.priced_as[v]
             coded, known = self._code_table() if len(new) >= PRICED_TOGETHER else (None, None)
             if known is not None and known[lay] and known[xs].all():
                 one, others = coded[lay:lay + 1], coded[xs]
@@ -1330,13 +1330,14 @@ class _Lays:
         return {lay: k for k, lay in enumerate(self.ids)}
 
 
-def _priced_as(shape: tuple[int, ...], itemsize: int) -> tuple[int, int, int]:
+def _priced_as(shape: tuple[int, ...], itemsize: int) -> tuple[int, int]:
     """What `redistribute.priced` reads of a value: every layout the search prices fits the
     value (`ops.candidates` keeps only those, and finishing a sum keeps the fit), so each block on
     the way is the whole divided exactly by the splits then in place, and the cost reads the shape
-    only as its element count (and its rank, which the layouts' dims index): the same floats, found
-    once for a value and its transposes."""
-    return (math.prod(shape), len(shape), itemsize)
+    only as its element count (a layout id's codes name the dims it splits, whatever the value's
+    rank): the same floats, found once for a value, its transposes and its views (a flatten of
+    (batch, sequence) to tokens, and back)."""
+    return (math.prod(shape), itemsize)
 
 
 def partition(graph: torch.fx.Graph, sizes: tuple[int, ...], input_layouts: list[Layout],
