@@ -233,6 +233,51 @@ def test_partition_specs_follow_the_models_own_tp_plan_and_fsdp_takes_a_free_dim
     assert conv["transformer.h.0.attn.c_proj.bias"] == P(None)
 
 
+def test_fsdp_over_several_axes_splits_a_dim_all_their_ranks_divide():
+    # torchtitan's FSDP over ('dp_shard', 'cp'): each parameter split over both axes, major to minor,
+    # along the largest dim TP leaves whole that dp_shard x cp divides; one axis named in a tuple is
+    # that axis
+    model = make_model("llama", "sdpa")
+    with nf.simulate(8):
+        mesh = nf.make_mesh(dp_shard=2, cp=2, tp=2)
+        both = nf.nn.partition_specs(model, mesh, tp="tp", fsdp=("dp_shard", "cp"))
+        assert nf.nn.partition_specs(model, mesh, tp="tp", fsdp=("dp_shard",)) == \
+            nf.nn.partition_specs(model, mesh, tp="tp", fsdp="dp_shard")
+    with nf.simulate(6):  # 2 x 3 divides no dim of 32 or 64: every parameter whole over them
+        uneven = nf.nn.partition_specs(model, nf.make_mesh(dp_shard=2, cp=3), fsdp=("dp_shard", "cp"))
+    layer = "model.layers.0."
+    assert both[layer + "self_attn.q_proj.weight"] == P("tp", ("dp_shard", "cp"))
+    assert both[layer + "mlp.down_proj.weight"] == P(("dp_shard", "cp"), "tp")
+    assert both[layer + "input_layernorm.weight"] == P(("dp_shard", "cp"))
+    assert set(uneven.values()) == {P(None), P(None, None)}
+
+
+def test_under_axis_rules_the_hidden_states_between_layers_are_laid_out_as_the_rules_say():
+    # the residual stream each decoder layer takes and gives: the batch split as the rules split
+    # it, the sequence over cp, the width whole, as the project's llama lays it out (a plan that
+    # keeps the weights where they lie and moves activations instead costs more once FSDP's
+    # transforms apply); the results are the eager model's, and each layer's forward is its own
+    # again after the step (a recomputed one, its nf.remat)
+    model, ids = make_model("llama", "sdpa"), tokens()
+    want = eager_run_of(model)  # (before a forward is set on a layer: a deep copy's would call the original's)
+    layers = model.model.layers
+    layers[1].forward = recomputed = nf.remat(layers[1].forward, "full")
+    params, buffers, apply = nf.nn.functional(model)
+    config = nf.ParallelConfig(dp_shard_size=2, cp_size=2, tp_size=2)
+    residual = P(("dp_replicate", "dp_shard"), "cp", None)
+    with nf.simulate(8):
+        mesh = config.build_mesh()
+        pspec = nf.nn.partition_specs(model, mesh, tp="tp", fsdp=("dp_shard", "cp"))
+        lowered: list = []
+        got = trained(nf.sharding.axis_rules(config.rules)(apply), params, mesh, pspec, ids, buffers, lowered=lowered)
+        trained(apply, params, mesh, pspec, ids, buffers, lowered=lowered)  # no rules: left to the partitioner
+    assert_as_eager(got, want)
+    hidden = [[spec for node, spec in low.program.traced.constraints() if node.meta["val"].shape == (4, 16, 32)]
+              for low in lowered]
+    assert hidden == [[residual] * 8, []]  # each layer's input and output, and their gradients
+    assert "forward" not in vars(layers[0]) and vars(layers[1])["forward"] is recomputed
+
+
 def test_a_module_carrying_its_own_tp_plan_is_split_by_it_alone():
     # a wrapper's plan (a property here) is the plan, not merged with the wrapped model's; a wrapper
     # carrying none (PEFT's) is split by the plans of the models inside it, from where they sit

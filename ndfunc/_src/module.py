@@ -16,8 +16,10 @@ program, so any specs give the single device's results; the plan decides only wh
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import inspect
+import math
 import re
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -26,8 +28,10 @@ import optree
 import torch
 
 from ndfunc._src import repeated_layers
+from ndfunc._src.constraints import with_logical_constraint
 from ndfunc._src.sharding.mesh import AbstractMesh
 from ndfunc._src.sharding.partition_spec import PartitionSpec
+from ndfunc._src.sharding.rules import current_rules
 
 # The dtype `nf.mixed_precision` computes in while a jitted step is traced (None: as they are):
 # `autodiff` casts differentiated float arguments to it, and a module's apply its parameters,
@@ -57,7 +61,16 @@ def functional(module: torch.nn.Module) -> tuple[dict, dict, Callable[..., Any]]
     (`ndfunc._src.repeated_layers`), as a layer marked `torch.compiler.nested_compile_region` is. A
     module whose forward takes `use_cache` (a Hugging Face model) is called with `use_cache=False`
     unless the call says otherwise: a train step has no use for a KV cache, and layers that write one
-    are traced op by op."""
+    are traced op by op.
+
+    Under `nf.sharding.axis_rules`, the hidden states a layer of a `ModuleList` takes and gives (its
+    first argument and its first result, where they are (batch, sequence, features)) are laid out as
+    the rules lay out `('batch', 'seq', None)`: the residual stream between layers split as the batch
+    is and whole in its width, as FSDP and Megatron keep it (and as the project's llama constrains
+    it). Left free, the partitioner can find a plan that keeps each weight where it lies and moves
+    the activations instead, which costs more once the transforms apply (transformers'
+    `LlamaForCausalLM` of Llama 3 8B's dims on 1x8x2x4, under `nf.fsdp` and bf16: 4.0 GB moved a
+    rank a step for two layers, against 2.1 GB)."""
     params = {name: p.detach() for name, p in module.named_parameters() if p.requires_grad}
     buffers = {name: p.detach() for name, p in module.named_parameters() if not p.requires_grad}
     frozen = frozenset(buffers)
@@ -75,14 +88,68 @@ def functional(module: torch.nn.Module) -> tuple[dict, dict, Callable[..., Any]]
             # and its float inputs, as FSDP2's `cast_forward_inputs` does: an image, a feature vector
             args, kwargs = optree.tree_map(
                 lambda x: x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x, (args, kwargs))
-        with repeated_layers.routed(module):
+        with repeated_layers.routed(module), _residual_laid_out(module):
             return torch.func.functional_call(module, (dict(params), dict(buffers)), args, kwargs)
 
     apply.__name__ = f"{type(module).__name__}.apply"
     return params, buffers, apply
 
 
-def partition_specs(module: torch.nn.Module, mesh: AbstractMesh, *, tp: str | None = None, fsdp: str | None = None,
+_RESIDUAL = ("batch", "seq", None)  # the logical names of a layer's hidden states
+_OWN = object()  # a layer's forward is its class's
+
+
+@contextlib.contextmanager
+def _residual_laid_out(module: torch.nn.Module):
+    """While inside, under axis rules, each layer of `module`'s `ModuleList`s (of two or more) has
+    the hidden states it takes and gives constrained to `_RESIDUAL` (`functional`); its forward
+    as it was after (its class's, `repeated_layers.routed`'s, or one set on it: `nf.remat`'s)."""
+    if current_rules() is None:
+        yield
+        return
+    patched = []
+    for owner in module.modules():
+        if isinstance(owner, torch.nn.ModuleList) and len(owner) > 1:
+            for layer in owner:
+                patched.append((layer, vars(layer).get("forward", _OWN)))
+                vars(layer)["forward"] = _at_the_boundaries(layer.forward)
+    try:
+        yield
+    finally:
+        for layer, forward in reversed(patched):
+            if forward is _OWN:
+                vars(layer).pop("forward", None)
+            else:
+                vars(layer)["forward"] = forward
+
+
+def _at_the_boundaries(forward: Callable) -> Callable:
+    calling = []  # a layer traced once for all calls itself inside its region: constrained outside it only
+
+    def laid_out(*args, **kwargs):
+        if calling:
+            return forward(*args, **kwargs)
+        if args and _hidden(args[0]):
+            args = (with_logical_constraint(args[0], _RESIDUAL), *args[1:])
+        calling.append(True)
+        try:
+            out = forward(*args, **kwargs)
+        finally:
+            calling.pop()
+        if _hidden(out):
+            return with_logical_constraint(out, _RESIDUAL)
+        if type(out) is tuple and out and _hidden(out[0]):  # (hidden states, attention weights, ...)
+            return (with_logical_constraint(out[0], _RESIDUAL), *out[1:])
+        return out
+    return laid_out
+
+
+def _hidden(x) -> bool:
+    return isinstance(x, torch.Tensor) and x.ndim == 3 and x.is_floating_point()
+
+
+def partition_specs(module: torch.nn.Module, mesh: AbstractMesh, *, tp: str | None = None,
+                    fsdp: str | tuple[str, ...] | None = None,
                     plan: Mapping[str, str] | None = None,
                     of: Mapping[str, Any] | None = None) -> dict[str, PartitionSpec]:
     """A PartitionSpec per parameter `functional(module)` gives as params (those with
@@ -96,8 +163,9 @@ def partition_specs(module: torch.nn.Module, mesh: AbstractMesh, *, tp: str | No
     does not name stays whole over `tp`. A layer the plan names that PEFT's
     LoRA wraps is split as the plan says (its `base_layer`), and so are its adapters, so that the
     low-rank path's result is split as the layer's: colwise splits `lora_B`'s outputs, rowwise
-    `lora_A`'s inputs; the other stays whole. `fsdp`: the axis every parameter is also split over,
-    along its largest dim that `tp` leaves whole and the axis divides (none: whole).
+    `lora_A`'s inputs; the other stays whole. `fsdp`: the axis (or axes, major to minor, as
+    torchtitan's FSDP over `('dp_shard', 'cp')`) every parameter is also split over, along its
+    largest dim that `tp` leaves whole and the axes' ranks divide (none: whole).
     """
     if plan is None and tp is not None:
         plan = _carried_plan(module)
@@ -105,6 +173,9 @@ def partition_specs(module: torch.nn.Module, mesh: AbstractMesh, *, tp: str | No
              for pattern, style in (plan or {}).items()]
     kinds = {name: sub for name, sub in module.named_modules()}
     sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
+    if isinstance(fsdp, tuple) and len(fsdp) == 1:
+        fsdp = fsdp[0]
+    shards = math.prod(sizes.get(axis, 1) for axis in ((fsdp,) if isinstance(fsdp, str) else fsdp or ()))
     names = [name for name, p in module.named_parameters() if p.requires_grad] if of is None else list(of)
     specs = {name: PartitionSpec() for name in names}  # (a buffer: whole)
     for name, p in module.named_parameters():
@@ -117,8 +188,8 @@ def partition_specs(module: torch.nn.Module, mesh: AbstractMesh, *, tp: str | No
             dim = _tp_dim(kinds.get(owner), leaf, style, p.ndim) if role is None else _lora_dim(role, leaf, style)
             if dim is not None and p.shape[dim] % sizes[tp] == 0:
                 spec[dim] = tp
-        if fsdp is not None and sizes.get(fsdp, 1) > 1:
-            free = [d for d in range(p.ndim) if spec[d] is None and p.shape[d] % sizes[fsdp] == 0]
+        if shards > 1:
+            free = [d for d in range(p.ndim) if spec[d] is None and p.shape[d] % shards == 0]
             if free:
                 spec[max(free, key=lambda d: (p.shape[d], -d))] = fsdp
         specs[name] = PartitionSpec(*spec)
