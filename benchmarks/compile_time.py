@@ -68,7 +68,7 @@ def hf_row(cfg: llama.LlamaConfig, sizes: tuple[int, ...], seq: int = 64) -> dic
     config = nf.ParallelConfig(*sizes)
     mesh = config.build_abstract_mesh()
     params, loss = train.abstract_hf_model(transformers.LlamaConfig(**hf.config_to_hf(cfg, torch.float32)), mesh)
-    return timed(config, mesh, params, lambda opt: train.make_loss_step(loss, opt), cfg.n_layers, seq)
+    return timed(config, mesh, params, lambda opt: train.make_loss_step(loss, opt, config.rules), cfg.n_layers, seq)
 
 
 def timed(config: nf.ParallelConfig, mesh, params, make_step, layers: int, seq: int) -> dict:

@@ -24,7 +24,8 @@ one was (the data position is the step, so it carries over).
 `--hf-model DIR` trains a Hugging Face causal LM (Llama, GPT-2, Qwen2, Mistral, ...: whatever
 `transformers.AutoModelForCausalLM` loads, with sdpa attention) instead, the model's own modules
 called through `nf.nn.functional`, its parameters laid out by its own TP plan over `tp` and FSDP
-over `dp_shard` (`nf.nn.partition_specs`). It needs `transformers` installed. `--save-hf DIR`
+over `('dp_shard', 'cp')` as the llama's (`nf.nn.partition_specs`), and the hidden states between its
+layers laid out by the same rules as the llama's residual stream. It needs `transformers` installed. `--save-hf DIR`
 then writes the trained model as its class's `from_pretrained` loads it (`hf.save_model`).
 """
 
@@ -141,7 +142,7 @@ def hf_model(model: torch.nn.Module, mesh):
     """(description, parameters, their specs, loss(params, batch), parameter count) of a
     transformers causal LM."""
     params, buffers, apply = nf.nn.functional(model)
-    specs = nf.nn.partition_specs(model, mesh, tp="tp", fsdp="dp_shard")
+    specs = nf.nn.partition_specs(model, mesh, tp="tp", fsdp=("dp_shard", "cp"))  # as the rules lay out the llama's
 
     def loss(params, batch):
         logits = apply(params, buffers, batch["tokens"], position_ids=batch["positions"]).logits
@@ -154,7 +155,7 @@ def abstract_hf_model(hf_config, mesh, remat: str = "none") -> tuple[dict, objec
     """(parameters, loss(params, batch)) of transformers' causal LM for `hf_config` (a transformers
     config, e.g. `AutoConfig.from_pretrained(path)`), as `hf_model` gives them, its parameters as
     `nf.ShapeDtypeStruct` stand-ins laid out on `mesh` (an `AbstractMesh` will do) by the model's
-    TP plan and FSDP over dp_shard: made on the meta device, nothing of its size allocated (its
+    TP plan and FSDP over ('dp_shard', 'cp'): made on the meta device, nothing of its size allocated (its
     buffers, rotary tables, made empty: no value changes the program). Built as `load_hf_model`
     builds the job's (`hf_implementations`, out of training mode), so the program planned is the one
     trained, each decoder layer recomputed in backward under `remat` ('full' or 'save_dots', as
@@ -185,7 +186,8 @@ def lower_abstract_hf(hf_config, config: nf.ParallelConfig, seq_len: int, transf
     opt = opt if opt is not None else nf.optim.adamw(3e-4)
     state = opt.init(params)
     laid_out = optree.tree_map(nf.sharding_of, (params, state))  # results leave as they came
-    step = nf.jit(make_loss_step(loss, opt), mesh=mesh, transforms=list(transforms), out_shardings=(*laid_out, P()))
+    step = nf.jit(make_loss_step(loss, opt, config.rules), mesh=mesh, transforms=list(transforms),
+                  out_shardings=(*laid_out, P()))
     return step.lower(params, state, abstract_batch(config, mesh, batch_per_rank * config.dp_world_size, seq_len))
 
 

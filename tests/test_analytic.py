@@ -126,6 +126,53 @@ def test_fsdp_and_fsdp_tp_move_the_closed_forms(shape, shards, tp):
     from models import llama
 
     cfg, lowered, moved = _llama_step(getattr(llama.LlamaConfig, shape), (1, shards, 1, tp))
+    _assert_fsdp_tp_closed_forms(cfg, lowered, moved, shards, tp)
+
+
+@pytest.mark.slow  # a Llama-3-8B-shaped step lowered per case
+@pytest.mark.parametrize("shards,tp", [(8, 1), (4, 2)], ids=["fsdp8", "fsdp4_tp2"])
+def test_a_hugging_face_llama_moves_the_closed_forms_too(shards, tp):
+    # transformers' LlamaForCausalLM of Llama 3 8B's dims (two layers), as the job trains it: its TP
+    # plan, FSDP over ('dp_shard', 'cp'), the hidden states between its layers laid out by the
+    # rules. Left free, they went where each weight lies: 1.5x FSDP's gathers at fsdp8, and 5x with
+    # no TP all-reduce at fsdp4_tp2
+    transformers = pytest.importorskip("transformers")
+    from models import hf, llama, train
+
+    cfg = llama.LlamaConfig.llama3_8b(n_layers=2)
+    lowered = train.lower_abstract_hf(transformers.LlamaConfig(**hf.config_to_hf(cfg, torch.float32)),
+                                      nf.ParallelConfig(1, shards, 1, tp), 8192)
+    moved: dict = {}
+    for _, c in collectives(lowered.program.local):
+        moved[(c.kind, c.axes)] = moved.get((c.kind, c.axes), 0) + c.moved
+    _assert_fsdp_tp_closed_forms(cfg, lowered, moved, shards, tp)
+
+
+@pytest.mark.slow  # two Llama-3-8B-shaped steps lowered
+def test_a_hugging_face_llama_on_four_axes_moves_what_the_projects_llama_moves():
+    # the same dims on dp_shard 8 x cp 2 x tp 4: FSDP's gathers and scatters over ('dp_shard', 'cp')
+    # and Megatron's all-reduces over tp are the project's llama's (its residual stream constrained
+    # by the same rules). Over cp, transformers' attention gathers its keys and values after
+    # repeating them for each query head (4x the bytes; torchtitan's CP did the same in Dec 2024)
+    transformers = pytest.importorskip("transformers")
+    from models import hf, llama, train
+
+    cfg, config = llama.LlamaConfig.llama3_8b(n_layers=2), nf.ParallelConfig(1, 8, 2, 4)
+    by_axis = []
+    for lowered in (train.lower_abstract_hf(transformers.LlamaConfig(**hf.config_to_hf(cfg, torch.float32)), config,
+                                            8192),
+                    train.lower_abstract(cfg, config, 8192)):
+        moved: dict = {}
+        for _, c in collectives(lowered.program.local):
+            moved[(c.kind, c.axes)] = moved.get((c.kind, c.axes), 0) + c.moved
+        by_axis.append(moved)
+    got, want = by_axis
+    for key in [("all_gather", ("dp_shard", "cp")), ("reduce_scatter", ("dp_shard", "cp")), ("all_reduce", ("tp",))]:
+        assert got[key] == pytest.approx(want[key], rel=0.01), key
+    assert sum(got.values()) < 1.05 * sum(want.values())
+
+
+def _assert_fsdp_tp_closed_forms(cfg, lowered, moved: dict, shards: int, tp: int) -> None:
     params = cfg.num_params()
     table = cfg.vocab_size * cfg.dim
     weights = (params - table) * F32 / tp

@@ -447,18 +447,26 @@ def test_a_weight_gathered_over_two_axes_is_prefetched_whole():
 
 
 def test_a_hugging_face_models_weights_gathered_over_two_axes_are_prefetched():
-    # transformers' Mixtral (3 layers, small) on dp_shard 2 x tp 2, 8 sequences a rank: the
-    # partitioner gathers weights over tp, lays the result out (views, copies) and gathers it over
-    # dp_shard. Each such chain is one FSDP unit: its gather over dp_shard is in flight over the
-    # layer before's matmuls. It was read as two gathers, the second issued just before its use.
+    # transformers' Mixtral (3 layers, small) on dp_shard 2 x tp 2, 8 sequences a rank, its
+    # activations left to the partitioner (no axis rules): it gathers weights over tp, lays the
+    # result out (views, copies) and gathers it over dp_shard. Each such chain is one FSDP unit:
+    # its gather over dp_shard is in flight over the layer before's matmuls. It was read as two
+    # gathers, the second issued just before its use.
     transformers = pytest.importorskip("transformers")
     from models import train
 
     hf = transformers.MixtralConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
                                     num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
                                     num_experts_per_tok=2)
-    lowered = train.lower_abstract_hf(hf, nf.ParallelConfig(1, 2, 1, 2), 64, [
-        nf.fsdp("dp_shard", bucket_bytes=0), nf.mixed_precision(torch.bfloat16, torch.float32)], batch_per_rank=8)
+    config = nf.ParallelConfig(1, 2, 1, 2)
+    mesh = config.build_abstract_mesh()
+    params, loss = train.abstract_hf_model(hf, mesh)
+    opt = nf.optim.adamw(3e-4)
+    state = opt.init(params)
+    laid_out = optree.tree_map(nf.sharding_of, (params, state))
+    step = nf.jit(train.make_loss_step(loss, opt), mesh=mesh, out_shardings=(*laid_out, P()), transforms=[
+        nf.fsdp("dp_shard", bucket_bytes=0), nf.mixed_precision(torch.bfloat16, torch.float32)])
+    lowered = step.lower(params, state, train.abstract_batch(config, mesh, 8 * config.dp_world_size, 64))
     nodes = list(lowered.program.local.graph.nodes)
     c10d = torch.ops._c10d_functional
     matmuls = [i for i, n in enumerate(nodes) if n.target is torch.ops.aten.mm.default]

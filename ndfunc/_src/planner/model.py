@@ -212,20 +212,25 @@ class TransformerShape:
         """(layer matmuls, experts' matmuls, output projection, attention) flops the kernels run per
         token.
 
-        Matmuls: `2 * params * (3 + r)`, `r = 1` when a full remat recomputes each layer's forward
-        (the output projection is outside the layers and never recomputed). The experts a token
-        takes (`experts_per_token x 3 dim x ffn_dim`): `2 * params * (4 + r)`, their forward made
-        once more inside their backward (`ndfunc::experts_backward`). Attention: a causal flash
-        kernel skips the masked half, so `2 * 2 * L * q_dim * S / 2` forward, times `3 + r`.
+        Matmuls: `2 * params * 3`, and once more each that a full remat recomputes: a layer's
+        forward up to what its backward reads, so not a dense MLP's output projection (w2: its
+        result only joins the residual stream, whose sum backward does not read; as torch's
+        checkpoint stops early). The output projection is outside the layers and never recomputed.
+        The experts a token takes (`experts_per_token x 3 dim x ffn_dim`): `2 * params * 4`, their
+        forward made once more inside their backward (`ndfunc::experts_backward`), which a remat
+        then need not make again. Attention: a causal flash kernel skips the masked half, so
+        `2 * 2 * L * q_dim * S / 2` forward, times `3 + r` (`r = 1` under a full remat).
         `selective` keeps every matmul and attention output, so it recomputes no matmul.
         """
         check_remat(remat)
         r = 1 if remat == "full" else 0
         experts = self.experts_per_token * 3 * self.dim * self.ffn_dim if self.n_experts else 0
-        layers = 2 * self.n_layers * (self.layer_linear_params - self.layer_inactive_params - experts) * (3 + r)
+        active = self.layer_linear_params - self.layer_inactive_params - experts
+        unread = 0 if self.n_experts else self.dim * self.ffn_dim  # (a mixture's shared MLP is gated: read)
+        layers = 2 * self.n_layers * (active * 3 + (active - unread) * r)
         output = 2 * self.vocab_size * self.dim * 3
         attention = 2 * self.n_layers * self.q_dim * seq_len * (3 + r)
-        return float(layers), float(2 * self.n_layers * experts * (4 + r)), float(output), float(attention)
+        return float(layers), float(2 * self.n_layers * experts * 4), float(output), float(attention)
 
     def activation_bytes_per_token(self, remat: str, element_bytes: int = BF16) -> float:
         """Bytes one layer keeps per token for backward, unsharded (bf16 unless `element_bytes`
