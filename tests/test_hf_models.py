@@ -278,6 +278,33 @@ def test_under_axis_rules_the_hidden_states_between_layers_are_laid_out_as_the_r
     assert "forward" not in vars(layers[0]) and vars(layers[1])["forward"] is recomputed
 
 
+def test_only_hidden_states_of_the_batchs_tokens_are_laid_out_by_the_rules():
+    # a vision tower's layers beside the text's: its (images, patches, width) are not the batch's
+    # (batch, sequence), which the call's first tensor gives, so they stay the partitioner's to lay out
+    class Towers(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.text = torch.nn.ModuleList([torch.nn.Linear(8, 8) for _ in range(2)])
+            self.vision = torch.nn.ModuleList([torch.nn.Linear(8, 8) for _ in range(2)])
+
+        def forward(self, words, patches):
+            for layer in self.text:
+                words = layer(words)
+            for layer in self.vision:
+                patches = layer(patches)
+            return words.sum() + patches.sum()
+
+    params, buffers, apply = nf.nn.functional(Towers())
+    config = nf.ParallelConfig(dp_shard_size=2)
+    words, patches = torch.randn(4, 6, 8), torch.randn(3, 5, 8)
+    with nf.simulate(2):
+        step = nf.jit(nf.sharding.axis_rules(config.rules)(lambda p, w, i: apply(p, buffers, w, i)),
+                      mesh=config.build_mesh(), in_shardings=(P(), config.batch_spec, P()), out_shardings=P())
+        lowered = step.lower(params, words, patches)
+    shapes = [tuple(node.meta["val"].shape) for node, _ in lowered.program.traced.constraints()]
+    assert shapes == [(4, 6, 8)] * 4  # each text layer's input and output
+
+
 def test_a_module_carrying_its_own_tp_plan_is_split_by_it_alone():
     # a wrapper's plan (a property here) is the plan, not merged with the wrapped model's; a wrapper
     # carrying none (PEFT's) is split by the plans of the models inside it, from where they sit

@@ -64,7 +64,8 @@ def functional(module: torch.nn.Module) -> tuple[dict, dict, Callable[..., Any]]
     are traced op by op.
 
     Under `nf.sharding.axis_rules`, the hidden states a layer of a `ModuleList` takes and gives (its
-    first argument and its first result, where they are (batch, sequence, features)) are laid out as
+    first argument and its first result, where they are (batch, sequence, features) of the call's
+    batch: the first two dims of its first tensor of rank two or more, the tokens) are laid out as
     the rules lay out `('batch', 'seq', None)`: the residual stream between layers split as the batch
     is and whole in its width, as FSDP and Megatron keep it (and as the project's llama constrains
     it). Left free, the partitioner can find a plan that keeps each weight where it lies and moves
@@ -88,7 +89,7 @@ def functional(module: torch.nn.Module) -> tuple[dict, dict, Callable[..., Any]]
             # and its float inputs, as FSDP2's `cast_forward_inputs` does: an image, a feature vector
             args, kwargs = optree.tree_map(
                 lambda x: x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x, (args, kwargs))
-        with repeated_layers.routed(module), _residual_laid_out(module):
+        with repeated_layers.routed(module), _residual_laid_out(module, args, kwargs):
             return torch.func.functional_call(module, (dict(params), dict(buffers)), args, kwargs)
 
     apply.__name__ = f"{type(module).__name__}.apply"
@@ -100,11 +101,15 @@ _OWN = object()  # a layer's forward is its class's
 
 
 @contextlib.contextmanager
-def _residual_laid_out(module: torch.nn.Module):
+def _residual_laid_out(module: torch.nn.Module, args: tuple, kwargs: dict):
     """While inside, under axis rules, each layer of `module`'s `ModuleList`s (of two or more) has
-    the hidden states it takes and gives constrained to `_RESIDUAL` (`functional`); its forward
-    as it was after (its class's, `repeated_layers.routed`'s, or one set on it: `nf.remat`'s)."""
-    if current_rules() is None:
+    the hidden states it takes and gives constrained to `_RESIDUAL` (`functional`), where they are
+    the batch's: (batch, sequence) the first two dims of the call's first tensor of two or more (the
+    token ids, or embeddings), so that a vision tower's (images, patches) are left as they are. Its
+    forward as it was after (its class's, `repeated_layers.routed`'s, or one set on it: `nf.remat`'s)."""
+    batch = next((tuple(x.shape[:2]) for x in optree.tree_leaves((args, kwargs))
+                  if isinstance(x, torch.Tensor) and x.ndim >= 2), None)
+    if current_rules() is None or batch is None:
         yield
         return
     patched = []
@@ -112,7 +117,7 @@ def _residual_laid_out(module: torch.nn.Module):
         if isinstance(owner, torch.nn.ModuleList) and len(owner) > 1:
             for layer in owner:
                 patched.append((layer, vars(layer).get("forward", _OWN)))
-                vars(layer)["forward"] = _at_the_boundaries(layer.forward)
+                vars(layer)["forward"] = _at_the_boundaries(layer.forward, batch)
     try:
         yield
     finally:
@@ -123,29 +128,28 @@ def _residual_laid_out(module: torch.nn.Module):
                 vars(layer)["forward"] = forward
 
 
-def _at_the_boundaries(forward: Callable) -> Callable:
+def _at_the_boundaries(forward: Callable, batch: tuple[int, int]) -> Callable:
     calling = []  # a layer traced once for all calls itself inside its region: constrained outside it only
+
+    def hidden(x) -> bool:
+        return isinstance(x, torch.Tensor) and x.ndim == 3 and x.is_floating_point() and tuple(x.shape[:2]) == batch
 
     def laid_out(*args, **kwargs):
         if calling:
             return forward(*args, **kwargs)
-        if args and _hidden(args[0]):
+        if args and hidden(args[0]):
             args = (with_logical_constraint(args[0], _RESIDUAL), *args[1:])
         calling.append(True)
         try:
             out = forward(*args, **kwargs)
         finally:
             calling.pop()
-        if _hidden(out):
+        if hidden(out):
             return with_logical_constraint(out, _RESIDUAL)
-        if type(out) is tuple and out and _hidden(out[0]):  # (hidden states, attention weights, ...)
+        if type(out) is tuple and out and hidden(out[0]):  # (hidden states, attention weights, ...)
             return (with_logical_constraint(out[0], _RESIDUAL), *out[1:])
         return out
     return laid_out
-
-
-def _hidden(x) -> bool:
-    return isinstance(x, torch.Tensor) and x.ndim == 3 and x.is_floating_point()
 
 
 def partition_specs(module: torch.nn.Module, mesh: AbstractMesh, *, tp: str | None = None,
