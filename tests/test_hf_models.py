@@ -305,6 +305,28 @@ def test_only_hidden_states_of_the_batchs_tokens_are_laid_out_by_the_rules():
     assert shapes == [(4, 6, 8)] * 4  # each text layer's input and output
 
 
+def test_traced_transformers_attention_reads_the_key_value_heads_grouped():
+    # given a mask (positions, as the job passes them), transformers repeats the key/value heads once
+    # per query head, as CUDA's fused kernels take no mask with grouped heads; traced, ndfunc's
+    # attention reads them grouped, so a sequence split over cp gathers them once, not once per query
+    # head. The gradients are the eager model's, whose attention repeats them
+    model, ids = make_model("llama", "sdpa"), tokens()
+    params, buffers, apply = nf.nn.functional(model)
+    positions = torch.arange(ids.shape[1]).expand(ids.shape).contiguous()
+    loss = lambda p, ids: apply(p, buffers, ids, position_ids=positions, labels=ids).loss  # noqa: E731
+    want_loss, want_grads = torch.func.grad_and_value(loss)(params, ids)[::-1]
+    with nf.simulate(2):
+        jitted = nf.jit(nf.value_and_grad(loss), mesh=nf.make_mesh(cp=2), in_shardings=(P(), P(None, "cp")),
+                        out_shardings=(P(), P()))
+        lowered = jitted.lower(params, ids)
+        got_loss, got_grads = nf.device_get(jitted(params, ids))
+    attention = lowered.program.traced.graph.find_nodes(op="call_function", target=torch.ops.ndfunc.attention.default)
+    assert [(n.args[0].meta["val"].shape[1], n.args[1].meta["val"].shape[1]) for n in attention] == [(4, 2)] * 2
+    torch.testing.assert_close(got_loss, want_loss, **LOSS_TOL)
+    for k in want_grads:
+        torch.testing.assert_close(got_grads[k], want_grads[k], **PARAM_TOL, msg=lambda m, k=k: f"{k}: {m}")
+
+
 def test_a_module_carrying_its_own_tp_plan_is_split_by_it_alone():
     # a wrapper's plan (a property here) is the plan, not merged with the wrapped model's; a wrapper
     # carrying none (PEFT's) is split by the plans of the models inside it, from where they sit

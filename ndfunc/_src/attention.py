@@ -28,9 +28,13 @@ memory-efficient kernel's is padded to a multiple of 32 queries, cuDNN's has a t
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import functools
 import math
+import sys
+import threading
 from collections.abc import Callable
 
 import torch
@@ -388,6 +392,42 @@ def traced_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=Fals
     # lays out, and the memory model counts, what the kernels read)
     out, _ = _Attention.apply(query, key, value, additive(attn_mask, query.dtype), is_causal, scale)
     return out
+
+
+_TRACING: contextvars.ContextVar[bool] = contextvars.ContextVar("ndfunc_attention_traced", default=False)
+_INSTALLING = threading.Lock()
+
+
+@contextlib.contextmanager
+def traced():
+    """Inside (in this thread and context), transformers' SDPA attention passes grouped key/value
+    heads to `F.scaled_dot_product_attention` as they are (`enable_gqa`), with a mask too: it repeats
+    them for each query head where a mask is given, because CUDA's fused kernels take no mask with
+    grouped heads; traced, the call is one `ndfunc.attention`, whose kernels read them grouped (and
+    repeat them locally where they must). A sequence split over `cp` then gathers the keys and values
+    once, not once per query head (Llama 3 8B's dims: 1/4 of the bytes)."""
+    _install()
+    token = _TRACING.set(True)
+    try:
+        yield
+    finally:
+        _TRACING.reset(token)
+
+
+def _install() -> None:
+    """Route transformers' `use_gqa_in_sdpa` through `_TRACING`, once transformers has defined it
+    (ndfunc never imports it)."""
+    with _INSTALLING:
+        module = sys.modules.get("transformers.integrations.sdpa_attention")
+        theirs = getattr(module, "use_gqa_in_sdpa", None)
+        if theirs is None or getattr(theirs, "ndfunc_routed", False):
+            return
+
+        def use_gqa_in_sdpa(*args, **kwargs):
+            return True if _TRACING.get() else theirs(*args, **kwargs)
+
+        use_gqa_in_sdpa.ndfunc_routed = True
+        module.use_gqa_in_sdpa = use_gqa_in_sdpa
 
 
 _CPU_FLASH = aten._scaled_dot_product_flash_attention_for_cpu.default
