@@ -40,6 +40,7 @@ from collections.abc import Callable
 import torch
 from torch.nn.attention import SDPBackend
 
+from ndfunc._src.contexts import set_within
 from ndfunc._src.torch_compat import sdpa_choice
 
 aten = torch.ops.aten
@@ -398,8 +399,7 @@ _TRACING: contextvars.ContextVar[bool] = contextvars.ContextVar("ndfunc_attentio
 _INSTALLING = threading.Lock()
 
 
-@contextlib.contextmanager
-def traced():
+def traced() -> contextlib.AbstractContextManager:
     """Inside (in this thread and context), transformers' SDPA attention passes grouped key/value
     heads to `F.scaled_dot_product_attention` as they are (`enable_gqa`), with a mask too: it repeats
     them for each query head where a mask is given, because CUDA's fused kernels take no mask with
@@ -407,11 +407,7 @@ def traced():
     repeat them locally where they must). A sequence split over `cp` then gathers the keys and values
     once, not once per query head (Llama 3 8B's dims: 1/4 of the bytes)."""
     _install()
-    token = _TRACING.set(True)
-    try:
-        yield
-    finally:
-        _TRACING.reset(token)
+    return set_within(_TRACING)
 
 
 def _install() -> None:

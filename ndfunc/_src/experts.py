@@ -32,6 +32,8 @@ from collections.abc import Callable
 
 import torch
 
+from ndfunc._src.contexts import set_within
+
 _lib = torch.library.Library("ndfunc", "FRAGMENT")
 _lib.define("experts(str layer, Tensor hidden, Tensor index, Tensor weights, Tensor[] params) -> Tensor")
 _lib.define("experts_backward(str layer, Tensor grad, Tensor hidden, Tensor index, Tensor weights, "
@@ -158,15 +160,10 @@ def _name_of(module: torch.nn.Module, implementation: Callable, names: tuple[str
         return layer
 
 
-@contextlib.contextmanager
-def traced():
+def traced() -> contextlib.AbstractContextManager:
     """Inside, a transformers experts call is one `ndfunc::experts` (in this thread and context)."""
     _install()
-    token = _TRACING.set(True)
-    try:
-        yield
-    finally:
-        _TRACING.reset(token)
+    return set_within(_TRACING)
 
 
 def _install() -> None:
