@@ -177,17 +177,18 @@ def abstract_hf_model(hf_config, mesh, remat: str = "none") -> tuple[dict, objec
 
 
 def lower_abstract_hf(hf_config, config: nf.ParallelConfig, seq_len: int, transforms=(), batch_per_rank: int = 1,
-                      remat: str = "none", opt: nf.optim.GradientTransformation | None = None):
+                      remat: str = "none", opt: nf.optim.GradientTransformation | None = None, ruled: bool = True):
     """`lower_abstract` for transformers' causal LM of `hf_config` (`abstract_hf_model`, each
     decoder layer recomputed under `remat`): the job's `--hf-model` step (AdamW unless `opt`) over
-    stand-ins on `config`'s abstract mesh, nothing of its size allocated."""
+    stand-ins on `config`'s abstract mesh, nothing of its size allocated. The step runs under
+    `config.rules`, as the job's (not `ruled`: its activations left to the partitioner)."""
     mesh = config.build_abstract_mesh()
     params, loss = abstract_hf_model(hf_config, mesh, remat)
     opt = opt if opt is not None else nf.optim.adamw(3e-4)
     state = opt.init(params)
     laid_out = optree.tree_map(nf.sharding_of, (params, state))  # results leave as they came
-    step = nf.jit(make_loss_step(loss, opt, config.rules), mesh=mesh, transforms=list(transforms),
-                  out_shardings=(*laid_out, P()))
+    step = nf.jit(make_loss_step(loss, opt, config.rules if ruled else None), mesh=mesh,
+                  transforms=list(transforms), out_shardings=(*laid_out, P()))
     return step.lower(params, state, abstract_batch(config, mesh, batch_per_rank * config.dp_world_size, seq_len))
 
 

@@ -105,10 +105,15 @@ def _llama_step(base, sizes, seq=8192, remat=None, transforms=(), n_layers=2):
                   out_shardings=(*laid_out, P()))
     batch = train.abstract_batch(config, mesh, config.dp_world_size, seq * config.cp_size)
     lowered = step.lower(params, state, batch)
+    return cfg, lowered, _moved(lowered)
+
+
+def _moved(lowered, by=lambda c: (c.kind, c.axes)) -> dict:
+    """Bytes a rank sends, summed by `by` of each collective of the local program."""
     moved: dict = {}
     for _, c in collectives(lowered.program.local):
-        moved[(c.kind, c.axes)] = moved.get((c.kind, c.axes), 0) + c.moved
-    return cfg, lowered, moved
+        moved[by(c)] = moved.get(by(c), 0) + c.moved
+    return moved
 
 
 SHAPES = ["llama3_8b", "llama3_70b"]
@@ -142,10 +147,7 @@ def test_a_hugging_face_llama_moves_the_closed_forms_too(shards, tp):
     cfg = llama.LlamaConfig.llama3_8b(n_layers=2)
     lowered = train.lower_abstract_hf(transformers.LlamaConfig(**hf.config_to_hf(cfg, torch.float32)),
                                       nf.ParallelConfig(1, shards, 1, tp), 8192)
-    moved: dict = {}
-    for _, c in collectives(lowered.program.local):
-        moved[(c.kind, c.axes)] = moved.get((c.kind, c.axes), 0) + c.moved
-    _assert_fsdp_tp_closed_forms(cfg, lowered, moved, shards, tp)
+    _assert_fsdp_tp_closed_forms(cfg, lowered, _moved(lowered), shards, tp)
 
 
 @pytest.mark.slow  # two Llama-3-8B-shaped steps lowered
@@ -158,15 +160,9 @@ def test_a_hugging_face_llama_on_four_axes_moves_what_the_projects_llama_moves()
     from models import hf, llama, train
 
     cfg, config = llama.LlamaConfig.llama3_8b(n_layers=2), nf.ParallelConfig(1, 8, 2, 4)
-    by_axis = []
-    for lowered in (train.lower_abstract_hf(transformers.LlamaConfig(**hf.config_to_hf(cfg, torch.float32)), config,
-                                            8192),
-                    train.lower_abstract(cfg, config, 8192)):
-        moved: dict = {}
-        for _, c in collectives(lowered.program.local):
-            moved[(c.kind, c.axes)] = moved.get((c.kind, c.axes), 0) + c.moved
-        by_axis.append(moved)
-    got, want = by_axis
+    got, want = (_moved(lowered) for lowered in (
+        train.lower_abstract_hf(transformers.LlamaConfig(**hf.config_to_hf(cfg, torch.float32)), config, 8192),
+        train.lower_abstract(cfg, config, 8192)))
     for key in [("all_gather", ("dp_shard", "cp")), ("reduce_scatter", ("dp_shard", "cp")), ("all_reduce", ("tp",))]:
         assert got[key] == pytest.approx(want[key], rel=0.01), key
     assert got[("all_gather", ("cp",))] <= want[("all_gather", ("cp",))]  # keys and values, grouped
@@ -444,9 +440,7 @@ def test_a_mixture_of_experts_step_lands_on_the_planners_closed_forms(strategy):
     transforms = [nf.fsdp("dp_shard")] if sizes[1] > 1 else []
     lowered = train.lower_abstract_hf(hf, nf.ParallelConfig(*sizes), seq,
                                       [*transforms, nf.mixed_precision(torch.bfloat16, torch.float32)])
-    moved: dict = {}
-    for _, c in collectives(lowered.program.local):
-        moved[c.axes] = moved.get(c.axes, 0) + c.moved
+    moved = _moved(lowered, by=lambda c: c.axes)
 
     shape, layout = TransformerShape.from_config(hf), Layout(*sizes)
     traced = lowered.program.traced  # the parameters: the step's first argument

@@ -458,15 +458,9 @@ def test_a_hugging_face_models_weights_gathered_over_two_axes_are_prefetched():
     hf = transformers.MixtralConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
                                     num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
                                     num_experts_per_tok=2)
-    config = nf.ParallelConfig(1, 2, 1, 2)
-    mesh = config.build_abstract_mesh()
-    params, loss = train.abstract_hf_model(hf, mesh)
-    opt = nf.optim.adamw(3e-4)
-    state = opt.init(params)
-    laid_out = optree.tree_map(nf.sharding_of, (params, state))
-    step = nf.jit(train.make_loss_step(loss, opt), mesh=mesh, out_shardings=(*laid_out, P()), transforms=[
-        nf.fsdp("dp_shard", bucket_bytes=0), nf.mixed_precision(torch.bfloat16, torch.float32)])
-    lowered = step.lower(params, state, train.abstract_batch(config, mesh, 8 * config.dp_world_size, 64))
+    lowered = train.lower_abstract_hf(hf, nf.ParallelConfig(1, 2, 1, 2), 64, [
+        nf.fsdp("dp_shard", bucket_bytes=0), nf.mixed_precision(torch.bfloat16, torch.float32)], batch_per_rank=8,
+        ruled=False)
     nodes = list(lowered.program.local.graph.nodes)
     c10d = torch.ops._c10d_functional
     matmuls = [i for i, n in enumerate(nodes) if n.target is torch.ops.aten.mm.default]
