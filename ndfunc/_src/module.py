@@ -97,35 +97,19 @@ def functional(module: torch.nn.Module) -> tuple[dict, dict, Callable[..., Any]]
 
 
 _RESIDUAL = ("batch", "seq", None)  # the logical names of a layer's hidden states
-_OWN = object()  # a layer's forward is its class's
 
 
-@contextlib.contextmanager
-def _residual_laid_out(module: torch.nn.Module, args: tuple, kwargs: dict):
-    """While inside, under axis rules, each layer of `module`'s `ModuleList`s (of two or more) has
-    the hidden states it takes and gives constrained to `_RESIDUAL` (`functional`), where they are
-    the batch's: (batch, sequence) the first two dims of the call's first tensor of two or more (the
-    token ids, or embeddings), so that a vision tower's (images, patches) are left as they are. Its
-    forward as it was after (its class's, `repeated_layers.routed`'s, or one set on it: `nf.remat`'s)."""
+def _residual_laid_out(module: torch.nn.Module, args: tuple, kwargs: dict) -> contextlib.AbstractContextManager:
+    """While inside, under axis rules, each layer of `module`'s layer lists has the hidden states it
+    takes and gives constrained to `_RESIDUAL` (`functional`), where they are the batch's: (batch,
+    sequence) the first two dims of the call's first tensor of two or more (the token ids, or
+    embeddings), so that a vision tower's (images, patches) are left as they are."""
     batch = next((tuple(x.shape[:2]) for x in optree.tree_leaves((args, kwargs))
                   if isinstance(x, torch.Tensor) and x.ndim >= 2), None)
     if current_rules() is None or batch is None:
-        yield
-        return
-    patched = []
-    for owner in module.modules():
-        if isinstance(owner, torch.nn.ModuleList) and len(owner) > 1:
-            for layer in owner:
-                patched.append((layer, vars(layer).get("forward", _OWN)))
-                vars(layer)["forward"] = _at_the_boundaries(layer.forward, batch)
-    try:
-        yield
-    finally:
-        for layer, forward in reversed(patched):
-            if forward is _OWN:
-                vars(layer).pop("forward", None)
-            else:
-                vars(layer)["forward"] = forward
+        return contextlib.nullcontext()
+    return repeated_layers.forwards_replaced([(layer, _at_the_boundaries(layer.forward, batch))
+                                              for owner in repeated_layers.layer_lists(module) for layer in owner])
 
 
 def _at_the_boundaries(forward: Callable, batch: tuple[int, int]) -> Callable:

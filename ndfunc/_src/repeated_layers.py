@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import optree
 import torch
@@ -94,16 +94,34 @@ def routed(module: torch.nn.Module) -> Iterator[None]:
     if call is None:
         yield
         return
-    patched = []
-    for alike in _alike_layers(module):
-        for layer in alike.layers:
-            vars(layer)["forward"] = _routed_forward(alike, layer, type(layer).forward.__get__(layer))
-            patched.append(layer)
+    with forwards_replaced([(layer, _routed_forward(alike, layer, type(layer).forward.__get__(layer)))
+                            for alike in _alike_layers(module) for layer in alike.layers]):
+        yield
+
+
+_OWN = object()  # a layer's forward is its class's
+
+
+@contextlib.contextmanager
+def forwards_replaced(replaced: list[tuple[torch.nn.Module, Callable]]) -> Iterator[None]:
+    """While inside, each layer's `forward` is the one given; after, the one it had (its class's,
+    or one set on it: `nf.remat`'s, or another `forwards_replaced`'s)."""
+    before = [(layer, vars(layer).get("forward", _OWN)) for layer, _ in replaced]
+    for layer, forward in replaced:
+        vars(layer)["forward"] = forward
     try:
         yield
     finally:
-        for layer in patched:
-            vars(layer).pop("forward", None)
+        for layer, forward in reversed(before):
+            if forward is _OWN:
+                vars(layer).pop("forward", None)
+            else:
+                vars(layer)["forward"] = forward
+
+
+def layer_lists(module: torch.nn.Module) -> Iterator[torch.nn.ModuleList]:
+    """`module`'s `ModuleList`s of two or more: where a model keeps its layers."""
+    return (owner for owner in module.modules() if isinstance(owner, torch.nn.ModuleList) and len(owner) > 1)
 
 
 def _routed_forward(alike: _Alike, layer: torch.nn.Module, forward):
@@ -120,9 +138,7 @@ def _routed_forward(alike: _Alike, layer: torch.nn.Module, forward):
 
 def _alike_layers(module: torch.nn.Module) -> list[_Alike]:
     found = []
-    for owner in module.modules():
-        if not isinstance(owner, torch.nn.ModuleList) or len(owner) < 2:
-            continue
+    for owner in layer_lists(module):
         layers = [layer for layer in owner if "forward" not in vars(layer)]
         hidden = _per_layer(layers)
         groups: dict = {}
