@@ -128,6 +128,32 @@ def test_megatron_mlp_all_reduces_the_activation_once_forward_and_once_backward(
         assert_same(out, expected)
 
 
+def test_a_sequence_split_input_read_by_three_einsums_is_gathered_once():
+    # Megatron's sequence parallelism: a layer's input lies split over tp by the sequence, and q, k
+    # and v (column-split weights) each read it whole. Each einsum views it on its own (a permute
+    # apiece): the view, its gather and what lays the gathered block out are made once (before:
+    # three gathers), and the backward reads that block as the einsums saved it
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 64, D, generator=g)
+    ws = [torch.randn(D, F, generator=g) / 4 for _ in range(3)]
+
+    def qkv(x, ws):
+        x = nf.with_sharding_constraint(x, P(None, "tp"))
+        q, k, v = (torch.einsum("bld,dk->blk", x, w) for w in ws)
+        return (q * k * v).square().mean()
+
+    step = nf.value_and_grad(qkv, argnums=(0, 1))
+    expected = step(x, ws)
+    with nf.simulate(4):
+        jitted = nf.jit(step, mesh=nf.make_mesh(tp=4), in_shardings=(P(None, "tp"), [P(None, "tp")] * 3),
+                        out_shardings=(P(), (P(None, "tp"), [P(None, "tp")] * 3)))
+        counts = jitted.lower(x, ws).cost_analysis()["collectives"]
+        out, ran = run_counted(jitted, x, ws)
+        assert_same(out, expected)
+    # x gathered; the loss's sum all-reduced; x's gradient, a sum over the three, reduce-scattered
+    assert counts == ran == {"all_gather": 1, "all_reduce": 1, "reduce_scatter": 1}
+
+
 # (in, out, how many all-to-alls: one for each axis that moves its split alone, or for each of
 # several that move in turn, each the innermost split of both its dims when it moves; else the
 # splits are gathered and sliced)

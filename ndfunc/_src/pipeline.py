@@ -23,7 +23,7 @@ from ndfunc._src.partition import lower as lowering
 from ndfunc._src.partition import program as prog
 from ndfunc._src.partition.backends import cpu_kernels as kernels
 from ndfunc._src.partition.backends import gloo as algorithms
-from ndfunc._src.partition.passes import bucket, inplace, schedule
+from ndfunc._src.partition.passes import bucket, inplace, schedule, shared
 from ndfunc._src.partition.planning import solve
 from ndfunc._src.partition.program import Program
 from ndfunc._src.runtime import simulation_paused
@@ -112,6 +112,9 @@ def process_groups(mesh, axes) -> tuple[list[str], Callable[[tuple[str, ...]], s
 
 # --- the local program -----------------------------------------------------------------------------
 
+share_repeated_moves = _on_local(
+    shared.share_repeated_moves, "Views that repeat one another, and their layout changes, made once (`shared`).")
+
 issue_reductions_early = _on_local(
     schedule.issue_reductions_early, "Each gradient reduction issued right after what it reduces is made (`schedule`).")
 
@@ -190,6 +193,7 @@ PASSES: tuple[Pass, ...] = (
     partition,
     transforms_partitioned,
     lower,
+    share_repeated_moves,
     issue_reductions_early,
     bucket_all_reduces,
     wait_in_turn,

@@ -1,0 +1,64 @@
+"""Layout changes made once for views that repeat one another.
+
+Each einsum or `F.linear` reading a value views it on its own: `q = einsum("bld,dhk", x, wq)`,
+`k = ...(x, wk)` and `v = ...(x, wv)` are three permutes of `x`, three values to the partitioner.
+Where the plan moves `x` for them (sequence parallelism gathers it over tp), the lowering moves each
+view: three all-gathers of one tensor, where Megatron gathers it once. `share_repeated_moves`
+makes the local program move it once: views of one value with the same arguments, lowered from
+ops of the same phase (forward, or a region's recomputation), become one node, and so do the
+collectives and copies then made of one node the same way.
+
+Views merge only within one phase (their annotations equal): a view the forward made is not
+shared with one the backward or a recomputation made again, so what is moved for those is moved
+there again, not kept alive from the forward. What is made of merged views merges where made
+alike, as the lowering moves any one value once for all its readers. The plan is left as the
+partitioner chose it: the search prices each view's move apart, so it never prefers a plan for the
+saving made here.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+
+from ndfunc._src.graph_edits import is_view
+from ndfunc._src.partition import program as prog
+
+_c10d = torch.ops._c10d_functional
+# what the lowering makes of a view to move it: its collectives, their waits, and the copies that
+# lay a block out for them
+_MADE_FOR_A_MOVE = frozenset({
+    _c10d.all_gather_into_tensor.default, _c10d.reduce_scatter_tensor.default, _c10d.all_reduce.default,
+    _c10d.all_to_all_single.default, _c10d.wait_tensor.default, torch.ops.aten.clone.default,
+    torch.ops.aten.contiguous.default, torch.ops.aten.cat.default, torch.ops.aten.split.Tensor,
+    torch.ops.aten.chunk.default, operator.getitem})
+
+
+def share_repeated_moves(gm: torch.fx.GraphModule) -> int:
+    """Merge repeated views and what is made of them alike (the module docstring); how many nodes
+    went."""
+    first: dict = {}
+    shared: set = set()  # nodes standing for others: only what is made of them alike is merged
+    merged = 0
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function":
+            continue
+        view = is_view(node) or node.target is torch.ops.aten._unsafe_view.default
+        if not (view or node.target in _MADE_FOR_A_MOVE):
+            continue
+        try:
+            key = (node.target, node.args, tuple(node.kwargs.items()), repr(prog.marks(node)))
+            kept = first.setdefault(key, node)
+        except TypeError:  # an argument that does not hash: left as it is
+            continue
+        # a view of the step's own (a view the lowering made has no marks: no phase), or what is
+        # made alike of merged nodes
+        if kept is node or not (any(a in shared for a in node.all_input_nodes)
+                                or (view and prog.marks(node) is not None)):
+            continue
+        node.replace_all_uses_with(kept)
+        gm.graph.erase_node(node)
+        shared.add(kept)
+        merged += 1
+    return merged
