@@ -16,7 +16,8 @@ from ndfunc._src.partition.passes.schedule import (
     issue_reductions_early,
     wait_in_turn,
 )
-from ndfunc._src.partition.program import note_local
+from ndfunc._src.partition.passes.shared import share_repeated_moves
+from ndfunc._src.partition.program import carry_marks, note_local
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
@@ -277,3 +278,27 @@ def test_a_reduction_is_waited_for_before_the_next_over_its_group_is_issued():
                            c10d.reduce_scatter_tensor.default, c10d.wait_tensor.default]
     assert lifetimes(list(gm.graph.nodes))[1][first] == 5
     assert wait_in_turn(gm) == 0
+
+
+def test_views_alike_are_moved_once_within_a_phase_and_again_in_another():
+    # three einsums' permutes of x, each gathered: the forward's two (the same annotations) become
+    # one view, one gather and one wait; the backward's (another phase) keeps its own, so the
+    # forward's gathered block is not kept alive for it
+    class Traced:  # what `lower` reads of the traced op a local node comes from
+        def __init__(self, custom):
+            self.meta = {"custom": custom}
+
+    def body(g, x):
+        out = []
+        for phase in ({"ndfunc_forward": True}, {"ndfunc_forward": True}, {}):
+            view = g.call_function(aten.permute.default, (x, [1, 0]))
+            carry_marks(view, Traced(phase))
+            gathered = g.call_function(c10d.all_gather_into_tensor.default, (view, 2, "0"))
+            out.append(g.call_function(c10d.wait_tensor.default, (gathered,)))
+        return tuple(out)
+
+    gm = build(body, 1)
+    assert share_repeated_moves(gm) == 3
+    assert targets(gm) == [aten.permute.default, c10d.all_gather_into_tensor.default, c10d.wait_tensor.default] * 2
+    first, second, third = gm.graph.find_nodes(op="output")[0].args[0]
+    assert first is second and third is not first
