@@ -3,6 +3,8 @@ the graph run as it was built, and the rewrite must be the one promised."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import torch
 
 from ndfunc._src.buffers import lifetimes
@@ -284,15 +286,11 @@ def test_views_alike_are_moved_once_within_a_phase_and_again_in_another():
     # three einsums' permutes of x, each gathered: the forward's two (the same annotations) become
     # one view, one gather and one wait; the backward's (another phase) keeps its own, so the
     # forward's gathered block is not kept alive for it
-    class Traced:  # what `lower` reads of the traced op a local node comes from
-        def __init__(self, custom):
-            self.meta = {"custom": custom}
-
     def body(g, x):
         out = []
         for phase in ({"ndfunc_forward": True}, {"ndfunc_forward": True}, {}):
             view = g.call_function(aten.permute.default, (x, [1, 0]))
-            carry_marks(view, Traced(phase))
+            carry_marks(view, SimpleNamespace(meta={"custom": phase}))  # as `lower` marks it from the traced op
             gathered = g.call_function(c10d.all_gather_into_tensor.default, (view, 2, "0"))
             out.append(g.call_function(c10d.wait_tensor.default, (gathered,)))
         return tuple(out)

@@ -47,15 +47,13 @@ def share_repeated_moves(gm: torch.fx.GraphModule) -> int:
         view = is_view(node) or node.target is torch.ops.aten._unsafe_view.default
         if not (view or node.target in _MADE_FOR_A_MOVE):
             continue
+        marks = prog.marks(node)  # the traced op's annotations: its phase (None: the lowering made it)
         try:
-            key = (node.target, node.args, tuple(node.kwargs.items()), repr(prog.marks(node)))
-            kept = first.setdefault(key, node)
+            kept = first.setdefault((node.target, node.args, tuple(node.kwargs.items()), repr(marks)), node)
         except TypeError:  # an argument that does not hash: left as it is
             continue
-        # a view of the step's own (a view the lowering made has no marks: no phase), or what is
-        # made alike of merged nodes
-        if kept is node or not (any(a in shared for a in node.all_input_nodes)
-                                or (view and prog.marks(node) is not None)):
+        # a view of the step's own, or what is made alike of merged nodes
+        if kept is node or not ((view and marks is not None) or any(a in shared for a in node.all_input_nodes)):
             continue
         node.replace_all_uses_with(kept)
         gm.graph.erase_node(node)
