@@ -20,6 +20,8 @@ from ndfunc._src.config import ParallelConfig as ParallelConfig
 from ndfunc._src.constraints import with_logical_constraint as with_logical_constraint
 from ndfunc._src.constraints import with_sharding_constraint as with_sharding_constraint
 from ndfunc._src.jit import jit as jit
+from ndfunc._src.processes.controller import WorkerDiedError as WorkerDiedError
+from ndfunc._src.processes.controller import processes as processes
 from ndfunc._src.runtime import init as init
 from ndfunc._src.runtime import is_simulated as is_simulated
 from ndfunc._src.runtime import rank as rank
@@ -51,7 +53,7 @@ __version__ = "0.1.0"
 __all__ = [
     "DataDependentError", "ParallelConfig", "RanksDisagreeError", "ShapeDtypeStruct", "accumulate", "checkpoint", "device_get",
     "device_put", "eval_shape", "fsdp", "get_mesh", "grad",
-    "init", "is_simulated", "jit", "lax", "mixed_precision", "nn", "optim", "plan", "random", "remat", "ring_attention",
+    "init", "is_simulated", "processes", "WorkerDiedError", "jit", "lax", "mixed_precision", "nn", "optim", "plan", "random", "remat", "ring_attention",
     "unzigzag", "value_and_grad", "vmap", "zigzag",
     "make_array_from_callback", "make_mesh", "rank", "set_mesh", "shard_map", "sharding", "sharding_of", "shutdown",
     "simulate", "tree", "visualize_sharding", "with_logical_constraint", "with_sharding_constraint", "world_size",

@@ -11,8 +11,8 @@ import pytest
 PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "ndfunc"
 # low to high; a module may import its own layer and the ones before it
 LAYERS = [
-    ["_src.torch_compat", "_src.contexts", "_src.regions"],
-    ["tree", "_src.sharding", "optim", "random", "_src.buffers", "_src.planner"],
+    ["_src.torch_compat", "_src.contexts", "_src.regions", "_src.forward"],
+    ["tree", "_src.sharding", "optim", "random", "_src.buffers", "_src.planner", "_src.display", "_src.figures"],
     ["_src.host_memory", "_src.runtime", "_src.point_to_point", "_src.transfer", "_src.config", "_src.visualize", "sharding", "_src.repeated_layers",
      "_src.attention", "_src.ctc_loss", "_src.rnn", "_src.experts", "_src.checkpoint", "checkpoint"],
     ["_src.autodiff", "_src.constraints", "_src.module", "nn", "_src.manual", "_src.stamp", "_src.trace", "_src.traced_as", "_src.custom_gradients", "_src.writes", "_src.copy_slices", "_src.graph_edits", "lax", "_src.shard_map"],
@@ -21,6 +21,7 @@ LAYERS = [
     ["_src.transforms", "transforms"],
     ["_src.donation", "_src.arguments", "_src.pipeline", "_src.simulated_program", "_src.stages", "_src.agreement", "_src.jit"],
     ["_src.transforms.accumulate"],  # a function transform that builds jitted programs
+    ["_src.processes"],  # a notebook driving real ranks: the calls of every layer above, sent to workers
     ["", "plan"],  # ndfunc itself; nf.plan re-exports the closed forms and the replay
 ]
 

@@ -47,6 +47,7 @@ from torch.distributed.checkpoint.planner import (
 )
 from torch.distributed.tensor import DTensor
 
+from ndfunc._src.forward import constructed_on_workers, on_workers
 from ndfunc._src.runtime import is_simulated, simulation_paused
 from ndfunc._src.torch_compat import local_blocks
 from ndfunc._src.transfer import device_get, from_local, make_array_from_callback, sharding_of
@@ -155,6 +156,7 @@ def _staged(flat: dict[str, Any], copy: bool = False) -> dict[str, Any]:
         return {k: _simulated_blocks(v, copy) if isinstance(v, DTensor) else v for k, v in flat.items()}
 
 
+@on_workers
 def save(path: str | os.PathLike, tree: Any) -> None:
     """Write `tree` to the checkpoint directory `path`, atomically (see the module's text); an
     existing checkpoint at `path` is replaced only once the new one is complete."""
@@ -192,6 +194,7 @@ def _write(path: pathlib.Path, flat: dict[str, Any], group, distributed: bool, t
         dist.barrier(group=group)
 
 
+@on_workers
 def async_save(path: str | os.PathLike, tree: Any, *, group: Any = None) -> concurrent.futures.Future:
     """Start writing `tree` to `path` and return as soon as this rank's blocks are copied aside, so
     training goes on (and may overwrite the values: a donated step's buffers) while the write runs.
@@ -220,6 +223,7 @@ def _async_write(path: pathlib.Path, flat: dict[str, Any], group, distributed: b
     return pending
 
 
+@on_workers
 def load(path: str | os.PathLike, like: Any) -> Any:
     """The tree saved at `path`, laid out as `like` is (same structure; each tensor leaf's shape and
     dtype as saved, its layout any: a DTensor's sharding, or a plain tensor, whole). `like` itself
@@ -323,6 +327,10 @@ class Manager:
     keep: int | None = None
     _pending: concurrent.futures.Future | None = dataclasses.field(default=None, init=False, repr=False)
     _group: Any = dataclasses.field(default=None, init=False, repr=False)
+
+    def __new__(cls, *args, **kwargs):  # under nf.processes, a manager on every rank
+        remote = constructed_on_workers(cls, args, kwargs)
+        return super().__new__(cls) if remote is None else remote
 
     def __post_init__(self):
         self.directory = pathlib.Path(self.directory)

@@ -24,6 +24,7 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from ndfunc._src import agreement, pipeline
 from ndfunc._src.arguments import Arguments, Bounded, arg_index, output_placements
+from ndfunc._src.forward import on_workers
 from ndfunc._src.partition.planning.ops import decompositions
 from ndfunc._src.partition.program import Program
 from ndfunc._src.sharding.mesh import AbstractMesh, Mesh, get_mesh
@@ -90,6 +91,8 @@ def _ints(x) -> tuple[int, ...]:
 class Jitted:
     """A function compiled per signature. Call it, or `.lower(*args)` to inspect."""
 
+    __ndfunc_twin__ = True  # under nf.processes: sent to the workers once, each keeping its programs
+
     def __init__(self, fn, mesh, in_shardings, out_shardings, static_argnums, donate_argnums, transforms,
                  backend=None):
         functools.update_wrapper(self, fn)
@@ -105,10 +108,17 @@ class Jitted:
         self._seen: Bounded = Bounded()
         self.trace_count = 0  # how many signatures were traced
 
+    def __reduce__(self):  # as built: its programs are made again where it lands (nf.processes' workers)
+        return (Jitted, (self.fn, self.mesh, self.in_shardings, self.out_shardings, self.static_argnums,
+                         self.donate_argnums, self.transforms, self.backend))
+
+    @on_workers(asynchronous=True, donates=lambda self, *args, **kwargs: [
+        args[i] for i in self.donate_argnums if -len(args) <= i < len(args)])
     def __call__(self, *args, **kwargs):
         compiled, prepared = self._compiled(args, kwargs)
         return compiled._run(prepared, args)
 
+    @on_workers
     def lower(self, *args, **kwargs) -> Lowered:
         """The traced, partitioned and lowered program for these arguments (cached: a later call
         with the same signature runs it)."""

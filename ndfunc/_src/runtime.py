@@ -17,6 +17,7 @@ import sys
 import torch
 import torch.distributed as dist
 
+from ndfunc._src import forward
 from ndfunc._src.host_memory import keep_freed_memory
 from ndfunc._src.sharding.mesh import mesh_context, restore_mesh_context
 from ndfunc._src.torch_compat import (
@@ -93,6 +94,9 @@ class simulate:
     def start(self) -> "simulate":
         if self._mode is not None:
             raise RuntimeError(f"this simulate({self.num_ranks}) is already running.")
+        if forward.active() is not None:
+            raise RuntimeError(f"simulate({self.num_ranks}) was started inside {forward.active()!r}, whose workers "
+                               f"are real ranks; leave that block (or stop() it) first, or simulate outside it.")
         if dist.is_initialized():
             raise RuntimeError(
                 f"simulate({self.num_ranks}) needs a process with no process group, but one of world "
@@ -214,12 +218,17 @@ def shutdown() -> None:
 
 
 def rank() -> int:
-    """This process's rank (0 without a world; 0 in simulation, where one process plays all)."""
+    """This process's rank (0 without a world; 0 in simulation, where one process plays all, and in
+    the notebook that drives `nf.processes`, whose rank 0 answers it)."""
     return dist.get_rank() if dist.is_initialized() else 0
 
 
 def world_size() -> int:
-    """The number of ranks: processes under torchrun, simulated ranks in `nf.simulate(n)`."""
+    """The number of ranks: processes under torchrun or `nf.processes(n)`, simulated ranks in
+    `nf.simulate(n)`."""
+    controller = forward.active()
+    if controller is not None:
+        return controller.world_size
     return dist.get_world_size() if dist.is_initialized() else 1
 
 

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from ndfunc._src.forward import Handle, on_workers
 from ndfunc._src.runtime import simulation_paused
 from ndfunc._src.sharding.errors import ShardingError, where
 from ndfunc._src.sharding.mesh import AbstractMesh, Mesh
@@ -41,8 +42,8 @@ def sharding_of(x: torch.Tensor | ShapeDtypeStruct) -> NamedSharding | None:
     """The NamedSharding of a DTensor, or an `nf.ShapeDtypeStruct` stand-in's own (None for a plain
     tensor, which every rank holds whole): `optree.tree_map(nf.sharding_of, params)` lays a step's
     results out as its arguments came."""
-    if isinstance(x, ShapeDtypeStruct):
-        return x.sharding
+    if isinstance(x, (ShapeDtypeStruct, Handle)):  # (an `nf.processes` array: its sharding, held here)
+        return getattr(x, "sharding", None)
     if not isinstance(x, DTensor):
         return None
     device_mesh = x.device_mesh
@@ -53,6 +54,7 @@ def sharding_of(x: torch.Tensor | ShapeDtypeStruct) -> NamedSharding | None:
     return NamedSharding.from_placements(mesh, x.placements, x.ndim)
 
 
+@on_workers(asynchronous=True)
 def make_array_from_callback(
     shape: Sequence[int], sharding: NamedSharding, callback: Callable[[Index], Any]
 ) -> DTensor:
@@ -73,6 +75,7 @@ def make_array_from_callback(
     return _assemble(tuple(shape), sharding, lambda rank, index: callback(index))
 
 
+@on_workers(asynchronous=True)
 def device_put(tree: PyTree, shardings: PyTree) -> PyTree:
     """Lay out every tensor of `tree` as its sharding says, as DTensors.
 
@@ -112,6 +115,7 @@ def _put_leaf(path: str, x: Any, sharding: Any) -> Any:
     return _assemble(tuple(x.shape), sharding, lambda rank, index: _on_rank(x, rank)[index].clone(), path)
 
 
+@on_workers(fetch=True)
 def device_get(tree: PyTree) -> PyTree:
     """Every DTensor of `tree` gathered to a full, plain tensor (the same on every rank), detached."""
     return tree_map_with_path(lambda path, x: _gather(x), tree)

@@ -14,6 +14,7 @@ import numbers
 import weakref
 from collections.abc import Mapping, Sequence
 
+from ndfunc._src.forward import on_workers
 from ndfunc._src.sharding.errors import ShardingError, UnknownAxisError
 
 AxisShape = Mapping[str, int] | Sequence[tuple[str, int]]
@@ -268,6 +269,7 @@ class set_mesh:
         _current_mesh.reset(self._token)
 
 
+@on_workers
 def make_mesh(shape: AxisShape | None = None, /, **axes: int) -> Mesh:
     """A mesh over every current rank: `make_mesh({'dp_shard': 4, 'tp': 2})` or `make_mesh(dp=8)`.
 

@@ -55,6 +55,9 @@ class NamedSharding:
     def __setattr__(self, name: str, value: object) -> None:
         raise AttributeError("NamedSharding is immutable")
 
+    def __reduce__(self):
+        return (NamedSharding, (self._mesh, self._spec))
+
     @property
     def mesh(self) -> Mesh | AbstractMesh:
         return self._mesh

@@ -143,21 +143,29 @@ def _to_spec(path: str, names: Any, normalized: list) -> PartitionSpec:
 _rules: contextvars.ContextVar[LogicalRules | None] = contextvars.ContextVar("ndfunc_axis_rules", default=None)
 
 
-@contextlib.contextmanager
-def axis_rules(rules: LogicalRules | None) -> Iterator[None]:
+class axis_rules(contextlib.ContextDecorator):
     """Logical axis rules for `with_logical_constraint` in the code run inside (a context manager,
-    or a decorator of the step that `nf.jit` traces).
+    or a decorator of the step that `nf.jit` traces). A plain object of its rules, so a step it
+    decorates pickles (`nf.processes` sends steps to its workers).
 
     Example:
         >>> @nf.sharding.axis_rules([('batch', 'dp')])
         ... def f(x):
         ...     return nf.with_logical_constraint(x, ('batch', None))  # in nf.jit: split over 'dp'
     """
-    token = _rules.set(None if rules is None else list(rules))
-    try:
-        yield
-    finally:
-        _rules.reset(token)
+
+    def __init__(self, rules: LogicalRules | None):
+        self.rules = None if rules is None else list(rules)
+        self._tokens: list = []
+
+    def __enter__(self) -> None:
+        self._tokens.append(_rules.set(self.rules))
+
+    def __exit__(self, *exc) -> None:
+        _rules.reset(self._tokens.pop())
+
+    def __reduce__(self):
+        return (axis_rules, (self.rules,))
 
 
 def current_rules() -> LogicalRules | None:

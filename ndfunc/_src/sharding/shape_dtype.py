@@ -70,6 +70,9 @@ class ShapeDtypeStruct:
     def __setattr__(self, name: str, value: object) -> None:
         raise AttributeError("ShapeDtypeStruct is immutable")
 
+    def __reduce__(self):
+        return (_rebuild, (self._shape, self._dtype, self._sharding, self._device))
+
     shape = property(lambda self: self._shape)
     dtype = property(lambda self: self._dtype)
     sharding = property(lambda self: self._sharding)
@@ -136,3 +139,7 @@ def eval_shape(fn: Callable, *args, **kwargs) -> Any:
         return optree.tree_map(
             lambda x: ShapeDtypeStruct(tuple(x.shape), x.dtype, device=x.device) if isinstance(x, torch.Tensor) else x,
             out)
+
+
+def _rebuild(shape, dtype, sharding, device) -> ShapeDtypeStruct:
+    return ShapeDtypeStruct(shape, dtype, sharding=sharding, device=device)

@@ -1,0 +1,62 @@
+"""Monarch's part of `nf.processes`: start the worker processes on this host and stop them.
+
+The processes are spawned by a `Launcher` actor living in this process rather than by the
+notebook itself: an owner is told when a process it spawned dies, and Monarch's root client ends
+the whole Python process on such news (its default fault hook). The launcher takes the news
+instead, so a dead worker is an error in the notebook, and the kernel lives on.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+
+from monarch.actor import Actor, endpoint, this_host, this_proc
+
+from ndfunc._src.processes.worker import Control, Worker
+
+_names = itertools.count()
+
+
+class Launcher(Actor):
+    """Owns one set of worker processes."""
+
+    def __init__(self):
+        self.procs = None
+        self.failures: list[str] = []
+
+    @endpoint
+    def start_workers(self, n: int, device: str):
+        axis = "gpus" if device == "cuda" else "procs"
+        self.procs = this_host().spawn_procs(per_host={axis: n}, name=f"ndfunc{os.getpid()}x{next(_names)}")
+        return self.procs.spawn("worker", Worker), self.procs.spawn("control", Control)
+
+    @endpoint
+    def stop_workers(self) -> None:
+        if self.procs is not None:
+            self.procs.stop().get()
+
+    @endpoint
+    def failures_seen(self) -> list[str]:
+        return list(self.failures)
+
+    def __supervise__(self, failure) -> bool:
+        self.failures.append(str(failure))
+        return True  # handled: the notebook finds the dead process itself (controller.check_alive)
+
+
+def spawn(n: int, device: str):
+    """(launcher, workers, controls): a fresh launcher and the two actor meshes it started."""
+    launcher = this_proc().spawn(f"ndfunc_launcher{os.getpid()}x{next(_names)}", Launcher)
+    workers, controls = launcher.start_workers.call_one(n, device).get()
+    return launcher, workers, controls
+
+
+def rank(mesh, r: int):
+    """The actor of rank `r` in a mesh `spawn` made (its one axis, whatever its name)."""
+    (axis,) = mesh._labels if hasattr(mesh, "_labels") else mesh.extent.labels
+    return mesh.slice(**{axis: r})
+
+
+def stop(launcher, seconds: float) -> None:
+    launcher.stop_workers.call_one().get(timeout=seconds)

@@ -1,0 +1,176 @@
+"""What runs in each worker process of `nf.processes`: one rank of a torch.distributed world.
+
+A `Worker` actor joins the world (`nf.init`) and runs the calls the notebook sends, in the order
+sent, each as the same code would run on that rank under torchrun; what a call makes is kept in
+the worker's table under the name the notebook will use for it. A `Control` actor beside it answers
+while a call runs: an interrupt drops the calls queued behind the current one (a call cut off in the
+middle of a collective would leave the other ranks waiting in it, so the current one finishes).
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import pathlib
+import pickle
+import sys
+import sysconfig
+import traceback
+from typing import Any
+
+import torch
+from monarch.actor import Actor, endpoint
+from torch.distributed.tensor import DTensor
+
+from ndfunc._src.processes import wire
+from ndfunc._src.runtime import init, rank, shutdown
+from ndfunc._src.sharding.mesh import Mesh
+from ndfunc._src.transfer import sharding_of
+
+# Calls numbered below this were interrupted before they ran: the one value two actors of this
+# process share (the Control actor writes it while the Worker runs a call).
+_dropped_below = [0]
+
+_LIBRARIES = (str(pathlib.Path(torch.__file__).resolve().parent), str(pathlib.Path(wire.__file__).resolve().parents[2]),
+    str(pathlib.Path(sysconfig.get_paths()["stdlib"]).resolve()), str(pathlib.Path(sysconfig.get_paths()["purelib"]).resolve()))
+
+
+class EarlierCallFailed(RuntimeError):
+    """A call read a value that an earlier call was to make, but that call failed or was interrupted."""
+
+
+def call_method(obj, name: str, *args, **kwargs):
+    """`obj.name(*args, **kwargs)`, for the notebook's handles of objects that live here."""
+    return getattr(obj, name)(*args, **kwargs)
+
+
+class Worker(Actor):
+    """One rank: joins the world, then runs the notebook's calls against its table of values."""
+
+    def __init__(self):
+        self.table: dict[Any, Any] = {}
+        self.failed: dict[int, str] = {}  # call -> why it made nothing
+        self.meshes: dict[int, Any] = {}  # id(DeviceMesh) -> the name the notebook knows its Mesh by
+        self.rank = 0
+        self.kept = 0  # results of the current call kept so far
+
+    @endpoint
+    def join(self, env: dict[str, str], output: str, threads: int, backend: str | None,
+              timeout: float | None) -> int:
+        os.environ.update(env)
+        out = open(output, "ab", buffering=0)
+        for fd in (1, 2):  # what this process prints, C++ included, goes to its file: the notebook shows it
+            os.dup2(out.fileno(), fd)
+        sys.stdout = open(1, "w", buffering=1, closefd=False)
+        sys.stderr = open(2, "w", buffering=1, closefd=False)
+        torch.set_num_threads(threads)
+        init(backend=backend, timeout=timeout)
+        self.rank = rank()
+        return os.getpid()
+
+    @endpoint
+    def run(self, call: int, frees: list, defines: bytes | None, command: bytes, reply: bool, fetch: bool):
+        for ref in frees:
+            self.table.pop(ref, None)
+        try:
+            if defines is not None:
+                for ref, obj in wire.loads(defines, self._resolve):
+                    self.table[ref] = obj
+            if call < _dropped_below[0]:
+                self.failed[call] = "it was interrupted before it ran"
+                return ("cancelled", None)
+            fn, args, kwargs = wire.loads(command, self._resolve)
+            result = fn(*args, **kwargs)
+            self.kept = 0
+            if fetch:
+                return ("ok", wire.dumps(result) if self.rank == 0 else None)
+            data = wire.dumps(result, lambda obj: self._describe(obj, call))
+            return ("ok", data if reply and self.rank == 0 else None)
+        except BaseException as e:  # noqa: B036 - a KeyboardInterrupt here is the call's, reported as it
+            self.failed[call] = f"it failed on rank {self.rank}: {type(e).__name__}: {e}"
+            return ("error", _report(e, self.rank))
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+
+    @endpoint
+    def leave(self) -> None:
+        self.table.clear()
+        shutdown()
+
+    def _resolve(self, pid):
+        ref = pid[1]
+        try:
+            return self.table[ref]
+        except KeyError:
+            call = ref[0] if isinstance(ref, tuple) and isinstance(ref[0], int) else None
+            why = self.failed.get(call, "it was freed")
+            raise EarlierCallFailed(f"a value this call reads was never made: {why}.") from None
+
+    def _describe(self, obj, call: int):
+        """A descriptor for what stays here (None: `obj` goes by value); `k` numbers a call's results
+        in the order pickle meets them, alike on every rank, so the notebook can name them before
+        they exist (JAX's asynchronous dispatch)."""
+        if isinstance(obj, Mesh):
+            return ("mesh", self._mesh_ref(obj), tuple(obj.shape.items()), obj.device_type)
+        if isinstance(obj, torch.Tensor):
+            ref = self._keep(obj, call)
+            sharding = sharding_of(obj) if isinstance(obj, DTensor) else None
+            mesh = None if sharding is None else self._describe(sharding.mesh, call)
+            spec = None if sharding is None else sharding.spec
+            return ("array", ref, tuple(obj.shape), obj.dtype, spec, mesh)
+        if wire.is_value(obj):
+            return None
+        ref = self._keep(obj, call)
+        names = {}
+        for name in dir(obj):
+            if name.startswith("__") and name != "__call__":
+                continue
+            static = inspect.getattr_static(obj, name, None)
+            names[name] = callable(static) and not isinstance(static, property)
+        return ("object", ref, type(obj).__name__, names)
+
+    def _keep(self, obj, call: int):
+        ref = (call, self.kept)
+        self.kept += 1
+        self.table[ref] = obj
+        return ref
+
+    def _mesh_ref(self, mesh: Mesh):
+        ref = self.meshes.get(id(mesh.device_mesh))
+        if ref is None:
+            ref = self.meshes[id(mesh.device_mesh)] = ("mesh", len(self.meshes))
+            self.table[ref] = mesh
+        return ref
+
+
+class Control(Actor):
+    """Answers while the worker beside it runs a call."""
+
+    @endpoint
+    def interrupt(self, below: int) -> None:
+        _dropped_below[0] = max(_dropped_below[0], below)
+
+    @endpoint
+    def pid(self) -> int:
+        return os.getpid()
+
+
+def _report(e: BaseException, rank: int) -> dict:
+    """What the notebook needs to raise `e` as it was: the exception (pickled, where it can be), its
+    remote traceback, and the user's own line it came from (the innermost frame outside the
+    libraries)."""
+    frames = traceback.extract_tb(e.__traceback__)
+    user = None
+    for frame in reversed(frames):
+        path = frame.filename
+        if not str(pathlib.Path(path).resolve()).startswith(_LIBRARIES) and not path.startswith("<frozen"):
+            user = (frame.filename, frame.lineno, frame.name)
+            break
+    try:
+        exc = pickle.dumps(e)
+        pickle.loads(exc)
+    except Exception:  # an exception whose pickle does not load back is raised by name instead
+        exc = None
+    return {"rank": rank, "type": type(e).__name__, "message": str(e), "exception": exc, "user": user,
+            "traceback": "".join(traceback.format_exception(e))}
