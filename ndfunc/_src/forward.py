@@ -16,6 +16,7 @@ from typing import Any
 # The `nf.processes` blocks open in this process, innermost last. Scoped like torch's mode stack:
 # a block pushes itself on entry and pops itself on exit, so nothing outlives it.
 _OPEN: list[Any] = []
+_STARTED: list[Any] = []  # whether any block was ever opened here: only then can a stale handle come
 
 
 class Handle:
@@ -31,6 +32,7 @@ def active():
 
 def push(controller) -> None:
     _OPEN.append(controller)
+    _STARTED[:] = [True]
 
 
 def pop(controller) -> None:
@@ -52,6 +54,8 @@ def on_workers(fn: Callable | None = None, *, asynchronous: bool = False, fetch:
     @functools.wraps(fn)
     def marked(*args, **kwargs):
         controller = active()
+        if controller is None and _STARTED:  # a handle of a block that has ended says so
+            controller = next((x._owner for x in _leaves((args, kwargs)) if isinstance(x, Handle)), None)
         if controller is None:
             return fn(*args, **kwargs)
         donated = donates(*args, **kwargs) if donates is not None else None
@@ -65,3 +69,9 @@ def constructed_on_workers(cls: type, args: tuple, kwargs: dict):
     else None (make it here)."""
     controller = active()
     return None if controller is None else controller.call(cls, args, kwargs)
+
+
+def _leaves(tree) -> list:
+    import optree
+
+    return optree.tree_leaves(tree, none_is_leaf=True)

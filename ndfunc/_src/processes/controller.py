@@ -20,6 +20,7 @@ import pickle
 import shutil
 import signal
 import socket
+import sys
 import tempfile
 import time
 from typing import Any
@@ -161,7 +162,12 @@ class processes:
 
     def call(self, fn, args: tuple, kwargs: dict, *, asynchronous: bool = False, fetch: bool = False,
              donated: list | None = None):
-        return self._running().call(fn, args, kwargs, asynchronous, fetch, donated or [])
+        return self._running().call(fn, args, kwargs, asynchronous, "rank0" if fetch else None, donated or [])
+
+    def each(self, fn, *args, **kwargs) -> list:
+        """`fn(*args, **kwargs)` run on every rank, each rank's result by value, rank by rank: a look at
+        what each rank holds (`nf.rank()`, a counter, its threads). Arrays given are its local DTensors."""
+        return self._running().call(fn, args, kwargs, False, "each", [])
 
     def call_method(self, handle: Remote, name: str, args: tuple, kwargs: dict, asynchronous: bool = False):
         from ndfunc._src.processes.worker import call_method
@@ -215,7 +221,7 @@ class _State:
                    "GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
                    "TORCHELASTIC_RUN_ID": "ndfunc"}
             futures.append(self.launch.rank(self.workers, r).join.call_one(
-                env, str(self.directory / f"rank{r}.out"), threads, backend, timeout))
+                env, [p for p in sys.path if p], os.getcwd(), str(self.directory / f"rank{r}.out"), threads, backend, timeout))
         self.pids = [self.wait_for(f, single=True) for f in futures]
 
     def close(self, force: bool) -> None:
@@ -238,10 +244,10 @@ class _State:
 
     # -- calls -----------------------------------------------------------------------------------
 
-    def call(self, fn, args, kwargs, asynchronous: bool, fetch: bool, donated: list):
+    def call(self, fn, args, kwargs, asynchronous: bool, fetch: str | None, donated: list):
         self.check_alive()
         call = next(self.ids)
-        key = _signature(fn, args, kwargs) if asynchronous and not fetch else None
+        key = _signature(fn, args, kwargs) if asynchronous and fetch is None else None
         skeleton = self.skeletons.get(key) if key is not None else None
         new_twins: list = []
         command = wire.dumps((fn, args, kwargs), lambda obj: self.persistent_id(obj, new_twins))
@@ -262,8 +268,10 @@ class _State:
         replies = self.wait_for(future)
         self.drain()  # the calls before this one are done (the workers run in order): their failure first
         self.raise_failures_of(replies)
+        if fetch == "each":
+            return [wire.loads(data) for _, data in replies]
         data = replies[0][1]
-        if fetch:
+        if fetch is not None:
             return wire.loads(data)
         result = wire.loads(data, lambda pid: self.handle(pid, call_of=None))
         if key is not None and all(isinstance(x, (Array, type(None))) for x in optree.tree_leaves(

@@ -16,6 +16,7 @@ import io
 import numbers
 import pathlib
 import pickle
+import sys
 import types
 from collections.abc import Callable
 from typing import Any
@@ -49,9 +50,42 @@ class _Out(cloudpickle.Pickler):
     def __init__(self, file, persistent: Callable[[Any], Any]):
         super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
         self._persistent = persistent
+        self._globals = _library_globals()
 
     def persistent_id(self, obj):
         return self._persistent(obj)
+
+    def reducer_override(self, obj):
+        # ndfunc's own module globals (a context variable, a cache) that a closure of ndfunc's reads
+        # cross by name: the worker's own, never a copy of this process's
+        where = self._globals.get(id(obj))
+        if where is not None and where[2] is obj:
+            return (_module_global, where[:2])
+        return super().reducer_override(obj)
+
+
+_INDEX: dict = {"modules": -1, "globals": {}}
+
+
+def _library_globals() -> dict[int, tuple[str, str, Any]]:
+    """id -> (module, name, object) of every mutable or unpicklable global of ndfunc's modules."""
+    if _INDEX["modules"] != len(sys.modules):
+        found = {}
+        for module_name, module in list(sys.modules.items()):
+            if module is None or not (module_name == "ndfunc" or module_name.startswith("ndfunc.")):
+                continue
+            for name, value in list(vars(module).items()):
+                if not isinstance(value, (type, types.ModuleType, types.FunctionType, str, bytes, numbers.Number,
+                                          bool, type(None), tuple, frozenset)):
+                    found[id(value)] = (module_name, name, value)
+        _INDEX.update(modules=len(sys.modules), globals=found)
+    return _INDEX["globals"]
+
+
+def _module_global(module: str, name: str):
+    import importlib
+
+    return getattr(importlib.import_module(module), name)
 
 
 class _In(pickle.Unpickler):

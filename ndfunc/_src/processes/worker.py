@@ -55,9 +55,12 @@ class Worker(Actor):
         self.kept = 0  # results of the current call kept so far
 
     @endpoint
-    def join(self, env: dict[str, str], output: str, threads: int, backend: str | None,
-              timeout: float | None) -> int:
+    def join(self, env: dict[str, str], path: list[str], cwd: str, output: str, threads: int, backend: str | None,
+             timeout: float | None) -> int:
         os.environ.update(env)
+        # the notebook's modules and relative paths mean here what they mean there
+        sys.path[:0] = [p for p in path if p not in sys.path]
+        os.chdir(cwd)
         out = open(output, "ab", buffering=0)
         for fd in (1, 2):  # what this process prints, C++ included, goes to its file: the notebook shows it
             os.dup2(out.fileno(), fd)
@@ -69,7 +72,7 @@ class Worker(Actor):
         return os.getpid()
 
     @endpoint
-    def run(self, call: int, frees: list, defines: bytes | None, command: bytes, reply: bool, fetch: bool):
+    def run(self, call: int, frees: list, defines: bytes | None, command: bytes, reply: bool, fetch: str | None):
         for ref in frees:
             self.table.pop(ref, None)
         try:
@@ -82,8 +85,8 @@ class Worker(Actor):
             fn, args, kwargs = wire.loads(command, self._resolve)
             result = fn(*args, **kwargs)
             self.kept = 0
-            if fetch:
-                return ("ok", wire.dumps(result) if self.rank == 0 else None)
+            if fetch is not None:  # by value: rank 0's, or every rank's
+                return ("ok", wire.dumps(result) if self.rank == 0 or fetch == "each" else None)
             data = wire.dumps(result, lambda obj: self._describe(obj, call))
             return ("ok", data if reply and self.rank == 0 else None)
         except BaseException as e:  # noqa: B036 - a KeyboardInterrupt here is the call's, reported as it
