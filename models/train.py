@@ -4,6 +4,7 @@
     python -m models.train --dp-shard 1 --cp 1 --tp 1               # one device
     python -m models.train --dp-replicate 2 --dp-shard 2 --simulate 4 --grad-accum 2
     torchrun --nproc-per-node 4 -m models.train --dp-shard 2 --tp 2   # real processes (gloo on CPU)
+    python -m models.train --processes 8                            # real processes driven from this one
     python -m models.train --hf-checkpoint DIR                      # start from a Hugging Face Llama
     python -m models.train --hf-model DIR                           # train a transformers causal LM as it is
     python -m models.train --checkpoint-dir DIR --save-every 20     # saved as it trains; again with --resume
@@ -11,7 +12,8 @@
 The flags mirror `nf.ParallelConfig`. Parameters are laid out by the config's logical rules (FSDP
 over `('dp_shard', 'cp')`, TP over `tp`), the batch over the data-parallel axes and the sequence
 over `cp`; one `nf.jit` step (loss, gradients, AdamW update) runs on every rank. Not under torchrun,
-the ranks are simulated in this process (`--simulate N`, default: as many as the layout needs).
+the ranks are simulated in this process (`--simulate N`, default: as many as the layout needs), or
+are real worker processes this one drives (`--processes N`, `nf.processes`: needs ndfunc[notebook]).
 
 Effective batch = micro batch x grad accumulation x dp_replicate x dp_shard; `--lr-scaling` adapts
 the learning rate from `--base-batch` to it (linear or sqrt).
@@ -237,6 +239,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                              "1/tp of the saved activations)")
     layout.add_argument("--simulate", type=_at_least(1), default=None,
                         help="ranks to simulate in this process when not under torchrun (default: the layout's)")
+    layout.add_argument("--processes", type=_at_least(1), default=None,
+                        help="run on this many real worker processes driven from this one (nf.processes), not "
+                             "simulated ranks")
     parser.add_argument("--config", choices=["tiny", "small"], default="tiny")
     parser.add_argument("--hf-checkpoint", help="a Hugging Face Llama directory to start from")
     parser.add_argument("--hf-model", help="a Hugging Face causal LM directory to train as it is (needs transformers)")
@@ -281,6 +286,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.resume and not args.checkpoint_dir:
         parser.error("--resume needs --checkpoint-dir (where the run was saved)")
+    if args.processes and args.simulate:
+        parser.error("--processes N runs real ranks and --simulate N simulated ones: give one of them")
     return args
 
 
@@ -293,9 +300,12 @@ def main(argv: list[str] | None = None) -> list[float]:
         ranks = contextlib.nullcontext()
         config = config.resolve(nf.world_size())
     else:
-        n = args.simulate or (config.total_size if config.is_resolved else 1)
+        n = args.processes or args.simulate or (config.total_size if config.is_resolved else 1)
         config = config.resolve(n)
-        ranks = nf.simulate(n) if n > 1 else _world_of_this_process()
+        if args.processes:
+            ranks = nf.processes(n)
+        else:
+            ranks = nf.simulate(n) if n > 1 else _world_of_this_process()
     model = load_hf_model(args.hf_model) if args.hf_model else None
     # the data is host state every rank makes alike: made before the simulated world it is one
     # plain tensor, where inside it each would be a value per simulated rank that every read of a
