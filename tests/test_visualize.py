@@ -3,7 +3,7 @@ import io
 import torch
 
 import ndfunc as nf
-from ndfunc._src.visualize import block_grid, format_ranks, summary, to_html
+from ndfunc._src.visualize import block_grid, format_ranks, grid_caption, summary, to_html
 from ndfunc.sharding import AbstractMesh, NamedSharding, P
 
 MESH = AbstractMesh({"dp_shard": 4, "tp": 2})
@@ -54,6 +54,30 @@ def test_terminal_grid_and_summary():
         ]
 
 
+def test_the_grid_says_which_mesh_axes_split_its_rows_and_columns():
+    def caption(shape, spec, mesh=MESH):
+        return grid_caption(shape, NamedSharding(mesh, spec))
+
+    assert caption((16, 32), P("dp_shard", "tp")) == (
+        "rows: dim 0 split over dp_shard (4); columns: dim 1 split over tp (2)")
+    assert caption((16, 32), P(None, "tp")) == ("rows: dim 0 whole; columns: dim 1 split over tp (2); "
+                                                "replicated over dp_shard (4)")
+    assert caption((8, 2), P(("tp", "dp_shard"))) == (
+        "rows: dim 0 split over tp x dp_shard (2 x 4); columns: dim 1 whole")
+    assert caption((8,), P("tp")) == "columns: dim 0 split over tp (2); replicated over dp_shard (4)"
+    assert caption((8, 8), P()) == "whole on every rank"
+    # a size-1 axis splits nothing and holds no copy
+    assert caption((8, 8), P("cp", "tp"), AbstractMesh({"cp": 1, "tp": 2})) == (
+        "rows: dim 0 whole; columns: dim 1 split over tp (2)")
+    with nf.simulate(8):  # the caption is the line above the grid, in a terminal and in a notebook
+        mesh = nf.make_mesh({"dp_shard": 4, "tp": 2})
+        out = io.StringIO()
+        nf.visualize_sharding(nf.device_put(torch.zeros(16, 32), NamedSharding(mesh, P(None, "tp"))), file=out)
+        assert out.getvalue().splitlines()[:2] == [caption((16, 32), P(None, "tp")), "┌───────────┬───────────┐"]
+    assert to_html((16, 32), NamedSharding(MESH, P("dp_shard", "tp"))).count(
+        ">rows: dim 0 split over dp_shard (4); columns: dim 1 split over tp (2)</caption>") == 1
+
+
 def test_plain_tensor_is_one_block():
     out = io.StringIO()
     nf.visualize_sharding(torch.zeros(4, 4), file=out)
@@ -72,7 +96,7 @@ def test_plain_tensor_is_held_by_every_rank():
     with nf.simulate(4):
         out = io.StringIO()
         nf.visualize_sharding(torch.zeros(4, 4), file=out)
-        assert "│  0-3  │" in out.getvalue()
+        assert "│  0-3  │" in out.getvalue() and out.getvalue().startswith("whole on every rank\n")
 
 
 def test_jupyter_gets_an_html_table(monkeypatch):

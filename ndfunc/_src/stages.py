@@ -20,6 +20,7 @@ from torch.distributed.tensor import DTensor
 from ndfunc._src import pipeline
 from ndfunc._src.arguments import Arguments
 from ndfunc._src.buffers import written_inputs
+from ndfunc._src.display import stage_html
 from ndfunc._src.donation import mark_donated
 from ndfunc._src.partition.passes.analysis import MemoryAnalysis, as_text, cost_analysis, memory_analysis
 from ndfunc._src.partition.program import Program, propagate_meta
@@ -56,13 +57,18 @@ class Lowered:
 
     def cost_analysis(self) -> dict:
         """Per rank: `flops`, `comm_bytes` (moved, total and per kind), `collectives` (count per
-        kind), `peak_memory_bytes` (from liveness in the local program, inputs included)."""
+        kind), `by_axes` (mesh axes -> kind -> `count` and `bytes` moved), `peak_memory_bytes` (from
+        liveness in the local program, inputs included)."""
         return cost_analysis(self.program)
 
     def memory_analysis(self) -> MemoryAnalysis:
         """Per rank: bytes of the arguments, outputs (and those in donated buffers), temporaries and
-        the peak of one run, from liveness in the local program."""
+        the peak of one run, from liveness in the local program (`.plot()` draws it op by op)."""
         return memory_analysis(self.program)
+
+    def _repr_html_(self) -> str:
+        """In a notebook: collectives by mesh axes, flops and memory of a rank's program."""
+        return _html("lowered", self.program, self.cost_analysis(), self.memory_analysis())
 
     def compile(self) -> "Compiled":
         if not isinstance(self.program.mesh, Mesh) and self.program.axes:
@@ -75,6 +81,11 @@ class Lowered:
     def compiled(self) -> "Compiled":
         return Compiled(pipeline.run(self.program, pipeline.backend_passes(self.backend is not None)), self.arguments,
                         self.key, self.backend)
+
+
+def _html(stage: str, program: Program, cost: dict, memory: MemoryAnalysis) -> str:
+    mesh = dict(zip(program.mesh.axis_names, program.mesh.axis_sizes))
+    return stage_html(f"{program.name}, {stage}: the program each rank runs on mesh {mesh}", cost, memory)
 
 
 class Compiled:
@@ -117,6 +128,10 @@ class Compiled:
     def memory_analysis(self) -> MemoryAnalysis:
         """As `Lowered.memory_analysis`, of the program as it runs here."""
         return memory_analysis(self.program, self._runs())
+
+    def _repr_html_(self) -> str:
+        """As `Lowered`'s, of the program as it runs here."""
+        return _html("compiled", self.program, self.cost_analysis(), self.memory_analysis())
 
     def _runs(self) -> torch.fx.GraphModule:
         if not self._runs_meta and self.program.runs is not self.program.local:

@@ -1,7 +1,8 @@
 """Which rank holds which block: a grid for 1-d and 2-d values, a per-dim summary otherwise.
 
-`block_grid` is the pure layout (testable with no ranks); `visualize_sharding` draws it with rich
-in a terminal and as an HTML table in Jupyter.
+`block_grid` is the pure layout (testable with no ranks), `grid_caption` says which mesh axes split
+its rows and columns; `visualize_sharding` draws both with rich in a terminal and as an HTML table
+in Jupyter.
 """
 
 from __future__ import annotations
@@ -65,6 +66,22 @@ def summary(shape: Sequence[int], sharding: NamedSharding) -> str:
     return "\n".join(lines)
 
 
+def grid_caption(shape: Sequence[int], sharding: NamedSharding) -> str:
+    """Which mesh axes split which dim of the grid `block_grid` draws (rows, columns), and which
+    axes hold copies: `'rows: dim 0 split over dp_shard (4); columns: dim 1 split over tp (2)'`."""
+    mesh = sharding.abstract_mesh
+    parts = []
+    for dim, where in enumerate(("rows", "columns") if len(shape) == 2 else ("columns",)):
+        axes = [a for a in sharding.spec.dim_axes(dim) if mesh.axis_size(a) > 1]  # a size-1 axis splits nothing
+        sizes = " x ".join(str(mesh.axis_size(a)) for a in axes)
+        split = f"split over {' x '.join(axes)} ({sizes})" if axes else "whole"
+        parts.append(f"{where}: dim {dim} {split}")
+    if all(part.endswith("whole") for part in parts):
+        return "whole on every rank"
+    copies = [f"{a} ({n})" for a, n in mesh.shape.items() if n > 1 and a not in sharding.spec.axes]
+    return "; ".join(parts + ([f"replicated over {', '.join(copies)}"] if copies else []))
+
+
 def to_html(shape: Sequence[int], sharding: NamedSharding) -> str:
     """The block grid as an HTML table, one colour per set of ranks (blocks of a dim are equal)."""
     if len(shape) not in (1, 2):
@@ -81,15 +98,17 @@ def to_html(shape: Sequence[int], sharding: NamedSharding) -> str:
         ) + "</tr>"
         for row in grid
     )
+    caption = (f'<caption style="font-family:monospace;font-size:12px">'
+               f'{html.escape(grid_caption(shape, sharding))}</caption>')
     return (f'<table style="border-collapse:collapse;width:{width}px;height:{height}px" '
-            f'title="{html.escape(repr(sharding.spec))}">{cells}</table>')
+            f'title="{html.escape(repr(sharding.spec))}">{caption}{cells}</table>')
 
 
 def visualize_sharding(x, *, file=None) -> None:
     """Draw which ranks hold which block of `x` (a DTensor; a plain tensor is whole everywhere).
 
-    In a terminal the grid is drawn with rich; in Jupyter as an HTML table. Values of rank 3 or
-    more get a per-dim summary instead of a grid.
+    In a terminal the grid is drawn with rich; in Jupyter as an HTML table; above it, which mesh
+    axes split its rows and columns. Values of rank 3 or more get a per-dim summary instead of a grid.
     """
     from ndfunc._src.transfer import sharding_of
 
@@ -126,6 +145,7 @@ def _print_rich(shape: Sequence[int], sharding: NamedSharding, file) -> None:
         table.add_column(justify="center", min_width=cell_width)
     for row in grid:
         table.add_row(*[f"[black on {colors[c]}]{format_ranks(c):^{cell_width}}[/]" for c in row])
+    console.print(grid_caption(shape, sharding), markup=False, soft_wrap=True)
     console.print(table)
 
 

@@ -77,13 +77,18 @@ def cost_analysis(program, gm: torch.fx.GraphModule | None = None) -> dict:
     gm = program.local if gm is None else gm
     by_kind: dict[str, float] = {}
     counts: dict[str, int] = {}
+    by_axes: dict[tuple[str, ...], dict[str, dict]] = {}
     for _, c in collectives(gm):
         by_kind[c.kind] = by_kind.get(c.kind, 0.0) + c.moved
         counts[c.kind] = counts.get(c.kind, 0) + 1
+        these = by_axes.setdefault(c.axes, {}).setdefault(c.kind, {"count": 0, "bytes": 0.0})
+        these["count"] += 1
+        these["bytes"] += c.moved
     return {
         "flops": float(graph_flops(gm.graph)),
         "comm_bytes": {"total": float(sum(by_kind.values())), **by_kind},
         "collectives": counts,
+        "by_axes": by_axes,
         "peak_memory_bytes": peak_memory(gm),
     }
 
@@ -111,6 +116,19 @@ class MemoryAnalysis:
         return (f"arguments {gib(self.argument_size_in_bytes)}, outputs {gib(self.output_size_in_bytes)} "
                 f"({gib(self.alias_size_in_bytes)} in donated buffers), temporaries "
                 f"{gib(self.temp_size_in_bytes)}, peak {gib(self.peak_memory_in_bytes)} per rank")
+
+    def plot(self, ax=None):
+        """A matplotlib Figure of the bytes alive while each op of the local program runs, stacked by
+        kind (`breakdown`'s), the peak marked. Every rank runs this one SPMD program, so it is each
+        rank's memory. `ax`: draw into these axes instead of a new figure. Needs matplotlib
+        (`pip install 'ndfunc[notebook]'`)."""
+        from ndfunc._src.figures import memory_figure
+
+        if self.breakdown is None or self.breakdown.live is None:
+            raise ValueError("MemoryAnalysis.plot: this analysis has no account of each op (made by hand?); "
+                             "draw the one `memory_analysis()` of a lowered step returns.")
+        live = self.breakdown.live
+        return memory_figure(live.by_kind, live.ops, live.forward_ends, ax=ax)
 
 
 def memory_analysis(program, gm: torch.fx.GraphModule | None = None) -> MemoryAnalysis:

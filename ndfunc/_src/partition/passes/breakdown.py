@@ -42,14 +42,15 @@ class MemoryBreakdown:
     step's parameters, optimizer state, batch), `gradients` (as the optimizer first reads them:
     reduced, see the module), `gathered` (the most bytes of gathered parameters alive at once:
     FSDP's units, prefetch included), `activations` (what the forward keeps for the backward: alive
-    when the last of its ops that makes a buffer is done), and `at_peak` (what is alive at the peak,
-    by kind; it adds up to the peak)."""
+    when the last of its ops that makes a buffer is done), `at_peak` (what is alive at the peak,
+    by kind; it adds up to the peak), and `live`: the same by kind at every op (`LiveBytes`)."""
 
     arguments: dict[str, int]
     gradients: int
     gathered: int
     activations: int
     at_peak: dict[str, int]
+    live: LiveBytes | None = dataclasses.field(default=None, compare=False, repr=False)
 
     def __str__(self) -> str:
         gib = lambda b: f"{b / 2**30:.2f} GiB"  # noqa: E731
@@ -57,6 +58,22 @@ class MemoryBreakdown:
         peak = ", ".join(f"{k} {gib(v)}" for k, v in self.at_peak.items() if v)
         return (f"arguments ({args}), gradients {gib(self.gradients)}, gathered at most {gib(self.gathered)} "
                 f"at once, activations kept for backward {gib(self.activations)}; at the peak: {peak} per rank")
+
+
+@dataclasses.dataclass(frozen=True)
+class LiveBytes:
+    """What a rank holds while each op of its program runs, by kind: `by_kind[k][i]` bytes of kind
+    `k` alive while the program's `i`-th op runs (`ops[i]`, its node's name; the arguments alive
+    from the start). `forward_ends`: the op after which what is alive of the forward is kept for
+    the backward (None: no differentiated function)."""
+
+    ops: tuple[str, ...]
+    by_kind: dict[str, tuple[int, ...]]
+    forward_ends: int | None
+
+    def total(self) -> list[int]:
+        """Bytes alive at each op, every kind."""
+        return [sum(column) for column in zip(*self.by_kind.values())]
 
 
 def breakdown(program, gm: torch.fx.GraphModule) -> MemoryBreakdown:
@@ -87,14 +104,23 @@ def breakdown(program, gm: torch.fx.GraphModule) -> MemoryBreakdown:
     # (or returned). Not its last op: a view of a forward value can run after the backward has
     # begun (nf.fsdp's programs read them where the backward does), and makes no buffer
     forward_ends = max((i for i, n in enumerate(nodes) if kind.get(n) == "activations"
-                        and prog.marks(n) is not None and root.get(n) is n), default=len(nodes) - 2)
+                        and prog.marks(n) is not None and root.get(n) is n), default=None)
+    kept_from = len(nodes) - 2 if forward_ends is None else forward_ends
     return MemoryBreakdown(
         arguments=arguments,
         gradients=sum(sizes[r] for r in read_after),
         gathered=max(live["gathered"], default=0),
-        activations=live["activations"][forward_ends + 1] if nodes else 0,
+        activations=live["activations"][kept_from + 1] if nodes else 0,
         at_peak={k: live[k][peak] for k in _KINDS} if nodes else dict.fromkeys(_KINDS, 0),
+        live=_over_ops(nodes, live, forward_ends),
     )
+
+
+def _over_ops(nodes: list[torch.fx.Node], live: dict[str, list[int]], forward_ends: int | None) -> LiveBytes:
+    """`live` (by kind, at each node) at the ops only: not the inputs coming alive one by one."""
+    ops = [i for i, n in enumerate(nodes) if n.op == "call_function"]
+    return LiveBytes(tuple(nodes[i].name for i in ops), {k: tuple(v[i] for i in ops) for k, v in live.items()},
+                     None if forward_ends is None else ops.index(forward_ends))
 
 
 def _kinds(nodes: list[torch.fx.Node]) -> dict[torch.fx.Node, str]:
