@@ -82,7 +82,7 @@ def check(name: str, program, statics) -> None:
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
     mine = torch.tensor([_hash(v) for v in fields.values()], dtype=torch.int64, device=device)
     every = torch.empty(dist.get_world_size() * len(fields), dtype=torch.int64, device=device)
-    dist.all_gather_into_tensor(every, mine)
+    dist.all_gather_single(every, mine)
     every = every.cpu().view(dist.get_world_size(), len(fields))
     names = list(fields)
     differ = [(r, names[j]) for r in range(1, every.shape[0]) for j in range(len(names)) if every[r, j] != every[0, j]]

@@ -41,15 +41,18 @@ def pop(controller) -> None:
 
 
 def on_workers(fn: Callable | None = None, *, asynchronous: bool = False, fetch: bool = False,
-               donates: Callable[..., Any] | None = None):
+               donates: Callable[..., Any] | None = None, signature: Callable[..., Any] | None = None):
     """Mark `fn` to run on every worker while an `nf.processes` block is open.
 
     `asynchronous`: the call returns handles at once where an earlier call of the same signature
     told what it makes (JAX's dispatch); `fetch`: its results come back by value (rank 0's), not
-    as handles (`device_get`); `donates(*args, **kwargs)`: the arguments the call consumes.
+    as handles (`device_get`); `donates(*args, **kwargs)`: the arguments the call consumes;
+    `signature(*args, **kwargs)`: what decides the results' shapes and shardings, where the
+    arguments say more than that (a new callback each call, of the same code).
     """
     if fn is None:
-        return functools.partial(on_workers, asynchronous=asynchronous, fetch=fetch, donates=donates)
+        return functools.partial(on_workers, asynchronous=asynchronous, fetch=fetch, donates=donates,
+                                 signature=signature)
 
     @functools.wraps(fn)
     def marked(*args, **kwargs):
@@ -59,7 +62,9 @@ def on_workers(fn: Callable | None = None, *, asynchronous: bool = False, fetch:
         if controller is None:
             return fn(*args, **kwargs)
         donated = donates(*args, **kwargs) if donates is not None else None
-        return controller.call(marked, args, kwargs, asynchronous=asynchronous, fetch=fetch, donated=donated)
+        key = signature(*args, **kwargs) if signature is not None else None
+        return controller.call(marked, args, kwargs, asynchronous=asynchronous, fetch=fetch, donated=donated,
+                               signature=key)
 
     return marked
 

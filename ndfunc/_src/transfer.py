@@ -54,7 +54,8 @@ def sharding_of(x: torch.Tensor | ShapeDtypeStruct) -> NamedSharding | None:
     return NamedSharding.from_placements(mesh, x.placements, x.ndim)
 
 
-@on_workers(asynchronous=True)
+@on_workers(asynchronous=True, signature=lambda shape, sharding, callback: (
+    tuple(shape), sharding, getattr(callback, "__code__", callback)))
 def make_array_from_callback(
     shape: Sequence[int], sharding: NamedSharding, callback: Callable[[Index], Any]
 ) -> DTensor:

@@ -13,6 +13,7 @@ raises the first failure of the calls before it.
 
 from __future__ import annotations
 
+import concurrent.futures
 import itertools
 import os
 import pathlib
@@ -23,6 +24,7 @@ import socket
 import sys
 import tempfile
 import time
+import weakref
 from typing import Any
 
 import optree
@@ -36,6 +38,9 @@ from ndfunc._src.runtime import is_simulated
 from ndfunc._src.sharding.named_sharding import NamedSharding
 
 _POLL_S = 0.05  # how often a wait looks at the ranks' output and their processes
+# a plain tensor this big (a corpus a data loader's callbacks read) is sent once and named after, as a
+# jitted step is, rather than with every call that reads it
+_SENT_ONCE_BYTES = 1 << 20
 
 
 class WorkerDiedError(RuntimeError):
@@ -161,13 +166,14 @@ class processes:
     # -- what forward.on_workers calls -----------------------------------------------------------
 
     def call(self, fn, args: tuple, kwargs: dict, *, asynchronous: bool = False, fetch: bool = False,
-             donated: list | None = None):
-        return self._running().call(fn, args, kwargs, asynchronous, "rank0" if fetch else None, donated or [])
+             donated: list | None = None, signature=None):
+        return self._running().call(fn, args, kwargs, asynchronous, "rank0" if fetch else None, donated or [],
+                                    signature)
 
     def each(self, fn, *args, **kwargs) -> list:
         """`fn(*args, **kwargs)` run on every rank, each rank's result by value, rank by rank: a look at
         what each rank holds (`nf.rank()`, a counter, its threads). Arrays given are its local DTensors."""
-        return self._running().call(fn, args, kwargs, False, "each", [])
+        return self._running().call(fn, args, kwargs, False, "each", [], None)
 
     def call_method(self, handle: Remote, name: str, args: tuple, kwargs: dict, asynchronous: bool = False):
         from ndfunc._src.processes.worker import call_method
@@ -201,7 +207,7 @@ class _State:
         self.ids = itertools.count(1)
         self.frees: list = []
         self.gone: set = set()  # refs of donated or lost values
-        self.twins: dict[int, tuple[Any, Any]] = {}  # id(object) -> (ref, object)
+        self.twins: dict[int, tuple[Any, Any, int]] = {}  # id(object) -> (ref, weakref to it, its version)
         self.meshes: dict[Any, ProcessMesh] = {}
         self.skeletons: dict[Any, tuple[bytes, int]] = {}  # call signature -> (rank 0's reply, its call)
         self.outstanding: list[tuple[int, Any]] = []
@@ -209,9 +215,12 @@ class _State:
         self.read: dict[int, int] = {}
         self.directory = pathlib.Path(tempfile.mkdtemp(prefix="ndfunc-processes-"))
         self.workers = self.controls = self.launcher = None
+        self.closing = False
+        self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="ndfunc-wait")
 
     def start(self, n: int, device: str, threads: int | None, timeout: float | None) -> None:
-        self.launcher, self.workers, self.controls = self.launch.spawn(n, device)
+        self.launcher, started = self.launch.spawn(n, device)
+        self.workers, self.controls = self.wait_for(started, single=True)
         port = _free_port()
         threads = threads or (1 if n > 1 else torch.get_num_threads())
         backend = "nccl" if device == "cuda" else "gloo"
@@ -225,6 +234,8 @@ class _State:
         self.pids = [self.wait_for(f, single=True) for f in futures]
 
     def close(self, force: bool) -> None:
+        if self.closing:
+            return
         try:
             if not force and self.workers is not None:
                 self.drain(raise_errors=False)
@@ -232,22 +243,26 @@ class _State:
         except BaseException:  # noqa: B036 - the processes end below whatever happened
             force = True
         finally:
+            self.closing = True
             self.flush_output()
             if self.launcher is not None:
                 try:
-                    self.launch.stop(self.launcher, seconds=10)
+                    self.wait_for(self.launch.stop(self.launcher), single=True, seconds=10)
                 except Exception:
                     pass
             for pid in self.pids:
                 _kill(pid)
             shutil.rmtree(self.directory, ignore_errors=True)
+            self.pool.shutdown(wait=False, cancel_futures=True)
 
     # -- calls -----------------------------------------------------------------------------------
 
-    def call(self, fn, args, kwargs, asynchronous: bool, fetch: str | None, donated: list):
+    def call(self, fn, args, kwargs, asynchronous: bool, fetch: str | None, donated: list, signature):
         self.check_alive()
         call = next(self.ids)
-        key = _signature(fn, args, kwargs) if asynchronous and fetch is None else None
+        key = None
+        if asynchronous and fetch is None:
+            key = _signature(fn, args, kwargs) if signature is None else (fn, signature)
         skeleton = self.skeletons.get(key) if key is not None else None
         new_twins: list = []
         command = wire.dumps((fn, args, kwargs), lambda obj: self.persistent_id(obj, new_twins))
@@ -284,14 +299,26 @@ class _State:
             if obj._owner is not self.owner or not self.owner.holds(obj):
                 raise ValueError(_gone(obj, self.owner))
             return ("ref", obj._ref)
-        if getattr(type(obj), "__ndfunc_twin__", False):
-            known = self.twins.get(id(obj))
-            if known is None or known[1] is not obj:
-                ref = ("twin", len(self.twins))
-                self.twins[id(obj)] = known = (ref, obj)
-                new_twins.append((ref, obj))
-            return ("ref", known[0])
-        return None
+        if type(obj) is torch.Tensor and obj.nbytes >= _SENT_ONCE_BYTES:
+            version = obj._version  # written in place since it was sent: sent again
+        elif getattr(type(obj), "__ndfunc_twin__", False):
+            version = 0
+        else:
+            return None
+        known = self.twins.get(id(obj))
+        if known is None or known[1]() is not obj or known[2] != version:
+            ref = ("twin", next(self.ids))
+            self.twins[id(obj)] = known = (ref, weakref.ref(obj), version)
+            weakref.finalize(obj, self.forget, id(obj), ref)
+            new_twins.append((ref, obj))
+        return ("ref", known[0])
+
+    def forget(self, key: int, ref) -> None:
+        """A twin's original is gone here: its copy on the workers goes with the next call."""
+        known = self.twins.get(key)
+        if known is not None and known[0] == ref:
+            del self.twins[key]
+        self.frees.append(ref)
 
     def handle(self, pid, call_of):
         kind, ref = pid[0], pid[1]
@@ -314,10 +341,13 @@ class _State:
         """The replies (rank by rank) of a call, watching the ranks' output and processes meanwhile;
         a KeyboardInterrupt here drops the calls queued behind the current one."""
         deadline = None if seconds is None else time.monotonic() + seconds
+        # Monarch's blocking get, on a thread of its own: a kernel's cell runs inside an asyncio
+        # loop, where a get warns on every call; here the wait stays interruptible
+        pending = self.pool.submit(future.get)
         try:
             while True:
                 try:
-                    value = future.get(timeout=_POLL_S)
+                    value = pending.result(timeout=_POLL_S)
                     break
                 except TimeoutError:
                     pass
@@ -363,6 +393,8 @@ class _State:
             pass
 
     def check_alive(self) -> None:
+        if self.closing:
+            return
         dead = [(r, pid) for r, pid in enumerate(self.pids) if not _alive(pid)]
         if not dead:
             return

@@ -46,10 +46,10 @@ class Launcher(Actor):
 
 
 def spawn(n: int, device: str):
-    """(launcher, workers, controls): a fresh launcher and the two actor meshes it started."""
+    """(launcher, future): a fresh launcher, and the future of the (workers, controls) actor meshes
+    it starts, for the caller to wait on as it waits on every call."""
     launcher = this_proc().spawn(f"ndfunc_launcher{os.getpid()}x{next(_names)}", Launcher)
-    workers, controls = launcher.start_workers.call_one(n, device).get()
-    return launcher, workers, controls
+    return launcher, launcher.start_workers.call_one(n, device)
 
 
 def rank(mesh, r: int):
@@ -58,5 +58,6 @@ def rank(mesh, r: int):
     return mesh.slice(**{axis: r})
 
 
-def stop(launcher, seconds: float) -> None:
-    launcher.stop_workers.call_one().get(timeout=seconds)
+def stop(launcher):
+    """The future of the launcher's processes stopped."""
+    return launcher.stop_workers.call_one()

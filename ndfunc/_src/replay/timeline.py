@@ -32,6 +32,7 @@ import operator
 
 import torch
 
+from ndfunc._src.forward import on_workers
 from ndfunc._src.partition import program as prog
 from ndfunc._src.partition.passes.breakdown import value_bytes
 from ndfunc._src.partition.planning.flops import executed_share, is_attention, node_flops
@@ -54,6 +55,19 @@ _STEPS = {"all_gather": 1, "reduce_scatter": 1, "all_to_all": 1, "all_reduce": 2
 
 
 @dataclasses.dataclass(frozen=True)
+class Timeline:
+    """One run of a program on the cluster's streams, in seconds from its start (what
+    `ProgramTime.plot` draws): `compute`, the spans the compute stream runs ops; `waits`, the spans
+    it waits on collectives (and the tail of those still running when it is done);
+    `collectives`, `(link level, start, end, mesh axes)` of each collective that takes time."""
+
+    total: float
+    compute: tuple[tuple[float, float], ...]
+    waits: tuple[tuple[float, float], ...]
+    collectives: tuple[tuple[str, float, float, tuple[str, ...]], ...]
+
+
+@dataclasses.dataclass(frozen=True)
 class ProgramTime:
     """Seconds one run of a local program takes on a cluster, and where they go.
 
@@ -61,6 +75,7 @@ class ProgramTime:
     times). `exposed`: what the compute stream waited on collectives, `total - compute` (with the
     tail of collectives still running when it finished). `links`: seconds each link level
     (`intra`, `inter`) was busy; `sent`: bytes a rank sent over each. `flops`: per rank.
+    `runs`: each run's `Timeline`, in order (`plot` draws them).
     """
 
     total: float
@@ -68,6 +83,7 @@ class ProgramTime:
     links: dict[str, float]
     sent: dict[str, float]
     flops: float
+    runs: tuple[Timeline, ...] = dataclasses.field(default=(), compare=False, repr=False)
 
     @property
     def exposed(self) -> float:
@@ -76,20 +92,45 @@ class ProgramTime:
     def times(self, n: int) -> ProgramTime:
         """`n` runs one after another (a micro-batch's program under gradient accumulation)."""
         return ProgramTime(n * self.total, n * self.compute, {k: n * v for k, v in self.links.items()},
-                           {k: n * v for k, v in self.sent.items()}, n * self.flops)
+                           {k: n * v for k, v in self.sent.items()}, n * self.flops, self.runs * n)
 
     def __add__(self, other: ProgramTime) -> ProgramTime:
         """This run, then `other`'s."""
         return ProgramTime(self.total + other.total, self.compute + other.compute,
                            {k: v + other.links[k] for k, v in self.links.items()},
-                           {k: v + other.sent[k] for k, v in self.sent.items()}, self.flops + other.flops)
+                           {k: v + other.sent[k] for k, v in self.sent.items()}, self.flops + other.flops,
+                           self.runs + other.runs)
 
     def __str__(self) -> str:
         busy = ", ".join(f"{k} {v:.3f}" for k, v in self.links.items() if v)
         return (f"{self.total:.3f} s (compute {self.compute:.3f}, exposed comm {self.exposed:.3f}; links busy: "
                 f"{busy or 'none'})")
 
+    def plot(self, ax=None):
+        """A matplotlib Figure of the replay: a lane per stream (compute, then each link that carries
+        a collective), bars where the compute stream runs ops and one per collective (coloured by
+        its mesh axes), the compute stream's waits on communication hatched red; the runs one after
+        another, from 0 to `total`.
+        `ax`: draw into these axes. Needs matplotlib (`pip install 'ndfunc[notebook]'`)."""
+        from ndfunc._src.figures import timeline_figure
 
+        if not self.runs:
+            raise ValueError("ProgramTime.plot: this time has no replay to draw (made by hand?); draw what "
+                             "program_time returns.")
+        lanes: dict[str, list] = {"compute": [], "intra": [], "inter": []}
+        waits = []
+        offset = 0.0
+        for run in self.runs:
+            lanes["compute"] += [(offset + a, offset + b, "") for a, b in run.compute]
+            waits += [(offset + a, offset + b) for a, b in run.waits]
+            for level, a, b, axes in run.collectives:
+                lanes[level].append((offset + a, offset + b, " x ".join(axes)))
+            offset += run.total
+        named = {"compute": lanes["compute"]} | {f"{k}-node link": v for k, v in lanes.items() if k != "compute" and v}
+        return timeline_figure(named, waits, self.total, ax=ax)
+
+
+@on_workers  # under nf.processes: replayed where the lowered step lives
 def program_time(lowered, cluster: Cluster, efficiency: Efficiency = KERNELS) -> ProgramTime:
     """`lowered`'s local program (a `Lowered` or a `Program`) replayed on `cluster`'s devices and
     links (see the module's text), at `efficiency` (`KERNELS`: kernels' own rates); its mesh is
@@ -127,11 +168,12 @@ def program_time(lowered, cluster: Cluster, efficiency: Efficiency = KERNELS) ->
     sent = {"intra": 0.0, "inter": 0.0}
     done: dict[torch.fx.Node, float] = {}  # a collective -> when it finishes
     flops = 0.0
+    spans = _Spans()
     for node in program.local.graph.nodes:
         if node.op != "call_function":
             continue
         if node.target is _WAIT:
-            t = max(t, done.get(node.args[0], 0.0))
+            t = spans.wait(t, done.get(node.args[0], 0.0))
             continue
         work, f = op_seconds(node, device, efficiency)
         flops += f
@@ -145,11 +187,40 @@ def program_time(lowered, cluster: Cluster, efficiency: Efficiency = KERNELS) ->
         free[level] = done[node] = start + seconds
         busy[level] += seconds
         sent[level] += c.moved
+        if seconds:
+            spans.collectives.append((level, start, done[node], c.axes))
         if not any(u.target is _WAIT for u in node.users):  # nothing waits for it: it runs in line
             compute += work
-            t = max(t + work, done[node])
+            t = spans.wait(t + work, done[node])
     total = max(t, *free.values())
-    return ProgramTime(total, compute, busy, sent, flops)
+    return ProgramTime(total, compute, busy, sent, flops, (spans.timeline(t, total),))
+
+
+class _Spans:
+    """What `program_time` records for its `Timeline`: the compute stream's busy spans run from
+    one wait to the next."""
+
+    def __init__(self):
+        self.busy_from = 0.0
+        self.compute, self.waits, self.collectives = [], [], []
+
+    def wait(self, t: float, until: float) -> float:
+        """The compute stream, at `t`, waits until `until` (if later); returns when it goes on."""
+        if until > t:
+            self._close(t)
+            self.waits.append((t, until))
+            self.busy_from = until
+        return max(t, until)
+
+    def timeline(self, t: float, total: float) -> Timeline:
+        self._close(t)
+        if total > t:  # the collectives still running after the last op
+            self.waits.append((t, total))
+        return Timeline(total, tuple(self.compute), tuple(self.waits), tuple(self.collectives))
+
+    def _close(self, t: float) -> None:
+        if t > self.busy_from:
+            self.compute.append((self.busy_from, t))
 
 
 def op_seconds(node: torch.fx.Node, device: Device, efficiency: Efficiency) -> tuple[float, float]:
