@@ -209,20 +209,21 @@ class _State:
         self.gone: set = set()  # refs of donated or lost values
         self.twins: dict[int, tuple[Any, Any, int]] = {}  # id(object) -> (ref, weakref to it, its version)
         self.meshes: dict[Any, ProcessMesh] = {}
+        self.shardings: dict[tuple, NamedSharding] = {}
         self.skeletons: dict[Any, tuple[bytes, int]] = {}  # call signature -> (rank 0's reply, its call)
         self.outstanding: list[tuple[int, Any]] = []
         self.pids: list[int] = []
-        self.read: dict[int, int] = {}
+        self.outputs: dict[int, Any] = {}  # rank -> its output file, open for reading
         self.directory = pathlib.Path(tempfile.mkdtemp(prefix="ndfunc-processes-"))
         self.workers = self.controls = self.launcher = None
         self.closing = False
         self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="ndfunc-wait")
 
     def start(self, n: int, device: str, threads: int | None, timeout: float | None) -> None:
-        self.launcher, started = self.launch.spawn(n, device)
+        threads = threads or (1 if n > 1 else torch.get_num_threads())
+        self.launcher, started = self.launch.spawn(n, device, threads)
         self.workers, self.controls = self.wait_for(started, single=True)
         port = _free_port()
-        threads = threads or (1 if n > 1 else torch.get_num_threads())
         backend = "nccl" if device == "cuda" else "gloo"
         futures = []
         for r in range(n):
@@ -252,6 +253,8 @@ class _State:
                     pass
             for pid in self.pids:
                 _kill(pid)
+            for f in self.outputs.values():
+                f.close()
             shutil.rmtree(self.directory, ignore_errors=True)
             self.pool.shutdown(wait=False, cancel_futures=True)
 
@@ -331,7 +334,11 @@ class _State:
             ref = (call_of[1], ref[1])
         if kind == "array":
             _, _, shape, dtype, spec, mesh = pid
-            sharding = None if spec is None else NamedSharding(self.handle(mesh, call_of), spec)
+            sharding = None
+            if spec is not None:  # one NamedSharding per layout, not one per array of every call
+                sharding = self.shardings.get((mesh[1], spec))
+                if sharding is None:
+                    sharding = self.shardings[(mesh[1], spec)] = NamedSharding(self.handle(mesh, call_of), spec)
             return Array(self.owner, ref, shape, dtype, sharding)
         return Remote(self.owner, ref, pid[2], pid[3])
 
@@ -409,17 +416,18 @@ class _State:
 
     def flush_output(self) -> None:
         for r in self.owner.output:
-            path = self.directory / f"rank{r}.out"
-            try:
-                with open(path, "rb") as f:
-                    f.seek(self.read.get(r, 0))
-                    data = f.read()
-            except FileNotFoundError:
-                continue
-            end = data.rfind(b"\n") + 1
+            f = self.outputs.get(r)
+            if f is None:
+                try:
+                    f = self.outputs[r] = open(self.directory / f"rank{r}.out", "rb")
+                except FileNotFoundError:
+                    continue
+            start = f.tell()
+            data = f.read()
+            end = data.rfind(b"\n") + 1  # whole lines only: the rest waits for its end
+            f.seek(start + end)
             if not end:
                 continue
-            self.read[r] = self.read.get(r, 0) + end
             text = data[:end].decode(errors="replace")
             if len(self.owner.output) > 1 or r != 0:
                 text = "".join(f"[rank {r}] {line}" for line in text.splitlines(keepends=True))

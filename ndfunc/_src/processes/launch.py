@@ -11,7 +11,7 @@ from __future__ import annotations
 import itertools
 import os
 
-from monarch.actor import Actor, endpoint, this_host, this_proc
+from monarch.actor import Actor, default_bootstrap_cmd, endpoint, this_host, this_proc
 
 from ndfunc._src.processes.worker import Control, Worker
 
@@ -26,9 +26,12 @@ class Launcher(Actor):
         self.failures: list[str] = []
 
     @endpoint
-    def start_workers(self, n: int, device: str):
+    def start_workers(self, n: int, device: str, threads: int):
         axis = "gpus" if device == "cuda" else "procs"
-        self.procs = this_host().spawn_procs(per_host={axis: n}, name=f"ndfunc{os.getpid()}x{next(_names)}")
+        # the threads set before torch starts, as torchrun sets them: OpenMP's pool is then that size
+        command = default_bootstrap_cmd().with_env({"OMP_NUM_THREADS": str(threads)})
+        self.procs = this_host().spawn_procs(per_host={axis: n}, name=f"ndfunc{os.getpid()}x{next(_names)}",
+                                             bootstrap_command=command)
         return self.procs.spawn("worker", Worker), self.procs.spawn("control", Control)
 
     @endpoint
@@ -45,11 +48,11 @@ class Launcher(Actor):
         return True  # handled: the notebook finds the dead process itself (controller.check_alive)
 
 
-def spawn(n: int, device: str):
+def spawn(n: int, device: str, threads: int):
     """(launcher, future): a fresh launcher, and the future of the (workers, controls) actor meshes
     it starts, for the caller to wait on as it waits on every call."""
     launcher = this_proc().spawn(f"ndfunc_launcher{os.getpid()}x{next(_names)}", Launcher)
-    return launcher, launcher.start_workers.call_one(n, device)
+    return launcher, launcher.start_workers.call_one(n, device, threads)
 
 
 def rank(mesh, r: int):

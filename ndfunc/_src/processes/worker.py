@@ -53,6 +53,7 @@ class Worker(Actor):
         self.meshes: dict[int, Any] = {}  # id(DeviceMesh) -> the name the notebook knows its Mesh by
         self.rank = 0
         self.kept = 0  # results of the current call kept so far
+        self.layouts: dict = {}  # (mesh, placements, rank) -> (spec, mesh descriptor)
 
     @endpoint
     def join(self, env: dict[str, str], path: list[str], cwd: str, output: str, threads: int, backend: str | None,
@@ -87,8 +88,10 @@ class Worker(Actor):
             self.kept = 0
             if fetch is not None:  # by value: rank 0's, or every rank's
                 return ("ok", wire.dumps(result) if self.rank == 0 or fetch == "each" else None)
-            data = wire.dumps(result, lambda obj: self._describe(obj, call))
-            return ("ok", data if reply and self.rank == 0 else None)
+            if not (reply and self.rank == 0):  # kept in the same order, described to no one
+                wire.dumps(result, lambda obj: self._describe(obj, call, quietly=True))
+                return ("ok", None)
+            return ("ok", wire.dumps(result, lambda obj: self._describe(obj, call)))
         except BaseException as e:  # noqa: B036 - a KeyboardInterrupt here is the call's, reported as it
             self.failed[call] = f"it failed on rank {self.rank}: {type(e).__name__}: {e}"
             return ("error", _report(e, self.rank))
@@ -110,21 +113,24 @@ class Worker(Actor):
             why = self.failed.get(call, "it was freed")
             raise EarlierCallFailed(f"a value this call reads was never made: {why}.") from None
 
-    def _describe(self, obj, call: int):
+    def _describe(self, obj, call: int, quietly: bool = False):
         """A descriptor for what stays here (None: `obj` goes by value); `k` numbers a call's results
         in the order pickle meets them, alike on every rank, so the notebook can name them before
-        they exist (JAX's asynchronous dispatch)."""
+        they exist (JAX's asynchronous dispatch). `quietly`: kept, not described (the notebook
+        knows what a call of this signature makes)."""
         if isinstance(obj, Mesh):
             return ("mesh", self._mesh_ref(obj), tuple(obj.shape.items()), obj.device_type)
         if isinstance(obj, torch.Tensor):
             ref = self._keep(obj, call)
-            sharding = sharding_of(obj) if isinstance(obj, DTensor) else None
-            mesh = None if sharding is None else self._describe(sharding.mesh, call)
-            spec = None if sharding is None else sharding.spec
+            if quietly:
+                return ("kept",)
+            spec, mesh = self._layout(obj) if isinstance(obj, DTensor) else (None, None)
             return ("array", ref, tuple(obj.shape), obj.dtype, spec, mesh)
         if wire.is_value(obj):
             return None
         ref = self._keep(obj, call)
+        if quietly:
+            return ("kept",)
         names = {}
         for name in dir(obj):
             if name.startswith("__") and name != "__call__":
@@ -138,6 +144,15 @@ class Worker(Actor):
         self.kept += 1
         self.table[ref] = obj
         return ref
+
+    def _layout(self, x: DTensor):
+        """(spec, mesh descriptor) of a DTensor, worked out once per mesh, placements and rank."""
+        key = (id(x.device_mesh), x.placements, x.ndim)
+        known = self.layouts.get(key)
+        if known is None:
+            sharding = sharding_of(x)
+            known = self.layouts[key] = (sharding.spec, self._describe(sharding.mesh, 0))
+        return known
 
     def _mesh_ref(self, mesh: Mesh):
         ref = self.meshes.get(id(mesh.device_mesh))
