@@ -224,3 +224,22 @@ def test_bad_input_is_refused_with_what_to_do(monkeypatch):
     monkeypatch.setitem(sys.modules, "monarch.actor", None)
     with pytest.raises(ImportError, match=r"install it with: pip install 'ndfunc\[notebook\]'"):
         nf.processes(2).start()
+
+
+def test_two_hosts_played_by_processes_here_make_one_world():
+    # monarch.job.ProcessJob: each host a process of this machine serving Monarch, as a cluster's are
+    from monarch.job import ProcessJob
+
+    job = ProcessJob({"hosts": 2})
+    try:
+        hosts = job.state(cached_path=None).hosts
+        with nf.processes(2, hosts=hosts, device="cpu") as w:
+            assert w.world_size == nf.world_size() == 4
+            places = w.each(lambda: (nf.rank(), os.environ["GROUP_RANK"], os.environ["LOCAL_RANK"]))
+            assert places == [(0, "0", "0"), (1, "0", "1"), (2, "1", "0"), (3, "1", "1")]
+            mesh = nf.make_mesh(dp_replicate=2, dp_shard=2)
+            x = nf.device_put(FULL, NamedSharding(mesh, P("dp_shard")))
+            step = nf.jit(lambda a: (a * a).sum(0), mesh=mesh)
+            torch.testing.assert_close(nf.device_get(step(x)), (FULL * FULL).sum(0))
+    finally:
+        job.kill()

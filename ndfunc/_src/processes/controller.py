@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import itertools
+import math
 import os
 import pathlib
 import pickle
@@ -57,28 +58,30 @@ class processes:
     (`nf.device_get`, `float(loss)`). Needs `pip install 'ndfunc[notebook]'` (Monarch).
 
     Args:
-        n: how many ranks; None: one per visible GPU.
+        n: how many ranks (on each host); None: one per GPU visible here.
+        hosts: a Monarch `HostMesh` to start them on (a cluster's job, `monarch.job.SlurmJob`, or
+            `monarch.job.ProcessJob` for hosts played by processes here); None: this host.
         device: "cuda" or "cpu"; None: CUDA when a GPU is visible.
         output: which ranks' printed output the notebook shows: a rank, a list of ranks, or "all".
         timeout: seconds a collective waits for the other ranks (`nf.init`'s).
         threads: torch threads per worker; None: as torchrun sets them (1 when n > 1).
 
     Example:
-        >>> with nf.processes(2) as workers:                      # doctest: +SKIP
+        >>> with nf.processes(2, device="cpu") as workers:
         ...     mesh = nf.make_mesh(dp=2)
         ...     x = nf.device_put(torch.arange(4.), NamedSharding(mesh, P('dp')))
         ...     float(x.sum())
         6.0
     """
 
-    def __init__(self, n: int | None = None, *, device: str | None = None, output: int | list[int] | str = 0,
-                 timeout: float | None = None, threads: int | None = None):
+    def __init__(self, n: int | None = None, *, hosts=None, device: str | None = None,
+                 output: int | list[int] | str = 0, timeout: float | None = None, threads: int | None = None):
         if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
             raise ValueError(f"nf.processes needs a number of ranks >= 1 (or None: one per GPU), got {n!r}.")
         if device not in (None, "cpu", "cuda"):
             raise ValueError(f"nf.processes: device is 'cuda', 'cpu' or None (CUDA when a GPU is visible), got {device!r}.")
         self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-        if self.device == "cuda":
+        if self.device == "cuda" and not (hosts is not None and n is not None):  # (other hosts' GPUs: theirs)
             gpus = torch.cuda.device_count()
             if n is not None and n > gpus:
                 raise ValueError(f"nf.processes({n}) asks for {n} GPU ranks but {gpus} GPU(s) are visible; "
@@ -89,7 +92,9 @@ class processes:
         elif n is None:
             raise ValueError("nf.processes() starts one rank per visible GPU, and this machine has none; "
                              "say how many CPU ranks: nf.processes(4).")
-        self.n = n
+        self.hosts = hosts
+        self.num_hosts = 1 if hosts is None else math.prod(dict(hosts.extent).values())  # a HostMesh's shape
+        self.per_host, self.n = n, n * self.num_hosts
         self.timeout, self.threads = timeout, threads
         self.show_output(output)
         self._state = None
@@ -112,7 +117,7 @@ class processes:
         started = time.perf_counter()
         self._state = _State(self, launch)
         try:
-            self._state.start(self.n, self.device, self.threads, self.timeout)
+            self._state.start(self.per_host, self.hosts, self.device, self.threads, self.timeout)
         except BaseException:
             state, self._state = self._state, None
             state.close(force=True)
@@ -135,7 +140,8 @@ class processes:
         self.stop()
 
     def __repr__(self) -> str:
-        return f"nf.processes({self.n}, device={self.device!r})"
+        hosts = "" if self.hosts is None else f" on {self.num_hosts} hosts"
+        return f"nf.processes({self.per_host}, device={self.device!r}){hosts}"
 
     def __reduce__(self):
         raise TypeError(f"{self!r} drives worker processes from this one; it cannot be sent to them.")
@@ -219,20 +225,29 @@ class _State:
         self.closing = False
         self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="ndfunc-wait")
 
-    def start(self, n: int, device: str, threads: int | None, timeout: float | None) -> None:
-        threads = threads or (1 if n > 1 else torch.get_num_threads())
-        self.launcher, started = self.launch.spawn(n, device, threads)
+    def start(self, per_host: int, hosts, device: str, threads: int | None, timeout: float | None) -> None:
+        world = per_host * self.owner.num_hosts
+        threads = threads or (1 if per_host > 1 else torch.get_num_threads())
+        self.launcher, started = self.launch.spawn(per_host, hosts, device, threads)
         self.workers, self.controls = self.wait_for(started, single=True)
-        port = _free_port()
+        ranks = self.launch.by_rank(self.workers)
+        # torchrun's environment: rank 0's host and a port free there, each rank's place on its host
+        master, port = ("127.0.0.1", _free_port()) if hosts is None else self.wait_for(
+            ranks.slice(rank=0).address.call_one(), single=True)
         backend = "nccl" if device == "cuda" else "gloo"
         futures = []
-        for r in range(n):
-            env = {"RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(n), "LOCAL_WORLD_SIZE": str(n),
-                   "GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-                   "TORCHELASTIC_RUN_ID": "ndfunc"}
-            futures.append(self.launch.rank(self.workers, r).join.call_one(
-                env, [p for p in sys.path if p], os.getcwd(), str(self.directory / f"rank{r}.out"), threads, backend, timeout))
-        self.pids = [self.wait_for(f, single=True) for f in futures]
+        for r in range(world):
+            env = {"RANK": str(r), "LOCAL_RANK": str(r % per_host), "WORLD_SIZE": str(world),
+                   "LOCAL_WORLD_SIZE": str(per_host), "GROUP_RANK": str(r // per_host), "MASTER_ADDR": master,
+                   "MASTER_PORT": str(port), "TORCHELASTIC_RUN_ID": "ndfunc"}
+            futures.append(ranks.slice(rank=r).join.call_one(
+                env, [p for p in sys.path if p], os.getcwd(), str(self.directory / f"rank{r}.out"), threads, backend,
+                timeout))
+        here = socket.gethostname()
+        joined = [self.wait_for(f, single=True) for f in futures]
+        self.hosts = [host for host, _ in joined]
+        # what this host can watch itself; a process elsewhere is watched by Monarch (its calls fail)
+        self.pids = [pid if host == here else None for host, pid in joined]
 
     def close(self, force: bool) -> None:
         if self.closing:
@@ -252,9 +267,11 @@ class _State:
                 except Exception:
                     pass
             for pid in self.pids:
-                _kill(pid)
+                if pid is not None:
+                    _kill(pid)
             for f in self.outputs.values():
                 f.close()
+            self.outputs.clear()
             shutil.rmtree(self.directory, ignore_errors=True)
             self.pool.shutdown(wait=False, cancel_futures=True)
 
@@ -369,6 +386,8 @@ class _State:
             raise
         except Exception as e:
             self.check_alive()
+            if type(e).__name__ == "SupervisionError":  # a process on another host ended
+                self.lost(str(e))
             raise RuntimeError(f"{self.owner!r}: a call to the workers failed: {e}") from e
         finally:
             self.flush_output()
@@ -402,19 +421,23 @@ class _State:
     def check_alive(self) -> None:
         if self.closing:
             return
-        dead = [(r, pid) for r, pid in enumerate(self.pids) if not _alive(pid)]
+        dead = [(r, pid) for r, pid in enumerate(self.pids) if pid is not None and not _alive(pid)]
         if not dead:
             return
-        owner, n = self.owner, self.owner.n
+        self.lost("the process of " + ", ".join(f"rank {r} (pid {pid})" for r, pid in dead) + " has ended")
+
+    def lost(self, what: str) -> None:
+        """Stop every worker and say why: the ranks left cannot go on without the one that ended."""
+        owner = self.owner
         owner._state = None
         forward.pop(owner)
         self.close(force=True)
-        ranks = ", ".join(f"rank {r} (pid {pid})" for r, pid in dead)
-        raise WorkerDiedError(f"{owner!r}: the process of {ranks} has ended. The other ranks cannot go on without it, "
-                              f"so every worker was stopped and the arrays they held are gone; start again with "
-                              f"nf.processes({n}).")
+        raise WorkerDiedError(f"{owner!r}: {what}. The other ranks cannot go on without it, so every worker was "
+                              f"stopped and the arrays they held are gone; start again with {owner!r}.")
 
     def flush_output(self) -> None:
+        if self.closing and not self.outputs:
+            return
         for r in self.owner.output:
             f = self.outputs.get(r)
             if f is None:

@@ -26,12 +26,12 @@ class Launcher(Actor):
         self.failures: list[str] = []
 
     @endpoint
-    def start_workers(self, n: int, device: str, threads: int):
+    def start_workers(self, n: int, hosts, device: str, threads: int):
         axis = "gpus" if device == "cuda" else "procs"
         # the threads set before torch starts, as torchrun sets them: OpenMP's pool is then that size
         command = default_bootstrap_cmd().with_env({"OMP_NUM_THREADS": str(threads)})
-        self.procs = this_host().spawn_procs(per_host={axis: n}, name=f"ndfunc{os.getpid()}x{next(_names)}",
-                                             bootstrap_command=command)
+        self.procs = (hosts or this_host()).spawn_procs(per_host={axis: n}, name=f"ndfunc{os.getpid()}x{next(_names)}",
+                                                        bootstrap_command=command)
         return self.procs.spawn("worker", Worker), self.procs.spawn("control", Control)
 
     @endpoint
@@ -48,17 +48,16 @@ class Launcher(Actor):
         return True  # handled: the notebook finds the dead process itself (controller.check_alive)
 
 
-def spawn(n: int, device: str, threads: int):
+def spawn(n: int, hosts, device: str, threads: int):
     """(launcher, future): a fresh launcher, and the future of the (workers, controls) actor meshes
     it starts, for the caller to wait on as it waits on every call."""
     launcher = this_proc().spawn(f"ndfunc_launcher{os.getpid()}x{next(_names)}", Launcher)
-    return launcher, launcher.start_workers.call_one(n, device, threads)
+    return launcher, launcher.start_workers.call_one(n, hosts, device, threads)
 
 
-def rank(mesh, r: int):
-    """The actor of rank `r` in a mesh `spawn` made (its one axis, whatever its name)."""
-    (axis,) = mesh._labels if hasattr(mesh, "_labels") else mesh.extent.labels
-    return mesh.slice(**{axis: r})
+def by_rank(mesh):
+    """A mesh `spawn` made, over one axis `rank` (hosts, then the processes of each)."""
+    return mesh.flatten("rank")
 
 
 def stop(launcher):

@@ -13,6 +13,7 @@ import inspect
 import os
 import pathlib
 import pickle
+import socket
 import sys
 import sysconfig
 import traceback
@@ -70,7 +71,14 @@ class Worker(Actor):
         torch.set_num_threads(threads)
         init(backend=backend, timeout=timeout)
         self.rank = rank()
-        return os.getpid()
+        return socket.gethostname(), os.getpid()
+
+    @endpoint
+    def address(self) -> tuple[str, int]:
+        """This host's name and a port free on it: where rank 0 serves the world's rendezvous."""
+        with socket.socket() as s:
+            s.bind(("", 0))
+            return socket.gethostname(), s.getsockname()[1]
 
     @endpoint
     def run(self, call: int, frees: list, defines: bytes | None, command: bytes, reply: bool, fetch: str | None):
