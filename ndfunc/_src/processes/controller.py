@@ -279,6 +279,7 @@ class _State:
 
     def call(self, fn, args, kwargs, asynchronous: bool, fetch: str | None, donated: list, signature):
         self.check_alive()
+        self.flush_output()
         call = next(self.ids)
         key = None
         if asynchronous and fetch is None:

@@ -63,6 +63,7 @@ class Worker(Actor):
         # the notebook's modules and relative paths mean here what they mean there
         sys.path[:0] = [p for p in path if p not in sys.path]
         os.chdir(cwd)
+        os.makedirs(os.path.dirname(output), exist_ok=True)  # (on another host, made there)
         out = open(output, "ab", buffering=0)
         for fd in (1, 2):  # what this process prints, C++ included, goes to its file: the notebook shows it
             os.dup2(out.fileno(), fd)
