@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import io
 import numbers
 import pathlib
@@ -21,7 +22,6 @@ import types
 from collections.abc import Callable
 from typing import Any
 
-import cloudpickle
 import torch
 
 from ndfunc._src.sharding.mesh import AbstractMesh
@@ -46,22 +46,30 @@ def is_value(obj: Any) -> bool:
     return module.split(".")[0] in ("numpy", "matplotlib", "PIL")
 
 
-class _Out(cloudpickle.Pickler):
-    def __init__(self, file, persistent: Callable[[Any], Any]):
-        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
-        self._persistent = persistent
-        self._globals = _library_globals()
+@functools.cache
+def _pickler() -> type:
+    """cloudpickle's Pickler with persistent ids and ndfunc's globals by name (cloudpickle comes
+    with Monarch, in ndfunc[notebook]: imported when a block first sends something)."""
+    import cloudpickle
 
-    def persistent_id(self, obj):
-        return self._persistent(obj)
+    class Out(cloudpickle.Pickler):
+        def __init__(self, file, persistent: Callable[[Any], Any]):
+            super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+            self._persistent = persistent
+            self._globals = _library_globals()
 
-    def reducer_override(self, obj):
-        # ndfunc's own module globals (a context variable, a cache) that a closure of ndfunc's reads
-        # cross by name: the worker's own, never a copy of this process's
-        where = self._globals.get(id(obj))
-        if where is not None and where[2] is obj:
-            return (_module_global, where[:2])
-        return super().reducer_override(obj)
+        def persistent_id(self, obj):
+            return self._persistent(obj)
+
+        def reducer_override(self, obj):
+            # ndfunc's own module globals (a context variable, a cache) that a closure of ndfunc's
+            # reads cross by name: the worker's own, never a copy of this process's
+            where = self._globals.get(id(obj))
+            if where is not None and where[2] is obj:
+                return (_module_global, where[:2])
+            return super().reducer_override(obj)
+
+    return Out
 
 
 _INDEX: dict = {"modules": -1, "globals": {}}
@@ -99,7 +107,7 @@ class _In(pickle.Unpickler):
 
 def dumps(obj: Any, persistent: Callable[[Any], Any] = lambda obj: None) -> bytes:
     buffer = io.BytesIO()
-    _Out(buffer, persistent).dump(obj)
+    _pickler()(buffer, persistent).dump(obj)
     return buffer.getvalue()
 
 
