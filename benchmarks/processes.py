@@ -83,15 +83,14 @@ def run_steps(model: str, ranks: int, steps: int, repeats: int, rank_cpu=time.pr
             "cpu_s": statistics.median(cpu), "rank_cpu_s": statistics.median(rank), "loss": float(loss)}
 
 
-def _torchrun(model: str, ranks: int, steps: int, repeats: int) -> tuple[dict, float]:
+def _torchrun(model: str, ranks: int, steps: int, repeats: int) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     env["OMP_NUM_THREADS"] = "1"  # as torchrun sets it, and as nf.processes gives each rank
-    started = time.perf_counter()
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
                            str(ranks), str(pathlib.Path(__file__).resolve()), "--under-torchrun", "--models", model,
                            "--ranks", str(ranks), "--steps", str(steps), "--repeats", str(repeats)],
                           capture_output=True, text=True, env=env, check=True)
-    return json.loads(proc.stdout.split("RESULT ", 1)[1].splitlines()[0]), time.perf_counter() - started
+    return json.loads(proc.stdout.split("RESULT ", 1)[1].splitlines()[0])
 
 
 def main() -> None:
@@ -124,7 +123,7 @@ def main() -> None:
           f"data-parallel rank; {args.steps} steps issued in a row, then waited for; median of {args.repeats}")
     print(f"{'model':<6}{'':<26}{'torchrun':>10}{'nf.processes':>14}{'ratio':>8}")
     for m in args.models:
-        (t, _), p = torchrun[m], processes[m]
+        t, p = torchrun[m], processes[m]
         for name, key, scale in (("step (ms)", "step_s", 1e3), ("rank 0's CPU a step (ms)", "rank_cpu_s", 1e3),
                                  ("first call: lowering (s)", "first_call_s", 1)):
             a, b = t[key] * scale, p[key] * scale

@@ -20,7 +20,7 @@ from ndfunc._src.config import ParallelConfig as ParallelConfig
 from ndfunc._src.constraints import with_logical_constraint as with_logical_constraint
 from ndfunc._src.constraints import with_sharding_constraint as with_sharding_constraint
 from ndfunc._src.jit import jit as jit
-from ndfunc._src.processes.controller import WorkerDiedError as WorkerDiedError
+from ndfunc._src.processes.watch import WorkerDiedError as WorkerDiedError
 from ndfunc._src.processes.controller import processes as processes
 from ndfunc._src.runtime import init as init
 from ndfunc._src.runtime import is_simulated as is_simulated

@@ -104,7 +104,7 @@ class TestOneBlockOfTwoWorkers:
         start = time.perf_counter()
         made = [nf.make_array_from_callback(FULL.shape, sharding, slow_block) for _ in range(4)]
         issued = time.perf_counter() - start
-        assert issued < 0.3  # four calls of 0.3 s each, queued
+        assert issued < 0.6  # four calls of 0.3 s each: issued, not run
         assert torch.equal(nf.device_get(made[-1]), FULL)
         assert time.perf_counter() - start >= 4 * 0.3
 
@@ -118,13 +118,38 @@ class TestOneBlockOfTwoWorkers:
         start = time.perf_counter()
         with pytest.raises(KeyboardInterrupt):
             nf.device_get(made[-1])
-        assert time.perf_counter() - start < 3
+        # back at once, and the queue behind the running call gone (it would take 8 s more)
+        assert time.perf_counter() - start < 4.5
         start = time.perf_counter()
-        assert torch.equal(nf.device_get(nf.device_put(FULL, sharding)), FULL)  # behind one running call at most
-        assert time.perf_counter() - start < 3
-        with pytest.raises(RuntimeError, match="never made: it was interrupted before it ran"):
+        assert torch.equal(nf.device_get(nf.device_put(FULL, sharding)), FULL)
+        assert time.perf_counter() - start < 4.5
+        with pytest.raises(RuntimeError, match=r"a value this call reads \(\(\d+, 0\)\) is not on rank 0: it was "
+                                               r"interrupted before it ran. Make it again"):
             nf.device_get(made[-1])
 
+    def test_an_interrupt_keeps_the_steps_that_consume_the_state(self, workers):
+        # a training step donates its parameters: its results are their only copy, so it runs
+        mesh = nf.make_mesh(dp=2)
+        sharding = NamedSharding(mesh, P("dp"))
+        step = nf.jit(lambda w: w + 1, mesh=mesh, in_shardings=P("dp"), out_shardings=P("dp"), donate_argnums=0)
+        w = step(nf.device_put(FULL, sharding))
+        nf.make_array_from_callback(FULL.shape, sharding, slow_block)
+        for _ in range(6):
+            nf.make_array_from_callback(FULL.shape, sharding, slow_block)  # no step reads it: dropped
+            w = step(w)
+        threading.Timer(0.5, _thread.interrupt_main).start()
+        with pytest.raises(KeyboardInterrupt):
+            nf.device_get(w)
+        assert torch.equal(nf.device_get(w), FULL + 7)
+
+    def test_with_mesh_and_axis_rules_hold_on_the_ranks_too(self, workers):
+        mesh = nf.make_mesh(dp=2)
+        with mesh, nf.sharding.axis_rules([("batch", "dp")]):
+            x = nf.device_put(FULL, P("dp"))  # a bare P: the mesh entered here
+            step = nf.jit(lambda a: nf.with_logical_constraint(a * 2, ("batch", None)))
+            y = step(x)
+        assert y.sharding.spec == P("dp")
+        assert torch.equal(nf.device_get(y), FULL * 2)
 
     def test_an_exception_on_a_rank_is_raised_here_naming_the_rank_and_the_line(self, workers):
         mesh = nf.make_mesh(dp=2)
@@ -152,12 +177,12 @@ class TestOneBlockOfTwoWorkers:
         assert "[rank 0] block 0 from rank 0\n" in out and "[rank 1] block 3 from rank 1\n" in out
 
 
-    def test_a_donated_array_and_one_of_a_stopped_block_are_refused(self, workers):
+    def test_a_donated_array_is_refused(self, workers):
         mesh = nf.make_mesh(dp=2)
         step = nf.jit(lambda x: x * 2, mesh=mesh, in_shardings=P("dp"), out_shardings=P("dp"), donate_argnums=0)
         x = nf.device_put(FULL, NamedSharding(mesh, P("dp")))
         y = step(x)
-        with pytest.raises(ValueError, match=r"this Array was donated to a step \(donate_argnums\) or freed"):
+        with pytest.raises(ValueError, match=r"this Array was donated to a step \(donate_argnums\): its buffers now hold the step.s results"):
             step(x)
         assert torch.equal(nf.device_get(y), FULL * 2)
 
@@ -198,8 +223,8 @@ def test_a_worker_that_dies_is_an_error_within_seconds_and_processes_start_again
         start = time.perf_counter()
         with pytest.raises(nf.WorkerDiedError, match=rf"the process of rank 1 \(pid {victim}\) has ended"):
             nf.device_get(queued[-1])
-        assert time.perf_counter() - start < 5
-        survivor = w.pids if w._state else None
+        assert time.perf_counter() - start < 5  # not the collectives' timeout, nor the 9 s queued
+        survivor = w.pids if w._session else None
     assert survivor is None
     with nf.processes(2):  # the same interpreter starts afresh
         mesh = nf.make_mesh(dp=2)

@@ -12,11 +12,25 @@ from __future__ import annotations
 import torch
 
 from ndfunc._src.forward import Handle
-from ndfunc._src.sharding.mesh import AbstractMesh, _entered, set_mesh
+from ndfunc._src.sharding.mesh import AbstractMesh, enter_mesh, exit_mesh
 from ndfunc._src.sharding.named_sharding import NamedSharding
 
 
-class Array(Handle):
+class _Held(Handle):
+    """A handle its owner names: released there when it dies here, never pickled but as that name."""
+
+    __slots__ = ()
+
+    def __del__(self):
+        owner = getattr(self, "_owner", None)
+        if owner is not None:
+            owner.release(self._ref)
+
+    def __reduce__(self):
+        return self._owner.reference(self)
+
+
+class Array(_Held):
     """A value on the workers: `shape`, `dtype` and `sharding` here, its blocks there.
 
     Torch functions and tensor methods applied to it run on every rank (eager, as on a DTensor)
@@ -93,21 +107,14 @@ class Array(Handle):
         if len(owners) != 1:
             raise ValueError(f"{getattr(func, '__name__', func)} was given arrays of {len(owners)} different "
                              f"nf.processes blocks; use arrays of one block together.")
-        return owners.pop().call(func, args, kwargs, asynchronous=True)
+        # waited for: an op's result may take its shape from the data (a mask, `nonzero`)
+        return owners.pop().call(func, args, kwargs)
 
     def __getattr__(self, name: str):
         if name.startswith("_") or not callable(getattr(torch.Tensor, name, None)):
             raise AttributeError(f"'Array' object has no attribute {name!r}")
         method = getattr(torch.Tensor, name)
         return lambda *args, **kwargs: Array.__torch_function__(method, (Array,), (self, *args), kwargs)
-
-    def __del__(self):
-        owner = getattr(self, "_owner", None)
-        if owner is not None:
-            owner.release(self._ref)
-
-    def __reduce__(self):
-        return self._owner.reference(self)
 
 
 def _operator(name: str):
@@ -122,9 +129,10 @@ def _operator(name: str):
 
 for _name in ("__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__", "__truediv__", "__rtruediv__",
               "__floordiv__", "__rfloordiv__", "__mod__", "__pow__", "__rpow__", "__matmul__", "__rmatmul__",
-              "__neg__", "__abs__", "__lt__", "__le__", "__gt__", "__ge__", "__and__", "__or__", "__xor__",
+              "__neg__", "__abs__", "__lt__", "__le__", "__gt__", "__ge__", "__eq__", "__ne__", "__and__", "__or__", "__xor__",
               "__invert__", "__getitem__"):
     setattr(Array, _name, _operator(_name))
+Array.__hash__ = Handle.__hash__  # (as a tensor: by identity, though `==` compares values)
 
 
 def _handles(tree) -> list[Array]:
@@ -169,20 +177,14 @@ class ProcessMesh(AbstractMesh):
     def __repr__(self) -> str:
         return f"Mesh({self.shape!r}, device_type={self._device_type!r}, on {self._owner!r})"
 
-    def __enter__(self) -> "ProcessMesh":
-        _entered.set(_entered.get() + (set_mesh(self),))
-        return self
-
-    def __exit__(self, *exc) -> None:
-        entered = _entered.get()
-        _entered.set(entered[:-1])
-        entered[-1].__exit__(*exc)
+    __enter__ = enter_mesh
+    __exit__ = exit_mesh
 
     def __reduce__(self):
         return self._owner.reference(self)
 
 
-class Remote(Handle):
+class Remote(_Held):
     """An object the workers made (a `Lowered`, a `Compiled`, a checkpoint `Manager`): its methods
     run on every rank, and rank 0's result comes back (arrays and objects as handles)."""
 
@@ -212,11 +214,3 @@ class Remote(Handle):
 
     def __repr__(self) -> str:
         return f"<{self._kind} on {self._owner!r}>"
-
-    def __del__(self):
-        owner = getattr(self, "_owner", None)
-        if owner is not None:
-            owner.release(self._ref)
-
-    def __reduce__(self):
-        return self._owner.reference(self)

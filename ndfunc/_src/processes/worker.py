@@ -9,6 +9,7 @@ middle of a collective would leave the other ranks waiting in it, so the current
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import os
 import pathlib
@@ -16,6 +17,7 @@ import pickle
 import socket
 import sys
 import sysconfig
+import threading
 import traceback
 from typing import Any
 
@@ -25,12 +27,34 @@ from torch.distributed.tensor import DTensor
 
 from ndfunc._src.processes import wire
 from ndfunc._src.runtime import init, rank, shutdown
-from ndfunc._src.sharding.mesh import Mesh
+from ndfunc._src.sharding.mesh import Mesh, set_mesh
+from ndfunc._src.sharding.rules import axis_rules
 from ndfunc._src.transfer import sharding_of
 
-# Calls numbered below this were interrupted before they ran: the one value two actors of this
-# process share (the Control actor writes it while the Worker runs a call).
-_dropped_below = [0]
+
+
+class _Gate:
+    """What the two actors of a worker process share: the Control actor pauses the Worker before
+    its next call, learns the last call it started, and lets it go on without the calls dropped."""
+
+    def __init__(self):
+        self.condition = threading.Condition()
+        self.paused = False
+        self.started = 0
+        self.dropped: set[int] = set()
+
+    def enter(self, call: int) -> bool:
+        """Wait while paused; whether `call` may run (it was not dropped)."""
+        with self.condition:
+            self.condition.wait_for(lambda: not self.paused)
+            if call in self.dropped:
+                self.dropped.discard(call)
+                return False
+            self.started = call
+            return True
+
+
+_GATE = _Gate()
 
 _LIBRARIES = (str(pathlib.Path(torch.__file__).resolve().parent), str(pathlib.Path(wire.__file__).resolve().parents[2]),
     str(pathlib.Path(sysconfig.get_paths()["stdlib"]).resolve()), str(pathlib.Path(sysconfig.get_paths()["purelib"]).resolve()))
@@ -58,7 +82,7 @@ class Worker(Actor):
 
     @endpoint
     def join(self, env: dict[str, str], path: list[str], cwd: str, output: str, threads: int, backend: str | None,
-             timeout: float | None) -> int:
+             timeout: float | None) -> tuple[str, int]:
         os.environ.update(env)
         # the notebook's modules and relative paths mean here what they mean there
         sys.path[:0] = [p for p in path if p not in sys.path]
@@ -82,18 +106,18 @@ class Worker(Actor):
             return socket.gethostname(), s.getsockname()[1]
 
     @endpoint
-    def run(self, call: int, frees: list, defines: bytes | None, command: bytes, reply: bool, fetch: str | None):
+    def run(self, call: int, frees: list, defines: list | None, command: bytes, reply: bool, fetch: str | None):
         for ref in frees:
             self.table.pop(ref, None)
         try:
-            if defines is not None:
-                for ref, obj in wire.loads(defines, self._resolve):
-                    self.table[ref] = obj
-            if call < _dropped_below[0]:
+            for ref, data in defines or ():
+                self.table[ref] = wire.loads(data, self._resolve)
+            if not _GATE.enter(call):
                 self.failed[call] = "it was interrupted before it ran"
                 return ("cancelled", None)
-            fn, args, kwargs = wire.loads(command, self._resolve)
-            result = fn(*args, **kwargs)
+            fn, args, kwargs, (mesh, rules) = wire.loads(command, self._resolve)
+            with set_mesh(mesh) if mesh is not None else contextlib.nullcontext(), axis_rules(rules):
+                result = fn(*args, **kwargs)
             self.kept = 0
             if fetch is not None:  # by value: rank 0's, or every rank's
                 return ("ok", wire.dumps(result) if self.rank == 0 or fetch == "each" else None)
@@ -119,8 +143,9 @@ class Worker(Actor):
             return self.table[ref]
         except KeyError:
             call = ref[0] if isinstance(ref, tuple) and isinstance(ref[0], int) else None
-            why = self.failed.get(call, "it was freed")
-            raise EarlierCallFailed(f"a value this call reads was never made: {why}.") from None
+            why = self.failed.get(call, "it was freed, or made where this worker never saw it")
+            raise EarlierCallFailed(f"a value this call reads ({ref!r}) is not on rank {self.rank}: {why}. Make it "
+                                    f"again (run the cells that make it).") from None
 
     def _describe(self, obj, call: int, quietly: bool = False):
         """A descriptor for what stays here (None: `obj` goes by value); `k` numbers a call's results
@@ -131,9 +156,9 @@ class Worker(Actor):
             return ("mesh", self._mesh_ref(obj), tuple(obj.shape.items()), obj.device_type)
         if isinstance(obj, torch.Tensor):
             ref = self._keep(obj, call)
+            spec, mesh = self._layout(obj) if isinstance(obj, DTensor) else (None, None)  # (its mesh named on every rank)
             if quietly:
                 return ("kept",)
-            spec, mesh = self._layout(obj) if isinstance(obj, DTensor) else (None, None)
             return ("array", ref, tuple(obj.shape), obj.dtype, spec, mesh)
         if wire.is_value(obj):
             return None
@@ -172,15 +197,23 @@ class Worker(Actor):
 
 
 class Control(Actor):
-    """Answers while the worker beside it runs a call."""
+    """Answers while the worker beside it runs a call: an interrupt, in two steps, so that every
+    rank drops the same calls (a call one rank started and another dropped would leave the first
+    waiting in its collectives)."""
 
     @endpoint
-    def interrupt(self, below: int) -> None:
-        _dropped_below[0] = max(_dropped_below[0], below)
+    def pause(self) -> int:
+        """Hold the worker before its next call; the last call it started."""
+        with _GATE.condition:
+            _GATE.paused = True
+            return _GATE.started
 
     @endpoint
-    def pid(self) -> int:
-        return os.getpid()
+    def resume(self, dropped: list[int]) -> None:
+        with _GATE.condition:
+            _GATE.dropped.update(dropped)
+            _GATE.paused = False
+            _GATE.condition.notify_all()
 
 
 def _report(e: BaseException, rank: int) -> dict:

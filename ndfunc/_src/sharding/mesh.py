@@ -118,6 +118,18 @@ class AbstractMesh:
         return (AbstractMesh, (self._axes,))
 
 
+def enter_mesh(mesh):
+    """`with mesh:`: the mesh bare `P`s refer to until the block ends (a mesh's `__enter__`)."""
+    _entered.set(_entered.get() + (set_mesh(mesh),))
+    return mesh
+
+
+def exit_mesh(mesh, *exc) -> None:
+    entered = _entered.get()
+    _entered.set(entered[:-1])
+    entered[-1].__exit__(*exc)
+
+
 class Mesh:
     """An `AbstractMesh` over the ranks of a torch `DeviceMesh`.
 
@@ -195,14 +207,8 @@ class Mesh:
     def __repr__(self) -> str:
         return f"Mesh({self.shape!r}, device_type={self.device_type!r})"
 
-    def __enter__(self) -> "Mesh":
-        _entered.set(_entered.get() + (set_mesh(self),))
-        return self
-
-    def __exit__(self, *exc) -> None:
-        entered = _entered.get()
-        _entered.set(entered[:-1])
-        entered[-1].__exit__(*exc)
+    __enter__ = enter_mesh
+    __exit__ = exit_mesh
 
 
 def _ranks_of(device_mesh) -> tuple[int, ...]:

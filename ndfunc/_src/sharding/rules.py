@@ -167,6 +167,9 @@ class axis_rules(contextlib.ContextDecorator):
     def __reduce__(self):
         return (axis_rules, (self.rules,))
 
+    def _recreate_cm(self) -> "axis_rules":  # a decorated step's each call enters a fresh one (threads)
+        return axis_rules(self.rules)
+
 
 def current_rules() -> LogicalRules | None:
     """The rules `axis_rules` set here, or None."""
