@@ -8,8 +8,10 @@ this process does, as a notebook would, and each call is sent to the workers. Pe
 time of `--steps` steps issued in a row and waited for at the end (after three warm-up steps), the
 median of `--repeats` such runs; their ratio (the goal: within 10%), and rank 0's CPU a step. The controller's own time per
 call is the time a call takes to return here when its signature is known (it only issues), and the
-CPU this process spends per step. Also: how long starting the workers takes, and the first call
-of the step (each rank lowers it) against torchrun's. Run it on a quiet machine.
+CPU this process spends per step. `step, loop in one call`: the same loop sent to the workers as
+one call, each running it as a torchrun rank would, so the step's cost in a worker process is told
+apart from the dispatch's. Also: how long starting the workers takes, and the first call of the
+step (each rank lowers it) against torchrun's. Run it on a quiet machine.
 """
 
 from __future__ import annotations
@@ -116,6 +118,8 @@ def main() -> None:
     try:
         processes = {m: run_steps(m, args.ranks, args.steps, args.repeats,
                                   rank_cpu=lambda: workers.each(time.process_time)[0]) for m in args.models}
+        # the same loop run by each worker itself, in one call: the step in a worker, without dispatch
+        inside = {m: workers.each(run_steps, m, args.ranks, args.steps, args.repeats)[0] for m in args.models}
     finally:
         workers.stop()
 
@@ -128,6 +132,8 @@ def main() -> None:
                                  ("first call: lowering (s)", "first_call_s", 1)):
             a, b = t[key] * scale, p[key] * scale
             print(f"{m:<6}{name:<26}{a:>10.2f}{b:>14.2f}{b / a:>8.3f}")
+        a, b = t["step_s"] * 1e3, inside[m]["step_s"] * 1e3
+        print(f"{m:<6}{'step, loop in one call':<26}{a:>10.2f}{b:>14.2f}{b / a:>8.3f}  (each worker runs the loop)")
         print(f"{m:<6}controller per call: {p['issue_s'] * 1e3:.2f} ms to return (issued, not waited for), "
               f"{p['cpu_s'] * 1e3:.2f} ms of its CPU a step; same last loss as torchrun: {p['loss'] == t['loss']}")
     print(f"starting {args.ranks} workers (Monarch, then nf.init on each): {start_s:.2f} s")
