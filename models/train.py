@@ -302,7 +302,9 @@ def main(argv: list[str] | None = None) -> list[float]:
     else:
         n = args.processes or args.simulate or (config.total_size if config.is_resolved else 1)
         config = config.resolve(n)
-        if args.processes:
+        if args.processes and nf.world_size() == n and not torch.distributed.is_initialized():
+            ranks = contextlib.nullcontext()  # inside an open nf.processes(n) block (a notebook's): its workers
+        elif args.processes:
             ranks = nf.processes(n)
         else:
             ranks = nf.simulate(n) if n > 1 else _world_of_this_process()

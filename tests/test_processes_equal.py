@@ -12,6 +12,7 @@ from helpers import torchrun
 from processes_job import jobs
 from safetensors.torch import load_file
 
+import ndfunc as nf
 from models import train
 
 pytestmark = pytest.mark.gloo
@@ -34,12 +35,14 @@ def model(tmp_path_factory) -> str:
 
 def test_nf_processes_trains_what_torchrun_and_simulation_train(model, tmp_path):
     proc = torchrun(pathlib.Path(__file__).with_name("processes_job.py"), str(tmp_path / "torchrun"), model, nproc=8)
+    with nf.processes(8, device="cpu"):  # both jobs on one set of workers, as a notebook's cells would run them
+        real = {name: train.main([*flags, "--processes", "8", "--save-hf", str(tmp_path / "processes" / name)])
+                for name, flags in jobs(model).items()}
     for name, flags in jobs(model).items():
-        real = train.main([*flags, "--processes", "8", "--save-hf", str(tmp_path / "processes" / name)])
         simulated = train.main([*flags, "--simulate", "8", "--save-hf", str(tmp_path / "simulate" / name)])
         logged = re.search(rf"^{name} losses \[(.*)\]$", proc.stdout, re.M).group(1)
-        assert real == [float(x) for x in logged.split(", ")], proc.stdout
-        torch.testing.assert_close(torch.tensor(simulated), torch.tensor(real), **SIMULATED_TOL)
+        assert real[name] == [float(x) for x in logged.split(", ")], proc.stdout
+        torch.testing.assert_close(torch.tensor(simulated), torch.tensor(real[name]), **SIMULATED_TOL)
         by_torchrun = load_file(tmp_path / "torchrun" / name / "model.safetensors")
         by_processes = load_file(tmp_path / "processes" / name / "model.safetensors")
         by_simulation = load_file(tmp_path / "simulate" / name / "model.safetensors")
