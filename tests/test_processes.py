@@ -97,6 +97,35 @@ class TestOneBlockOfTwoWorkers:
         assert workers.each(lambda: len(solve._PLANS)) == plans  # the plan found again, not searched
 
 
+    def test_lower_and_compile_on_the_ranks_show_and_run_the_program(self, workers):
+        mesh = nf.make_mesh(dp=2)
+        x = nf.device_put(FULL, NamedSharding(mesh, P("dp")))
+        step = nf.jit(lambda w, a: (a @ w).relu().sum(), mesh=mesh, in_shardings=(P(), P("dp")))
+        low = step.lower(torch.ones(4, 3), x)
+        # each rank's half of the rows, then one all-reduce of the partial sums over dp
+        assert low.cost_analysis()["collectives"] == {"all_reduce": 1}
+        assert low.cost_analysis()["flops"] == 2 * 3 * 4 * 3
+        assert "all_reduce" in low.as_text() and "float32[3, 4]" in low.as_text()
+        assert low.memory_analysis().argument_size_in_bytes == (3 * 4 + 4 * 3) * 4
+        assert "<table" in low._repr_html_()
+        compiled = low.compile()
+        assert compiled.cost_analysis()["collectives"] == {"all_to_all": 1}  # as gloo runs it fastest
+        assert float(compiled(torch.ones(4, 3), x)) == float((FULL @ torch.ones(4, 3)).relu().sum())
+
+    def test_checkpoints_save_and_load_on_the_ranks(self, workers, tmp_path):
+        mesh = nf.make_mesh(dp=2)
+        x = nf.device_put(FULL, NamedSharding(mesh, P("dp")))
+        nf.checkpoint.save(tmp_path / "one", {"x": x, "step": 3})
+        back = nf.checkpoint.load(tmp_path / "one", {"x": nf.device_put(torch.zeros(6, 4), NamedSharding(mesh, P())),
+                                                      "step": 0})
+        assert back["step"] == 3 and back["x"].sharding.spec == P()
+        assert torch.equal(nf.device_get(back["x"]), FULL)
+        with nf.checkpoint.Manager(tmp_path / "run", keep=1) as manager:
+            manager.save(5, {"x": x})
+            manager.wait()
+            assert manager.latest_step() == 5
+        assert torch.equal(nf.checkpoint.load(tmp_path / "run" / "step_5", {"x": FULL.clone()})["x"], FULL)
+
     def test_calls_return_at_once_and_a_fetch_waits_for_them(self, workers):
         mesh = nf.make_mesh(dp=2)
         sharding = NamedSharding(mesh, P("dp"))
