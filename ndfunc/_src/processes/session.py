@@ -31,6 +31,7 @@ _CALLS = itertools.count(1)
 # jitted step is, rather than with every call that reads it
 _SENT_ONCE_BYTES = 1 << 20
 _MOST_PENDING = 256  # calls not waited for, past which a call waits for the older half
+_PLAIN = frozenset({str, int, float, bool, type(None), tuple, list, dict, bytes, torch.dtype, torch.Size})
 
 
 @dataclasses.dataclass
@@ -54,8 +55,7 @@ class Session(Watch):
     def __init__(self, owner, launch):
         super().__init__(owner, launch)
         self.frees: list = []
-        # the handles this session gave out, by identity (an Array's `==` compares values, on the ranks)
-        self.made: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+        self.first_call = next(_CALLS)  # a handle this session gave out names a call from here on
         self.gone: set = set()  # refs of arrays given to a step to consume
         self.sent_once: dict[int, tuple[Any, Any, int]] = {}  # id(object) -> (ref, weakref to it, its version)
         self.meshes: dict[Any, ProcessMesh] = {}
@@ -64,7 +64,14 @@ class Session(Watch):
         self.pending: list[Pending] = []
 
     def holds(self, handle) -> bool:
-        return not self.closing and self.made.get(id(handle)) is handle and handle._ref not in self.gone
+        return not self.closing and self.made(handle) and handle._ref not in self.gone
+
+    def made(self, handle) -> bool:
+        """Whether this session gave `handle` out (not an ended one, whose names it never reuses)."""
+        ref = handle._ref
+        if isinstance(handle, ProcessMesh):
+            return self.meshes.get(ref) is handle
+        return isinstance(ref[0], int) and ref[0] >= self.first_call
 
     # -- calls -----------------------------------------------------------------------------------
 
@@ -106,6 +113,8 @@ class Session(Watch):
         return result
 
     def persistent_id(self, obj, new: list, reads: set):
+        if type(obj) in _PLAIN:  # most of what a call's arguments hold: asked of every object pickled
+            return None
         if isinstance(obj, (Array, Remote, ProcessMesh)):
             if obj._owner is not self.owner or not self.holds(obj):
                 raise ValueError(_gone(obj, self))
@@ -178,7 +187,6 @@ class Session(Watch):
             mesh = self.meshes.get(ref)
             if mesh is None:
                 mesh = self.meshes[ref] = ProcessMesh(self.owner, ref, pid[2], pid[3])
-                self.made[id(mesh)] = mesh
             return mesh
         if call_of is not None and ref[0] == call_of[0]:
             ref = (call_of[1], ref[1])
@@ -189,11 +197,8 @@ class Session(Watch):
                 sharding = self.shardings.get((mesh[1], spec))
                 if sharding is None:
                     sharding = self.shardings[(mesh[1], spec)] = NamedSharding(self.handle(mesh, call_of), spec)
-            made = Array(self.owner, ref, shape, dtype, sharding)
-        else:
-            made = Remote(self.owner, ref, pid[2], pid[3])
-        self.made[id(made)] = made
-        return made
+            return Array(self.owner, ref, shape, dtype, sharding)
+        return Remote(self.owner, ref, pid[2], pid[3])
 
     # -- waiting ---------------------------------------------------------------------------------
 
@@ -245,7 +250,7 @@ class Session(Watch):
 
 def _gone(handle, session) -> str:
     what = type(handle).__name__
-    if handle._owner is not session.owner or session.made.get(id(handle)) is not handle or session.closing:
+    if handle._owner is not session.owner or not session.made(handle) or session.closing:
         return (f"this {what} lived on the workers of {handle._owner!r}, which have stopped: its blocks are gone. "
                 f"Fetch values with nf.device_get before leaving the block.")
     return (f"this {what} was donated to a step (donate_argnums): its buffers now hold the step's results. "

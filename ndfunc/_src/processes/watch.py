@@ -42,7 +42,7 @@ class Watch:
         self.directory = pathlib.Path(tempfile.mkdtemp(prefix="ndfunc-processes-"))
         self.workers = self.controls = self.launcher = None
         self.closing = False
-        self.asked_monarch = 0.0
+        self.asked_monarch = self.checked = 0.0
 
     def start(self, per_host: int, hosts, device: str, threads: int | None, timeout: float | None) -> None:
         world = per_host * self.owner.num_hosts
@@ -132,12 +132,13 @@ class Watch:
         return value if single else [v for _, v in sorted(value.items(), key=lambda kv: kv[0].rank)]
 
     def check_alive(self) -> None:
-        if self.closing:
+        now = time.monotonic()
+        if self.closing or now - self.checked < _POLL_S:  # (asked at every call: a poll's pace is enough)
             return
+        self.checked = now
         dead = [(r, pid) for r, pid in enumerate(self.pids) if pid is not None and not _alive(pid)]
         if dead:
             self.lost("the process of " + ", ".join(f"rank {r} (pid {pid})" for r, pid in dead) + " has ended")
-        now = time.monotonic()
         if None in self.pids and now - self.asked_monarch > _REMOTE_POLL_S:
             self.asked_monarch = now
             failures = get_on_a_thread(self.launcher.failures_seen.call_one()).result(timeout=10)
