@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import os
+import random
 import pathlib
 import shutil
 import signal
@@ -51,7 +52,7 @@ class Watch:
         self.workers, self.controls = self.wait_for(started, single=True)
         ranks = self.launch.by_rank(self.workers)
         # torchrun's environment: rank 0's host and a port free there, each rank's place on its host
-        master, port = ("127.0.0.1", _free_port()) if hosts is None else self.wait_for(
+        master, port = ("127.0.0.1", free_port()) if hosts is None else self.wait_for(
             ranks.slice(rank=0).address.call_one(), single=True)
         backend = "nccl" if device == "cuda" else "gloo"
         futures = []
@@ -191,10 +192,28 @@ def get_on_a_thread(future) -> concurrent.futures.Future:
     return got
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port free on `host` for rank 0's rendezvous, below the kernel's ephemeral range: between
+    this pick and rank 0's bind, a socket the system numbers itself (gloo's, another job's) cannot
+    take it."""
+    low, _ = _ephemeral_range()
+    for port in random.Random().sample(range(max(1024, low - 12000), low), 200):
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port for the workers' rendezvous below {low} on {host}.")
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = (int(x) for x in f.read().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999
 
 
 def _alive(pid: int) -> bool:

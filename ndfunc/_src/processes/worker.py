@@ -101,9 +101,9 @@ class Worker(Actor):
     @endpoint
     def address(self) -> tuple[str, int]:
         """This host's name and a port free on it: where rank 0 serves the world's rendezvous."""
-        with socket.socket() as s:
-            s.bind(("", 0))
-            return socket.gethostname(), s.getsockname()[1]
+        from ndfunc._src.processes.watch import free_port
+
+        return socket.gethostname(), free_port("")
 
     @endpoint
     def run(self, call: int, frees: list, defines: list | None, command: bytes, reply: bool, fetch: str | None):
