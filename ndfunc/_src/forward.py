@@ -16,7 +16,7 @@ from typing import Any
 # The `nf.processes` blocks open in this process, innermost last. Scoped like torch's mode stack:
 # a block pushes itself on entry and pops itself on exit, so nothing outlives it.
 _OPEN: list[Any] = []
-_STARTED: list[Any] = []  # whether any block was ever opened here: only then can a stale handle come
+_EVER_OPENED = False  # only then can a handle of a block that ended come: nothing else pays to look
 
 
 class Handle:
@@ -31,8 +31,9 @@ def active():
 
 
 def push(controller) -> None:
+    global _EVER_OPENED
     _OPEN.append(controller)
-    _STARTED[:] = [True]
+    _EVER_OPENED = True
 
 
 def pop(controller) -> None:
@@ -57,8 +58,8 @@ def on_workers(fn: Callable | None = None, *, asynchronous: bool = False, fetch:
     @functools.wraps(fn)
     def marked(*args, **kwargs):
         controller = active()
-        if controller is None and _STARTED:  # a handle of a block that has ended says so
-            controller = next((x._owner for x in _leaves((args, kwargs)) if isinstance(x, Handle)), None)
+        if controller is None and _EVER_OPENED:  # a handle of a block that has ended says so
+            controller = next((x._owner for x in handles_in((args, kwargs))), None)
         if controller is None:
             return fn(*args, **kwargs)
         donated = donates(*args, **kwargs) if donates is not None else None
@@ -76,7 +77,8 @@ def constructed_on_workers(cls: type, args: tuple, kwargs: dict):
     return None if controller is None else controller.call(cls, args, kwargs)
 
 
-def _leaves(tree) -> list:
+def handles_in(tree, kind: type = Handle) -> list:
+    """The handles (of `kind`) among a tree's leaves."""
     import optree
 
-    return optree.tree_leaves(tree, none_is_leaf=True)
+    return [x for x in optree.tree_leaves(tree, none_is_leaf=True) if isinstance(x, kind)]

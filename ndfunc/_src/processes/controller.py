@@ -72,7 +72,7 @@ class processes:
                              "say how many CPU ranks: nf.processes(4).")
         self.hosts = hosts
         self.num_hosts = 1 if hosts is None else math.prod(dict(hosts.extent).values())  # a HostMesh's shape
-        self.per_host, self.n = n, n * self.num_hosts
+        self.per_host, self.world_size = n, n * self.num_hosts
         self.timeout, self.threads = timeout, threads
         self.show_output(output)
         self._session = None
@@ -104,19 +104,22 @@ class processes:
         forward.push(self)
         return self
 
-    def stop(self, _clean: bool = True) -> None:
+    def stop(self) -> None:
         """End every worker, once the calls sent have run (the first that failed is raised then);
         arrays still held here are gone with them."""
-        session, self._session = self._session, None
-        forward.pop(self)
-        if session is not None:
-            session.close(clean=_clean)
+        self._end(clean=True)
 
     def __enter__(self) -> "processes":
         return self.start()
 
     def __exit__(self, kind, *exc) -> None:
-        self.stop(_clean=kind is None)
+        self._end(clean=kind is None)  # (leaving on an exception: the workers end, no more waiting)
+
+    def _end(self, clean: bool) -> None:
+        session, self._session = self._session, None
+        forward.pop(self)
+        if session is not None:
+            session.close(clean=clean)
 
     def __repr__(self) -> str:
         hosts = "" if self.hosts is None else f" on {self.num_hosts} hosts"
@@ -130,18 +133,14 @@ class processes:
         """The workers' process ids, rank by rank."""
         return list(self._running().pids)
 
-    @property
-    def world_size(self) -> int:
-        return self.n
-
     def show_output(self, ranks: int | list[int] | str = 0) -> None:
         """Show these ranks' printed output in the notebook: a rank, a list, or "all" (others' is kept)."""
         if ranks == "all":
-            ranks = list(range(self.n))
+            ranks = list(range(self.world_size))
         ranks = [ranks] if isinstance(ranks, int) else list(ranks)
-        bad = [r for r in ranks if not (isinstance(r, int) and 0 <= r < self.n)]
+        bad = [r for r in ranks if not (isinstance(r, int) and 0 <= r < self.world_size)]
         if bad:
-            raise ValueError(f"nf.processes({self.n}): output names ranks 0..{self.n - 1} (or 'all'), got {bad}.")
+            raise ValueError(f"{self!r}: output names ranks 0..{self.world_size - 1} (or 'all'), got {bad}.")
         self.output = ranks
 
     def wait(self) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from ndfunc._src.forward import Handle
+from ndfunc._src.forward import Handle, handles_in
 from ndfunc._src.sharding.mesh import AbstractMesh, enter_mesh, exit_mesh
 from ndfunc._src.sharding.named_sharding import NamedSharding
 
@@ -103,7 +103,7 @@ class Array(_Held):
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        owners = {a._owner for a in _handles((args, kwargs))}
+        owners = {a._owner for a in handles_in((args, kwargs), Array)}
         if len(owners) != 1:
             raise ValueError(f"{getattr(func, '__name__', func)} was given arrays of {len(owners)} different "
                              f"nf.processes blocks; use arrays of one block together.")
@@ -133,23 +133,6 @@ for _name in ("__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__
               "__invert__", "__getitem__"):
     setattr(Array, _name, _operator(_name))
 Array.__hash__ = Handle.__hash__  # (as a tensor: by identity, though `==` compares values)
-
-
-def _handles(tree) -> list[Array]:
-    found: list[Array] = []
-
-    def walk(x):
-        if isinstance(x, Array):
-            found.append(x)
-        elif isinstance(x, (list, tuple)):
-            for y in x:
-                walk(y)
-        elif isinstance(x, dict):
-            for y in x.values():
-                walk(y)
-
-    walk(tree)
-    return found
 
 
 class ProcessMesh(AbstractMesh):

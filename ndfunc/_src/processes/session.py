@@ -17,6 +17,7 @@ from typing import Any
 import optree
 import torch
 
+from ndfunc._src.forward import handles_in
 from ndfunc._src.processes import wire
 from ndfunc._src.processes.handles import Array, ProcessMesh, Remote
 from ndfunc._src.processes.watch import Watch, get_on_a_thread
@@ -91,7 +92,7 @@ class Session(Watch):
         skeleton = self.skeletons.get(key) if key is not None else None
         frees, self.frees = self.frees, []
         future = self.workers.run.call(call, frees, defines, command, skeleton is None, fetch)
-        consumed = [x for x in optree.tree_leaves(donated, none_is_leaf=True) if isinstance(x, Array)]
+        consumed = handles_in(donated, Array)
         self.gone.update(x._ref for x in consumed)
         self.pending.append(Pending(call, future, reads, consumed))
         if skeleton is not None:
@@ -99,8 +100,7 @@ class Session(Watch):
                 self.drain(len(self.pending) // 2)
             data, first = skeleton
             return wire.loads(data, lambda pid: self.handle(pid, call_of=(first, call)))
-        self.drain()  # the workers run in order: the calls before this one fail first
-        replies = self.last_replies
+        replies = self.drain()  # the workers run in order: the calls before this one fail first
         if fetch == "each":
             return [wire.loads(data) for _, data in replies]
         if fetch is not None:
@@ -142,12 +142,10 @@ class Session(Watch):
         step's closure) is defined before it, so every name resolves when loaded."""
         if not new:
             return None
-        defines, i = [], 0
-        while i < len(new):
-            ref, obj = new[i]
+        defines = []
+        for ref, obj in new:  # (`new` grows as it is walked: what one holds is appended)
             defines.append((ref, wire.dumps(obj, lambda o, obj=obj: None if o is obj else
                                             self.persistent_id(o, new, set()))))
-            i += 1
         return defines[::-1]
 
     def forget(self, key: int, ref) -> None:
@@ -202,16 +200,16 @@ class Session(Watch):
 
     # -- waiting ---------------------------------------------------------------------------------
 
-    def drain(self, count: int | None = None, raise_errors: bool = True) -> None:
+    def drain(self, count: int | None = None, raise_errors: bool = True) -> list | None:
         """Wait for the first `count` calls not waited for (all by default), in order; raise the
         first that failed (the root cause: later failures only read what it never made). The last
-        one's replies are kept in `last_replies`."""
+        one's replies, rank by rank."""
         count = len(self.pending) if count is None else count
         done, self.pending = self.pending[:count], self.pending[count:]
-        failed = None
+        failed = replies = None
         for i, p in enumerate(done):
             try:
-                self.last_replies = replies = self.wait_for(p.waitable())
+                replies = self.wait_for(p.waitable())
             except KeyboardInterrupt:
                 self.pending = done[i:] + self.pending
                 self.interrupt()
@@ -226,6 +224,7 @@ class Session(Watch):
         if failed is not None and raise_errors:
             raise _rebuild([(r, report) for r, (status, report) in enumerate(failed) if status == "error"],
                            self.owner)
+        return replies
 
     def interrupt(self) -> None:
         """Drop the calls sent and not started, but for those that consume arrays (a training step:
