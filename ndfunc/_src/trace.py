@@ -40,7 +40,7 @@ import torch.fx.traceback as fx_traceback
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.nn import _reduction
 
-from ndfunc._src import attention, experts, regions, writes
+from ndfunc._src import attention, experts, regions, swaps, writes
 from ndfunc._src.attention import cpu_flash_as_attention
 from ndfunc._src.constraints import decode_spec, sharding_constraint_op
 from ndfunc._src.custom_gradients import accepting_old_functions
@@ -157,9 +157,12 @@ def trace(fn: Callable, args: Sequence[Any], kwargs: dict | None = None, *, stat
         token = _tracing.set(True)
         try:
             # annotations (nf.remat's regions) reach the nodes; the graph's Python code is written
-            # only if the traced program is called or shown (the partitioner reads the graph)
-            with (fx_traceback.preserve_node_meta(), traced_as_compiling(), TracedAs(), accepting_old_functions(),
-                  lazy_graph_modules(True), regions.routed(Stamps().call), experts.traced(), attention.traced()):
+            # only if the traced program is called or shown (the partitioner reads the graph);
+            # ndfunc's replacements of library functions are in place only inside `swaps.swapped()`,
+            # and the switches after it turn each on in this thread
+            with (swaps.swapped(), fx_traceback.preserve_node_meta(), traced_as_compiling(), TracedAs(),
+                  accepting_old_functions(), lazy_graph_modules(True), regions.routed(Stamps().call), experts.traced(),
+                  attention.traced()):
                 graph_module = make_fx(flat_fn, decomposition_table={**(decompositions or {}), **_DECOMPOSITIONS},
                                        tracing_mode="fake", record_stack_traces=record_stack_traces)(*fakes)
         except (DataDependentOutputException, DynamicOutputShapeException) as e:
