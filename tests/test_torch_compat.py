@@ -1,6 +1,7 @@
 """Every private torch API ndfunc uses (`ndfunc._src.torch_compat`), exercised against what it stands
 for: after a torch upgrade this file says which entry point moved."""
 
+import contextlib
 import operator
 
 import pytest
@@ -9,6 +10,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 import ndfunc as nf
+from ndfunc._src import swaps
 from ndfunc._src import torch_compat as compat
 
 
@@ -154,12 +156,13 @@ def test_redistribute_logger_is_dtensors():
 
 def test_traced_as_compiling_sets_what_torch_compiler_is_compiling_reads():
     assert not torch.compiler.is_compiling()
-    with compat.traced_as_compiling():
+    with swaps.swapped(), compat.traced_as_compiling():  # (as the tracer enters them)
         assert torch.compiler.is_compiling()
         torch._check_tensor_all(torch.tensor([True, False]))  # the hint's values are not read
     assert not torch.compiler.is_compiling()
-    with pytest.raises(RuntimeError, match="Expected cond to be True"):  # and torch's own is back
-        torch._check_tensor_all(torch.tensor([True, False]))
+    for inside in (swaps.swapped, contextlib.nullcontext):  # swapped in, and swapped out again: torch's own
+        with inside(), pytest.raises(RuntimeError, match="Expected cond to be True"):
+            torch._check_tensor_all(torch.tensor([True, False]))
 
 
 def test_core_aten_decompositions_decomposition_table_datadependentoutputexception_dynamicoutputshapeexception():
@@ -239,15 +242,19 @@ def test_rules_without_costs_zeroes_dtensors_redistribute_cost_on_this_thread_on
     meta = compat.TensorMeta(torch.Size([64, 64]), (64, 1), torch.float32)
     src = compat.DTensorSpec(mesh, (Shard(0),), tensor_meta=meta)
     dst = compat.DTensorSpec(mesh, (Replicate(),), tensor_meta=meta)
+    dtensors = utils.redistribute_cost
     before = utils.redistribute_cost(src, dst)
     assert before > 0
     elsewhere = []
     with compat.rules_without_costs():
+        with compat.rules_without_costs():  # (nested: one swap)
+            assert utils.redistribute_cost(src, dst) == 0.0
         assert utils.redistribute_cost(src, dst) == 0.0
         t = threading.Thread(target=lambda: elsewhere.append(utils.redistribute_cost(src, dst)))
         t.start()
         t.join()
     assert elsewhere == [before] and utils.redistribute_cost(src, dst) == before
+    assert utils.redistribute_cost is dtensors  # DTensor's own outside
 
 
 def test_no_dispatch_modes_runs_ops_on_plain_tensors_inside_a_simulation():
@@ -276,8 +283,8 @@ def test_no_python_dispatch_hides_ops_from_every_mode_and_reads_a_fake_tensors_m
 def test_route_nested_compile_regions_func_transforms_function_modes_current_tracer_current_graph_outside_the_trace_trace_nested_node_of_tracked_fake_like():
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    calls, seen, route = [], {}, []
-    compat.route_nested_compile_regions(lambda: route[-1] if route else None)
+    calls, seen, route, mine = [], {}, [], swaps.Swaps()
+    compat.route_nested_compile_regions(lambda: route[-1] if route else None, mine)
 
     @torch.compiler.nested_compile_region
     def region(x):
@@ -306,7 +313,8 @@ def test_route_nested_compile_regions_func_transforms_function_modes_current_tra
         z = compat.tracked(compat.fake_like(compat.node_of(y, tracer).meta["val"]), node, tracer)
         return z + 1
 
-    gm = make_fx(fn, tracing_mode="fake")(torch.randn(3))
+    with mine.swapped():
+        gm = make_fx(fn, tracing_mode="fake")(torch.randn(3))
     with torch.overrides.TorchFunctionMode() as mode:
         assert compat.function_modes()[-1] is mode
     assert calls == [region.__marked_compile_region_fn__]

@@ -45,10 +45,13 @@ def current_call() -> Callable | None:
     return _CALL.get()
 
 
+torch_compat.route_nested_compile_regions(_CALL.get)  # (inside `swaps.swapped()`, as the tracer enters it)
+
+
 @contextlib.contextmanager
 def routed(call: Callable):
-    """Inside (this thread, this context), a marked call is `call(fn, args, kwargs)`."""
-    torch_compat.route_nested_compile_regions(_CALL.get)
+    """Inside (this thread, this context; with `swaps.swapped()` for PyTorch's mark), a marked call
+    is `call(fn, args, kwargs)`."""
     token = _CALL.set(call)
     try:
         yield

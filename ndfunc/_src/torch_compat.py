@@ -3,7 +3,9 @@
 ndfunc reads DTensor's sharding rules, runs simulated ranks on `LocalTensor`, builds a fake
 process group for them, and writes fx programs; none of that is public API in torch 2.13. Each
 use goes through a name here, and `tests/test_torch_compat.py` exercises every one of them, so a
-torch upgrade is checked in one file (then widen `torch<` in pyproject.toml).
+torch upgrade is checked in one file (then widen `torch<` in pyproject.toml). The functions of
+torch's it replaces (`_check_tensor_all_with`, the nested compile region's placeholder, DTensor's
+`redistribute_cost`) are replaced only within a block (`ndfunc._src.swaps`), never at import.
 """
 
 from __future__ import annotations
@@ -50,6 +52,8 @@ from torch.utils._python_dispatch import (
     _pop_mode_temporarily,
 )
 
+from ndfunc._src import swaps
+
 __all__ = [
     "DTensorSpec", "FakeTensor", "FakeTensorMode", "LazyGraphModule", "LocalTensor", "LocalTensorMode", "OpSchema",
     "OpSpec", "OpStrategy", "StridedShard", "TensorMeta", "TorchDispatchMode", "TupleStrategy", "bind_ops",
@@ -74,6 +78,18 @@ REDISTRIBUTE_LOGGER = "torch.distributed.tensor._redistribute"  # DTensor's redi
 
 
 _WITHOUT_COSTS: set[int] = set()  # threads asking DTensor's rules for strategies only
+_COSTS_SWAP = swaps.Swaps()  # DTensor's `redistribute_cost`, while any thread asks for strategies only
+
+
+@_COSTS_SWAP.register("torch.distributed.tensor._ops.utils", "redistribute_cost")
+def _zero_on_threads_without_costs(torchs: Callable) -> Callable:
+    @functools.wraps(torchs)
+    def redistribute_cost(*args, **kwargs):
+        if threading.get_ident() in _WITHOUT_COSTS:
+            return 0.0
+        return torchs(*args, **kwargs)
+
+    return redistribute_cost
 
 
 @contextlib.contextmanager
@@ -81,27 +97,16 @@ def rules_without_costs():
     """A block in which DTensor's op rules, asked on this thread, skip the redistribute cost they
     work out for every strategy (ndfunc's partitioner prices layout changes itself; for `cat`
     on four mesh axes that work is most of the rule's time): it reads as 0. Other threads get
-    DTensor's costs as ever."""
-    from torch.distributed.tensor._ops import utils
-
-    if getattr(utils.redistribute_cost, "__wrapped__", None) is None:
-        original = utils.redistribute_cost
-
-        @functools.wraps(original)
-        def redistribute_cost(*args, **kwargs):
-            if threading.get_ident() in _WITHOUT_COSTS:
-                return 0.0
-            return original(*args, **kwargs)
-
-        utils.redistribute_cost = redistribute_cost
+    DTensor's costs as ever; outside every such block, DTensor's function is its own."""
     me = threading.get_ident()
     nested = me in _WITHOUT_COSTS
-    _WITHOUT_COSTS.add(me)
-    try:
-        yield
-    finally:
-        if not nested:
-            _WITHOUT_COSTS.discard(me)
+    with _COSTS_SWAP.swapped():
+        _WITHOUT_COSTS.add(me)
+        try:
+            yield
+        finally:
+            if not nested:
+                _WITHOUT_COSTS.discard(me)
 
 
 def view_rule(op) -> tuple | None:
@@ -312,14 +317,14 @@ _CHECKS_AS_HINTS = contextvars.ContextVar("ndfunc_checks_as_hints", default=Fals
 
 @contextlib.contextmanager
 def traced_as_compiling():
-    """`torch.compiler.is_compiling()` is True inside, as during torch.export's make_fx tracing:
-    libraries skip the checks that read a tensor's value (transformers' attention-mask checks).
-    What they call instead as a compiler's hint, `torch._check_tensor_all(cond)`, checks the
-    condition's type and not its values (a trace has none) in this thread and context, and as
-    torch's everywhere else: transformers' image-token count of a vision-language model."""
+    """`torch.compiler.is_compiling()` is True inside, as during torch.export's make_fx tracing
+    (torch's own flag for tracers, set as torch.export sets it): libraries skip the checks that
+    read a tensor's value (transformers' attention-mask checks). What they call instead as a
+    compiler's hint, `torch._check_tensor_all(cond)`, checks the condition's type and not its
+    values (a trace has none) in this thread and context, inside `swaps.swapped()` too (the
+    tracer's): transformers' image-token count of a vision-language model."""
     import torch.compiler as compiler
 
-    _install_check_as_hint()
     old = compiler._is_compiling_flag
     compiler._is_compiling_flag = True
     token = _CHECKS_AS_HINTS.set(True)
@@ -330,12 +335,9 @@ def traced_as_compiling():
         _CHECKS_AS_HINTS.reset(token)
 
 
-@functools.cache
-def _install_check_as_hint() -> None:
-    """`torch._check_tensor_all_with`, once in the process: torch's, less its read of the values
-    inside `traced_as_compiling`."""
-    torchs = torch._check_tensor_all_with
-
+@swaps.register(torch, "_check_tensor_all_with")
+def _check_as_hint(torchs: Callable) -> Callable:
+    """`torch._check_tensor_all_with`: torch's, less its read of the values inside `traced_as_compiling`."""
     def check(error_type, cond, message=None) -> None:
         if not _CHECKS_AS_HINTS.get():
             return torchs(error_type, cond, message)
@@ -345,24 +347,25 @@ def _install_check_as_hint() -> None:
             raise TypeError(f"cond tensor must have dtype torch.bool, but got {cond.dtype}")
         return None
 
-    torch._check_tensor_all_with = check
+    return check
 
 
-@functools.cache
-def route_nested_compile_regions(current: Callable) -> None:
-    """From now on, a call of a function marked with `torch.compiler.nested_compile_region` is
-    `current()(fn, args, kwargs)` where `current()` gives a function; where it gives None, the mark
-    does what torch's does (eager: calls `fn`; torch.compile reads the mark in Dynamo)."""
+def route_nested_compile_regions(current: Callable, within: swaps.Swaps = swaps.TRACING) -> None:
+    """Inside `within.swapped()`, a call of a function marked with
+    `torch.compiler.nested_compile_region` is `current()(fn, args, kwargs)` where `current()`
+    gives a function; where it gives None, and outside, the mark does what torch's does (eager:
+    calls `fn`; torch.compile reads the mark in Dynamo)."""
     import importlib
 
     module = importlib.import_module("torch._higher_order_ops.invoke_subgraph")  # (the package's name is the op)
-    torch_call = module.invoke_subgraph_placeholder
 
-    def placeholder(fn, *args, **kwargs):
-        call = current()
-        return torch_call(fn, *args, **kwargs) if call is None else call(fn, args, kwargs)
+    @within.register(module, "invoke_subgraph_placeholder")
+    def routed(torch_call: Callable) -> Callable:
+        def placeholder(fn, *args, **kwargs):
+            call = current()
+            return torch_call(fn, *args, **kwargs) if call is None else call(fn, args, kwargs)
 
-    module.invoke_subgraph_placeholder = placeholder
+        return placeholder
 
 
 def registered_gradient(name: str) -> tuple | None:
