@@ -12,7 +12,10 @@ An `autograd.Function` written the old way (`forward(ctx, *args)`, no `setup_con
 GeLU, RecurrentGemma's square root) is refused by torch.func as well. While a step is traced
 (`accepting_old_functions`), one is applied as a Function of the new form made of its own
 pieces (`_new_style`): its forward run with a stand-in context that records what it saves and
-sets, replayed onto the real context by `setup_context`.
+sets, replayed onto the real context by `setup_context`. torch's `Function.apply` is a classmethod
+whose function a model's module may hold already (`gelu = GeLUFunction.apply`, bound at its
+import), so inside `swaps.swapped()` that function's code is swapped (`_diverting`), not the
+attribute: every name bound to it reaches `applied`.
 """
 
 from __future__ import annotations
@@ -21,10 +24,11 @@ import contextlib
 import contextvars
 import functools
 import threading
+import types
 
 import torch
 
-from ndfunc._src import torch_compat
+from ndfunc._src import swaps, torch_compat
 
 _OURS = ("aten", "prims", "ndfunc")
 
@@ -95,13 +99,13 @@ class _Registered(torch.autograd.Function):
 
 
 _ACCEPTING = contextvars.ContextVar("ndfunc_old_functions", default=False)
-_INSTALL = threading.Lock()
 
 
 @contextlib.contextmanager
 def accepting_old_functions():
-    """Inside (this thread, this context), an old-style Function applied under a torch.func
-    transform is applied as `_new_style` of it; elsewhere `Function.apply` is torch's, unchanged."""
+    """Inside (this thread, this context; with `swaps.swapped()`, as the tracer enters both), an
+    old-style Function applied under a torch.func transform is applied as `_new_style` of it;
+    elsewhere `Function.apply` does what torch's does."""
     token = _ACCEPTING.set(True)
     try:
         yield
@@ -109,23 +113,32 @@ def accepting_old_functions():
         _ACCEPTING.reset(token)
 
 
-def _install() -> None:
-    """`torch.autograd.Function.apply`, once in the process (when ndfunc is imported: before a
-    model's module takes `MyFunction.apply` as a name), as a pass-through to torch's that diverts
-    only old-style Functions under a transform inside `accepting_old_functions`."""
-    with _INSTALL:
-        torchs = torch.autograd.Function.apply
-        if getattr(torchs, "_ndfunc", False):
-            return
+_APPLY = torch.autograd.Function.__dict__["apply"].__func__  # the function `MyFunction.apply` calls
+_torchs_apply = types.FunctionType(_APPLY.__code__, _APPLY.__globals__, _APPLY.__name__, _APPLY.__defaults__,
+                                   _APPLY.__closure__)  # torch's, kept to call while its code is swapped
 
-        def apply(cls, *args, **kwargs):
-            if (_ACCEPTING.get() and torch_compat.func_transforms_active() and not torch_compat.has_setup_context(cls)
-                    and torch_compat.func_transforms() == ["Grad"]):
-                return _new_style(cls).apply(*args, **kwargs)  # (one gradient: what it saves is no constant)
-            return torchs.__func__(cls, *args, **kwargs)
 
-        apply._ndfunc = True
-        torch.autograd.Function.apply = classmethod(apply)
+def applied(cls, *args, **kwargs):
+    """`cls.apply(*args, **kwargs)` inside `swaps.swapped()`: torch's, but for an old-style Function
+    under a gradient inside `accepting_old_functions`."""
+    if (_ACCEPTING.get() and torch_compat.func_transforms_active() and not torch_compat.has_setup_context(cls)
+            and torch_compat.func_transforms() == ["Grad"]):
+        return _new_style(cls).apply(*args, **kwargs)  # (one gradient: what it saves is no constant)
+    return _torchs_apply(cls, *args, **kwargs)
+
+
+class _Diverting:
+    def apply(cls, *args, **kwargs):
+        """Its code runs as `_APPLY`'s, among torch's module's globals: it imports what it calls."""
+        __class__  # noqa: B018 - a code object swapped in has torch's one free variable (its `super()`'s class)
+        from ndfunc._src.custom_gradients import applied
+
+        return applied(cls, *args, **kwargs)
+
+
+@swaps.register(_APPLY, "__code__")
+def _diverting(torchs: types.CodeType) -> types.CodeType:
+    return _Diverting.apply.__code__
 
 
 class _Recorded:
@@ -199,5 +212,3 @@ def _new_style(cls) -> type[torch.autograd.Function]:
         "forward": staticmethod(forward), "setup_context": staticmethod(setup_context),
         "backward": staticmethod(lambda ctx, *grads: cls.backward(ctx, *grads))})
 
-
-_install()
