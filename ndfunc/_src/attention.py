@@ -33,13 +33,12 @@ import contextvars
 import dataclasses
 import functools
 import math
-import sys
-import threading
 from collections.abc import Callable
 
 import torch
 from torch.nn.attention import SDPBackend
 
+from ndfunc._src import swaps
 from ndfunc._src.contexts import set_within
 from ndfunc._src.torch_compat import sdpa_choice
 
@@ -396,34 +395,25 @@ def traced_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=Fals
 
 
 _TRACING: contextvars.ContextVar[bool] = contextvars.ContextVar("ndfunc_attention_traced", default=False)
-_INSTALLING = threading.Lock()
 
 
 def traced() -> contextlib.AbstractContextManager:
-    """Inside (in this thread and context), transformers' SDPA attention passes grouped key/value
-    heads to `F.scaled_dot_product_attention` as they are (`enable_gqa`), with a mask too: it repeats
-    them for each query head where a mask is given, because CUDA's fused kernels take no mask with
-    grouped heads; traced, the call is one `ndfunc.attention`, whose kernels read them grouped (and
-    repeat them locally where they must). A sequence split over `cp` then gathers the keys and values
-    once, not once per query head (Llama 3 8B's dims: 1/4 of the bytes)."""
-    _install()
+    """Inside (in this thread and context, with `swaps.swapped()`, as the tracer enters both),
+    transformers' SDPA attention passes grouped key/value heads to `F.scaled_dot_product_attention`
+    as they are (`enable_gqa`), with a mask too: it repeats them for each query head where a mask is
+    given, because CUDA's fused kernels take no mask with grouped heads; traced, the call is one
+    `ndfunc.attention`, whose kernels read them grouped (and repeat them locally where they must).
+    A sequence split over `cp` then gathers the keys and values once, not once per query head
+    (Llama 3 8B's dims: 1/4 of the bytes)."""
     return set_within(_TRACING)
 
 
-def _install() -> None:
-    """Route transformers' `use_gqa_in_sdpa` through `_TRACING`, once transformers has defined it
-    (ndfunc never imports it)."""
-    with _INSTALLING:
-        module = sys.modules.get("transformers.integrations.sdpa_attention")
-        theirs = getattr(module, "use_gqa_in_sdpa", None)
-        if theirs is None or getattr(theirs, "ndfunc_routed", False):
-            return
+@swaps.register("transformers.integrations.sdpa_attention", "use_gqa_in_sdpa")  # (ndfunc never imports it)
+def _grouped_when_traced(theirs: Callable) -> Callable:
+    def use_gqa_in_sdpa(*args, **kwargs):
+        return True if _TRACING.get() else theirs(*args, **kwargs)
 
-        def use_gqa_in_sdpa(*args, **kwargs):
-            return True if _TRACING.get() else theirs(*args, **kwargs)
-
-        use_gqa_in_sdpa.ndfunc_routed = True
-        module.use_gqa_in_sdpa = use_gqa_in_sdpa
+    return use_gqa_in_sdpa
 
 
 _CPU_FLASH = aten._scaled_dot_product_flash_attention_for_cpu.default

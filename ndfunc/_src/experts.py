@@ -25,13 +25,13 @@ import contextvars
 import copy
 import functools
 import itertools
-import sys
 import threading
 import weakref
 from collections.abc import Callable
 
 import torch
 
+from ndfunc._src import swaps
 from ndfunc._src.contexts import set_within
 
 _lib = torch.library.Library("ndfunc", "FRAGMENT")
@@ -161,26 +161,20 @@ def _name_of(module: torch.nn.Module, implementation: Callable, names: tuple[str
 
 
 def traced() -> contextlib.AbstractContextManager:
-    """Inside, a transformers experts call is one `ndfunc::experts` (in this thread and context)."""
-    _install()
+    """Inside, a transformers experts call is one `ndfunc::experts` (in this thread and context, with
+    `swaps.swapped()`, as the tracer enters both)."""
     return set_within(_TRACING)
 
 
-def _install() -> None:
-    """Route transformers' `ExpertsInterface` through `_traced` while `_TRACING`, once transformers
-    has defined it (ndfunc never imports it)."""
-    with _NAMING:
-        interface = getattr(sys.modules.get("transformers.integrations.moe"), "ExpertsInterface", None)
-        if interface is None or getattr(interface.get_interface, "ndfunc_routed", False):
-            return
-        theirs = interface.get_interface
+@swaps.register("transformers.integrations.moe:ExpertsInterface", "get_interface")  # (ndfunc never imports it)
+def _routed_when_traced(theirs: Callable) -> Callable:
+    """transformers' `ExpertsInterface.get_interface`, its implementation called through `_traced`
+    while `_TRACING`."""
+    def get_interface(self, experts_implementation, default):
+        found = theirs(self, experts_implementation, default)
+        return functools.partial(_traced, found) if _TRACING.get() else found
 
-        def get_interface(self, experts_implementation, default):
-            found = theirs(self, experts_implementation, default)
-            return functools.partial(_traced, found) if _TRACING.get() else found
-
-        get_interface.ndfunc_routed = True
-        interface.get_interface = get_interface
+    return get_interface
 
 
 def token_dims(node: torch.fx.Node) -> tuple[list, list]:
