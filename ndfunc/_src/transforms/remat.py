@@ -20,10 +20,10 @@ rotary embeddings) from them.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
 import functools
 import itertools
-import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -31,10 +31,11 @@ import torch
 import torch.fx.traceback as fx_traceback
 import torch.utils.checkpoint
 
-from ndfunc._src import autodiff, stamp
+from ndfunc._src import autodiff, stamp, swaps
 from ndfunc._src.autodiff import (
     FORWARD,  # nf.value_and_grad marks the ops of what it differentiates
 )
+from ndfunc._src.contexts import set_within
 from ndfunc._src.partition.planning.ops import saved_by_remat
 from ndfunc._src.transforms.base import Transform
 
@@ -63,67 +64,67 @@ def _region(policy: str):
     return fx_traceback.annotate({REGION: (next(_regions), policy)})
 
 
+_AS_REMAT: contextvars.ContextVar[bool] = contextvars.ContextVar("ndfunc_checkpoints_as_remat", default=False)
+
+
 @contextlib.contextmanager
 def checkpoints_as_remat():
-    """torch.utils.checkpoint's calls, while inside, as `remat` regions of the 'full' policy (its two
-    variants' entry points swapped: the re-entrant `CheckpointFunction` and the saved-tensor hooks'
-    generator). The swap is process-wide: made by the first to enter, undone by the last to leave (a
-    call outside meanwhile, in another thread, runs its function plainly: the same values, its
-    activations kept). (torch.fx's annotations, which `nf.value_and_grad` sets, are process-wide too:
-    two threads differentiating at once are not supported.)"""
-    global _inside
-    with _swap_lock:
-        if not _inside:
-            module = torch.utils.checkpoint
-            _swapped[:] = [module.CheckpointFunction, module._checkpoint_without_reentrant_generator,
-                           torch.Tensor.requires_grad_]
-            module.CheckpointFunction, module._checkpoint_without_reentrant_generator = _Reentrant, _without_reentrant
-            torch.Tensor.requires_grad_ = _requires_grad_
-        _inside += 1
-    try:
+    """torch.utils.checkpoint's calls, while inside (this thread and context), as `remat` regions of
+    the 'full' policy: its two variants' entry points swapped (`swaps.swapped()`, entered here: the
+    re-entrant `CheckpointFunction` and the saved-tensor hooks' generator), as is
+    `Tensor.requires_grad_`. A call outside, in another thread meanwhile too, is torch's own.
+    (torch.fx's annotations, which `nf.value_and_grad` sets, are process-wide: two threads
+    differentiating at once are not supported.)"""
+    with swaps.swapped(), set_within(_AS_REMAT):
         yield
-    finally:
-        with _swap_lock:
-            _inside -= 1
-            if not _inside:
-                module = torch.utils.checkpoint
-                module.CheckpointFunction, module._checkpoint_without_reentrant_generator, \
-                    torch.Tensor.requires_grad_ = _swapped
 
 
-_swap_lock = threading.Lock()
-_inside = 0  # differentiations inside `checkpoints_as_remat`, all threads
-_swapped: list = []  # what it swapped out
-_REQUIRES_GRAD_ = torch.Tensor.requires_grad_
+@swaps.register(torch.Tensor, "requires_grad_")
+def _requires_grad_(torchs: Callable) -> Callable:
+    """`Tensor.requires_grad_(True)`, a no-op inside `checkpoints_as_remat` where torch.func refuses
+    it: a Hugging Face model with checkpointing enabled marks its embeddings' output so (for the
+    re-entrant variant's inputs), and what torch.func differentiates does not depend on the flag.
+    `requires_grad_(False)` is refused as ever: it would stop a gradient torch.func still gives."""
+    def requires_grad_(self, requires_grad=True):
+        try:
+            return torchs(self, requires_grad)
+        except RuntimeError as e:
+            if not requires_grad or not _AS_REMAT.get() or "functorch transform" not in str(e):
+                raise
+            return self
+
+    return requires_grad_
 
 
-def _requires_grad_(self, requires_grad=True):
-    """`Tensor.requires_grad_(True)`, a no-op where torch.func refuses it: a Hugging Face model with
-    checkpointing enabled marks its embeddings' output so (for the re-entrant variant's inputs),
-    and what torch.func differentiates does not depend on the flag. `requires_grad_(False)` is
-    refused as ever: it would stop a gradient torch.func still gives."""
-    try:
-        return _REQUIRES_GRAD_(self, requires_grad)
-    except RuntimeError as e:
-        if not requires_grad or "functorch transform" not in str(e):
-            raise
-        return self
-
-
+@swaps.register(torch.utils.checkpoint, "CheckpointFunction")
 class _Reentrant:
-    """`CheckpointFunction` as `checkpoint(use_reentrant=True)` calls it: the function under `remat`."""
+    """`CheckpointFunction` as `checkpoint(use_reentrant=True)` calls it: inside
+    `checkpoints_as_remat`, the function under `remat`; else torch's."""
 
-    @staticmethod
-    def apply(function, preserve_rng_state, *args):
-        return remat(function)(*args)
+    def __init__(self, torchs: type[torch.autograd.Function]):
+        self.torchs = torchs
+
+    def apply(self, function, preserve_rng_state, *args):
+        if _AS_REMAT.get():
+            return remat(function)(*args)
+        return self.torchs.apply(function, preserve_rng_state, *args)
 
 
-def _without_reentrant(fn, preserve_rng_state, context_fn, determinism_check, debug, early_stop, *args, **kwargs):
-    """The generator `checkpoint(use_reentrant=False)` steps around its call of `fn`: the call
-    marked as a `remat` region, of the 'full' policy whatever `context_fn` says (a selective policy
-    of torch's: mark the function with `nf.remat(fn, 'save_dots')` instead)."""
-    with _region("full"):
-        yield
+@swaps.register(torch.utils.checkpoint, "_checkpoint_without_reentrant_generator")
+def _without_reentrant(torchs: Callable) -> Callable:
+    """The generator `checkpoint(use_reentrant=False)` steps around its call of `fn`: inside
+    `checkpoints_as_remat`, the call marked as a `remat` region, of the 'full' policy whatever
+    `context_fn` says (a selective policy of torch's: mark the function with
+    `nf.remat(fn, 'save_dots')` instead); else torch's."""
+    def generator(fn, preserve_rng_state, context_fn, determinism_check, debug, early_stop, *args, **kwargs):
+        if not _AS_REMAT.get():
+            yield from torchs(fn, preserve_rng_state, context_fn, determinism_check, debug, early_stop, *args,
+                              **kwargs)
+            return
+        with _region("full"):
+            yield
+
+    return generator
 
 
 autodiff.AROUND_GRAD.append(checkpoints_as_remat)
