@@ -57,13 +57,14 @@ import functools
 import heapq
 import math
 import operator
+import os
 from collections import deque
 
 import numpy as np
 import torch
 from torch.distributed.tensor import Partial, Replicate
 
-from ndfunc._src.partition.planning import plan_cache, reachable, redistribute
+from ndfunc._src.partition.planning import exact, plan_cache, reachable, redistribute
 from ndfunc._src.partition.planning.flops import node_flops
 from ndfunc._src.partition.planning.layout import MANUAL, Layout, placement_is, replicated
 from ndfunc._src.partition.planning.ops import candidates, runs_whole, strategy_key
@@ -93,6 +94,11 @@ SECOND_GAIN = 0.01
 SECOND_FAR = 0.10
 VECTOR_MIN = 64  # a node with this many candidates has them priced as columns (`_vector_costs`)
 PRICED_TOGETHER = 64  # this many new layout changes in a column are walked together (`_tcosts`)
+# `NDFUNC_EXACT_VARIABLES=N`: the search's plan is handed to HiGHS (`exact`) where its integer
+# program has at most N variables (none by default: the exact optimum by the cost model replicates
+# the work of the suite's small models where the search keeps it split, see docs/planning.md),
+# given `NDFUNC_EXACT_SECONDS` to prove it
+EXACT_SECONDS = 30.0
 HUB = 16  # a value with more consumers has what they want counted as the search chooses (`_Choice`)
 
 
@@ -108,6 +114,8 @@ class Plan:
     outputs: list  # per graph output leaf: (Value, final layout)
     cost: float
     whole: list = dataclasses.field(default_factory=list)  # nodes that run whole for want of a rule (`ops.runs_whole`)
+    bound: float | None = None  # a proven lower bound on any plan's cost (`exact`); None: none sought
+    choice: list | None = None  # the candidate taken per node, by the problem's numbering
 
     def out_layout(self, v: Value) -> Layout:
         return self.strategy[v[0]].outs[v[1]]
@@ -834,7 +842,6 @@ class Problem:
         its plan kept only where cheaper: the first may settle where moving many nodes to them at
         once never pays, as a layer's MLP under FSDP and CP, its input gathered over cp and its
         weights split there."""
-        N = len(self.nodes)
         late, self._late = self._late, []
         first = self._settled(late)  # (it admits them)
         # (asked before the first's last phase too: a second search run where only that phase would
@@ -847,7 +854,12 @@ class Problem:
             if second is not None and not self._cheaper(second, first):
                 second = None
         # the last phase only lowers a total: on the plan kept
-        choice = first if second is None else self._relax(second)
+        return self.plan(first if second is None else self._relax(second))
+
+    def plan(self, choice: list, bound: float | None = None) -> Plan:
+        """`choice` (a candidate per node) as a `Plan`; `bound`: a proven lower bound on any
+        plan's cost (`exact`), where one was found."""
+        N = len(self.nodes)
         cost = self.total(choice)
         strategy = {self.nodes[n]: self.strategies[n][choice[n]] for n in range(N)}
         outputs = []
@@ -855,7 +867,7 @@ class Problem:
             n, j = self.values[v]
             value = (self.nodes[n], j)
             outputs.append((value, finished(strategy[value[0]].outs[j]) if want is None else want))
-        return Plan(self.sizes, strategy, outputs, cost)
+        return Plan(self.sizes, strategy, outputs, cost, bound=bound, choice=list(choice))
 
     def _settled(self, late: list, rounds: int = 8) -> list:
         """From the cheaper of the two greedy starts, moves of many nodes at once; then the `late`
@@ -1356,20 +1368,45 @@ def partition(graph: torch.fx.Graph, sizes: tuple[int, ...], input_layouts: list
         kept = plan_cache.entry(key)
         known = plan_cache.load(kept, len(nodes))  # a plan another process made (NDFUNC_PLAN_CACHE_DIR)
         if known is None:
-            plan = Problem(graph, sizes, input_layouts, output_layouts, signatures).solve()
+            plan = _planned(Problem(graph, sizes, input_layouts, output_layouts, signatures))
             at = {n: i for i, n in enumerate(nodes)}
             # which nodes run whole is kept with the plan: a plan read back asks for no candidates
             whole = [i for i, n in enumerate(nodes) if runs_whole(n, sizes, signatures.get(n))]
             known = ([plan.strategy.get(n) for n in nodes], [(at[v[0]], v[1], lay) for v, lay in plan.outputs],
-                     plan.cost, whole)
+                     plan.cost, whole, plan.bound)
             plan_cache.store(kept, known)
         _PLANS[key] = known
         while len(_PLANS) > 64:
             _PLANS.popitem(last=False)
     _PLANS.move_to_end(key)
-    strategies, outputs, cost, whole = known
+    strategies, outputs, cost, whole, bound = known
     return Plan(sizes, {n: s for n, s in zip(nodes, strategies) if s is not None},
-                [((nodes[i], j), lay) for i, j, lay in outputs], cost, [nodes[i] for i in whole])
+                [((nodes[i], j), lay) for i, j, lay in outputs], cost, [nodes[i] for i in whole], bound)
+
+
+def exact_settings() -> tuple[int, float]:
+    """(`NDFUNC_EXACT_VARIABLES`, `NDFUNC_EXACT_SECONDS`): the largest integer program HiGHS is
+    given (0: none) and how long it may take."""
+    raw = os.environ.get("NDFUNC_EXACT_VARIABLES", "0"), os.environ.get("NDFUNC_EXACT_SECONDS", str(EXACT_SECONDS))
+    try:
+        return int(raw[0]), float(raw[1])
+    except ValueError:
+        raise ValueError(f"NDFUNC_EXACT_VARIABLES={raw[0]!r} and NDFUNC_EXACT_SECONDS={raw[1]!r} must be an "
+                         "integer and a number of seconds, as NDFUNC_EXACT_VARIABLES=200000 NDFUNC_EXACT_SECONDS=60; "
+                         "unset them for the search alone") from None
+
+
+def _planned(problem: Problem) -> Plan:
+    """The search's plan; where the problem is small enough (`EXACT_VARIABLES`), HiGHS's from it,
+    proven optimal or with the bound it reached in `EXACT_SECONDS`, kept where cheaper."""
+    plan = problem.solve()
+    limit, seconds = exact_settings()
+    if not limit or exact.size(problem) > limit:
+        return plan
+    found = exact.solve(problem, time_limit=seconds, start=plan.choice)
+    if found.choice is not None and found.cost < plan.cost:
+        return problem.plan(found.choice, bound=found.bound)
+    return dataclasses.replace(plan, bound=found.bound)
 
 
 _PLANS: collections.OrderedDict = collections.OrderedDict()  # problem key -> plan by node position
@@ -1395,7 +1432,8 @@ def _problem_key(graph: torch.fx.Graph, sizes, input_layouts, output_layouts) ->
             entries.append(("output", tuple((at[p], j) for p, j in map(value_of, node.args[0]))))
         else:
             entries.append((node.op, (tuple(val.shape), val.dtype) if isinstance(val, torch.Tensor) else None))
-    return nodes, _Key((tuple(sizes), tuple(input_layouts), tuple(output_layouts), tuple(entries))), signatures
+    return nodes, _Key((tuple(sizes), tuple(input_layouts), tuple(output_layouts), tuple(entries),
+                        exact_settings())), signatures
 
 
 class _Key(tuple):

@@ -1,0 +1,118 @@
+"""The partitioner's exact solver (`planning/exact.py`): its integer program prices a plan as the
+search's cost model does, and its optimum is the least cost over every plan, checked by trying
+them all on programs small enough to enumerate."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import optree
+import pytest
+import torch
+
+import ndfunc as nf
+from ndfunc._src.partition.planning import exact, solve
+from ndfunc.sharding import P
+
+
+def problem_of(fn, mesh_axes: dict, in_specs: tuple, out_specs, *args) -> solve.Problem:
+    with nf.simulate(math.prod(mesh_axes.values())):
+        jitted = nf.jit(fn, mesh=nf.make_mesh(**mesh_axes), in_shardings=in_specs, out_shardings=out_specs)
+        program = jitted.lower(*args).program
+    return solve.Problem(program.traced.graph, program.sizes, program.in_layouts, program.out_layouts)
+
+
+def every_plan(problem: solve.Problem):
+    """Every choice of candidate per node, as the search's choice type."""
+    ranges = [range(len(c)) for c in problem.c_ins]
+    for picks in itertools.product(*ranges):
+        yield exact._chosen(problem, list(picks))
+
+
+def least_by_enumeration(problem: solve.Problem) -> float:
+    if problem._late:
+        problem._admit(problem._late)
+        problem._late = []
+    return min(problem.total(choice) for choice in every_plan(problem))
+
+
+def mlp(x, w1, w2):
+    return torch.relu(x @ w1) @ w2
+
+
+def shared(x, w):  # one value read by three consumers that may want it in three layouts
+    h = x @ w
+    return h.sum(0), h.t() @ h, torch.tanh(h)
+
+
+CASES = {
+    # (function, mesh, in_shardings, out_shardings, argument shapes)
+    "mlp on dp": (mlp, {"dp": 2}, (P("dp"), P(), P()), P(), [(4, 8), (8, 8), (8, 4)]),
+    "mlp on tp": (mlp, {"tp": 4}, (P(), P(None, "tp"), P("tp")), None, [(4, 8), (8, 8), (8, 4)]),
+    "two axes": (lambda x, w: torch.tanh(x @ w).sum(1), {"dp": 2, "tp": 2}, (P("dp"), P(None, "tp")), None,
+                 [(4, 8), (8, 4)]),
+    "shared value on tp": (shared, {"tp": 2}, (P("tp"), P(None, "tp")), None, [(4, 8), (8, 4)]),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_the_exact_optimum_is_the_least_cost_of_every_plan(name):
+    fn, axes, ins, outs, shapes = CASES[name]
+    args = [torch.randn(*s) for s in shapes]
+    combos = math.prod(len(c) for c in problem_of(fn, axes, ins, outs, *args).c_ins)
+    assert combos <= 300_000, f"{name}: {combos} plans, too many to enumerate"
+    expected = least_by_enumeration(problem_of(fn, axes, ins, outs, *args))
+    found = exact.solve(problem_of(fn, axes, ins, outs, *args))
+    assert found.optimal
+    assert found.cost == pytest.approx(expected, rel=1e-9)
+    assert found.bound <= expected * (1 + 1e-9)
+
+
+def test_a_start_is_kept_where_no_plan_is_cheaper():
+    fn, axes, ins, outs, shapes = CASES["mlp on tp"]
+    args = [torch.randn(*s) for s in shapes]
+    problem = problem_of(fn, axes, ins, outs, *args)
+    searched = problem.solve()
+    start = [problem.strategies[n].index(searched.strategy[node]) for n, node in enumerate(problem.nodes)]
+    found = exact.solve(problem_of(fn, axes, ins, outs, *args), start=start)
+    assert found.optimal and found.cost <= searched.cost * (1 + 1e-9)
+
+
+def mlp_grads(x, w1, w2):
+    return nf.grad(lambda a, b: mlp(x, a, b).square().mean(), argnums=(0, 1))(w1, w2)
+
+
+RUN = {
+    # a plan where gathering the (small) batch beats reducing the gradients: the search keeps DP
+    "gradients on dp": (mlp_grads, {"dp": 2}, (P("dp"), P(), P()), None, [(4, 8), (8, 8), (8, 4)]),
+    # Megatron's MLP at weights far smaller than the activations: gathering them is cheaper
+    "gradients on tp": (mlp_grads, {"tp": 4}, (P(), P(None, "tp"), P("tp")), (P(None, "tp"), P("tp")),
+                        [(512, 16), (16, 32), (32, 16)]),
+    "two axes": CASES["two axes"],
+}
+
+
+@pytest.mark.parametrize("name", list(RUN))
+def test_an_exact_plan_is_cheapest_and_runs_to_the_unsharded_result(name, monkeypatch):
+    fn, axes, ins, outs, shapes = RUN[name]
+    g = torch.Generator().manual_seed(0)
+    args = [torch.randn(*s, generator=g) for s in shapes]
+    expected = fn(*args)
+    searched = problem_of(fn, axes, ins, outs, *args).solve()
+    monkeypatch.setenv("NDFUNC_EXACT_VARIABLES", "100000")
+    with nf.simulate(math.prod(axes.values())):
+        jitted = nf.jit(fn, mesh=nf.make_mesh(**axes), in_shardings=ins, out_shardings=outs)
+        plan = jitted.lower(*args).program.plan
+        got = nf.device_get(jitted(*args))
+    assert plan.bound == pytest.approx(plan.cost, rel=1e-6)  # proven optimal
+    assert plan.cost <= searched.cost * (1 + 1e-9)
+    for a, b in zip(optree.tree_leaves(got), optree.tree_leaves(expected)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)  # float32 sums in another order
+
+
+def test_the_exact_settings_are_checked(monkeypatch):
+    monkeypatch.setenv("NDFUNC_EXACT_VARIABLES", "many")
+    with pytest.raises(ValueError, match=r"NDFUNC_EXACT_VARIABLES='many' and NDFUNC_EXACT_SECONDS='30.0' must be "
+                                         r"an integer and a number of seconds"):
+        solve.exact_settings()
