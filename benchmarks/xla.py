@@ -386,30 +386,30 @@ class Hlo:
         ks = []
         for user, k in uses:
             if user.op == "dynamic-slice" and k == 0 and any(
-                    self.rank_dependent(comp, o, outer, set()) for o in user.operands[1:]):
+                    self.rank_dependent(comp, o, outer) for o in user.operands[1:]):
                 ks.append(size // sum(array_bytes(user.shape)))
             elif user.op in _VIEWS:
                 ks.append(self.kept(comp, user.name, outer))
             elif user.op in ("fusion", "call") and (callee := re.search(r"(?:calls|to_apply)=%([\w.\-]+)", user.attrs)):
                 body = self.computations[callee[1]]
                 param = next(i.name for i in body.values() if i.op == "parameter" and int(i.inside) == k)
-                bound = lambda j, u=user: self.rank_dependent(comp, u.operands[j], outer, set())  # noqa: E731
+                bound = lambda j, u=user: self.rank_dependent(comp, u.operands[j], outer)  # noqa: E731
                 ks.append(self.kept(callee[1], param, bound))
             else:
                 return 1
         return min(ks)
 
-    def rank_dependent(self, comp: str, name: str, outer, seen: set) -> bool:
+    def rank_dependent(self, comp: str, name: str, outer) -> bool:
         """Whether the value `name` is computed from the partition (or replica) id."""
-        if name in seen:
-            return False
-        seen.add(name)
-        ins = self.computations[comp][name]
-        if ins.op in ("partition-id", "replica-id"):
-            return True
-        if ins.op == "parameter":
-            return outer(int(ins.inside))
-        return any(self.rank_dependent(comp, o, outer, seen) for o in ins.operands)
+        stack, seen = [name], {name}
+        while stack:  # a walk, not a recursion: a value may hang from thousands of instructions
+            ins = self.computations[comp][stack.pop()]
+            if ins.op in ("partition-id", "replica-id") or (ins.op == "parameter" and outer(int(ins.inside))):
+                return True
+            fresh = [o for o in ins.operands if o not in seen]
+            seen.update(fresh)
+            stack.extend(fresh)
+        return False
 
     def price_all_reduce(self, add, axes: tuple[str, ...], n: int, nbytes: int, k: int) -> None:
         """An all-reduce of `nbytes` over `n` ranks whose uses keep 1/k of it."""
@@ -494,7 +494,8 @@ def main() -> None:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
     if worst > LOSS_ULPS:
-        raise SystemExit(f"the losses differ by {worst:.0f} ulps, more than {LOSS_ULPS}: the programs are not one model")
+        raise SystemExit(f"the losses differ by {worst:.0f} ulps, more than {LOSS_ULPS}: the two programs are not "
+                         f"one model")
 
 
 if __name__ == "__main__":
