@@ -32,7 +32,7 @@ import torch
 import ndfunc as nf
 from models import hf, llama, train
 from ndfunc._src import pipeline
-from ndfunc._src.partition.planning import ops, solve, strategies
+from ndfunc._src.partition.planning import costs, ops, solve, strategies
 from ndfunc.sharding import NamedSharding, P
 
 MESHES = ["1,2,1,2", "1,2,2,2", "2,2,2,2", "2,4,2,4", "2,8,4,4"]  # dp_replicate, dp_shard, cp, tp: 4 to 256
@@ -46,7 +46,7 @@ def cold() -> None:
     strategies._LAYOUTS.clear()
     strategies._COMBINED.clear()
     strategies._FITS.clear()
-    solve._TRANSITIONS.clear()
+    costs._TRANSITIONS.clear()
     solve._PLANS.clear()
 
 

@@ -459,7 +459,7 @@ def test_what_the_consumers_of_a_value_read_by_many_want_is_counted_as_the_searc
     # leaves out nothing the answer reads.
     import random
 
-    from ndfunc._src.partition.planning import solve
+    from ndfunc._src.partition.planning import costs, solve
 
     def loss(ws, x):
         return sum(torch.tanh(x @ w).sum() for w in ws)
@@ -478,7 +478,7 @@ def test_what_the_consumers_of_a_value_read_by_many_want_is_counted_as_the_searc
     makers = sorted({problem.values[v][0] for v in hubs})
     assert any(len({ins[slot] for ins in problem.c_ins[m]}) > 2 for v in hubs for m, slot in problem.consumers[v])
     rng = random.Random(0)
-    choice = solve._Choice(problem, len(problem.nodes))
+    choice = costs._Choice(problem, len(problem.nodes))
     for m in makers + readers:
         choice[m] = 0
     for _ in range(1000):

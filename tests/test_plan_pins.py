@@ -30,7 +30,7 @@ import torch
 
 import ndfunc as nf
 from models import llama, train
-from ndfunc._src.partition.planning import solve
+from ndfunc._src.partition.planning import search, solve
 from ndfunc.sharding import P
 
 pytestmark = pytest.mark.slow  # lowerings and searches of the 4-axis llama step: about a minute and a half
@@ -124,7 +124,7 @@ def test_the_first_searchs_last_phase_is_spared_only_where_it_would_not_change_t
     monkeypatch.setattr(solve.Problem, "_relax", lambda self, choice: relaxed.append(1) or relax(self, choice))
     spared = solve.Problem(*args).solve()
     assert len(relaxed) == 1  # the kept plan's only
-    monkeypatch.setattr(solve, "SECOND_FAR", 1.0)  # never far enough: both relaxed, as before
+    monkeypatch.setattr(search, "SECOND_FAR", 1.0)  # never far enough: both relaxed, as before
     both = solve.Problem(*args).solve()
     assert len(relaxed) == 3
     assert table(spared) == table(both)

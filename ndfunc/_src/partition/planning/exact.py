@@ -29,6 +29,8 @@ import time
 import highspy
 import numpy as np
 
+from ndfunc._src.partition.planning.costs import _Choice
+
 
 @dataclasses.dataclass(frozen=True)
 class Exact:
@@ -324,8 +326,6 @@ def _highs(cols: _Columns, rows: _Rows, time_limit: float, gap: float):
 
 def _chosen(problem, picks: list[int]) -> list[int]:
     """`picks` as the search's choice type (it counts what many-consumer values are wanted in)."""
-    from ndfunc._src.partition.planning.solve import _Choice
-
     choice = _Choice(problem, len(picks))
     for n, i in enumerate(picks):
         choice[n] = i
