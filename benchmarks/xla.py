@@ -171,6 +171,7 @@ def jax_init(cfg: llama.LlamaConfig, seed: int) -> dict:
 class Side:
     by_axes: dict[tuple[str, ...], dict[str, float]]  # mesh axes -> kind -> bytes each rank sends
     losses: tuple[float, float]  # before and after one update
+    flops: float  # per rank, as each side's cost analysis counts them
 
     @property
     def total(self) -> float:
@@ -194,11 +195,11 @@ def ndfunc_side(cfg, config: nf.ParallelConfig, params: dict, batch: dict) -> Si
         put = lambda tree, specs: nf.device_put(tree, optree.tree_map(  # noqa: E731
             lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda s: isinstance(s, P)))
         params, state, batch = put(params, pspec), put(state, sspec), put(batch, bspec)
-        by_axes = {axes: {kind: c["bytes"] for kind, c in kinds.items()}
-                   for axes, kinds in step.lower(params, state, batch).cost_analysis()["by_axes"].items()}
+        costs = step.lower(params, state, batch).cost_analysis()
+        by_axes = {axes: {kind: c["bytes"] for kind, c in kinds.items()} for axes, kinds in costs["by_axes"].items()}
         params, state, first = step(params, state, batch)
         second = step(params, state, batch)[2]
-        return Side(by_axes, (float(nf.device_get(first)), float(nf.device_get(second))))
+        return Side(by_axes, (float(nf.device_get(first)), float(nf.device_get(second))), float(costs["flops"]))
 
 
 def xla_side(cfg, config: nf.ParallelConfig, params: dict, batch: dict, flatten: bool) -> Side:
@@ -218,7 +219,9 @@ def xla_side(cfg, config: nf.ParallelConfig, params: dict, batch: dict, flatten:
     new_params, state, first = compiled(*args)
     second = compiled(new_params, state, batch)[2]
     by_axes = Hlo(compiled.as_text(), sizes, parameter_axes(pspec)).bytes_by_axes()
-    return Side(by_axes, (float(first), float(second)))
+    analysis = compiled.cost_analysis()
+    analysis = analysis[0] if isinstance(analysis, list) else analysis
+    return Side(by_axes, (float(first), float(second)), float(analysis.get("flops", float("nan"))))
 
 
 def parameter_axes(shardings) -> set[str]:
@@ -449,6 +452,7 @@ def print_row(name: str, config: nf.ParallelConfig, ours: Side, xla: Side) -> No
         print(f"{name if i == 0 else '':<9} {sizes if i == 0 else '':<8} {'+'.join(a):<22} "
               f"{mine:>14,.0f} {theirs:>14,.0f} {ratio(mine, theirs):>7}")
     print(f"{'':<18} {'total':<22} {ours.total:>14,.0f} {xla.total:>14,.0f} {ratio(ours.total, xla.total):>7}")
+    print(f"{'':<18} {'flops per rank':<22} {ours.flops:>14,.0f} {xla.flops:>14,.0f} {ratio(ours.flops, xla.flops):>7}")
 
 
 def main() -> None:
