@@ -3,7 +3,7 @@
     python benchmarks/plan_gap.py [--layers 1] [--seconds 120] [--layouts dp,fsdp,cp]
 
 For the llama train step of `models.train` (the tiny config, `--layers` layers, 8 simulated
-ranks) on each layout: the search's plan cost (`Problem.solve`, no exact step), HiGHS's plan and
+ranks, shape-only as `models.train.lower_abstract` lowers it) on each layout: the search's plan cost (`Problem.solve`, no exact step), HiGHS's plan and
 the lower bound it proved (`planning/exact.py`, started from the search's plan, stopped after
 `--seconds`), the search's gap to that bound, the integer program's size, and both times. A gap
 of 0.0% with "optimal" is a certificate: no plan is cheaper by the cost model.
@@ -15,12 +15,9 @@ import argparse
 import dataclasses
 import time
 
-import torch
-
 import ndfunc as nf
 from models import llama, train
 from ndfunc._src.partition.planning import exact, solve
-from ndfunc.sharding import P
 
 # name: (dp_replicate, dp_shard, cp, tp)
 LAYOUTS = {
@@ -37,20 +34,8 @@ LAYOUTS = {
 
 def program(sizes: tuple[int, ...], layers: int):
     cfg = dataclasses.replace(llama.LlamaConfig.tiny(), n_layers=layers)
-    config = nf.ParallelConfig(*sizes)
-    params = llama.init(cfg, nf.random.key(0))
-    with nf.simulate(config.total_size):
-        opt = nf.optim.adamw(1e-3, weight_decay=0.1)
-        pspec = nf.sharding.logical_to_mesh(llama.param_axes(cfg), config.rules)
-        state = opt.init(params)
-        sspec = nf.optim.state_shardings(state, pspec)
-        n, seq = 2 * config.dp_world_size, 64
-        batch = {"tokens": torch.zeros(n, seq, dtype=torch.long), "targets": torch.zeros(n, seq, dtype=torch.long),
-                 "positions": torch.arange(seq).expand(n, seq).contiguous()}
-        bspec = {k: config.batch_spec for k in batch}
-        step = nf.jit(train.make_step(cfg, opt, config.rules), mesh=config.build_mesh(),
-                      in_shardings=(pspec, sspec, bspec), out_shardings=(pspec, sspec, P()))
-        return step.lower(params, state, batch).program
+    opt = nf.optim.adamw(1e-3, weight_decay=0.1)
+    return train.lower_abstract(cfg, nf.ParallelConfig(*sizes), seq_len=64, batch_per_rank=2, opt=opt).program
 
 
 def main() -> None:
