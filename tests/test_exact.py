@@ -4,6 +4,7 @@ them all on programs small enough to enumerate."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 
@@ -12,6 +13,7 @@ import pytest
 import torch
 
 import ndfunc as nf
+from models import llama, train
 from ndfunc._src.partition.planning import exact, solve
 from ndfunc.sharding import P
 
@@ -116,3 +118,32 @@ def test_the_exact_settings_are_checked(monkeypatch):
     with pytest.raises(ValueError, match=r"NDFUNC_EXACT_VARIABLES='many' and NDFUNC_EXACT_SECONDS='30.0' must be "
                                          r"an integer and a number of seconds"):
         solve.exact_settings()
+
+
+def llama_problem(sizes: tuple[int, ...]) -> solve.Problem:
+    """The job's train step, one layer of the tiny llama, shape-only on 8 ranks."""
+    cfg = dataclasses.replace(llama.LlamaConfig.tiny(), n_layers=1)
+    opt = nf.optim.adamw(1e-3, weight_decay=0.1)
+    program = train.lower_abstract(cfg, nf.ParallelConfig(*sizes), seq_len=64, batch_per_rank=2, opt=opt).program
+    return solve.Problem(program.traced.graph, program.sizes, program.in_layouts, program.out_layouts)
+
+
+@pytest.mark.parametrize("sizes", [(8, 1, 1, 1), (1, 8, 1, 1), pytest.param((2, 1, 1, 4), marks=pytest.mark.slow)],
+                         ids=["dp", "fsdp", "tp"])
+def test_the_search_ends_within_one_percent_of_the_optimum_on_dp_fsdp_and_tp(sizes):
+    problem = llama_problem(sizes)
+    searched = problem.solve()
+    found = exact.solve(problem, start=searched.choice, time_limit=120)
+    assert found.optimal
+    assert searched.cost <= found.cost * 1.01
+
+
+def test_the_exact_planner_plans_the_cp_step_optimally_where_the_search_ends_far_above(monkeypatch):
+    searched = llama_problem((1, 1, 8, 1)).solve()
+    monkeypatch.setenv("NDFUNC_EXACT_VARIABLES", "100000")
+    cfg = dataclasses.replace(llama.LlamaConfig.tiny(), n_layers=1)
+    opt = nf.optim.adamw(1e-3, weight_decay=0.1)
+    plan = train.lower_abstract(cfg, nf.ParallelConfig(1, 1, 8, 1), seq_len=64, batch_per_rank=2,
+                                opt=opt).program.plan
+    assert plan.bound == pytest.approx(plan.cost, rel=1e-6)
+    assert plan.cost < 0.9 * searched.cost  # the search's plan is 37% dearer (docs/planning.md)
