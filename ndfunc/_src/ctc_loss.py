@@ -13,15 +13,9 @@ from __future__ import annotations
 
 import torch
 
-aten = torch.ops.aten
+from ndfunc._src.opaque import opaque_op
 
-_lib = torch.library.Library("ndfunc", "FRAGMENT")
-_lib.define("ctc_losses(Tensor log_probs, Tensor targets, Tensor input_lengths, Tensor target_lengths, "
-            "int blank, bool zero_infinity) -> Tensor")
-_lib.define("ctc_losses_backward(Tensor grad, Tensor log_probs, Tensor targets, Tensor input_lengths, "
-            "Tensor target_lengths, int blank, bool zero_infinity) -> Tensor")
-ctc_losses_op = torch.ops.ndfunc.ctc_losses.default
-ctc_losses_backward_op = torch.ops.ndfunc.ctc_losses_backward.default
+aten = torch.ops.aten
 
 
 def _losses(log_probs, targets, input_lengths, target_lengths, blank, zero_infinity):
@@ -34,12 +28,32 @@ def _losses_backward(grad, log_probs, targets, input_lengths, target_lengths, bl
                                           blank, zero_infinity)
 
 
-_lib.impl("ctc_losses", _losses, "CompositeExplicitAutograd")
-_lib.impl("ctc_losses_backward", _losses_backward, "CompositeExplicitAutograd")
-torch.library.register_fake("ndfunc::ctc_losses", lambda log_probs, *_: log_probs.new_empty(log_probs.shape[1]),
-                            lib=_lib)
-torch.library.register_fake("ndfunc::ctc_losses_backward", lambda grad, log_probs, *_: torch.empty_like(log_probs),
-                            lib=_lib)
+def _samples_dims(node: torch.fx.Node) -> tuple[list, list]:
+    """Each tensor's samples dim, outputs then inputs: the losses (or the log-probabilities'
+    gradient); (the losses' gradient,) log-probabilities (time, samples, classes), targets, lengths."""
+    if node.target is ctc_losses_backward_op:
+        return [1], [0, 1, 0, 0, 0]
+    return [0], [1, 0, 0, 0]
+
+
+def _flops(node: torch.fx.Node) -> int:
+    """CTC's forward variables: a few operations per time step, sample and extended label, with the
+    gradient's backward variables as many again."""
+    backward = node.target is ctc_losses_backward_op
+    log_probs, targets = (a.meta["val"] for a in node.args[int(backward):][:2])
+    steps, samples, _ = log_probs.shape
+    return 8 * steps * samples * (2 * targets.shape[1] + 1) * (2 if backward else 1)
+
+
+_lib = torch.library.Library("ndfunc", "FRAGMENT")
+_ops = opaque_op(
+    _lib, "ctc_losses", "(Tensor log_probs, Tensor targets, Tensor input_lengths, Tensor target_lengths, int blank, "
+                        "bool zero_infinity) -> Tensor",
+    "(Tensor grad, Tensor log_probs, Tensor targets, Tensor input_lengths, Tensor target_lengths, int blank, "
+    "bool zero_infinity) -> Tensor",
+    run=_losses, run_backward=_losses_backward, fake=lambda log_probs, *_: log_probs.new_empty(log_probs.shape[1]),
+    fake_backward=lambda grad, log_probs, *_: torch.empty_like(log_probs), dims=_samples_dims, flops=_flops)
+ctc_losses_op, ctc_losses_backward_op = _ops.forward, _ops.backward
 
 
 class _CTCLosses(torch.autograd.Function):

@@ -33,13 +33,7 @@ import torch
 
 from ndfunc._src import swaps
 from ndfunc._src.contexts import set_within
-
-_lib = torch.library.Library("ndfunc", "FRAGMENT")
-_lib.define("experts(str layer, Tensor hidden, Tensor index, Tensor weights, Tensor[] params) -> Tensor")
-_lib.define("experts_backward(str layer, Tensor grad, Tensor hidden, Tensor index, Tensor weights, "
-            "Tensor[] params, bool[] wanted) -> Tensor[]")
-experts_op = torch.ops.ndfunc.experts.default
-experts_backward_op = torch.ops.ndfunc.experts_backward.default
+from ndfunc._src.opaque import opaque_op, recomputed_gradients
 
 # A traced experts call by the name its ops carry: the module (while it lives), its parameters' names
 # as the call's own module names them, and that module: the implementation its interface picked
@@ -94,19 +88,8 @@ def _own_tensors(module: torch.nn.Module) -> torch.nn.Module:
 def _run_backward(layer: str, grad, hidden, index, weights, params, wanted) -> list[torch.Tensor]:
     """The gradients of `_run`'s result `grad` to those of [hidden, weights, *params] `wanted`
     says (a frozen expert's weights get none): the forward made again, under autograd."""
-    with torch.enable_grad():
-        leaves = [t.detach().requires_grad_(w) for t, w in zip((hidden, weights, *params), wanted)]
-        made = _run(layer, leaves[0], index, leaves[1], leaves[2:])
-        asked = [x for x, w in zip(leaves, wanted) if w]
-        found = torch.autograd.grad(made, asked, grad, allow_unused=True) if asked else ()
-    return [torch.zeros_like(x) if g is None else g for g, x in zip(found, asked)]
-
-
-_lib.impl("experts", _run, "CompositeExplicitAutograd")
-_lib.impl("experts_backward", _run_backward, "CompositeExplicitAutograd")
-torch.library.register_fake("ndfunc::experts", lambda layer, hidden, *_: torch.empty_like(hidden), lib=_lib)
-torch.library.register_fake("ndfunc::experts_backward", lambda layer, grad, hidden, index, weights, params, wanted: [
-    torch.empty_like(t) for t, w in zip((hidden, weights, *params), wanted) if w], lib=_lib)
+    return recomputed_gradients(lambda leaves: _run(layer, leaves[0], index, leaves[1], leaves[2:]),
+                                (hidden, weights, *params), grad, wanted)
 
 
 class _Experts(torch.autograd.Function):
@@ -196,3 +179,15 @@ def flops(node: torch.fx.Node) -> int:
     picks = index.meta["val"].numel()
     per_expert = sum(p.meta["val"].numel() // p.meta["val"].shape[0] for p in params if p.meta["val"].dim() >= 3)
     return 2 * picks * per_expert * (3 if backward else 1)
+
+
+# output; hidden, index, weights, *params
+_lib = torch.library.Library("ndfunc", "FRAGMENT")
+_ops = opaque_op(
+    _lib, "experts", "(str layer, Tensor hidden, Tensor index, Tensor weights, Tensor[] params) -> Tensor",
+    "(str layer, Tensor grad, Tensor hidden, Tensor index, Tensor weights, Tensor[] params, bool[] wanted) -> Tensor[]",
+    run=_run, run_backward=_run_backward, fake=lambda layer, hidden, *_: torch.empty_like(hidden),
+    fake_backward=lambda layer, grad, hidden, index, weights, params, wanted: [
+        torch.empty_like(t) for t, w in zip((hidden, weights, *params), wanted) if w],
+    dims=token_dims, flops=flops)
+experts_op, experts_backward_op = _ops.forward, _ops.backward

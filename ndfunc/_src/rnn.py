@@ -14,13 +14,7 @@ from __future__ import annotations
 
 import torch
 
-_lib = torch.library.Library("ndfunc", "FRAGMENT")
-_lib.define("rnn(str mode, Tensor input, Tensor[] hx, Tensor[] params, bool has_biases, int num_layers, "
-            "bool bidirectional, bool batch_first) -> Tensor[]")
-_lib.define("rnn_backward(str mode, Tensor[] grads, Tensor input, Tensor[] hx, Tensor[] params, bool has_biases, "
-            "int num_layers, bool bidirectional, bool batch_first) -> Tensor[]")
-rnn_op = torch.ops.ndfunc.rnn.default
-rnn_backward_op = torch.ops.ndfunc.rnn_backward.default
+from ndfunc._src.opaque import opaque_op, recomputed_gradients
 
 _KERNELS = {"lstm": torch.lstm, "gru": torch.gru, "rnn_tanh": torch.rnn_tanh, "rnn_relu": torch.rnn_relu}
 
@@ -37,12 +31,10 @@ def _run(mode, input, hx, params, has_biases, num_layers, bidirectional, batch_f
 def _run_backward(mode, grads, input, hx, params, has_biases, num_layers, bidirectional, batch_first):
     """The gradients of `_run`'s results `grads` to [input, *hx, *params]: the forward made again,
     under autograd."""
-    with torch.enable_grad():
-        leaves = [t.detach().requires_grad_() for t in (input, *hx, *params)]
-        made = _run(mode, leaves[0], leaves[1:1 + len(hx)], leaves[1 + len(hx):], has_biases, num_layers,
+    def forward(leaves):
+        return _run(mode, leaves[0], leaves[1:1 + len(hx)], leaves[1 + len(hx):], has_biases, num_layers,
                     bidirectional, batch_first, train=True)
-        found = torch.autograd.grad(made, leaves, grads, allow_unused=True)
-    return [torch.zeros_like(x) if g is None else g for g, x in zip(found, leaves)]
+    return recomputed_gradients(forward, (input, *hx, *params), grads)
 
 
 def _run_fake(mode, input, hx, params, has_biases, num_layers, bidirectional, batch_first):
@@ -50,13 +42,6 @@ def _run_fake(mode, input, hx, params, has_biases, num_layers, bidirectional, ba
     projection's, for an LSTM with one), per direction."""
     features = hx[0].shape[-1] * (2 if bidirectional else 1)
     return [input.new_empty(*input.shape[:2], features), *(torch.empty_like(h) for h in hx)]
-
-
-_lib.impl("rnn", _run, "CompositeExplicitAutograd")
-_lib.impl("rnn_backward", _run_backward, "CompositeExplicitAutograd")
-torch.library.register_fake("ndfunc::rnn", _run_fake, lib=_lib)
-torch.library.register_fake("ndfunc::rnn_backward", lambda mode, grads, input, hx, params, *_: [
-    torch.empty_like(t) for t in (input, *hx, *params)], lib=_lib)
 
 
 class _RNN(torch.autograd.Function):
@@ -118,3 +103,16 @@ def flops(node: torch.fx.Node) -> int:
     tokens = shape[0] * shape[1]
     weights = sum(p.meta["val"].numel() for p in params if p.meta["val"].dim() == 2)
     return 2 * tokens * weights * (3 if backward else 1)
+
+
+# (output, *final states); input, *states, *weights
+_lib = torch.library.Library("ndfunc", "FRAGMENT")
+_ops = opaque_op(
+    _lib, "rnn", "(str mode, Tensor input, Tensor[] hx, Tensor[] params, bool has_biases, int num_layers, "
+                 "bool bidirectional, bool batch_first) -> Tensor[]",
+    "(str mode, Tensor[] grads, Tensor input, Tensor[] hx, Tensor[] params, bool has_biases, int num_layers, "
+    "bool bidirectional, bool batch_first) -> Tensor[]",
+    run=_run, run_backward=_run_backward, fake=_run_fake,
+    fake_backward=lambda mode, grads, input, hx, params, *_: [torch.empty_like(t) for t in (input, *hx, *params)],
+    dims=batch_dims, flops=flops)
+rnn_op, rnn_backward_op = _ops.forward, _ops.backward

@@ -33,7 +33,8 @@ import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.nn import _reduction
 
-from ndfunc._src import attention, ctc_loss, experts, manual, rnn
+from ndfunc._src import attention, manual, opaque
+from ndfunc._src import ctc_loss, experts, rnn  # noqa: F401 (importing them fills opaque.OPS)
 from ndfunc._src.constraints import sharding_constraint_op
 from ndfunc._src.copy_slices import copied_in_order, dense_order
 from ndfunc._src.partition import program as prog
@@ -385,17 +386,6 @@ def _leading_dims_rule(trailing: int) -> Callable:
     return rule
 
 
-def _by_samples_rule(dims: Sequence[int]) -> Callable:
-    """The rule of an op computed sample by sample, `dims` the samples' dim of each tensor output
-    then input: whole, or split by the samples over any of the mesh axes, alike for every tensor
-    (`ndfunc::ctc_losses`)."""
-    def rule(node, sizes) -> Fitted:
-        outs = tensor_outputs(node)
-        shapes = [tuple(t.shape) for t in (*outs, *(a.meta["val"] for a in tensor_inputs(node)))]
-        return per_axis([(Replicate(),) * len(dims), tuple(map(Shard, dims))], shapes, sizes, len(outs))
-    return rule
-
-
 def _cdist_rule(node, sizes) -> Fitted:
     """Distances between the rows of x1 and of x2 (`torch.cdist` at sizes where ATen takes the
     direct kernel; above them it is matmuls), per mesh axis: whole, split alike by a batch dim, by
@@ -504,8 +494,8 @@ def _scatter_reduce_rule(node, sizes) -> Fitted:
 def _split_along(dims_of: Callable[[torch.fx.Node], tuple[list, list]]) -> Callable:
     """A rule, per mesh axis: whole, or each tensor split along the dim `dims_of(node)` gives for it
     ((outputs, inputs); None: a weight, whole, and its gradient each rank's sum over its own part,
-    pending). `ndfunc::rnn` and its backward split by the batch (`rnn.batch_dims`), `ndfunc::experts`
-    and its backward by the tokens (`experts.token_dims`)."""
+    pending): an opaque op's (`opaque.OPS`): `ndfunc::rnn` by the batch, `ndfunc::ctc_losses` by the
+    samples, `ndfunc::experts` by the tokens."""
     def rule(node, sizes) -> Fitted:
         made, read = dims_of(node)
         tensors = [*tensor_outputs(node), *(a.meta["val"] for a in tensor_inputs(node))]
@@ -513,15 +503,6 @@ def _split_along(dims_of: Callable[[torch.fx.Node], tuple[list, list]]) -> Calla
                       for i, d in enumerate(made + read))
         return per_axis([(Replicate(),) * len(tensors), split], [tuple(t.shape) for t in tensors], sizes, len(made))
     return rule
-
-
-def _ctc_flops(node) -> int:
-    """CTC's forward variables: a few operations per time step, sample and extended label, with the
-    gradient's backward variables as many again."""
-    backward = node.target is ctc_loss.ctc_losses_backward_op
-    log_probs, targets = (a.meta["val"] for a in node.args[int(backward):][:2])
-    steps, samples, _ = log_probs.shape
-    return 8 * steps * samples * (2 * targets.shape[1] + 1) * (2 if backward else 1)
 
 
 # --- local ops that are not the op on blocks -----------------------------------------------------
@@ -802,16 +783,10 @@ register(manual.exit_op, lower=_same_value)
 register(manual.axis_index_op, lower=_axis_index)
 register(manual.ppermute_op, lower=_ppermute)
 register(aten.cat.default, strategies=_cat_rule)
-# log-probabilities (time, samples, classes), targets, input and target lengths; the losses (or
-# the log-probabilities' gradient, after the losses' gradient)
-register(ctc_loss.ctc_losses_op, strategies=_by_samples_rule((0, 1, 0, 0, 0)), flops=_ctc_flops)
-register(ctc_loss.ctc_losses_backward_op, strategies=_by_samples_rule((1, 0, 1, 0, 0, 0)), flops=_ctc_flops)
-# (output, *final states); input, *states, *weights
-register(rnn.rnn_op, strategies=_split_along(rnn.batch_dims), flops=rnn.flops)
-register(rnn.rnn_backward_op, strategies=_split_along(rnn.batch_dims), flops=rnn.flops)
-# output; hidden, index, weights, *params
-register(experts.experts_op, strategies=_split_along(experts.token_dims), flops=experts.flops)
-register(experts.experts_backward_op, strategies=_split_along(experts.token_dims), flops=experts.flops)
+# a recurrent layer, a CTC loss, a mixture of experts' experts: split along the dims each names
+for _opaque in opaque.OPS:
+    for _op in (_opaque.forward, _opaque.backward):
+        register(_op, strategies=_split_along(_opaque.dims), flops=_opaque.flops)
 register(aten.stack.default, strategies=_stack_rule)
 register(aten.fill_.Scalar, strategies=_fill_rule)
 register(aten.fill_.Tensor, strategies=_fill_rule)
