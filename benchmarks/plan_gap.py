@@ -1,9 +1,10 @@
 """How far the partitioner's search ends from the optimum its cost model admits.
 
     python benchmarks/plan_gap.py [--layers 1] [--seconds 120] [--layouts dp,fsdp,cp]
+                                  [--config tiny|small] [--seq-len 64]
 
-For the llama train step of `models.train` (the tiny config, `--layers` layers, 8 simulated
-ranks, shape-only as `models.train.lower_abstract` lowers it) on each layout: the search's plan cost (`Problem.solve`, no exact step), HiGHS's plan and
+For the llama train step of `models.train` (the tiny config, or `small`'s dims with an 8,192-token
+vocabulary; `--layers` layers, 8 simulated ranks, shape-only as `models.train.lower_abstract` lowers it) on each layout: the search's plan cost (`Problem.solve`, no exact step), HiGHS's plan and
 the lower bound it proved (`planning/exact.py`, started from the search's plan, stopped after
 `--seconds`), the search's gap to that bound, the integer program's size, and both times. A gap
 of 0.0% with "optimal" is a certificate: no plan is cheaper by the cost model.
@@ -32,10 +33,13 @@ LAYOUTS = {
 }
 
 
-def program(sizes: tuple[int, ...], layers: int):
-    cfg = dataclasses.replace(llama.LlamaConfig.tiny(), n_layers=layers)
+def program(sizes: tuple[int, ...], layers: int, config: str = "tiny", seq_len: int = 64):
+    if config == "tiny":
+        cfg = dataclasses.replace(llama.LlamaConfig.tiny(), n_layers=layers)
+    else:  # a model's dims where work outweighs what a toy's layout changes move (docs/planning.md)
+        cfg = dataclasses.replace(llama.LlamaConfig.small(), n_layers=layers, vocab_size=8192)
     opt = nf.optim.adamw(1e-3, weight_decay=0.1)
-    return train.lower_abstract(cfg, nf.ParallelConfig(*sizes), seq_len=64, batch_per_rank=2, opt=opt).program
+    return train.lower_abstract(cfg, nf.ParallelConfig(*sizes), seq_len=seq_len, batch_per_rank=2, opt=opt).program
 
 
 def main() -> None:
@@ -43,14 +47,17 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=1)
     parser.add_argument("--seconds", type=float, default=120.0)
     parser.add_argument("--layouts", default=",".join(LAYOUTS))
+    parser.add_argument("--config", choices=("tiny", "small"), default="tiny")
+    parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--max-variables", type=int, default=1_500_000,
                         help="leave out a layout whose integer program is larger (its model alone takes minutes)")
     args = parser.parse_args()
-    print(f"llama tiny, {args.layers} layer(s), 8 simulated ranks; HiGHS stopped after {args.seconds:.0f} s")
+    print(f"llama {args.config}, {args.layers} layer(s), {args.seq_len} tokens a sequence, 8 simulated ranks; "
+          f"HiGHS stopped after {args.seconds:.0f} s")
     print(f"{'layout':<9} {'search':>12} {'exact':>12} {'bound':>12} {'gap':>8} {'proven':>7} "
           f"{'variables':>10} {'search s':>9} {'exact s':>8}")
     for name in args.layouts.split(","):
-        p = program(LAYOUTS[name], args.layers)
+        p = program(LAYOUTS[name], args.layers, args.config, args.seq_len)
         problem = solve.Problem(p.traced.graph, p.sizes, p.in_layouts, p.out_layouts)
         began = time.perf_counter()
         searched = problem.solve()
