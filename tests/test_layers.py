@@ -12,7 +12,8 @@ PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "ndfunc"
 # low to high; a module may import its own layer and the ones before it
 LAYERS = [
     ["_src.swaps", "_src.torch_compat", "_src.contexts", "_src.regions", "_src.forward"],
-    ["tree", "_src.sharding", "optim", "random", "_src.buffers", "_src.planner", "_src.display", "_src.figures"],
+    ["tree", "_src.sharding", "optim", "random", "_src.buffers", "_src.collective_cost", "_src.planner", "_src.display",
+     "_src.figures"],
     ["_src.host_memory", "_src.runtime", "_src.point_to_point", "_src.transfer", "_src.config", "_src.visualize", "sharding", "_src.repeated_layers",
      "_src.attention", "_src.opaque", "_src.ctc_loss", "_src.rnn", "_src.experts", "_src.checkpoint", "checkpoint"],
     ["_src.autodiff", "_src.constraints", "_src.module", "nn", "_src.manual", "_src.stamp", "_src.trace", "_src.traced_as", "_src.custom_gradients", "_src.writes", "_src.copy_slices", "_src.graph_edits", "lax", "_src.shard_map"],

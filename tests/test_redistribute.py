@@ -22,6 +22,7 @@ from torch.distributed.tensor import (
 
 import ndfunc as nf
 from ndfunc._src import pipeline
+from ndfunc._src.collective_cost import HOST
 from ndfunc._src.partition import lower
 from ndfunc._src.partition.planning import redistribute
 from ndfunc._src.partition.planning.layout import (
@@ -170,7 +171,8 @@ def test_layout_changes_priced_together_cost_what_each_walked_alone_costs(sizes)
 @pytest.mark.parametrize("sizes", [(2, 2, 2), (4, 2), (2, 3, 4)])
 def test_the_cost_the_partitioner_reads_is_the_sum_over_the_plans_steps(sizes):
     """`cost` walks `plan`'s steps on ints: for every pair of layouts (avg partials included) it is
-    the steps' bytes plus a collective's fixed cost or a slice's copy, summed in step order, the
+    the steps' bytes plus a collective's fixed cost (this machine's overhead, in bytes at its
+    bandwidth: the partitioner's unit) or a slice's copy, summed in step order, the
     same float (a whole value made a pending reduction: a slice's copy plus `LAST_RESORT`); and
     impossible where `plan` has no steps."""
     shape, itemsize = (24, 12, 48), 2
@@ -184,7 +186,7 @@ def test_the_cost_the_partitioner_reads_is_the_sum_over_the_plans_steps(sizes):
                 assert redistribute.cost(src, dst, shape, sizes, itemsize) == float("inf")
                 continue
             expected = sum(s.moved_bytes(itemsize) + (
-                redistribute.ALPHA if s.kind in redistribute.COLLECTIVES
+                HOST.overhead * HOST.bandwidth if s.kind in redistribute.COLLECTIVES
                 else redistribute.SLICE * math.prod(s.out_shape) * itemsize
                 + (redistribute.LAST_RESORT if s.kind == "partition" else 0.0)) for s in steps)
             assert redistribute.cost(src, dst, shape, sizes, itemsize) == expected, (src, dst)

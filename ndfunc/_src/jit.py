@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -27,6 +28,7 @@ from ndfunc._src.arguments import Arguments, Bounded, arg_index, output_placemen
 from ndfunc._src.forward import on_workers
 from ndfunc._src.partition.planning.ops import decompositions
 from ndfunc._src.partition.program import Program
+from ndfunc._src.planner.cluster import Cluster, check_cluster
 from ndfunc._src.sharding.mesh import AbstractMesh, Mesh, get_mesh
 from ndfunc._src.sharding.shape_dtype import ShapeDtypeStruct
 from ndfunc._src.stages import Lowered
@@ -37,7 +39,8 @@ from ndfunc._src.transforms.remat import remat_regions
 
 def jit(fn: Callable | None = None, *, mesh: Mesh | None = None, in_shardings: Any = None,
         out_shardings: Any = None, static_argnums: int | Sequence[int] = (),
-        donate_argnums: int | Sequence[int] = (), transforms: Sequence[Any] = (), compile: bool | str = False):
+        donate_argnums: int | Sequence[int] = (), transforms: Sequence[Any] = (), compile: bool | str = False,
+        cluster: Cluster | None = None):
     """Compile `fn` (a pure function of tensor pytrees) into one local program per rank.
 
     Args:
@@ -59,6 +62,10 @@ def jit(fn: Callable | None = None, *, mesh: Mesh | None = None, in_shardings: A
             norms) into a few kernels: on a GPU, what takes a step to the speed of a compiled eager
             step. The program (partitioning, collectives, donation) is the same; only how its ops run
             changes. The first call compiles (seconds to minutes). Simulated ranks run op by op.
+        cluster: the `ndfunc.plan.Cluster` the mesh runs on, its ranks row-major: the partitioner
+            prices each collective on the link its axis crosses (NVLink within a node, the fabric
+            where a group spans nodes) and a rank's work at the device's peak, as `nf.plan` does.
+            None: this machine's defaults, one link for every axis.
 
     Example:
         >>> with nf.simulate(4):
@@ -71,7 +78,7 @@ def jit(fn: Callable | None = None, *, mesh: Mesh | None = None, in_shardings: A
     if fn is None:
         return functools.partial(jit, mesh=mesh, in_shardings=in_shardings, out_shardings=out_shardings,
                                  static_argnums=static_argnums, donate_argnums=donate_argnums,
-                                 transforms=transforms, compile=compile)
+                                 transforms=transforms, compile=compile, cluster=cluster)
     transforms = check_transforms(transforms, getattr(fn, "__name__", "fn"))
     if isinstance(mesh, (Mesh, AbstractMesh)):
         for t in transforms:
@@ -80,8 +87,10 @@ def jit(fn: Callable | None = None, *, mesh: Mesh | None = None, in_shardings: A
         raise TypeError(f"nf.jit: compile= takes True (Inductor), False, or a torch.compile backend's name "
                         f"such as 'inductor'; got {compile!r}.")
     backend = ("inductor" if compile is True else compile) or None
+    if cluster is not None:
+        check_cluster(cluster, "nf.jit")
     return Jitted(fn, mesh, in_shardings, out_shardings, _ints(static_argnums), _ints(donate_argnums), transforms,
-                  backend)
+                  backend, cluster)
 
 
 def _ints(x) -> tuple[int, ...]:
@@ -94,9 +103,10 @@ class Jitted:
     __ndfunc_twin__ = True  # under nf.processes: sent to the workers once, each keeping its programs
 
     def __init__(self, fn, mesh, in_shardings, out_shardings, static_argnums, donate_argnums, transforms,
-                 backend=None):
+                 backend=None, cluster=None):
         functools.update_wrapper(self, fn)
         self.backend = backend  # torch.compile's backend for the local program, or None: op by op
+        self.cluster = cluster  # what the partitioner prices collectives on (None: this machine)
         self.fn, self.mesh = fn, mesh
         self.in_shardings, self.out_shardings = in_shardings, out_shardings
         self.static_argnums, self.donate_argnums, self.transforms = static_argnums, donate_argnums, transforms
@@ -110,7 +120,7 @@ class Jitted:
 
     def __reduce__(self):  # as built: its programs are made again where it lands (nf.processes' workers)
         return (Jitted, (self.fn, self.mesh, self.in_shardings, self.out_shardings, self.static_argnums,
-                         self.donate_argnums, self.transforms, self.backend))
+                         self.donate_argnums, self.transforms, self.backend, self.cluster))
 
     @on_workers(asynchronous=True, donates=lambda self, *args, **kwargs: [
         args[i] for i in self.donate_argnums if -len(args) <= i < len(args)])
@@ -168,6 +178,10 @@ class Jitted:
             mesh = _world_of_one()
         for t in self.transforms:
             t.validate(mesh)
+        if self.cluster is not None and math.prod(mesh.axis_sizes) != self.cluster.num_gpus:
+            raise ValueError(f"nf.jit: {self.__name__}'s mesh {dict(zip(mesh.axis_names, mesh.axis_sizes))} has "
+                             f"{math.prod(mesh.axis_sizes)} ranks; its cluster has {self.cluster.num_gpus} GPUs. Give "
+                             f"nf.jit the cluster the mesh runs on (Cluster.of(gpu, num_gpus)).")
         self.trace_count += 1
         treespec, statics, _ = key
         dyn_args, kwargs = optree.tree_unflatten(treespec, list(prepared))
@@ -181,7 +195,8 @@ class Jitted:
                                decompositions=decompositions())
             donated = [i for i in range(len(prepared)) if arg_index(treespec, i) in self.donate_argnums]
             program = _program(self.__name__, traced, mesh, prepared, self.out_shardings, donated=donated,
-                               transforms=(remat_regions(), *self.transforms), retrace=self._retrace(key))
+                               transforms=(remat_regions(), *self.transforms), retrace=self._retrace(key),
+                               cluster=self.cluster)
             program = pipeline.run(program, pipeline.PASSES[:pipeline.LOWERED])
         return Lowered(self.__name__, program, self.arguments, key, self.backend)
 

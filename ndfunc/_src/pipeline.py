@@ -18,13 +18,13 @@ from typing import Any
 
 import torch
 
-from ndfunc._src import donation, manual
+from ndfunc._src import collective_cost, donation, manual
 from ndfunc._src.partition import lower as lowering
 from ndfunc._src.partition import program as prog
 from ndfunc._src.partition.backends import cpu_kernels as kernels
 from ndfunc._src.partition.backends import gloo as algorithms
 from ndfunc._src.partition.passes import bucket, inplace, schedule, shared
-from ndfunc._src.partition.planning import solve
+from ndfunc._src.partition.planning import redistribute, solve
 from ndfunc._src.partition.program import Program
 from ndfunc._src.runtime import simulation_paused
 from ndfunc._src.sharding.errors import ShardingWarning, user_stacklevel
@@ -72,9 +72,12 @@ def transforms_traced(p: Program) -> Program:
 
 
 def partition(p: Program) -> Program:
-    """One strategy per node, chosen for the whole graph by the bytes it moves (`solve`); an op with
-    no sharding rule runs whole, and the program warns once, naming it (`ShardingWarning`)."""
-    p.plan = solve.partition(p.traced.graph, p.sizes, p.in_layouts, p.out_layouts)
+    """One strategy per node, chosen for the whole graph by what its collectives and ops take on
+    the program's cluster, or this machine (`solve`); an op with no sharding rule runs whole, and
+    the program warns once, naming it (`ShardingWarning`)."""
+    on = collective_cost.machine(dict(zip(p.mesh.axis_names, p.mesh.axis_sizes)), p.cluster)
+    p.plan = solve.partition(p.traced.graph, p.sizes, p.in_layouts, p.out_layouts,
+                             redistribute.Prices.of(on, p.axis_names, p.sizes))
     whole = list(dict.fromkeys(n.target for n in p.plan.whole))
     if whole:
         warnings.warn(_runs_whole_message(p, whole), ShardingWarning, stacklevel=user_stacklevel())

@@ -245,6 +245,7 @@ class Program:
     out_placements: list = dataclasses.field(default_factory=list)  # per result: asked, whole mesh, or None
     transforms: tuple = ()  # ndfunc._src.transforms.base.Transform, applied at the pipeline's hooks
     retrace: Callable[[], Any] | None = None  # the user's function again, on fake tensors (errors name its line)
+    cluster: Any = None  # ndfunc.plan.Cluster the partitioner prices collectives on (None: this machine)
     plan: Any = None  # ndfunc._src.partition.planning.solve.Plan
     local: torch.fx.GraphModule | None = None  # what each rank runs, as partitioned (Lowered shows it)
     donation: dict = dataclasses.field(default_factory=dict)  # output leaf -> input leaf it reuses

@@ -3,7 +3,8 @@
 Every figure is a vendor datasheet number (dense bf16, no 2:4 sparsity) unless it says otherwise.
 Bandwidths are stored **per GPU, per direction**, in bytes/s: a ring collective sends to one
 neighbour while it receives from the other, so each rank's traffic uses one direction of its link,
-and the alpha-beta costs below divide bytes by that figure. NVLink datasheet numbers are total
+and a collective's seconds (`collective_cost`, one model for the partitioner, the closed forms
+and the replay) divide the bytes it sends by that figure. NVLink datasheet numbers are total
 bidirectional per GPU (H100: 900 GB/s = 450 GB/s each way); InfiniBand is quoted per port and per
 direction in bits (NDR 400 Gb/s = 50 GB/s each way, one port per GPU on DGX/HGX nodes).
 
@@ -15,6 +16,8 @@ framework allowance (`estimate.OVERHEAD_BYTES`).
 from __future__ import annotations
 
 import dataclasses
+
+from ndfunc._src.collective_cost import Link
 
 GiB = 2**30
 GB = 10**9
@@ -65,46 +68,6 @@ class Device:
 
 
 @dataclasses.dataclass(frozen=True)
-class Link:
-    """One level of the network, per GPU: `bandwidth` bytes/s each way and `latency` s per hop.
-
-    Ring costs follow the alpha-beta model (Thakur, Rabenseifner and Gropp 2005, "Optimization
-    of Collective Communication Operations in MPICH"): an all-gather or reduce-scatter of a
-    `size`-byte full buffer over `n` ranks takes `n - 1` steps, each moving `size / n` bytes,
-    so `(n - 1) * latency + size * (n - 1) / n / bandwidth`; an all-reduce is a reduce-scatter
-    then an all-gather, twice that. Over one rank every collective is the identity and costs 0.
-
-    Example:
-        >>> link = Link(bandwidth=100e9, latency=1e-6)
-        >>> round(link.all_gather(4, 400e6), 6)   # 3 steps of 1 us + 300 MB at 100 GB/s
-        0.003003
-        >>> link.all_reduce(4, 400e6) == 2 * link.all_gather(4, 400e6), link.all_gather(1, 400e6)
-        (True, 0.0)
-    """
-
-    bandwidth: float
-    latency: float
-
-    def all_gather(self, n: int, size: float) -> float:
-        """Seconds to all-gather a `size`-byte result (each rank contributes `size / n`)."""
-        if n <= 1:
-            return 0.0
-        return (n - 1) * self.latency + size * (n - 1) / n / self.bandwidth
-
-    def reduce_scatter(self, n: int, size: float) -> float:
-        """Seconds to reduce-scatter a `size`-byte input; the ring mirrors the all-gather."""
-        return self.all_gather(n, size)
-
-    def all_reduce(self, n: int, size: float) -> float:
-        """Seconds to all-reduce `size` bytes: reduce-scatter, then all-gather."""
-        return 2 * self.all_gather(n, size)
-
-    def send(self, size: float) -> float:
-        """Seconds for one point-to-point hop of `size` bytes (a ring-attention step)."""
-        return self.latency + size / self.bandwidth
-
-
-@dataclasses.dataclass(frozen=True)
 class Cluster:
     """`num_gpus` devices, `gpus_per_node` to a node; NVLink-class links inside, a fabric between.
 
@@ -147,18 +110,14 @@ class Cluster:
     def inter(self) -> Link:
         return Link(self.inter_bandwidth, self.inter_latency)
 
-    def link(self, size: int, stride: int) -> Link:
-        """The link a mesh axis of `size` ranks, `stride` apart, crosses.
+    def crosses_nodes(self, size: int, stride: int) -> bool:
+        """Whether a group of `size` ranks, `stride` apart, spans more than one node.
 
         Ranks lie row-major on the mesh, so an axis's group is `r, r + stride, ...`; it stays
         inside one node when `size * stride` ranks tile a node evenly. A group spanning nodes runs
-        at the fabric's per-GPU rate (NCCL drives every GPU's own NIC, so the slowest hop sets
-        the ring's pace).
+        at the fabric's per-GPU rate (`collective_cost.machine`: NCCL drives every GPU's own NIC,
+        so the slowest hop sets the ring's pace).
         """
-        return self.inter if self.crosses_nodes(size, stride) else self.intra
-
-    def crosses_nodes(self, size: int, stride: int) -> bool:
-        """Whether a group of `size` ranks, `stride` apart, spans more than one node."""
         return size > 1 and self.spans_nodes(size * stride)
 
     def spans_nodes(self, span: int) -> bool:

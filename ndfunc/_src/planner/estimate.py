@@ -1,6 +1,8 @@
 """The predicted step of one layout: compute, each collective on its link, what overlap hides.
 
-`estimate` is a pure function of numbers. Its model, per rank and per optimizer step:
+`estimate` is a pure function of numbers. Each collective's bytes and seconds are
+`collective_cost`'s, on the link its group crosses (`Layout.machine`), as the partitioner and
+the replay price one. Its model, per rank and per optimizer step:
 
 - compute = executed matmul flops / (peak x `Efficiency.matmul`) + executed attention flops /
   (bf16 peak x `Efficiency.attention`) (`TransformerShape.executed_flops_per_token`), the work
@@ -30,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from ndfunc._src.collective_cost import Link, sent_bytes
 from ndfunc._src.planner.cluster import GiB, Cluster, check_cluster
 from ndfunc._src.planner.layout import Layout, Options
 from ndfunc._src.planner.memory import Memory, memory_per_rank
@@ -138,9 +141,10 @@ def estimate(
     if options.float8 and dev.peak_fp8_flops is None:
         raise ValueError(f"{dev.name} has no fp8 tensor cores; price this layout with float8=False.")
     traffic = {"intra": 0.0, "inter": 0.0}
+    links = layout.machine(cluster)  # each collective priced on its group's link (`collective_cost`)
 
-    def level(axis: str) -> str:
-        return "inter" if layout.crosses_nodes(axis, cluster) else "intra"
+    def on(axis: str) -> tuple[str, Link]:
+        return links.link(layout.group(axis))
 
     # compute: this rank's share of the batch's executed flops
     work = local * seq_len / (layout.cp * layout.tp)
@@ -155,23 +159,25 @@ def estimate(
     if layout.tp > 1:
         pairs = model.n_layers * (6 if options.remat == "full" else 4) + 2
         size = tokens * model.dim * options.compute_bytes
-        tp_time = accum * pairs * layout.link("tp", cluster).all_reduce(layout.tp, size)
-        traffic[level("tp")] += accum * pairs * 2 * size * (layout.tp - 1) / layout.tp
+        level, link = on("tp")
+        tp_time = accum * pairs * link.all_reduce(layout.tp, size)
+        traffic[level] += accum * pairs * sent_bytes("all_reduce", layout.tp, size)
 
     # CP: ring hops of K and V, hidden behind the attention they feed
     cp_time = 0.0
     if layout.cp > 1:
         hops = (layout.cp - 1) * (4 if options.remat == "full" else 3) * model.n_layers * accum
         size = 2 * tokens * model.kv_dim / layout.tp * options.compute_bytes
-        cp_time = max(0.0, hops * layout.link("cp", cluster).send(size) - attention_time)
-        traffic[level("cp")] += hops * size
+        level, link = on("cp")
+        cp_time = max(0.0, hops * link.send(size) - attention_time)
+        traffic[level] += hops * sent_bytes("permute", layout.cp, size)
 
     # FSDP (and HSDP's all-reduce of the shards), hidden behind compute where prefetch allows
     fsdp_time = dp_time = 0.0
     behind = 0.0  # compute time the collectives hidden behind it take (DDP's: of the last backward)
     params = model.local_params(layout.tp)
     if layout.fsdp_size > 1:
-        n, link = layout.fsdp_size, layout.link("fsdp", cluster)
+        n, (level, link) = layout.fsdp_size, on("fsdp")
         gathers = 2 if options.reshard_after_forward else 1
         gather, reduce = link.all_gather(n, params * options.compute_bytes), link.reduce_scatter(n, params * FP32)
         # the first units gathered and the last reduced (the embedding's and one layer's) have no
@@ -184,31 +190,32 @@ def estimate(
             exposed, hidden = gathers * gather + last, reduce - last
         fsdp_time = accum * exposed + max(0.0, accum * hidden - compute)
         behind = accum * hidden
-        traffic[level("fsdp")] += accum * (gathers * params * options.compute_bytes + params * FP32) * (n - 1) / n
+        traffic[level] += accum * (gathers * sent_bytes("all_gather", n, params * options.compute_bytes)
+                                   + sent_bytes("reduce_scatter", n, params * FP32))
         if layout.dp_replicate > 1:  # HSDP: all-reduce each fp32 gradient shard across replicas
             size = params / n * FP32
-            rep = layout.link("dp_replicate", cluster)
+            level, rep = on("dp_replicate")
             budget = max(0.0, compute - behind)
             busy = accum * rep.all_reduce(layout.dp_replicate, size)
             dp_time, behind = max(0.0, busy - budget), behind + busy
-            traffic[level("dp_replicate")] += accum * 2 * size * (layout.dp_replicate - 1) / layout.dp_replicate
+            traffic[level] += accum * sent_bytes("all_reduce", layout.dp_replicate, size)
     elif layout.dp_replicate > 1:  # DDP: one all-reduce per step, behind the last backward
-        rep, r = layout.link("dp_replicate", cluster), layout.dp_replicate
+        (level, rep), r = on("dp_replicate"), layout.dp_replicate
         last_backward = compute / accum * 2 / 3
         tail = rep.all_reduce(r, model.local_layer_params(layout.tp) * FP32)
         dp_time = tail + max(0.0, rep.all_reduce(r, params * FP32) - last_backward)
         behind = min(last_backward, rep.all_reduce(r, params * FP32))
-        traffic[level("dp_replicate")] += 2 * params * FP32 * (r - 1) / r
+        traffic[level] += sent_bytes("all_reduce", r, params * FP32)
 
     whole = model.n_layers * model.layer_whole_over_tp_params
     if layout.tp > 1 and whole:  # a mixture's MLP blocks, whole over tp: their gradients summed there
-        size, link = whole / layout.fsdp_size * FP32, layout.link("tp", cluster)
+        size, (level, link) = whole / layout.fsdp_size * FP32, on("tp")
         if layout.fsdp_size > 1:  # each micro-batch's shards, behind compute as HSDP's
             rounds, budget = accum, max(0.0, compute - behind)
         else:  # once a step, behind the last backward (as DDP's, which goes first)
             rounds, budget = 1, max(0.0, compute / accum * 2 / 3 - behind)
         tp_time += max(0.0, rounds * link.all_reduce(layout.tp, size) - budget)
-        traffic[level("tp")] += rounds * 2 * size * (layout.tp - 1) / layout.tp
+        traffic[level] += rounds * sent_bytes("all_reduce", layout.tp, size)
 
     local_params = model.local_params(layout.tp) / layout.fsdp_size
     optimizer = local_params * ADAM_BYTES_PER_PARAM / dev.memory_bandwidth

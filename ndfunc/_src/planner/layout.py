@@ -11,7 +11,9 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from ndfunc._src.planner.cluster import Cluster, Link
+from ndfunc._src import collective_cost
+from ndfunc._src.collective_cost import Link, Machine
+from ndfunc._src.planner.cluster import Cluster
 from ndfunc._src.planner.model import TransformerShape, check_remat
 from ndfunc._src.sharding.mesh import AbstractMesh
 
@@ -78,15 +80,21 @@ class Layout:
         """Rank distance between neighbours along `axis`: the product of the inner axes' sizes."""
         return math.prod(getattr(self, inner) for inner in AXES[AXES.index(axis) + 1 :])
 
+    def group(self, axis: str) -> tuple[str, ...]:
+        """The mesh axes a collective over `axis` runs over: `fsdp`'s are `dp_shard` and `cp`."""
+        return ("dp_shard", "cp") if axis == "fsdp" else (axis,)
+
+    def machine(self, cluster: Cluster) -> Machine:
+        """The link each mesh axis crosses on `cluster` (`collective_cost.machine`)."""
+        return collective_cost.machine(dict(zip(AXES, self.axis_sizes)), cluster)
+
     def link(self, axis: str, cluster: Cluster) -> Link:
         """The link `axis` crosses; for `fsdp` the flattened `dp_shard x cp` group."""
-        return cluster.inter if self.crosses_nodes(axis, cluster) else cluster.intra
+        return self.machine(cluster).link(self.group(axis))[1]
 
     def crosses_nodes(self, axis: str, cluster: Cluster) -> bool:
         """Whether `axis` (or `fsdp`, the flattened `dp_shard x cp` group) spans nodes."""
-        if axis == "fsdp":
-            return cluster.crosses_nodes(self.fsdp_size, self.tp)
-        return cluster.crosses_nodes(getattr(self, axis), self.stride(axis))
+        return self.machine(cluster).link(self.group(axis))[0] == "inter"
 
     def check(self, model: TransformerShape, cluster: Cluster, global_batch: int, seq_len: int) -> None:
         """Raise `ValueError` unless this layout can run `model` on `cluster` at this batch."""

@@ -10,9 +10,9 @@ model's as well as the project's Llama, replayed op by op as a GPU runs it:
   for its kind (`Efficiency.matmul`; `Efficiency.attention` for attention kernels and rings), and
   the bytes it reads and writes over the memory bandwidth. Views, `getitem`s and waits take none.
 - A collective is issued when the compute stream reaches it. It runs on the stream of the link
-  its group crosses (NVLink, or the fabric where its mesh axes span nodes): after what was issued
-  before it there, for `steps x latency + bytes a rank sends / bandwidth` (`Comm.moved`, a ring's
-  share), the alpha-beta model of `Link`.
+  its group crosses (NVLink, or the fabric where its mesh axes span nodes: `collective_cost.machine`)
+  after what was issued before it there, for `collective_cost.seconds` of the bytes a rank sends
+  (`Comm.moved`, a ring's share): the price the partitioner and the closed forms give it too.
 - A `wait_tensor` holds the compute stream until its collective is done. A collective nothing
   waits for (a ring attention: its hops run beside the blocks it computes) holds the compute
   stream for the longer of its compute and its communication.
@@ -32,6 +32,7 @@ import operator
 
 import torch
 
+from ndfunc._src import collective_cost
 from ndfunc._src.forward import on_workers
 from ndfunc._src.partition import program as prog
 from ndfunc._src.partition.passes.breakdown import value_bytes
@@ -50,8 +51,6 @@ _WAIT = torch.ops._c10d_functional.wait_tensor.default
 # Ops that move no bytes of their own: they alias their input (a reshape views where it can, and
 # the lowering asks for one only where a view of the global value was traced)
 _FREE = frozenset({operator.getitem, torch.ops.aten.reshape.default, torch.ops.aten._unsafe_view.default})
-# A collective's ring steps over n ranks, per n - 1: an all-reduce is a reduce-scatter then an all-gather
-_STEPS = {"all_gather": 1, "reduce_scatter": 1, "all_to_all": 1, "all_reduce": 2}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,7 +158,7 @@ def program_time(lowered, cluster: Cluster, efficiency: Efficiency = KERNELS) ->
     if math.prod(sizes.values()) != cluster.num_gpus:
         raise ValueError(f"program_time: the program's mesh {sizes} has {math.prod(sizes.values())} ranks; the cluster "
                          f"has {cluster.num_gpus} GPUs. Lower the step on a mesh of the cluster's size.")
-    strides = {a: math.prod(list(sizes.values())[i + 1:]) for i, a in enumerate(sizes)}
+    links = collective_cost.machine(sizes, cluster)
     device = cluster.device
     t = 0.0  # the compute stream
     compute = 0.0
@@ -182,7 +181,8 @@ def program_time(lowered, cluster: Cluster, efficiency: Efficiency = KERNELS) ->
             t += work
             compute += work
             continue
-        level, seconds = _collective(c, sizes, strides, cluster)
+        level, link = links.link(c.axes)
+        seconds = collective_cost.seconds(c.kind, math.prod(sizes[a] for a in c.axes), c.bytes, link, sent=c.moved)
         start = max(t, free[level])
         free[level] = done[node] = start + seconds
         busy[level] += seconds
@@ -245,16 +245,3 @@ def _peak(device: Device, node: torch.fx.Node) -> float:
     if dtype in (torch.float32, torch.float64):
         return device.peak_fp32
     return device.peak_bf16_flops
-
-
-def _collective(c: prog.Comm, sizes: dict, strides: dict, cluster: Cluster) -> tuple[str, float]:
-    """`(link level, seconds)` of one collective: the alpha-beta cost on the link its group crosses."""
-    n = math.prod(sizes[a] for a in c.axes)
-    span = max(sizes[a] * strides[a] for a in c.axes)  # ranks from the group's first to past its last
-    level = "inter" if cluster.spans_nodes(span) else "intra"
-    link = cluster.inter if level == "inter" else cluster.intra
-    if n <= 1:
-        return level, 0.0
-    # a ppermute's hops: one, or a ring attention's (what a rank sends over one hop's bytes)
-    steps = _STEPS[c.kind] * (n - 1) if c.kind in _STEPS else max(1, round(c.moved / c.bytes)) if c.bytes else 1
-    return level, steps * link.latency + c.moved / link.bandwidth

@@ -33,6 +33,7 @@ import math
 
 import torch
 
+from ndfunc._src.collective_cost import fraction
 from ndfunc._src.partition.program import Comm, comm, set_comm
 from ndfunc._src.runtime import cpu_backend
 from ndfunc._src.torch_compat import group_backend, group_size
@@ -120,7 +121,7 @@ _LOCAL_REDUCTIONS = {"sum": aten.sum.dim_IntList, "avg": aten.mean.dim, "max": a
 def _exchange(node: torch.fx.Node, was: Comm, sent: tuple, n: int) -> None:
     """The record of the all-to-all that stands for the collective `was` records: it sends `sent`
     (n blocks, one to each rank) and keeps one."""
-    moved = (n - 1) / n * math.prod(sent) * was.dtype.itemsize
+    moved = fraction("all_to_all", n) * math.prod(sent) * was.dtype.itemsize
     set_comm(node, dataclasses.replace(was, kind="all_to_all", sent=sent, received=sent, moved=moved))
 
 

@@ -128,7 +128,7 @@ class Columns:
             if known is not None and known[lay] and known[xs].all():
                 one, others = coded[lay:lay + 1], coded[xs]
                 priced = redistribute.priced_pairs(*((one, others) if outward else (others, one)), self.sizes, numel,
-                                                   itemsize)
+                                                   itemsize, self.prices)
             else:
                 priced = np.array([self.tcost(v, lay, x) if outward else self.tcost(v, x, lay) for x in xs.tolist()])
             row[xs] = found[new] = priced

@@ -16,7 +16,8 @@ from ndfunc._src.partition.planning.problem import HUB, VECTOR_MIN
 
 EPS = 1e-6
 
-_TRANSITIONS: dict = {}  # (src codes, dst codes, sizes) -> `redistribute.coded_steps`, shared by every problem
+# prices -> (src codes, dst codes, sizes) -> `redistribute.coded_steps`, shared by every problem priced alike
+_TRANSITIONS: dict = {}
 
 
 def finished(layout: Layout) -> Layout:
@@ -41,10 +42,13 @@ class Costs:
         """`tcost` of a pair (`key`: a << 32 | b, a != b) not yet priced for `v`'s size."""
         steps = self._steps.get(key)
         if steps is None:
+            known = self._transitions
+            if known is None:  # (found once a problem: prices hash slowly)
+                known = self._transitions = _TRANSITIONS.setdefault(self.prices, {})
             full = (self.codes[key >> 32], self.codes[key & 0xFFFFFFFF], self.sizes)
-            steps = _TRANSITIONS.get(full)
+            steps = known.get(full)
             if steps is None:
-                steps = _TRANSITIONS[full] = redistribute.coded_steps(*full)
+                steps = known[full] = redistribute.coded_steps(*full, self.prices)
             self._steps[key] = steps
         numel, itemsize = self.priced_as[v]
         c = self._size_costs[v][key] = redistribute.priced(steps, numel, itemsize)

@@ -25,8 +25,6 @@ from ndfunc._src.partition.planning.strategies import (
 
 Value = tuple  # (producing node, output index)
 
-FLOPS_PER_BYTE = 100.0  # floating-point work worth one byte sent (CPU-like; GPUs compute more per byte)
-
 VECTOR_MIN = 64  # a node with this many candidates has them priced as columns (`_vector_costs`)
 
 HUB = 16  # a value with more consumers has what they want counted as the search chooses (`_Choice`)
@@ -36,10 +34,14 @@ class Arrays:
     """The graph as integers: nodes, values and layouts are indices, so the search hashes ints."""
 
     def __init__(self, graph: torch.fx.Graph, sizes: tuple[int, ...], input_layouts: list[Layout],
-                 output_layouts: list[Layout | None], signatures: dict | None = None):
-        """`signatures`: node -> `strategy_key(node)[0]`, where the caller has them (`partition`)."""
+                 output_layouts: list[Layout | None], signatures: dict | None = None,
+                 prices: redistribute.Prices | None = None):
+        """`signatures`: node -> `strategy_key(node)[0]`, where the caller has them (`partition`).
+        `prices`: what a collective over each axis and a flop cost (`redistribute.host_prices`
+        unless given: this machine's)."""
         signatures = signatures or {}
         self.sizes = sizes
+        self.prices = prices or redistribute.host_prices(tuple(sizes))
         self.nodes: list[torch.fx.Node] = []
         self.strategies: list[list[Strategy]] = []
         self.c_ins: list[list[tuple]] = []  # node -> candidate -> layout id per input slot
@@ -62,6 +64,7 @@ class Arrays:
         self._sized: dict = {}  # `_priced_as` -> (a << 32 | b) -> the cost of a change from layout a to b
         self._size_costs: list[dict] = []  # value id -> its size's entry of `_sized`
         self._steps: dict = {}  # (a << 32 | b) -> `redistribute.coded_steps` from layout a to b
+        self._transitions = None  # `costs._TRANSITIONS`' table for these prices
         self._as_ids: dict = {}  # id(candidate list) -> (the list, c_ins, c_outs, by_ins, work by flops, splits)
         self.cut: list[int] = []  # layout id -> the mesh axes it does not replicate, as bits
         # those bits -> the product of their axes' sizes, for every set of axes
@@ -249,9 +252,10 @@ class Arrays:
         self.c_ins.append(c_ins)
         self.c_outs.append(c_outs)
         if flops not in work:
-            # work on one rank, in bytes-worth: divided over each mesh axis the strategy splits
-            # or leaves partial, whole on axes where all its values are replicated
-            work[flops] = [flops / split / FLOPS_PER_BYTE for split in splits] if flops else [0.0] * len(splits)
+            # work on one rank, in the cost's unit (`Prices.flops`): divided over each mesh axis the
+            # strategy splits or leaves partial, whole on axes where all its values are replicated
+            rate = self.prices.flops
+            work[flops] = [flops / split / rate for split in splits] if flops else [0.0] * len(splits)
             work[flops, "least"] = min(work[flops])
             if late:  # and, until `solve` admits them, late candidates out of reach
                 work[flops, "late"] = [math.inf if i in late else w for i, w in enumerate(work[flops])]

@@ -1,7 +1,9 @@
 """From one layout to another: the collectives, in order, with their sizes.
 
-`plan(src, dst, shape, sizes)` is the single source for both the cost model (bytes moved) and the
-lowering (which emits each step as a functional collective). Steps, per mesh axis:
+`plan(src, dst, shape, sizes)` is the single source for both the cost model and the lowering
+(which emits each step as a functional collective). A collective's bytes and seconds are
+`collective_cost`'s (a ring's share: `fraction`), priced on its axis's link (`Prices`). Steps, per
+mesh axis:
 
 - `all_gather`   Shard(d) -> Replicate                   moves (n-1)/n of the output per rank
 - `all_reduce`   Partial -> Replicate                    moves 2(n-1)/n of the input (ring)
@@ -51,6 +53,7 @@ from collections.abc import Sequence
 import numpy as np
 from torch.distributed.tensor import Partial, Replicate, Shard
 
+from ndfunc._src.collective_cost import Machine, fraction, machine
 from ndfunc._src.partition.planning.layout import EXTREMA, MANUAL, Layout, local_shape
 
 COLLECTIVES = ("all_gather", "all_reduce", "reduce_scatter", "all_to_all")
@@ -74,17 +77,11 @@ class Step:
         return self.axes or (self.axis,)
 
     def moved_bytes(self, itemsize: int) -> float:
-        """Bytes each rank sends (ring algorithms)."""
-        n = self.size
-        if self.kind == "all_reduce":
-            return 2 * (n - 1) / n * math.prod(self.in_shape) * itemsize
-        if self.kind == "all_gather":
-            return (n - 1) / n * math.prod(self.out_shape) * itemsize
-        if self.kind in ("reduce_scatter", "all_to_all"):
-            return (n - 1) / n * math.prod(self.in_shape) * itemsize
-        if self.kind == "permute":
-            return math.prod(self.in_shape) * itemsize
-        return 0.0
+        """Bytes each rank sends (`collective_cost.fraction` of `value_bytes`); none for a local step."""
+        if self.kind in ("slice", "partition"):
+            return 0.0
+        return fraction(self.kind, self.size) * math.prod(self.out_shape if self.kind == "all_gather"
+                                                          else self.in_shape) * itemsize
 
     def value_bytes(self, itemsize: int) -> int:
         """The size of the value it is about: the gathered whole, the reduced or exchanged input."""
@@ -276,8 +273,7 @@ def _chained_swaps(src: Layout, dst: Layout, shape: Sequence[int], sizes: Sequen
     return None
 
 
-ALPHA = 4096.0  # a collective's fixed cost, in bytes-worth: between plans moving about as much, fewer calls
-SLICE = 0.01  # a local slice copies its block: cheap, not free (values stay where they are made)
+SLICE = 0.01  # a local slice copies its block, per byte: cheap, not free (values stay where they are made)
 # A whole value made a pending sum (its part on each rank: `partition`) is exact and local, but the
 # search takes it only where nothing else reaches the layout asked (an output pinned unreduced, as
 # `nf.accumulate(reduce='end')` pins the running sums): priced above any plan that moves data, so
@@ -286,11 +282,38 @@ SLICE = 0.01  # a local slice copies its block: cheap, not free (values stay whe
 LAST_RESORT = 2.0 ** 50
 
 
-def cost(src: Layout, dst: Layout, shape: Sequence[int], sizes: Sequence[int], itemsize: int) -> float:
+@dataclasses.dataclass(frozen=True)
+class Prices:
+    """What the partitioner pays, in its unit: seconds times `Machine.unit` (a byte sent at the
+    fastest link's rate). Per partitioned axis, `(per byte of the value, once)` of an all-gather, a
+    reduce-scatter and an all-reduce over it (`Machine.cost`: `collective_cost`'s seconds on the
+    axis's link); `flops`: the flops one unit is worth (`Machine.flops_per_unit`)."""
+
+    all_gather: tuple[tuple[float, float], ...]
+    reduce_scatter: tuple[tuple[float, float], ...]
+    all_reduce: tuple[tuple[float, float], ...]
+    flops: float
+
+    @classmethod
+    def of(cls, on: Machine, axis_names: Sequence[str], sizes: Sequence[int]) -> Prices:
+        """The prices of the partitioned axes `axis_names` (of `sizes` ranks) on `on`."""
+        def per_axis(kind):
+            return tuple(on.cost(kind, (axis,), n) for axis, n in zip(axis_names, sizes))
+        return cls(per_axis("all_gather"), per_axis("reduce_scatter"), per_axis("all_reduce"), on.flops_per_unit)
+
+
+@functools.cache
+def host_prices(sizes: tuple[int, ...]) -> Prices:
+    """The prices of axes of `sizes` on this machine (`collective_cost.HOST`): no cluster given."""
+    return Prices.of(machine({}), [str(m) for m in range(len(sizes))], sizes)
+
+
+def cost(src: Layout, dst: Layout, shape: Sequence[int], sizes: Sequence[int], itemsize: int,
+         prices: Prices | None = None) -> float:
     """What the partitioner pays for a layout change (a move between dims: as a gather and a slice):
-    the steps of `plan(src, dst, shape, sizes, swaps=False)`, each its bytes moved plus `ALPHA` (a
-    collective) or `SLICE` of its block (a slice), summed in order."""
-    return coded_cost(codes(src), codes(dst), shape, sizes, itemsize)
+    the steps of `plan(src, dst, shape, sizes, swaps=False)`, each a collective's price (`Prices`;
+    `host_prices` unless given) or `SLICE` of its block (a slice), summed in order."""
+    return coded_cost(codes(src), codes(dst), shape, sizes, itemsize, prices)
 
 
 _REPLICATE = -1
@@ -316,23 +339,25 @@ def codes(layout: Layout) -> tuple[int, ...] | None:
 
 
 def coded_cost(src: tuple[int, ...] | None, dst: tuple[int, ...] | None, shape: Sequence[int],
-               sizes: Sequence[int], itemsize: int) -> float:
+               sizes: Sequence[int], itemsize: int, prices: Prices | None = None) -> float:
     """`cost` over `codes`, for layouts that fit `shape`: `plan`'s steps without swaps, walked on
     ints (`coded_steps`) and priced for the value (`priced`), the same sum in the same order.
     `tests/test_redistribute` holds it to `plan`."""
-    return priced(coded_steps(src, dst, sizes), math.prod(shape), itemsize)
+    return priced(coded_steps(src, dst, sizes, prices), math.prod(shape), itemsize)
 
 
-def coded_steps(src: tuple[int, ...] | None, dst: tuple[int, ...] | None,
-                sizes: Sequence[int]) -> tuple[tuple[float, int, float], ...] | None:
+def coded_steps(src: tuple[int, ...] | None, dst: tuple[int, ...] | None, sizes: Sequence[int],
+                prices: Prices | None = None) -> tuple[tuple[float, int, float], ...] | None:
     """The steps from `src` to `dst` (codes) as `priced` reads them, whatever the value: each its
-    bytes per byte of the block it moves (that block being the whole divided by `div`: layouts that
-    fit divide exactly) and its fixed cost; None where no plan exists. The partitioner walks each
-    pair of layouts once and prices it for every value size."""
+    cost per byte of the block it moves (that block being the whole divided by `div`: layouts that
+    fit divide exactly) and its fixed cost (`prices`, `host_prices` unless given); None where no
+    plan exists. The partitioner walks each pair of layouts once and prices it for every value
+    size."""
     if src == dst:
         return ()
     if src is None or dst is None:
         return None
+    prices = prices or host_prices(tuple(sizes))
     k = len(src)
     for s, d in zip(src, dst):
         if d <= -2 and s != d and s != _REPLICATE:
@@ -358,9 +383,9 @@ def coded_steps(src: tuple[int, ...] | None, dst: tuple[int, ...] | None,
     steps = []
     for m in range(k - 1, -1, -1):
         if gather[m]:
-            n = sizes[m]
-            div //= n
-            steps.append(((n - 1) / n, div, ALPHA))
+            div //= sizes[m]
+            per_byte, once = prices.all_gather[m]
+            steps.append((per_byte, div, once))
             cur[m] = _REPLICATE
     late = [m for m in range(k) if cur[m] <= -2 and dst[m] == _REPLICATE]  # `_finishing_order`'s
     for m in ([m for m in range(k) if m not in late] + late) if late else range(k):
@@ -369,14 +394,15 @@ def coded_steps(src: tuple[int, ...] | None, dst: tuple[int, ...] | None,
             continue
         n = sizes[m]
         if c <= -2:  # a pending sum, finished
+            (reduced, reduced_once), (scattered, scattered_once) = prices.all_reduce[m], prices.reduce_scatter[m]
             if d == _REPLICATE:
-                steps.append((2 * (n - 1) / n, div, ALPHA))
+                steps.append((reduced, div, reduced_once))
             elif c in _EXTREMA:  # all-reduced, then sliced
-                steps.append((2 * (n - 1) / n, div, ALPHA))
+                steps.append((reduced, div, reduced_once))
                 div *= n
                 steps.append((SLICE, div, 0.0))
             else:
-                steps.append(((n - 1) / n, div, ALPHA))
+                steps.append((scattered, div, scattered_once))
                 div *= n
         elif d <= -2:  # Replicate -> Partial: a local part of the block
             steps.append((SLICE, div, LAST_RESORT))
@@ -396,11 +422,13 @@ def priced(steps: tuple[tuple[float, int, float], ...] | None, numel: int, items
     return total
 
 
-def priced_pairs(src: np.ndarray, dst: np.ndarray, sizes: Sequence[int], numel: int, itemsize: int) -> np.ndarray:
-    """`priced(coded_steps(s, d, sizes), numel, itemsize)` for each row `s` of `src` and `d` of
-    `dst` (codes as (N, k) int64 arrays, none None; a single row is broadcast), all rows at once:
+def priced_pairs(src: np.ndarray, dst: np.ndarray, sizes: Sequence[int], numel: int, itemsize: int,
+                 prices: Prices | None = None) -> np.ndarray:
+    """`priced(coded_steps(s, d, sizes, prices), numel, itemsize)` for each row `s` of `src` and `d`
+    of `dst` (codes as (N, k) int64 arrays, none None; a single row is broadcast), all rows at once:
     `coded_steps`' walk on columns, each step's cost added in the same order, so the same floats
     (inf where no plan). The partitioner prices a node's candidate layouts so, hundreds at a time."""
+    prices = prices or host_prices(tuple(sizes))
     src, dst = (np.ascontiguousarray(a.T) for a in np.broadcast_arrays(src, dst))  # (k, N): one row an axis
     k = len(sizes)
     cur = src.copy()
@@ -417,7 +445,8 @@ def priced_pairs(src: np.ndarray, dst: np.ndarray, sizes: Sequence[int], numel: 
         g, n = gather[m], sizes[m]
         if g.any():
             div = np.where(g, div // n, div)
-            total += np.where(g, (numel // div) * ((n - 1) / n) * itemsize + ALPHA, 0.0)
+            gathered, once = prices.all_gather[m]
+            total += np.where(g, (numel // div) * gathered * itemsize + once, 0.0)
             cur[m][g] = _REPLICATE
     late = (cur <= -2) & (dst == _REPLICATE)
     changed = cur != dst
@@ -436,8 +465,9 @@ def priced_pairs(src: np.ndarray, dst: np.ndarray, sizes: Sequence[int], numel: 
                 reduced = pending & (~to_block | extrema)  # all-reduced (then sliced, to a block)
                 scattered = pending & to_block & ~extrema  # reduce-scattered
                 q = numel // div
-                total += np.where(reduced, q * (2 * (n - 1) / n) * itemsize + ALPHA,
-                                  np.where(scattered, q * ((n - 1) / n) * itemsize + ALPHA, 0.0))
+                (ar, ar_once), (rs, rs_once) = prices.all_reduce[m], prices.reduce_scatter[m]
+                total += np.where(reduced, q * ar * itemsize + ar_once,
+                                  np.where(scattered, q * rs * itemsize + rs_once, 0.0))
                 grown = scattered | sliced | (reduced & to_block)
                 then_sliced = sliced | (reduced & to_block)
             div = np.where(grown, div * n, div)

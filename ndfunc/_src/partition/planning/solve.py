@@ -1,8 +1,9 @@
 """Choose a strategy for every node of a traced step, for the whole graph at once.
 
-The cost of a choice is what its collectives move (alpha-beta: `redistribute.cost`), summed over
+The cost of a choice is what its collectives take (`redistribute.cost`: `collective_cost`'s
+alpha-beta seconds on each axis's link, in bytes sent at the fastest link's rate), summed over
 every place a value must change layout for a consumer, plus each node's floating-point work on one
-rank (divided by the mesh axes its strategy splits, in bytes-worth: `FLOPS_PER_BYTE`). A value
+rank (divided by the mesh axes its strategy splits, at the machine's rate: `Prices.flops`). A value
 needed in one layout by several consumers moves once (a forward all-gather serves the backward
 too), so costs are not a sum over edges and a choice made op by op is not enough: the DP step would
 all-reduce a gradient for Adam's first moment and again for its second.
@@ -57,7 +58,7 @@ import os
 
 import torch
 
-from ndfunc._src.partition.planning import exact, plan_cache
+from ndfunc._src.partition.planning import exact, plan_cache, redistribute
 from ndfunc._src.partition.planning.columns import Columns
 from ndfunc._src.partition.planning.costs import Costs
 from ndfunc._src.partition.planning.layout import Layout
@@ -88,22 +89,24 @@ class Problem(Search, Moves, MoveKinds, Columns, Costs, Arrays):
 
 
 def partition(graph: torch.fx.Graph, sizes: tuple[int, ...], input_layouts: list[Layout],
-              output_layouts: list[Layout | None]) -> Plan:
+              output_layouts: list[Layout | None], prices: redistribute.Prices | None = None) -> Plan:
     """Pick a strategy for every node; outputs end in `output_layouts` (None: the partitioner's
-    choice, without pending sums).
+    choice, without pending sums). `prices`: the links' and a rank's rates (`redistribute.Prices`;
+    this machine's unless given).
 
     The search is a pure function of what `Problem` reads (each node's op, arguments, shapes,
-    marks and inputs, the sizes, the boundary layouts), so a graph equal to one planned before in
-    all of that gets that plan again, node by node, without a search: a step jitted afresh on the
-    same model and mesh (a notebook's re-run, a test suite) plans once; with
+    marks and inputs, the sizes, the boundary layouts, the prices), so a graph equal to one planned
+    before in all of that gets that plan again, node by node, without a search: a step jitted afresh
+    on the same model and mesh (a notebook's re-run, a test suite) plans once; with
     `NDFUNC_PLAN_CACHE_DIR` set, once across processes too (`plan_cache`)."""
-    nodes, key, signatures = _problem_key(graph, sizes, input_layouts, output_layouts)
+    prices = prices or redistribute.host_prices(tuple(sizes))
+    nodes, key, signatures = _problem_key(graph, sizes, input_layouts, output_layouts, prices)
     known = _PLANS.get(key)
     if known is None:
         kept = plan_cache.entry(key)
         known = plan_cache.load(kept, len(nodes))  # a plan another process made (NDFUNC_PLAN_CACHE_DIR)
         if known is None:
-            plan = _planned(Problem(graph, sizes, input_layouts, output_layouts, signatures))
+            plan = _planned(Problem(graph, sizes, input_layouts, output_layouts, signatures, prices))
             at = {n: i for i, n in enumerate(nodes)}
             # which nodes run whole is kept with the plan: a plan read back asks for no candidates
             whole = [i for i, n in enumerate(nodes) if runs_whole(n, sizes, signatures.get(n))]
@@ -124,7 +127,8 @@ _PLANS: collections.OrderedDict = collections.OrderedDict()  # problem key -> pl
 
 
 
-def _problem_key(graph: torch.fx.Graph, sizes, input_layouts, output_layouts) -> tuple[list, tuple, dict]:
+def _problem_key(graph: torch.fx.Graph, sizes, input_layouts, output_layouts,
+                 prices) -> tuple[list, tuple, dict]:
     """The graph's nodes, a key equal for two problems the search cannot tell apart, and each
     op's signature as the key read it (node -> `strategy_key(node)[0]`: the candidates' and
     `runs_whole`'s, read once)."""
@@ -145,7 +149,7 @@ def _problem_key(graph: torch.fx.Graph, sizes, input_layouts, output_layouts) ->
         else:
             entries.append((node.op, (tuple(val.shape), val.dtype) if isinstance(val, torch.Tensor) else None))
     return nodes, _Key((tuple(sizes), tuple(input_layouts), tuple(output_layouts), tuple(entries),
-                        exact_settings())), signatures
+                        exact_settings(), prices)), signatures
 
 
 
