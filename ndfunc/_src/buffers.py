@@ -13,9 +13,12 @@ import operator
 
 import torch
 
+from ndfunc._src import view_ops
+
 aten = torch.ops.aten
 _WAIT = torch.ops._c10d_functional.wait_tensor.default
-_ALIASES = (operator.getitem, _WAIT, aten._unsafe_view.default)
+# results that are their first input's memory though their schemas say none is
+_ALIASES = (operator.getitem, _WAIT, *view_ops.UNDECLARED_ALIASES)
 
 
 def aliased(node: torch.fx.Node) -> torch.fx.Node | None:

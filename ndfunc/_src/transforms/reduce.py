@@ -6,6 +6,7 @@ import operator
 
 import torch
 
+from ndfunc._src import view_ops
 from ndfunc._src.partition import program as prog
 from ndfunc._src.partition.passes.schedule import REDUCTIONS
 
@@ -13,7 +14,7 @@ aten = torch.ops.aten
 # ops that lay a value out, or cut it, without changing it, in any dtype: what the lowering writes
 # between a gradient's sum and its next (the sum over one axis split rank by rank for the next), and
 # what cuts a bucket of sums into its pieces (`nf.fsdp`'s buckets)
-_LAYOUT_ONLY = prog.VIEWS | {aten.split.Tensor, aten.split_with_sizes.default, operator.getitem}
+_LAYOUT_ONLY = view_ops.SAME_ELEMENTS | view_ops.PIECES | {operator.getitem}
 
 
 def reduce_in(gm: torch.fx.GraphModule, dtype: torch.dtype, axes: tuple[str, ...] | None = None,

@@ -14,6 +14,7 @@ import torch
 
 from ndfunc._src.buffers import aliased, lifetimes, readers
 from ndfunc._src.partition.program import shape_dtype
+from ndfunc._src.view_ops import READS_STRIDES
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
@@ -95,15 +96,11 @@ def reuse_buffers(gm: torch.fx.GraphModule) -> int:
     return turned
 
 
-# readers that depend on their input's strides, not only its values
-_STRIDED = frozenset({aten.view.default, aten._unsafe_view.default, aten.as_strided.default})
-
-
 def _layout_free(n: torch.fx.Node) -> bool:
     """Whether nothing reads `n`'s result through an op that depends on its strides. Written into
     its second input, the result has that input's strides, where the op would have followed the
     first's (a `view` of it could then fail)."""
-    return not any(r.target in _STRIDED for r in readers(n))
+    return not any(r.target in READS_STRIDES for r in readers(n))
 
 
 def fold_donated_copies(gm: torch.fx.GraphModule) -> int:

@@ -23,6 +23,7 @@ import operator
 
 import torch
 
+from ndfunc._src import view_ops
 from ndfunc._src.buffers import lifetimes
 from ndfunc._src.partition import program as prog
 from ndfunc._src.partition.passes.analysis import live_bytes
@@ -80,7 +81,8 @@ def _frees(n: torch.fx.Node, root: dict, last: dict, index: dict) -> bool:
 c10d = torch.ops._c10d_functional
 aten = torch.ops.aten
 REDUCTIONS = (c10d.reduce_scatter_tensor.default, c10d.all_reduce.default)  # the gradient collectives
-_MOVES = prog.VIEWS | {operator.getitem, aten.split.Tensor, aten.cat.default, aten.slice.Tensor}  # data movement
+# data movement
+_MOVES = view_ops.SAME_ELEMENTS | {operator.getitem, aten.split.Tensor, aten.cat.default, aten.slice.Tensor}
 
 
 def issue_reductions_early(gm: torch.fx.GraphModule) -> int:
