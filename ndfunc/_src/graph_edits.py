@@ -10,6 +10,7 @@ import contextlib
 
 import torch
 
+from ndfunc._src import write_ops
 from ndfunc._src.view_ops import returns_view
 
 
@@ -26,9 +27,7 @@ def is_view(node: torch.fx.Node) -> bool:
 
 def writes_into(node: torch.fx.Node, tensor: torch.fx.Node) -> bool:
     """Whether `node` writes in place into its first argument, `tensor`."""
-    schema = getattr(node.target, "_schema", None)
-    return (schema is not None and bool(schema.arguments) and bool(node.args) and node.args[0] is tensor
-            and schema.arguments[0].alias_info is not None and schema.arguments[0].alias_info.is_write)
+    return bool(node.args) and node.args[0] is tensor and write_ops.writes_first(node.target)
 
 
 def owned(node: torch.fx.Node) -> bool:

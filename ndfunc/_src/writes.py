@@ -32,13 +32,12 @@ import functools
 
 import torch
 
-from ndfunc._src import view_ops
+from ndfunc._src import view_ops, write_ops
 from ndfunc._src.copy_slices import copies_as_broadcasts, fresh_copies, strided_views
 from ndfunc._src.graph_edits import annotate, call, is_view, moved, owned, writes_into
 from ndfunc._src.view_ops import arguments
 
 aten = torch.ops.aten
-_WRITES = (aten.copy_.default, aten.fill_.Scalar, aten.fill_.Tensor, aten.zero_.default)
 
 
 def as_functional(gm: torch.fx.GraphModule) -> None:
@@ -53,7 +52,7 @@ def reshapes_as_views(gm: torch.fx.GraphModule) -> bool:
     torch.func), which no sharding rule lays out, as its view (`unsqueeze`), where nothing reads
     the tensor afterwards but through the op's result. Whether any was rewritten."""
     ops = {n.target for n in gm.graph.nodes if n.op == "call_function"}
-    nodes = [n for op in ops if _reshapes_in_place(op) for n in gm.graph.find_nodes(op="call_function", target=op)]
+    nodes = [n for op in ops if write_ops.reshapes_in_place(op) for n in gm.graph.find_nodes(op="call_function", target=op)]
     if not nodes:
         return False
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
@@ -62,20 +61,10 @@ def reshapes_as_views(gm: torch.fx.GraphModule) -> bool:
         x = node.args[0]
         if not isinstance(x, torch.fx.Node) or any(u is not node and order[u] > order[node] for u in x.users):
             continue  # read afterwards as it was: its shape changed under that read
-        node.target = _out_of_place(node.target)
+        node.target = write_ops.functional(node.target)
         annotate([node], node)
         changed = True
     return changed
-
-
-@functools.cache
-def _reshapes_in_place(op) -> bool:
-    """Whether `op` changes its first argument's shape in place: its out-of-place form is a view."""
-    if not isinstance(op, torch._ops.OpOverload) or not op._schema.arguments:
-        return False
-    first = op._schema.arguments[0].alias_info
-    view = _out_of_place(op) if first is not None and first.is_write else None
-    return view is not None and view_ops.returns_view(view)
 
 
 def views_as_scatters(gm: torch.fx.GraphModule) -> bool:
@@ -86,7 +75,7 @@ def views_as_scatters(gm: torch.fx.GraphModule) -> bool:
     result; later reads of a view of it taken before the write (the written one too, and views of
     views) read that view taken again of the result. Left in place where one of those views was
     written through before. Whether any was rewritten."""
-    writes = [n for target in _WRITES for n in gm.graph.find_nodes(op="call_function", target=target)]
+    writes = [n for target in write_ops.OVERWRITES for n in gm.graph.find_nodes(op="call_function", target=target)]
     if not writes:
         return False
     order = {n: float(i) for i, n in enumerate(gm.graph.nodes)}
@@ -152,12 +141,12 @@ def updates_into_views(gm: torch.fx.GraphModule) -> bool:
     the view's scatter. Whether any was rewritten."""
     changed = False
     for node in list(gm.graph.nodes):
-        if node.op != "call_function" or node.target in _WRITES or not node.args:
+        if node.op != "call_function" or node.target in write_ops.OVERWRITES or not node.args:
             continue
         view = node.args[0]
         if not (isinstance(view, torch.fx.Node) and writes_into(node, view) and _chain(view) is not None):
             continue
-        functional = _out_of_place(node.target)
+        functional = write_ops.functional(node.target)
         was, into = node.meta.get("val"), view.meta.get("val")
         if functional is None or view_ops.returns_view(functional) or not (
                 isinstance(was, torch.Tensor) and was.shape == into.shape and was.dtype == into.dtype):
@@ -201,7 +190,7 @@ def updates_as_values(gm: torch.fx.GraphModule) -> bool:
         if not (writes_into(update, updated) and updated.target is into.target and updated.args[0] is base
                 and arguments(updated) == arguments(into) and list(updated.users) == [update]):
             continue
-        functional = _out_of_place(update.target)
+        functional = write_ops.functional(update.target)
         if functional is None or _read_between(update, copy, base, into):
             continue
         update.target = functional
@@ -219,25 +208,6 @@ def _read_between(first: torch.fx.Node, last: torch.fx.Node, base: torch.fx.Node
             return True
         node = node.next
     return False
-
-
-def _out_of_place(op) -> torch._ops.OpOverload | None:
-    """`aten.add_.Tensor` -> `aten.add.Tensor`: an in-place op's functional overload, if ATen has it."""
-    name = op._schema.name.split("::")[-1]
-    if not name.endswith("_") or name.startswith("_"):
-        return None
-    packet = getattr(aten, name[:-1], None)
-    if packet is None:
-        return None
-    overload = getattr(packet, op._overloadname, None)
-    if isinstance(overload, torch._ops.OpOverload):
-        return overload
-    takes = [(a.name, str(a.type)) for a in op._schema.arguments]  # (transpose_.default: transpose.int)
-    for name in packet.overloads():
-        candidate = getattr(packet, name)
-        if [(a.name, str(a.type)) for a in candidate._schema.arguments] == takes:
-            return candidate
-    return None
 
 
 def fills_rows(mask: torch.Tensor, x: torch.Tensor, value: torch.Tensor) -> bool:

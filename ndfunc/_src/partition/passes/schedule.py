@@ -23,11 +23,10 @@ import operator
 
 import torch
 
-from ndfunc._src import view_ops
+from ndfunc._src import view_ops, write_ops
 from ndfunc._src.buffers import lifetimes
 from ndfunc._src.partition import program as prog
 from ndfunc._src.partition.passes.analysis import live_bytes
-from ndfunc._src.partition.passes.inplace import INPLACE
 from ndfunc._src.partition.program import shape_dtype
 
 
@@ -45,7 +44,7 @@ def hoist_freeing_ops(gm: torch.fx.GraphModule) -> int:
         key[n] = (i,)
         if n.op != "call_function":
             continue
-        if n.target not in INPLACE:
+        if n.target not in write_ops.IN_PLACE:
             if _writes(n):
                 barrier = n
             continue
@@ -59,8 +58,7 @@ def hoist_freeing_ops(gm: torch.fx.GraphModule) -> int:
 
 
 def _writes(n: torch.fx.Node) -> bool:
-    schema = getattr(n.target, "_schema", None)
-    return schema is not None and (schema.is_mutable or schema.name.endswith("_"))
+    return write_ops.mutates(n.target)
 
 
 def _frees(n: torch.fx.Node, root: dict, last: dict, index: dict) -> bool:
