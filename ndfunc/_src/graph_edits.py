@@ -10,7 +10,7 @@ import contextlib
 
 import torch
 
-from ndfunc._src import write_ops
+from ndfunc._src import cast_ops, write_ops
 from ndfunc._src.view_ops import returns_view
 
 
@@ -72,4 +72,4 @@ def moved(gm: torch.fx.GraphModule, made: list, x: torch.fx.Node, like: torch.Te
         change["device"] = like.device
     if dtype and have.dtype != like.dtype:
         change["dtype"] = like.dtype
-    return call(gm, made, torch.ops.aten._to_copy.default, x, **change) if change else x
+    return call(gm, made, cast_ops.CAST, x, **change) if change else x

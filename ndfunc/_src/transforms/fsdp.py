@@ -36,7 +36,7 @@ import operator
 
 import torch
 
-from ndfunc._src import view_ops
+from ndfunc._src import cast_ops, view_ops
 from ndfunc._src.partition import program as prog
 from ndfunc._src.partition.passes import bucket
 from ndfunc._src.partition.passes.schedule import wait_in_turn
@@ -327,9 +327,6 @@ def _modules(placeholders: list, paths: list[str]) -> dict:
             for ph, path, cut in zip(placeholders, paths, cuts)}
 
 
-_CASTS = (aten._to_copy.default, torch.ops.prims.convert_element_type.default)
-
-
 def _views_of_source(node: torch.fx.Node) -> list[torch.fx.Node]:
     """The views, copies, casts and all-to-alls from `_source(node)` to `node`, in program order."""
     chain = []
@@ -352,7 +349,7 @@ def _is_all_to_all(node: torch.fx.Node) -> bool:
 def _is_cast(node: torch.fx.Node) -> bool:
     """A change of dtype only: `nf.mixed_precision`'s cast of a stored parameter, which the
     partitioner places before its gather (the gather then moves half the bytes), as FSDP2 does."""
-    return node.target in _CASTS and set(node.kwargs) <= {"dtype"}
+    return cast_ops.dtype_only(node)
 
 
 def _source(node: torch.fx.Node) -> torch.fx.Node:
