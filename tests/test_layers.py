@@ -12,6 +12,7 @@ PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "ndfunc"
 # low to high; a module may import its own layer and the ones before it
 LAYERS = [
     ["_src.swaps", "_src.torch_compat", "_src.contexts", "_src.regions", "_src.forward"],
+    ["_src.view_ops", "_src.write_ops", "_src.cast_ops"],  # the op tables: views, writes, casts
     ["tree", "_src.sharding", "optim", "random", "_src.buffers", "_src.collective_cost", "_src.planner", "_src.display",
      "_src.figures"],
     ["_src.host_memory", "_src.runtime", "_src.point_to_point", "_src.transfer", "_src.config", "_src.visualize", "sharding", "_src.repeated_layers",

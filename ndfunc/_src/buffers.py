@@ -13,9 +13,12 @@ import operator
 
 import torch
 
+from ndfunc._src import view_ops, write_ops
+
 aten = torch.ops.aten
 _WAIT = torch.ops._c10d_functional.wait_tensor.default
-_ALIASES = (operator.getitem, _WAIT, aten._unsafe_view.default)
+# results that are their first input's memory though their schemas say none is
+_ALIASES = (operator.getitem, _WAIT, *view_ops.UNDECLARED_ALIASES)
 
 
 def aliased(node: torch.fx.Node) -> torch.fx.Node | None:
@@ -81,20 +84,10 @@ def written_inputs(gm: torch.fx.GraphModule) -> list[int]:
     root = buffer_roots(gm.graph.nodes)
     written = set()
     for n in gm.graph.nodes:
-        schema = getattr(n.target, "_schema", None) if n.op == "call_function" else None
-        if schema is None or not (schema.is_mutable or n.target in _UNDECLARED_WRITES):
-            continue
-        for j, arg in enumerate(schema.arguments):  # each argument it writes
-            value = n.args[j] if j < len(n.args) else n.kwargs.get(arg.name)
-            writes = (arg.alias_info is not None and arg.alias_info.is_write) or (
-                j in _UNDECLARED_WRITES.get(n.target, ()) and n.args[5])
-            if writes and isinstance(value, torch.fx.Node) and (i := placeholders.get(root[value])) is not None:
+        for value in write_ops.written_values(n) if n.op == "call_function" else ():  # (BatchNorm's: undeclared)
+            if isinstance(value, torch.fx.Node) and (i := placeholders.get(root[value])) is not None:
                 written.add(i)
     return sorted(written)
-
-
-# ops whose schema does not say what they write: BatchNorm in training updates its running statistics
-_UNDECLARED_WRITES = {torch.ops.aten.native_batch_norm.default: (3, 4)}
 
 
 def lifetimes(nodes: list[torch.fx.Node]) -> tuple[dict, dict]:

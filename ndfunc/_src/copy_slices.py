@@ -19,10 +19,10 @@ import math
 
 import torch
 
-from ndfunc._src.graph_edits import aliases, annotate, call, inverse_permutation, is_view, moved
+from ndfunc._src.graph_edits import aliases, annotate, call, is_view, moved
+from ndfunc._src.view_ops import READS_STRIDES, inverse_permutation
 
 aten = torch.ops.aten
-_STRIDED = (aten.view.default, aten._unsafe_view.default, aten.as_strided.default)  # reads that need the strides
 _EMPTY = (aten.new_empty.default, aten.new_empty_strided.default, aten.empty.memory_format,
           aten.empty_like.default, aten.empty_strided.default)
 
@@ -49,7 +49,8 @@ def copies_as_broadcasts(gm: torch.fx.GraphModule) -> bool:
             out = call(gm, made, aten.clone.default, out, memory_format=torch.contiguous_format)
             out = call(gm, made, aten.permute.default, out, inverse_permutation(order))
         annotate(made, copy)
-        if out.meta["val"].stride() != copy.meta["val"].stride() and any(u.target in _STRIDED for u in copy.users):
+        if out.meta["val"].stride() != copy.meta["val"].stride() and any(
+                u.target in READS_STRIDES for u in copy.users):
             for node in reversed(made):
                 gm.graph.erase_node(node)
             continue  # (strides this does not reproduce, which a reader's view depends on: left as it is)

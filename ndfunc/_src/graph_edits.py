@@ -10,6 +10,9 @@ import contextlib
 
 import torch
 
+from ndfunc._src import cast_ops, write_ops
+from ndfunc._src.view_ops import returns_view
+
 
 def aliases(node: torch.fx.Node) -> bool:
     """Whether `node`'s result may share memory with an input (a view, an in-place op's result)."""
@@ -22,18 +25,9 @@ def is_view(node: torch.fx.Node) -> bool:
     return returns_view(node.target)
 
 
-def returns_view(op) -> bool:
-    """Whether `op` returns a view of its first argument (aliases it without writing)."""
-    schema = getattr(op, "_schema", None)
-    return schema is not None and bool(schema.returns) and schema.returns[0].alias_info is not None \
-        and not schema.returns[0].alias_info.is_write
-
-
 def writes_into(node: torch.fx.Node, tensor: torch.fx.Node) -> bool:
     """Whether `node` writes in place into its first argument, `tensor`."""
-    schema = getattr(node.target, "_schema", None)
-    return (schema is not None and bool(schema.arguments) and bool(node.args) and node.args[0] is tensor
-            and schema.arguments[0].alias_info is not None and schema.arguments[0].alias_info.is_write)
+    return bool(node.args) and node.args[0] is tensor and write_ops.writes_first(node.target)
 
 
 def owned(node: torch.fx.Node) -> bool:
@@ -46,19 +40,6 @@ def owned(node: torch.fx.Node) -> bool:
             return False
         node = source
     return node.op == "call_function"
-
-
-def arguments(view: torch.fx.Node) -> list:
-    """`view`'s arguments after `self`, every one (defaults filled in), in its schema's order."""
-    out = []
-    for i, arg in enumerate(view.target._schema.arguments[1:], start=1):
-        if i < len(view.args):
-            out.append(view.args[i])
-        elif arg.name in view.kwargs:
-            out.append(view.kwargs[arg.name])
-        else:
-            out.append(arg.default_value)
-    return out
 
 
 def call(gm: torch.fx.GraphModule, made: list, target, *args, **kwargs) -> torch.fx.Node:
@@ -91,10 +72,4 @@ def moved(gm: torch.fx.GraphModule, made: list, x: torch.fx.Node, like: torch.Te
         change["device"] = like.device
     if dtype and have.dtype != like.dtype:
         change["dtype"] = like.dtype
-    return call(gm, made, torch.ops.aten._to_copy.default, x, **change) if change else x
-
-
-def inverse_permutation(dims: list) -> list:
-    """The dims undoing `permute(dims)` (negative dims read modulo their number)."""
-    k = len(dims)
-    return sorted(range(k), key=lambda d: dims[d] % k)
+    return call(gm, made, cast_ops.CAST, x, **change) if change else x

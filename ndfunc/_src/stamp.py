@@ -47,7 +47,7 @@ import torch
 import torch.fx.traceback as fx_traceback
 from torch.fx.node import map_arg
 
-from ndfunc._src import regions, torch_compat
+from ndfunc._src import regions, torch_compat, write_ops
 
 
 # Annotations that name one call (`nf.remat`'s region ids): made inside a region, each copy draws
@@ -272,13 +272,8 @@ def _reached(starts: list) -> set:
 
 def _writes_input(node: torch.fx.Node) -> bool:
     """Whether `node` writes into one of the region's inputs (or a view of one)."""
-    schema = getattr(node.target, "_schema", None)
-    if schema is None or not schema.is_mutable:
-        return False
-    for i, arg in enumerate(schema.arguments):
-        written = arg.alias_info is not None and arg.alias_info.is_write
-        value = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name)
-        while written and isinstance(value, torch.fx.Node):
+    for value in write_ops.written_values(node):
+        while isinstance(value, torch.fx.Node):
             if value.op == "placeholder":
                 return True
             view = getattr(value.target, "_schema", None)

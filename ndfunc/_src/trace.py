@@ -40,7 +40,7 @@ import torch.fx.traceback as fx_traceback
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.nn import _reduction
 
-from ndfunc._src import attention, experts, regions, swaps, writes
+from ndfunc._src import attention, experts, regions, swaps, write_ops, writes
 from ndfunc._src.attention import cpu_flash_as_attention
 from ndfunc._src.constraints import decode_spec, sharding_constraint_op
 from ndfunc._src.custom_gradients import accepting_old_functions
@@ -397,8 +397,7 @@ def _check_constants(gm: torch.fx.GraphModule, name: str) -> None:
                 f"step as an argument (with the sharding its values have).")
     root = buffer_roots(gm.graph.nodes)
     for node in gm.graph.nodes:
-        schema = getattr(node.target, "_schema", None) if node.op == "call_function" else None
-        if schema is not None and schema.is_mutable and root[node].op == "get_attr":
+        if node.op == "call_function" and write_ops.written(node.target) and root[node].op == "get_attr":
             raise TypeError(
                 f"{name} writes in place ({node.target}) into a tensor it closes over (shape "
                 f"{list(node.meta['val'].shape)}); tracing has applied that write to it once. A traced "

@@ -32,30 +32,12 @@ import functools
 
 import torch
 
+from ndfunc._src import view_ops, write_ops
 from ndfunc._src.copy_slices import copies_as_broadcasts, fresh_copies, strided_views
-from ndfunc._src.graph_edits import (
-    annotate,
-    arguments,
-    call,
-    inverse_permutation,
-    is_view,
-    moved,
-    owned,
-    returns_view,
-    writes_into,
-)
+from ndfunc._src.graph_edits import annotate, call, is_view, moved, owned, writes_into
+from ndfunc._src.view_ops import arguments
 
 aten = torch.ops.aten
-
-# a view op -> the op writing a source into that view of a tensor, functionally; both take the
-# view's arguments after `self` (the scatter's after `src`), in the same order
-_SCATTERS = {aten.slice.Tensor: aten.slice_scatter.default, aten.select.int: aten.select_scatter.default,
-             aten.diagonal.default: aten.diagonal_scatter.default}
-# views of every element in another order or shape: a source written into one is the tensor,
-# reordered (or reshaped) back
-_REORDERS = (aten.permute.default, aten.transpose.int, aten.t.default,
-             aten.unsqueeze.default, aten.squeeze.dim, aten.view.default)  # (and of another shape)
-_WRITES = (aten.copy_.default, aten.fill_.Scalar, aten.fill_.Tensor, aten.zero_.default)
 
 
 def as_functional(gm: torch.fx.GraphModule) -> None:
@@ -69,8 +51,8 @@ def reshapes_as_views(gm: torch.fx.GraphModule) -> bool:
     """Each op that changes a tensor's shape in place (`unsqueeze_`: GroupNorm's backward under
     torch.func), which no sharding rule lays out, as its view (`unsqueeze`), where nothing reads
     the tensor afterwards but through the op's result. Whether any was rewritten."""
-    nodes = [n for op in {n.target for n in gm.graph.nodes if n.op == "call_function"} if _reshapes_in_place(op)
-             for n in gm.graph.find_nodes(op="call_function", target=op)]
+    ops = {n.target for n in gm.graph.nodes if n.op == "call_function"}
+    nodes = [n for op in ops if write_ops.reshapes_in_place(op) for n in gm.graph.find_nodes(op="call_function", target=op)]
     if not nodes:
         return False
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
@@ -79,31 +61,21 @@ def reshapes_as_views(gm: torch.fx.GraphModule) -> bool:
         x = node.args[0]
         if not isinstance(x, torch.fx.Node) or any(u is not node and order[u] > order[node] for u in x.users):
             continue  # read afterwards as it was: its shape changed under that read
-        node.target = _out_of_place(node.target)
+        node.target = write_ops.functional(node.target)
         annotate([node], node)
         changed = True
     return changed
 
 
-@functools.cache
-def _reshapes_in_place(op) -> bool:
-    """Whether `op` changes its first argument's shape in place: its out-of-place form is a view."""
-    if not isinstance(op, torch._ops.OpOverload) or not op._schema.arguments:
-        return False
-    first = op._schema.arguments[0].alias_info
-    view = _out_of_place(op) if first is not None and first.is_write else None
-    return view is not None and returns_view(view)
-
-
 def views_as_scatters(gm: torch.fx.GraphModule) -> bool:
     """Each `copy_` or `fill_` into a slice, select, diagonal, permute, transpose, (un)squeeze or
     reshape (or such a view of such a view) of a tensor the step made (not an input's, not a view
-    of another), as the views' scatter ops (through a reordering or a reshape: the source put back),
-    innermost first. Later reads of the tensor read the result; later reads of a view of it taken
-    before the write (the written one too, and views of views) read that view taken again of the
-    result. Left in place where one of those views was written through before. Whether any was
-    rewritten."""
-    writes = [n for target in _WRITES for n in gm.graph.find_nodes(op="call_function", target=target)]
+    of another), as the views' scatter ops (through a reordering or a reshape: the source put back;
+    each view's `written_back` in `view_ops`), innermost first. Later reads of the tensor read the
+    result; later reads of a view of it taken before the write (the written one too, and views of
+    views) read that view taken again of the result. Left in place where one of those views was
+    written through before. Whether any was rewritten."""
+    writes = [n for target in write_ops.OVERWRITES for n in gm.graph.find_nodes(op="call_function", target=target)]
     if not writes:
         return False
     order = {n: float(i) for i, n in enumerate(gm.graph.nodes)}
@@ -127,15 +99,7 @@ def views_as_scatters(gm: torch.fx.GraphModule) -> bool:
             else:  # a copy, or a fill with a 0-d tensor: on the view's device, of its dtype, broadcast
                 written = call(gm, made, aten.expand.default, moved(gm, made, src, into), list(into.shape))
             for link in chain:  # scattered into each view in turn, out to the tensor
-                if link.target is aten.permute.default:
-                    written = call(gm, made, aten.permute.default, written, inverse_permutation(link.args[1]))
-                elif link.target in (aten.transpose.int, aten.t.default):  # (each its own inverse)
-                    written = call(gm, made, link.target, written, *link.args[1:])
-                elif link.target in (aten.unsqueeze.default, aten.squeeze.dim, aten.view.default):
-                    # (a reshape: put back through a permute, the source's strides may allow no view)
-                    written = call(gm, made, aten.reshape.default, written, list(link.args[0].meta["val"].shape))
-                else:
-                    written = call(gm, made, _SCATTERS[link.target], link.args[0], written, *arguments(link))
+                written = view_ops.written_back(link.target)(functools.partial(call, gm, made), link, written)
             again = {base: written}
 
             def taken_again(a: torch.fx.Node) -> torch.fx.Node:
@@ -164,7 +128,7 @@ def _chain(view) -> list[torch.fx.Node] | None:
     select, diagonal, reordering or reshape), innermost first; None if it is no such view."""
     chain, base = [], view
     while isinstance(base, torch.fx.Node) and (not chain or not owned(base)) and (
-            base.target in _SCATTERS or base.target in _REORDERS):
+            view_ops.written_back(base.target) is not None):
         chain.append(base)
         base = base.args[0]
     return chain if chain and isinstance(base, torch.fx.Node) and owned(base) else None
@@ -177,14 +141,14 @@ def updates_into_views(gm: torch.fx.GraphModule) -> bool:
     the view's scatter. Whether any was rewritten."""
     changed = False
     for node in list(gm.graph.nodes):
-        if node.op != "call_function" or node.target in _WRITES or not node.args:
+        if node.op != "call_function" or node.target in write_ops.OVERWRITES or not node.args:
             continue
         view = node.args[0]
         if not (isinstance(view, torch.fx.Node) and writes_into(node, view) and _chain(view) is not None):
             continue
-        functional = _out_of_place(node.target)
+        functional = write_ops.functional(node.target)
         was, into = node.meta.get("val"), view.meta.get("val")
-        if functional is None or returns_view(functional) or not (
+        if functional is None or view_ops.returns_view(functional) or not (
                 isinstance(was, torch.Tensor) and was.shape == into.shape and was.dtype == into.dtype):
             continue
         made = []
@@ -219,14 +183,14 @@ def updates_as_values(gm: torch.fx.GraphModule) -> bool:
     for copy in list(gm.graph.find_nodes(op="call_function", target=aten.copy_.default)):
         into, update = copy.args[:2]
         if not (isinstance(into, torch.fx.Node) and isinstance(update, torch.fx.Node) and update.op == "call_function"
-                and into.target in _SCATTERS and list(update.users) == [copy] and update.args
+                and into.target in view_ops.PARTS and list(update.users) == [copy] and update.args
                 and isinstance(update.args[0], torch.fx.Node)):
             continue
         updated, base = update.args[0], into.args[0]
         if not (writes_into(update, updated) and updated.target is into.target and updated.args[0] is base
                 and arguments(updated) == arguments(into) and list(updated.users) == [update]):
             continue
-        functional = _out_of_place(update.target)
+        functional = write_ops.functional(update.target)
         if functional is None or _read_between(update, copy, base, into):
             continue
         update.target = functional
@@ -244,25 +208,6 @@ def _read_between(first: torch.fx.Node, last: torch.fx.Node, base: torch.fx.Node
             return True
         node = node.next
     return False
-
-
-def _out_of_place(op) -> torch._ops.OpOverload | None:
-    """`aten.add_.Tensor` -> `aten.add.Tensor`: an in-place op's functional overload, if ATen has it."""
-    name = op._schema.name.split("::")[-1]
-    if not name.endswith("_") or name.startswith("_"):
-        return None
-    packet = getattr(aten, name[:-1], None)
-    if packet is None:
-        return None
-    overload = getattr(packet, op._overloadname, None)
-    if isinstance(overload, torch._ops.OpOverload):
-        return overload
-    takes = [(a.name, str(a.type)) for a in op._schema.arguments]  # (transpose_.default: transpose.int)
-    for name in packet.overloads():
-        candidate = getattr(packet, name)
-        if [(a.name, str(a.type)) for a in candidate._schema.arguments] == takes:
-            return candidate
-    return None
 
 
 def fills_rows(mask: torch.Tensor, x: torch.Tensor, value: torch.Tensor) -> bool:

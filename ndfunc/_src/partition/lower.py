@@ -34,10 +34,10 @@ from ndfunc._src.partition.planning.strategies import (
 from ndfunc._src.partition.program import Comm, LoweringContext
 from ndfunc._src.sharding.mesh import rank_at
 from ndfunc._src.torch_compat import LazyGraphModule, eliminate_dead_code, new_node
+from ndfunc._src.view_ops import ON_BLOCKS
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
-_RESHAPES = {aten.view.default: aten.reshape.default, aten._unsafe_view.default: aten.reshape.default}
 _MANUAL_COMMS = (c10d.all_reduce.default, c10d.all_gather_into_tensor.default, c10d.reduce_scatter_tensor.default,
                  c10d.all_to_all_single.default)
 
@@ -281,9 +281,7 @@ def lower(graph: torch.fx.Graph, plan: Plan, axis_names: Sequence[str], group_na
             op, a, kw = local_args(node, s.ins, plan.sizes, s.outs[0] if len(s.outs) == 1 else None)
             if rule is not None and rule.local is not None:
                 a = rule.local(node, a)
-            # a block of a viewable value need not be viewable (its strides differ): reshape,
-            # which views when it can and copies when it must
-            op = _RESHAPES.get(op, op)
+            op = ON_BLOCKS.get(op, op)  # (a block of a view need not be viewable: `view_ops`)
         own_comm = None
         if (own := prog.local_op(node)) is not None:  # a transform's own local op (nf.ring_attention)
             op, a, kw, own_comm = own(LoweringContext(e.coords, e.axis_names, e.sizes), node, s, op, a, kw)

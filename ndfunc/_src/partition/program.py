@@ -40,13 +40,6 @@ from ndfunc._src.runtime import simulation_paused
 from ndfunc._src.torch_compat import FakeTensorMode
 
 KINDS = ("all_gather", "all_reduce", "reduce_scatter", "all_to_all", "ppermute")
-_aten = torch.ops.aten
-# ops that lay a value out without changing its elements (a view, a reordering, a copy): the passes
-# follow a value through them (a parameter to its gather, a gather to the next, a sum to its reader)
-VIEWS = frozenset({
-    _aten.view.default, _aten.reshape.default, _aten._unsafe_view.default, _aten.permute.default,
-    _aten.transpose.int, _aten.t.default, _aten.unsqueeze.default, _aten.squeeze.dim, _aten.squeeze.dims,
-    _aten.clone.default, _aten.contiguous.default})
 
 
 @dataclasses.dataclass(frozen=True)

@@ -36,6 +36,7 @@ import operator
 
 import torch
 
+from ndfunc._src import cast_ops, view_ops
 from ndfunc._src.partition import program as prog
 from ndfunc._src.partition.passes import bucket
 from ndfunc._src.partition.passes.schedule import wait_in_turn
@@ -146,7 +147,7 @@ def _parameter_gathers(gm: torch.fx.GraphModule) -> list[_Gather]:
         value = _finish(start, chain)
         while True:
             laid_out, user = [], _only_user(value)
-            while user is not None and user.target in prog.VIEWS:
+            while user is not None and user.target in view_ops.SAME_ELEMENTS:
                 laid_out.append(user)
                 user = _only_user(user)
             if user is None or user.target is not c10d.all_gather_into_tensor.default or prog.comm(user) is None:
@@ -326,13 +327,11 @@ def _modules(placeholders: list, paths: list[str]) -> dict:
             for ph, path, cut in zip(placeholders, paths, cuts)}
 
 
-_CASTS = (aten._to_copy.default, torch.ops.prims.convert_element_type.default)
-
-
 def _views_of_source(node: torch.fx.Node) -> list[torch.fx.Node]:
     """The views, copies, casts and all-to-alls from `_source(node)` to `node`, in program order."""
     chain = []
-    while node.op == "call_function" and (node.target in prog.VIEWS or _is_cast(node) or _is_all_to_all(node)):
+    while node.op == "call_function" and (node.target in view_ops.SAME_ELEMENTS or _is_cast(node)
+                                          or _is_all_to_all(node)):
         chain.append(node)
         node = node.args[0]
     return chain[::-1]
@@ -350,7 +349,7 @@ def _is_all_to_all(node: torch.fx.Node) -> bool:
 def _is_cast(node: torch.fx.Node) -> bool:
     """A change of dtype only: `nf.mixed_precision`'s cast of a stored parameter, which the
     partitioner places before its gather (the gather then moves half the bytes), as FSDP2 does."""
-    return node.target in _CASTS and set(node.kwargs) <= {"dtype"}
+    return cast_ops.dtype_only(node)
 
 
 def _source(node: torch.fx.Node) -> torch.fx.Node:

@@ -6,14 +6,14 @@ import operator
 
 import torch
 
+from ndfunc._src import cast_ops, view_ops
 from ndfunc._src.partition import program as prog
 from ndfunc._src.partition.passes.schedule import REDUCTIONS
 
-aten = torch.ops.aten
 # ops that lay a value out, or cut it, without changing it, in any dtype: what the lowering writes
 # between a gradient's sum and its next (the sum over one axis split rank by rank for the next), and
 # what cuts a bucket of sums into its pieces (`nf.fsdp`'s buckets)
-_LAYOUT_ONLY = prog.VIEWS | {aten.split.Tensor, aten.split_with_sizes.default, operator.getitem}
+_LAYOUT_ONLY = view_ops.SAME_ELEMENTS | view_ops.PIECES | {operator.getitem}
 
 
 def reduce_in(gm: torch.fx.GraphModule, dtype: torch.dtype, axes: tuple[str, ...] | None = None,
@@ -32,7 +32,7 @@ def reduce_in(gm: torch.fx.GraphModule, dtype: torch.dtype, axes: tuple[str, ...
         given = comm.dtype
         if node not in fed:
             with gm.graph.inserting_before(node):
-                cast = gm.graph.call_function(aten._to_copy.default, (node.args[0],), {"dtype": dtype})
+                cast = gm.graph.call_function(cast_ops.CAST, (node.args[0],), {"dtype": dtype})
             sent = prog.shape_dtype(node.args[0])
             if sent is not None:  # for passes that read shapes before metadata is filled
                 prog.note_local(cast, sent[0], dtype)
@@ -69,7 +69,7 @@ def _read_as(gm: torch.fx.GraphModule, wait: torch.fx.Node, dtype: torch.dtype, 
                 edges.append((x, u))
     fed, rest = set(), {}
     for x, u in edges:
-        if _cast_to(u, dtype):
+        if cast_ops.casts_to(u, dtype):
             u.replace_all_uses_with(x)
             gm.graph.erase_node(u)
         elif u in reductions and u.args[0] is x:
@@ -78,7 +78,7 @@ def _read_as(gm: torch.fx.GraphModule, wait: torch.fx.Node, dtype: torch.dtype, 
             rest.setdefault(x, []).append(u)
     for x, readers in rest.items():
         with gm.graph.inserting_after(x):
-            back = gm.graph.call_function(aten._to_copy.default, (x,), {"dtype": given})
+            back = gm.graph.call_function(cast_ops.CAST, (x,), {"dtype": given})
         for u in readers:
             u.replace_input_with(x, back)
     for n in laid_out:  # now in `dtype`
@@ -87,10 +87,3 @@ def _read_as(gm: torch.fx.GraphModule, wait: torch.fx.Node, dtype: torch.dtype, 
         if made is not None:
             prog.note_local(n, made[0], dtype)
     return fed
-
-
-def _cast_to(node: torch.fx.Node, dtype: torch.dtype) -> bool:
-    """Whether `node` only casts its one input to `dtype` (on its own device, strided)."""
-    return (node.target is aten._to_copy.default and len(node.args) == 1 and node.kwargs.get("dtype") == dtype
-            and set(node.kwargs) <= {"dtype", "layout", "device"}
-            and node.kwargs.get("layout", torch.strided) is torch.strided)

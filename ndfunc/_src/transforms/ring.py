@@ -34,11 +34,12 @@ from ndfunc._src import attention
 from ndfunc._src.partition import program as prog
 from ndfunc._src.partition.planning.layout import local_shape
 from ndfunc._src.partition.planning.ops import attention_flops, register
-from ndfunc._src.partition.planning.strategies import RESHAPES, tensor_inputs, value_of
+from ndfunc._src.partition.planning.strategies import tensor_inputs, value_of
 from ndfunc._src.point_to_point import across_ranks, permute_blocks
 from ndfunc._src.sharding.errors import ShardingWarning, user_stacklevel
 from ndfunc._src.torch_compat import FakeTensor, LocalTensor
 from ndfunc._src.transforms.base import Transform
+from ndfunc._src.view_ops import RESHAPES
 
 ATTENTION, ATTENTION_BACKWARD = attention.attention_op, attention.attention_backward_op
 

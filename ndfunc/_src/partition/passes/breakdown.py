@@ -25,15 +25,15 @@ import dataclasses
 
 import torch
 
+from ndfunc._src import cast_ops, view_ops
 from ndfunc._src.autodiff import DIFFERENTIATED, FORWARD
 from ndfunc._src.buffers import lifetimes
 from ndfunc._src.partition import program as prog
 
-aten = torch.ops.aten
 _GATHER = torch.ops._c10d_functional.all_gather_into_tensor.default
 _KINDS = ("arguments", "gathered", "activations", "backward", "other")
 # ops that leave a stored input what it is: a view, a copy, a cast
-_PASS_THROUGH = prog.VIEWS | {aten._to_copy.default, torch.ops.prims.convert_element_type.default}
+_PASS_THROUGH = view_ops.SAME_ELEMENTS | frozenset(cast_ops.CASTS)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -5,7 +5,8 @@ on big tensors (an optimizer update over every parameter) the allocations and fi
 faults cost more than the arithmetic. Where the first input of an elementwise op is a buffer the
 program made (not an input the caller owns, not a view, not read later through any alias), the op
 becomes its in-place form (`add` -> `add_`), as eager optimizers do by hand; where only the second
-is, a division or subtraction writes into it (`div(a, b, out=b)`).
+is, a division or subtraction writes into it (`div(a, b, out=b)`). Which ops have such forms is the
+writes table's (`write_ops.IN_PLACE`, `write_ops.INTO_SECOND`).
 """
 
 from __future__ import annotations
@@ -14,25 +15,15 @@ import torch
 
 from ndfunc._src.buffers import aliased, lifetimes, readers
 from ndfunc._src.partition.program import shape_dtype
+from ndfunc._src.view_ops import READS_STRIDES
+from ndfunc._src.write_ops import IN_PLACE, INTO_SECOND
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
 
-INPLACE = {
-    aten.add.Tensor: aten.add_.Tensor, aten.sub.Tensor: aten.sub_.Tensor, aten.mul.Tensor: aten.mul_.Tensor,
-    aten.div.Tensor: aten.div_.Tensor, aten.add.Scalar: aten.add_.Scalar, aten.mul.Scalar: aten.mul_.Scalar,
-    aten.div.Scalar: aten.div_.Scalar, aten.sub.Scalar: aten.sub_.Scalar, aten.sqrt.default: aten.sqrt_.default,
-    aten.rsqrt.default: aten.rsqrt_.default, aten.neg.default: aten.neg_.default, aten.exp.default: aten.exp_.default,
-    aten.reciprocal.default: aten.reciprocal_.default, aten.pow.Tensor_Scalar: aten.pow_.Scalar,
-    aten.addcmul.default: aten.addcmul_.default, aten.addcdiv.default: aten.addcdiv_.default,
-    aten.lerp.Scalar: aten.lerp_.Scalar, aten.sigmoid.default: aten.sigmoid_.default,
-    aten.tanh.default: aten.tanh_.default, aten.silu.default: aten.silu_.default, aten.relu.default: aten.relu_.default,
-}
 _COMMUTATIVE = (aten.add.Tensor, aten.mul.Tensor)
-# `a / b` where `b` dies and `a` cannot be written into: the quotient goes into `b` (`out=b`)
-INTO_SECOND = {aten.div.Tensor: aten.div.out, aten.sub.Tensor: aten.sub.out}
 # aliases that are the whole buffer: a collective's result, an in-place op's, an `out=` op's
-_WHOLE = frozenset({c10d.wait_tensor.default, *INPLACE.values(), *INTO_SECOND.values()})
+_WHOLE = frozenset({c10d.wait_tensor.default, *IN_PLACE.values(), *INTO_SECOND.values()})
 
 
 def reuse_buffers(gm: torch.fx.GraphModule) -> int:
@@ -73,15 +64,15 @@ def reuse_buffers(gm: torch.fx.GraphModule) -> int:
 
     turned = 0
     for n in nodes:
-        if n.op != "call_function" or n.target not in INPLACE or not n.args:
+        if n.op != "call_function" or n.target not in IN_PLACE or not n.args:
             continue
         if writable(n.args[0], n):  # the result keeps the first input's layout, as the op's would
-            n.target = INPLACE[n.target]
+            n.target = IN_PLACE[n.target]
         elif len(n.args) != 2 or not writable(n.args[1], n) or not _layout_free(n):
             continue
         elif n.target in _COMMUTATIVE and not n.kwargs:
             n.args = (n.args[1], n.args[0])  # a + b = b + a: write into the one that dies
-            n.target = INPLACE[n.target]
+            n.target = IN_PLACE[n.target]
         elif n.target in INTO_SECOND:
             n.target, n.kwargs = INTO_SECOND[n.target], {**n.kwargs, "out": n.args[1]}
         else:
@@ -95,15 +86,11 @@ def reuse_buffers(gm: torch.fx.GraphModule) -> int:
     return turned
 
 
-# readers that depend on their input's strides, not only its values
-_STRIDED = frozenset({aten.view.default, aten._unsafe_view.default, aten.as_strided.default})
-
-
 def _layout_free(n: torch.fx.Node) -> bool:
     """Whether nothing reads `n`'s result through an op that depends on its strides. Written into
     its second input, the result has that input's strides, where the op would have followed the
     first's (a `view` of it could then fail)."""
-    return not any(r.target in _STRIDED for r in readers(n))
+    return not any(r.target in READS_STRIDES for r in readers(n))
 
 
 def fold_donated_copies(gm: torch.fx.GraphModule) -> int:
@@ -125,7 +112,7 @@ def fold_donated_copies(gm: torch.fx.GraphModule) -> int:
                 or any(index[r] > index[first] for r in readers(buffer, through_copies=False) if r is not copy)):
             continue
         for n in chain:
-            n.target = INPLACE[n.target]
+            n.target = IN_PLACE[n.target]
         copy.replace_all_uses_with(chain[0])
         gm.graph.erase_node(copy)
         folded += 1
@@ -160,6 +147,6 @@ def fold_scales(gm: torch.fx.GraphModule) -> int:
 def _chain_link(node, buffer: torch.fx.Node) -> bool:
     """Whether `node` is an elementwise op with an in-place form whose result has `buffer`'s
     shape and dtype, so it may be written into it."""
-    return (isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target in INPLACE
+    return (isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target in IN_PLACE
             and bool(node.args) and isinstance(node.args[0], torch.fx.Node)
             and shape_dtype(node) is not None and shape_dtype(node) == shape_dtype(buffer))

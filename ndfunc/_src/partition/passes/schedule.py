@@ -23,10 +23,10 @@ import operator
 
 import torch
 
+from ndfunc._src import view_ops, write_ops
 from ndfunc._src.buffers import lifetimes
 from ndfunc._src.partition import program as prog
 from ndfunc._src.partition.passes.analysis import live_bytes
-from ndfunc._src.partition.passes.inplace import INPLACE
 from ndfunc._src.partition.program import shape_dtype
 
 
@@ -44,7 +44,7 @@ def hoist_freeing_ops(gm: torch.fx.GraphModule) -> int:
         key[n] = (i,)
         if n.op != "call_function":
             continue
-        if n.target not in INPLACE:
+        if n.target not in write_ops.IN_PLACE:
             if _writes(n):
                 barrier = n
             continue
@@ -58,8 +58,7 @@ def hoist_freeing_ops(gm: torch.fx.GraphModule) -> int:
 
 
 def _writes(n: torch.fx.Node) -> bool:
-    schema = getattr(n.target, "_schema", None)
-    return schema is not None and (schema.is_mutable or schema.name.endswith("_"))
+    return write_ops.mutates(n.target)
 
 
 def _frees(n: torch.fx.Node, root: dict, last: dict, index: dict) -> bool:
@@ -80,7 +79,8 @@ def _frees(n: torch.fx.Node, root: dict, last: dict, index: dict) -> bool:
 c10d = torch.ops._c10d_functional
 aten = torch.ops.aten
 REDUCTIONS = (c10d.reduce_scatter_tensor.default, c10d.all_reduce.default)  # the gradient collectives
-_MOVES = prog.VIEWS | {operator.getitem, aten.split.Tensor, aten.cat.default, aten.slice.Tensor}  # data movement
+# data movement
+_MOVES = view_ops.SAME_ELEMENTS | {operator.getitem, aten.split.Tensor, aten.cat.default, aten.slice.Tensor}
 
 
 def issue_reductions_early(gm: torch.fx.GraphModule) -> int:

@@ -22,8 +22,8 @@ import operator
 
 import torch
 
-from ndfunc._src.graph_edits import is_view
 from ndfunc._src.partition import program as prog
+from ndfunc._src.view_ops import aliases_input
 
 _c10d = torch.ops._c10d_functional
 # what the lowering makes of a view to move it: its collectives, their waits, and the copies that
@@ -44,7 +44,7 @@ def share_repeated_moves(gm: torch.fx.GraphModule) -> int:
     for node in list(gm.graph.nodes):
         if node.op != "call_function":
             continue
-        view = is_view(node) or node.target is torch.ops.aten._unsafe_view.default
+        view = aliases_input(node.target)
         if not (view or node.target in _MADE_FOR_A_MOVE):
             continue
         marks = prog.marks(node)  # the traced op's annotations: its phase (None: the lowering made it)

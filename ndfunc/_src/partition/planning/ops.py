@@ -33,7 +33,7 @@ import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.nn import _reduction
 
-from ndfunc._src import attention, manual, opaque
+from ndfunc._src import attention, cast_ops, manual, opaque
 from ndfunc._src import ctc_loss, experts, rnn  # noqa: F401 (importing them fills opaque.OPS)
 from ndfunc._src.constraints import sharding_constraint_op
 from ndfunc._src.copy_slices import copied_in_order, dense_order
@@ -622,7 +622,7 @@ def _cumsum(emitter, node, locals_):
     every = emitter.emit(step, total, val)  # (n, rest): each rank's total along the axis
     before = emitter.call(aten.lt.Tensor, emitter.call(aten.arange.default, n, device=val.device),
                           emitter.call(aten.select.int, emitter.coords, 0, m))
-    weights = emitter.call(aten.view.default, emitter.call(aten._to_copy.default, before, dtype=val.dtype),
+    weights = emitter.call(aten.view.default, emitter.call(cast_ops.CAST, before, dtype=val.dtype),
                            [n] + [1] * (len(rest) - 1))
     prefix = emitter.call(aten.sum.dim_IntList, emitter.call(aten.mul.Tensor, every, weights), [0], True)
     out = emitter.call(aten.add.Tensor, local, emitter.call(aten.movedim.int, prefix, 0, d))

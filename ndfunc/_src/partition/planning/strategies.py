@@ -50,6 +50,7 @@ from ndfunc._src.torch_compat import (
     view_rule,
 )
 from ndfunc._src.torch_compat import sharding_propagator as propagator
+from ndfunc._src.view_ops import BY_AXIS, RESHAPES
 
 aten = torch.ops.aten
 
@@ -443,11 +444,10 @@ def from_op_strategy(node, ins, outs, sizes) -> Sequence[Strategy]:
 # the other axes hold: it follows the input (clone, fill_, empty_like), transposes it, unshards one
 # dim (slice, split) or turns a split of a summed dim into a pending sum (sum: a pending sum stays
 # one). Not a mean's, a max's or a product's: theirs replicate every axis once any axis holds a
-# pending sum of another kind, or a split that does not divide.
-AXIS_BY_AXIS = frozenset({
-    aten.slice.Tensor, aten.split.Tensor, aten.t.default, aten.sum.default, aten.sum.dim_IntList,
-    aten.clone.default, aten.contiguous.default, aten.detach.default, aten.alias.default, aten.fill_.Scalar,
-    aten.zero_.default, aten.empty_like.default})
+# pending sum of another kind, or a split that does not divide. The views among them are the
+# views table's (`view_ops.BY_AXIS`: slice, split, t, clone, ...).
+AXIS_BY_AXIS = BY_AXIS | frozenset({
+    aten.sum.default, aten.sum.dim_IntList, aten.fill_.Scalar, aten.zero_.default, aten.empty_like.default})
 
 
 def _asked_by_axis(node, a: torch.fx.Node, outs: list, sizes: tuple[int, ...]) -> Fitted | None:
@@ -687,9 +687,6 @@ class _Slot:
 
 
 _LOCAL_ARGS: dict = {}
-
-
-RESHAPES = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)  # (x, shape)
 
 
 def _local_args(node: torch.fx.Node, in_layouts: Sequence[Layout], sizes: tuple[int, ...],
