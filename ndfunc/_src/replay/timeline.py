@@ -32,7 +32,7 @@ import operator
 
 import torch
 
-from ndfunc._src import collective_cost
+from ndfunc._src import collective_cost, view_ops
 from ndfunc._src.forward import on_workers
 from ndfunc._src.partition import program as prog
 from ndfunc._src.partition.passes.breakdown import value_bytes
@@ -48,9 +48,10 @@ from ndfunc._src.planner.estimate import Efficiency
 KERNELS = Efficiency(matmul=0.6, attention=0.35)
 
 _WAIT = torch.ops._c10d_functional.wait_tensor.default
-# Ops that move no bytes of their own: they alias their input (a reshape views where it can, and
-# the lowering asks for one only where a view of the global value was traced)
-_FREE = frozenset({operator.getitem, torch.ops.aten.reshape.default, torch.ops.aten._unsafe_view.default})
+def _free(target) -> bool:
+    """Whether an op moves no bytes of its own: it aliases its input (`view_ops`; a reshape views
+    where it can, and the lowering asks for one only where a view of the global value was traced)."""
+    return target is operator.getitem or target in view_ops.RESHAPES or view_ops.aliases_input(target)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -225,7 +226,7 @@ class _Spans:
 
 def op_seconds(node: torch.fx.Node, device: Device, efficiency: Efficiency) -> tuple[float, float]:
     """`(seconds, flops)` of one op of a local program on `device`: its roofline time (module text)."""
-    if node.target in _FREE or getattr(node.target, "is_view", False):
+    if _free(node.target):
         return 0.0, 0.0
     flops = node_flops(node)
     moved = value_bytes(node.meta.get("val")) + sum(value_bytes(a.meta.get("val")) for a in node.all_input_nodes)
