@@ -3,6 +3,8 @@ bytes and memory are read from the program and the collectives that run are coun
 
 from __future__ import annotations
 
+import operator
+
 import optree
 import pytest
 import torch
@@ -10,10 +12,13 @@ from test_jit_partition import CountRun
 
 import ndfunc as nf
 from ndfunc._src.partition.passes.analysis import peak_memory
+from ndfunc._src.partition.passes.schedule import schedule
 from ndfunc._src.partition.program import comm
+from ndfunc._src.view_ops import SAME_ELEMENTS
 from ndfunc.sharding import NamedSharding, P
 
 N_LAYERS, D, B = 4, 32, 16
+c10d = torch.ops._c10d_functional
 
 
 def setup(blocks: bool = True, batch: int = B):
@@ -477,3 +482,69 @@ def test_a_hugging_face_models_weights_gathered_over_two_axes_are_prefetched():
     # all but a few in flight: the first layer's, issued at the head, and the first regathered for
     # backward, issued where the forward ends (before: every one of them at 0)
     assert len(second) > 10 and sum(m == 0 for m in second) <= 3, second
+
+
+# what lays a value out or cuts it, and the collectives' own nodes: no compute
+_DATA_MOVEMENT = SAME_ELEMENTS | {torch.ops.aten.cat.default, torch.ops.aten.slice.Tensor, torch.ops.aten.split_with_sizes.default,
+                          operator.getitem, c10d.wait_tensor.default, c10d.all_gather_into_tensor.default,
+                          c10d.reduce_scatter_tensor.default}
+
+
+def first_computed_on(node: torch.fx.Node, index: dict) -> torch.fx.Node:
+    """The first op that computes on `node`'s value (read through data movement)."""
+    found, todo = [], [node]
+    while todo:
+        for u in todo.pop().users:
+            (todo if u.target in _DATA_MOVEMENT else found).append(u)
+    return min(found, key=index.__getitem__)
+
+
+def of_program_inputs(node: torch.fx.Node) -> bool:
+    """Whether `node` is a program input laid out, cut or gathered, nothing computed."""
+    while node.op == "call_function" and node.target in _DATA_MOVEMENT:
+        node = node.args[0][0] if node.target is torch.ops.aten.cat.default else node.args[0]
+    return node.op == "placeholder"
+
+
+@pytest.mark.parametrize("prefetch", [1, 2])
+def test_the_scheduler_gathers_a_layer_prefetch_layers_ahead_and_waits_where_it_is_read(prefetch):
+    # The llama step over stand-ins under nf.fsdp, its collectives placed by the scheduler
+    # (passes/schedule.py) from nf.fsdp's windows. The schedule nf.fsdp made before there was a
+    # scheduler, read off the program alone: each gather of stored values (a layer's parameters in
+    # one bucket; the batch's tokens, a unit of their own) is waited for just before what it
+    # gathered is first read; in forward, unit j starts in the data movement just before the first
+    # op computing on unit j - prefetch (the first `prefetch` units', on the first's); each
+    # gradient reduce-scatter is waited for at once, where it is read, or before the next over its
+    # group starts, and the peak is that of each one waited for at once. Scheduled again, the
+    # program does not change.
+    from models import llama, train
+
+    cfg = llama.LlamaConfig(vocab_size=256, dim=64, n_layers=3, n_heads=4, n_kv_heads=2, ffn_dim=128)
+    lowered = train.lower_abstract(cfg, nf.ParallelConfig(dp_shard_size=4), 32, [nf.fsdp("dp_shard", prefetch=prefetch)])
+    gm = lowered.program.local
+    nodes = list(gm.graph.nodes)
+    index = {n: i for i, n in enumerate(nodes)}
+    gathers = [n for n in nodes if n.target is c10d.all_gather_into_tensor.default and of_program_inputs(n.args[0])]
+    assert sum(comm(g).parameters for g in gathers) == cfg.n_layers + 1 + cfg.n_layers - 1  # blocks, the root,
+    waits = [next(iter(g.users)) for g in gathers]  # blocks again for backward but the last
+    for w in waits:
+        read = min(w.users, key=index.__getitem__)
+        assert all(n.target is c10d.wait_tensor.default for n in nodes[index[w] + 1:index[read]])
+    forward = gathers[:1 + cfg.n_layers + 1]  # the tokens, the blocks, the root
+    for j, g in enumerate(forward):
+        anchor = first_computed_on(waits[max(j - prefetch, 0)], index)
+        assert index[g] < index[anchor]
+        assert all(n.target in _DATA_MOVEMENT for n in nodes[index[g]:index[anchor]]), (j, prefetch)
+    reduce_scatters = [n for n in nodes if n.target is c10d.reduce_scatter_tensor.default]
+    assert len(reduce_scatters) == cfg.n_layers + 1
+    for rs, following in zip(reduce_scatters, [*reduce_scatters[1:], None]):
+        (w,) = rs.users
+        read = min(w.users, key=index.__getitem__)
+        assert w.prev is rs or all(n.target is c10d.wait_tensor.default for n in nodes[index[w] + 1:index[read]]) or (
+            following is not None and all(n.target is c10d.wait_tensor.default
+                                          for n in nodes[index[w] + 1:index[following]]))
+    assert schedule(gm, peak=True) == 0
+    peak = peak_memory(gm)
+    for rs in reduce_scatters:
+        rs.append(next(iter(rs.users)))
+    assert peak_memory(gm) == peak

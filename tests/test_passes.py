@@ -13,13 +13,10 @@ from ndfunc._src.partition.passes.inplace import (
     fold_scales,
     reuse_buffers,
 )
-from ndfunc._src.partition.passes.schedule import (
-    hoist_freeing_ops,
-    issue_reductions_early,
-    wait_in_turn,
-)
+from ndfunc._src.partition.passes.hoist import hoist_freeing_ops
+from ndfunc._src.partition.passes.schedule import Start, Wait, Window, schedule
 from ndfunc._src.partition.passes.shared import share_repeated_moves
-from ndfunc._src.partition.program import carry_marks, note_local
+from ndfunc._src.partition.program import carry_marks, note_local, set_window, window
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
@@ -186,7 +183,7 @@ def reduction_after_other_work(g, x, y, write_first: bool):
 
 def test_a_reduction_and_the_copies_feeding_it_are_issued_right_after_the_gradient():
     gm = build(lambda g, x, y: reduction_after_other_work(g, x, y, write_first=False), 2)
-    assert issue_reductions_early(gm) == 3
+    assert schedule(gm) == 3
     assert targets(gm) == [aten.mul.Tensor, aten.t.default, aten.clone.default, c10d.reduce_scatter_tensor.default,
                            aten.mul.Tensor, c10d.wait_tensor.default]  # the wait stays where it was read
 
@@ -194,7 +191,7 @@ def test_a_reduction_and_the_copies_feeding_it_are_issued_right_after_the_gradie
 def test_a_reduction_does_not_move_above_a_write_to_what_it_reads():
     gm = build(lambda g, x, y: reduction_after_other_work(g, x, y, write_first=True), 2)
     before = targets(gm)
-    assert issue_reductions_early(gm) == 0
+    assert schedule(gm) == 0
     assert targets(gm) == before
 
 
@@ -275,11 +272,33 @@ def test_a_reduction_is_waited_for_before_the_next_over_its_group_is_issued():
     gm = build(body, 2)
     first = next(n for n in gm.graph.nodes if n.target is aten.mul.Tensor)
     assert lifetimes(list(gm.graph.nodes))[1][first] == 6  # after x0, x1, mul, rs, mul, rs: the first wait
-    assert wait_in_turn(gm) == 1
+    assert schedule(gm) == 1
     assert targets(gm) == [aten.mul.Tensor, c10d.reduce_scatter_tensor.default, aten.mul.Tensor, c10d.wait_tensor.default,
                            c10d.reduce_scatter_tensor.default, c10d.wait_tensor.default]
     assert lifetimes(list(gm.graph.nodes))[1][first] == 5
-    assert wait_in_turn(gm) == 0
+    assert schedule(gm) == 0
+
+
+def test_a_declared_gather_starts_just_before_its_anchor_and_is_waited_for_where_it_is_read():
+    # nf.fsdp's prefetch as the scheduler takes it: the gather of w (a view of a program input) may
+    # start just before the first op of the layer before; it moves there with its view, and its
+    # wait stays just before its result is read. Its start is placed once.
+    def body(g, x, w):
+        a = g.call_function(aten.mul.Tensor, (x, 2.0))  # the layer before
+        b = g.call_function(aten.mul.Tensor, (a, 3.0))
+        view = g.call_function(aten.t.default, (w,))
+        gathered = g.call_function(c10d.all_gather_into_tensor.default, (view, 2, "0"))
+        waited = g.call_function(c10d.wait_tensor.default, (gathered,))
+        return (g.call_function(aten.add.Tensor, (b, waited)),)
+
+    gm = build(body, 2)
+    first, _, view, gather, _, _ = [n for n in gm.graph.nodes if n.op == "call_function"]
+    set_window(gather, Window(Start.EARLY, Wait.READ, after=first))
+    assert schedule(gm) == 2
+    assert targets(gm) == [aten.t.default, c10d.all_gather_into_tensor.default, aten.mul.Tensor, aten.mul.Tensor,
+                           c10d.wait_tensor.default, aten.add.Tensor]
+    assert window(gather) == Window(Start.LOWERED, Wait.READ)
+    assert schedule(gm) == 0
 
 
 def test_views_alike_are_moved_once_within_a_phase_and_again_in_another():

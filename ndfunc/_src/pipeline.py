@@ -23,7 +23,7 @@ from ndfunc._src.partition import lower as lowering
 from ndfunc._src.partition import program as prog
 from ndfunc._src.partition.backends import cpu_kernels as kernels
 from ndfunc._src.partition.backends import gloo as algorithms
-from ndfunc._src.partition.passes import bucket, inplace, schedule, shared
+from ndfunc._src.partition.passes import bucket, hoist, inplace, schedule, shared
 from ndfunc._src.partition.planning import redistribute, solve
 from ndfunc._src.partition.program import Program
 from ndfunc._src.runtime import simulation_paused
@@ -118,8 +118,8 @@ def process_groups(mesh, axes) -> tuple[list[str], Callable[[tuple[str, ...]], s
 share_repeated_moves = _on_local(
     shared.share_repeated_moves, "Views that repeat one another, and their layout changes, made once (`shared`).")
 
-issue_reductions_early = _on_local(
-    schedule.issue_reductions_early, "Each gradient reduction issued right after what it reduces is made (`schedule`).")
+schedule_collectives = _on_local(
+    schedule.schedule, "Each collective started and waited for as its window allows (`schedule`).")
 
 
 def bucket_all_reduces(p: Program) -> Program:
@@ -129,11 +129,8 @@ def bucket_all_reduces(p: Program) -> Program:
     return p
 
 
-wait_in_turn = _on_local(
-    schedule.wait_in_turn, "Each reduction waited for before the next one over its group is issued (`schedule`).")
-
 hoist_freeing_ops = _on_local(
-    schedule.hoist_freeing_ops, "Ops that free more memory than they take run as early as they can (`schedule`).")
+    hoist.hoist_freeing_ops, "Ops that free more memory than they take run as early as they can (`hoist`).")
 
 
 def transforms_lowered(p: Program) -> Program:
@@ -164,11 +161,11 @@ reuse_buffers = _on_local(
     inplace.reuse_buffers, "Elementwise ops write into an input that dies there (`add` -> `add_`) (`inplace`).")
 
 
-def keep_in_flight(p: Program) -> Program:
-    """Reductions a transform let stay in flight waited for as late as the peak allows (`schedule`)."""
-    if any(map(prog.stays_in_flight, p.local.graph.nodes)):
+def schedule_within_peak(p: Program) -> Program:
+    """Collectives whose window holds them in flight as long as the peak allows, placed (`schedule`)."""
+    if schedule.needs_peak(p.local):
         p.ensure_meta(changed=True)  # the sizes of what transforms made, for the memory account
-        schedule.keep_in_flight(p.local)
+        schedule.schedule(p.local, peak=True)
     return p
 
 
@@ -197,16 +194,16 @@ PASSES: tuple[Pass, ...] = (
     transforms_partitioned,
     lower,
     share_repeated_moves,
-    issue_reductions_early,
+    schedule_collectives,
     bucket_all_reduces,
-    wait_in_turn,
+    schedule_collectives,
     hoist_freeing_ops,
     transforms_lowered,
     donate,
     fold_scales,
     fold_donated_copies,
     reuse_buffers,
-    keep_in_flight,
+    schedule_within_peak,
     # -- Lowered: the partitioned program above; Compiled: what runs, below --
     backend_collectives,
     cpu_kernels,

@@ -21,7 +21,7 @@ only through the functions below (no module spells a metadata key):
     is_manual(node) / mark_manual(node)        inside an `nf.shard_map` region: already per rank
     local_op(node) / set_local_op(node, ...)   a transform's own lowering of a node (the ring)
     kept_split(node) / keep_split(node, axis)  a transform keeps the node's keys split on an axis
-    stays_in_flight(node) / let_stay_in_flight  a reduction the wait scheduler may wait for late
+    window(node) / set_window(node, w)         where a collective may start and be waited for
 """
 
 from __future__ import annotations
@@ -104,9 +104,9 @@ def received_shape(kind: str, sent: Sequence[int], n: int) -> tuple[int, ...]:
 
 # --- node metadata, through these functions only -------------------------------------------------
 
-_COMM, _LOCAL, _LAYOUT, _MANUAL, _LOCAL_OP, _SPLIT, _IN_FLIGHT, _MARKS = (
+_COMM, _LOCAL, _LAYOUT, _MANUAL, _LOCAL_OP, _SPLIT, _WINDOW, _MARKS = (
     "ndfunc_comm", "ndfunc_local", "ndfunc_layout", "ndfunc_manual", "ndfunc_local_op", "ndfunc_kept_split",
-    "ndfunc_in_flight", "ndfunc_marks")
+    "ndfunc_window", "ndfunc_marks")
 
 
 def comm(node: torch.fx.Node) -> Comm | None:
@@ -206,13 +206,14 @@ def keep_split(node: torch.fx.Node, mark: Any) -> None:
     node.meta[_SPLIT] = mark
 
 
-def stays_in_flight(node: torch.fx.Node) -> bool:
-    """Whether the reduction `node` may be waited for later than its turn (`schedule.keep_in_flight`)."""
-    return bool(node.meta.get(_IN_FLIGHT))
+def window(node: torch.fx.Node) -> Any:
+    """The `schedule.Window` declared for the collective `node` (where it may start and be waited
+    for), or None: its kind's."""
+    return node.meta.get(_WINDOW)
 
 
-def let_stay_in_flight(node: torch.fx.Node) -> None:
-    node.meta[_IN_FLIGHT] = True
+def set_window(node: torch.fx.Node, w: Any) -> None:
+    node.meta[_WINDOW] = w
 
 
 # --- the program ---------------------------------------------------------------------------------

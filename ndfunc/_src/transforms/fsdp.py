@@ -13,8 +13,8 @@ too (`nf.fsdp('dp_shard')` under rules that shard over `('dp_shard', 'cp')`: one
   parameters gathered in between (a layer's forward, then, much later, its backward), is gathered
   again just before the second group, so the first copy dies after forward (with prefetch, not
   the last block: its backward gather would be issued where its forward ends);
-- prefetch: a layer's all-gathers are issued where the layer `prefetch` places earlier first reads
-  its gathered parameters (each wait stays at its own first use), so the transfers overlap that
+- prefetch: a layer's all-gathers start where the layer `prefetch` places earlier first reads
+  its gathered parameters (each waited for at its own first use), so the transfers overlap that
   layer's compute; a chain's gathers (over tp, then dp_shard: a weight the partitioner runs whole
   over both) a layer apart, the last there, each one before it a layer earlier;
 - reduce_dtype: gradients are reduce-scattered in that dtype (cast before, cast back after);
@@ -24,8 +24,11 @@ too (`nf.fsdp('dp_shard')` under rules that shard over `('dp_shard', 'cp')`: one
   where backward first reads two layers' gathered parameters) one reduce-scatter; up to
   `bucket_bytes` each. A collective's fixed cost is paid once per layer, not once per parameter;
 - reductions in flight: each bucketed reduce-scatter may be waited for as late as the step's peak
-  memory allows (`ndfunc._src.partition.passes.schedule.keep_in_flight` places the waits, after the memory
-  passes, so the peak it keeps is the one that runs).
+  memory allows (placed after the memory passes, so the peak it keeps is the one that runs).
+
+This pass moves no start and no wait itself: it declares each gather's and reduce-scatter's
+`schedule.Window` (where it may start, where it is waited for) and asks the collective scheduler,
+`ndfunc._src.partition.passes.schedule`, to place them.
 """
 
 from __future__ import annotations
@@ -38,8 +41,8 @@ import torch
 
 from ndfunc._src import cast_ops, view_ops
 from ndfunc._src.partition import program as prog
-from ndfunc._src.partition.passes import bucket
-from ndfunc._src.partition.passes.schedule import wait_in_turn
+from ndfunc._src.partition.passes import bucket, schedule
+from ndfunc._src.partition.passes.schedule import Start, Wait, Window
 from ndfunc._src.transforms.base import Transform
 from ndfunc._src.transforms.reduce import reduce_in
 
@@ -105,15 +108,15 @@ class fsdp(Transform):  # noqa: N801 - a transform is named like the function it
             _mark_layer_starts(kept_gathered, index)
         if self.prefetch > 0:
             _prefetch(gm, self._gathers(gm), self.prefetch, module, also=kept_gathered)
+            schedule.schedule(gm)
         if self.reduce_dtype is not None:
             reduce_in(gm, self.reduce_dtype, self.axes, kinds=(c10d.reduce_scatter_tensor.default,))
         if self.bucket_bytes:
             _bucket_gathers(gm, self._gathers(gm), self.bucket_bytes, module)
             _bucket_reduce_scatters(gm, self.axes, self.bucket_bytes)
-            wait_in_turn(gm)  # the buckets are new reductions: every group's waits in turn again
-            for rs in _reduce_scatters_over(gm, self.axes):  # waited for at once, until the pipeline's
-                rs.append(next(iter(rs.users)))  # scheduler sees the memory passes' program
-                prog.let_stay_in_flight(rs)
+            for rs in _reduce_scatters_over(gm, self.axes):  # in flight as long as the peak allows
+                prog.set_window(rs, dataclasses.replace(schedule.window_of(rs), wait=Wait.PEAK))
+            schedule.schedule(gm)  # the buckets are new collectives
         gm.graph.lint()
         gm.recompile()
 
@@ -275,10 +278,11 @@ def _mark_layer_starts(kept: list[tuple], index: dict) -> None:
 
 
 def _prefetch(gm, gathers: list[_Gather], k: int, module: dict, also: list[tuple] = ()) -> None:
-    """Issue each layer's gathers together, where the layer `k` places earlier first reads its
-    gathered parameters. A layer here is a run of gathers of one module's parameters, in the order the
-    program first reads them: a block's forward, and later (resharded) its backward. `also`: (first
-    read, layer) of backward runs that read a parameter kept gathered, which count as runs too."""
+    """Let each layer's gathers start where the layer `k` places earlier first reads its gathered
+    parameters, each waited for where its own layer reads it (`schedule` moves them). A layer here
+    is a run of gathers of one module's parameters, in the order the program first reads them: a
+    block's forward, and later (resharded) its backward. `also`: (first read, layer) of backward
+    runs that read a parameter kept gathered, which count as runs too."""
     index = {n: i for i, n in enumerate(gm.graph.nodes)}
     first = [(min(g.value.users, key=index.__getitem__), g.layer(module), g) for g in gathers if g.value.users]
     first += [(read, layer, None) for read, layer in also]
@@ -294,26 +298,13 @@ def _prefetch(gm, gathers: list[_Gather], k: int, module: dict, also: list[tuple
                 continue
             # a gather over several axes (a weight stored split over dp_shard and gathered over tp
             # too, or over dp_shard and cp) is a pipeline of stages, each reading the last: the
-            # last is issued where layer i - k is first read, each one before it a layer earlier,
-            # so that stage's wait (moved with the next stage's issue) finds it done. The first k
-            # layers' are issued, in order, where the first is first read.
-            stages = [j for j, n in enumerate(g.chain) if n.target is c10d.all_gather_into_tensor.default]
-            for s, j in enumerate(stages):
+            # last starts where layer i - k is first read, each one before it a layer earlier, so
+            # that stage's wait (before the next stage starts) finds it done. The first k layers'
+            # start, in order, where the first is first read.
+            stages = [n for n in g.chain if n.target is c10d.all_gather_into_tensor.default]
+            for s, stage in enumerate(stages):
                 anchor = layers[max(i - k - (len(stages) - 1 - s), 0)][0][0]
-                if index[anchor] >= index[g.chain[j]]:
-                    continue
-                # the parameter as sent (if made later), else what the last stage made of it
-                before = _views_of_source(g.start.args[0]) if s == 0 else g.chain[stages[s - 1] + 1:j]
-                for v in before:
-                    if index[v] > index[anchor]:
-                        _move_before(v, anchor, index)
-                _move_before(g.chain[j], anchor, index)  # issued there; the last wait stays where it was
-
-
-def _move_before(node: torch.fx.Node, anchor: torch.fx.Node, index: dict) -> None:
-    """Move `node` to just before `anchor`, keeping `index` (program order) true for later moves."""
-    index[node] = (index[anchor.prev] + index[anchor]) / 2
-    anchor.prepend(node)
+                prog.set_window(stage, Window(Start.EARLY, Wait.READ, after=anchor))
 
 
 def _modules(placeholders: list, paths: list[str]) -> dict:
@@ -380,8 +371,8 @@ def _bucket_gathers(gm, gathers: list[_Gather], cap: int, module: dict) -> None:
 
 def _bucket_reduce_scatters(gm, axes: tuple[str, ...], cap: int) -> None:
     """Reduce-scatters over `axes` (same group and dtype) of one layer's backward become one,
-    issued right after the last input is made, waited for where its results are first read (then
-    at once, and the pipeline's `keep_in_flight` places the wait). Over several axes, one group at
+    issued right after the last input is made, its results cut out where first read (the
+    scheduler places its wait). Over several axes, one group at
     a time, in the order the program reduces over them: a reduction over the second reads the
     first's results, which bucketing moves."""
     found = _reduce_scatters_over(gm, axes)

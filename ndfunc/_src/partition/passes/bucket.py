@@ -63,7 +63,7 @@ def plan(members: Iterable[Member], cap: float, index: dict, at_first: bool = Fa
     """The buckets of two or more `members` (in program order, by `index`), filled greedily per key.
 
     A bucket is issued right after the last of its inputs is ready; a member joins while its input
-    is ready before any result is needed. `at_first`: the members were placed by a schedule
+    is ready before any result is needed. `at_first`: the members were placed by the scheduler
     (`nf.fsdp`'s prefetch): a bucket is a run of them issued one after another, issued where its
     first is, and a member of another key ends it.
     """
@@ -172,11 +172,12 @@ ALL_GATHER = Packing("all_gather", 1, lambda c, n: math.prod(c.sent), _flat, _ca
 
 
 def merge(gm: torch.fx.GraphModule, bucket: Sequence[Member], packing: Packing, nodes: list, index: dict,
-          at_first: bool = False, wait_at_once: bool = False, **changes) -> None:
-    """One collective for `bucket` (`plan`'s), issued where `plan` said, waited for before the first
-    result is needed (`wait_at_once`: right after it; a later pass places it); `nodes` and `index`:
-    the program order `plan` saw. `changes`: fields of the bucket's `Comm` that differ from its
-    members' (`parameters=True`)."""
+          at_first: bool = False, cut_at_once: bool = False, **changes) -> None:
+    """One collective for `bucket` (`plan`'s), issued where `plan` said, its result cut into the
+    members' where the first is needed (`cut_at_once`: right after it), waited for just before; it
+    takes the first member's window, and `schedule` places it. `nodes` and `index`: the program
+    order `plan` saw. `changes`: fields of the bucket's `Comm` that differ from its members'
+    (`parameters=True`)."""
     graph = gm.graph
     first = bucket[0].collective
     issue = first if at_first else nodes[max(m.ready for m in bucket)].next  # (a live node)
@@ -191,7 +192,8 @@ def merge(gm: torch.fx.GraphModule, bucket: Sequence[Member], packing: Packing, 
         collective = graph.call_function(first.target, (packing.joined(graph, parts, n), *first.args[1:]))
     sent, received = packing.total(sizes, n)
     prog.set_comm(collective, prog.merged([m.comm for m in bucket], sent, received, **changes))
-    at = collective.next if wait_at_once else nodes[min(m.needed for m in bucket)]
+    prog.set_window(collective, prog.window(first))
+    at = collective.next if cut_at_once else nodes[min(m.needed for m in bucket)]
     with graph.inserting_before(at):
         waited = graph.call_function(c10d.wait_tensor.default, (collective,))
         for m, piece in zip(bucket, packing.pieces(graph, waited, sizes, n)):
@@ -215,11 +217,13 @@ def bucket_all_reduces(gm: torch.fx.GraphModule) -> int:
         wait = next(iter(n.users))
         if wait.target is not c10d.wait_tensor.default or not wait.users:
             continue
-        members.append(Member(n, wait, (n.args[1], n.args[2], c.dtype, c.device), index[n.args[0]],
+        # ready where the scheduler issued it: a bucket delays its members to its last, never
+        # advances one (what it reads may be made earlier, a reduction's result waited for in turn)
+        members.append(Member(n, wait, (n.args[1], n.args[2], c.dtype, c.device), index[n] - 1,
                               min(index[u] for u in wait.users), c.sent_bytes))
     buckets = plan(members, BUCKET_BYTES, index)
     for b in buckets:
-        merge(gm, b, ALL_REDUCE, nodes, index, wait_at_once=True)
+        merge(gm, b, ALL_REDUCE, nodes, index, cut_at_once=True)
     if buckets:
         eliminate_dead_code(gm.graph)
         gm.graph.lint()

@@ -1,187 +1,162 @@
-"""Scheduling: ops that free memory, and reductions, run as soon as their inputs are ready.
+"""The collective scheduler: where each collective of a local program starts and where it is waited for.
 
-A traced step lists ops in the order the tracer met them, which is not the order that keeps
-memory low: an optimizer written leaf by leaf over trees (`tree_map` of the scaled update, then of
-the weight decay, then of the sum into the parameter) computes every leaf's update before any is
-added to its parameter, so every update buffer is alive at once, as much memory as the parameters.
-An eager optimizer's per-parameter loop keeps one. Here an elementwise op that is the last reader of
-an input at least as big as its result moves up to just after the last of its inputs (and any
-earlier write): it frees more than it takes, so the peak never grows, and chains of such ops run
-leaf by leaf.
+The lowering writes a layout change where its reader is: the collective, its `wait_tensor`, the
+reader. Issued there, a collective overlaps nothing. A start moved earlier runs beside the compute
+after it, a wait moved later lets the compute before it run beside the collective; either holds
+memory longer (a collective reads its input until its wait). This module is the one place that
+moves a start or a wait, as XLA's latency-hiding scheduler is for a whole program: each collective
+has a `Window` (declared by who made it, `program.set_window`, else its kind's), and `schedule`
+places every one by one rule, *start as early as its window allows, wait as late as it allows*:
 
-The lowering writes a layout change where its consumer is, so a gradient's reduction (and the
-copy that lays a gradient split off dim 0 out rank by rank) would wait for the optimizer at the
-end of the step: issued there it overlaps nothing, and the whole gradient lives until then.
-`issue_reductions_early` moves each reduce-scatter and all-reduce, with the views and copies that
-feed it, to just after the op that makes the gradient.
+- `Start.LOWERED`: where the lowering wrote it. `Start.EARLY`: right after what it reads is made
+  (and last written), with the data movement that makes its input (views, copies, cuts): a
+  gradient's reduction, which the lowering writes where the optimizer reads it, at the end, with
+  the whole gradient alive until then. With `after`, no earlier than just before that node, with
+  what it reads that is made of program inputs alone (`nf.fsdp`'s prefetch: a layer's gathers
+  start where the layer `prefetch` places earlier first reads its parameters). A start is placed
+  once, by the first `schedule` that sees it, and its window becomes `LOWERED`: the passes after
+  (bucketing, `nf.fsdp`'s buckets, the memory passes) plan around where it is.
+- `Wait.AT_ONCE`: right after the start. `Wait.READ`: just before its result is first read (a
+  prefetched gather). `Wait.TURN`: that, but before the next reduction over its group is issued:
+  one in flight per group, so a gradient reduced early is not held, full size, all through
+  backward. `Wait.PEAK`: the later of `READ` and `TURN` that keeps the step's peak memory, else at
+  once, and at once until `schedule(..., peak=True)`, which the pipeline runs after the memory
+  passes, so the peak kept is the one that runs (`nf.fsdp`'s gradient reduce-scatters, in flight
+  over the next layer's backward as FSDP2's reduce-scatter stream is; on CPU the overlap lets
+  ranks that share cores drift apart without blocking each other at every layer).
+
+Undeclared, a reduction (all-reduce, reduce-scatter) is `Window(Start.EARLY, Wait.TURN)` and any
+other collective `Window()`. No start moves above a write into what it reads, no wait below one.
+Waits go among the other ops, in the order of their collectives where several go before one op,
+so a program scheduled again does not change.
 """
 
 from __future__ import annotations
 
-import math
+import bisect
+import dataclasses
+import enum
 import operator
+from fractions import Fraction
 
 import torch
 
-from ndfunc._src import view_ops, write_ops
+from ndfunc._src import view_ops
 from ndfunc._src.buffers import lifetimes
 from ndfunc._src.partition import program as prog
 from ndfunc._src.partition.passes.analysis import live_bytes
-from ndfunc._src.partition.program import shape_dtype
-
-
-def hoist_freeing_ops(gm: torch.fx.GraphModule) -> int:
-    """Move each elementwise op that frees an input at least its own size to just after its
-    inputs; how many moved. Writes (in-place ops, `copy_`) and collectives stay where they are and
-    nothing moves above a write."""
-    nodes = list(gm.graph.nodes)
-    index = {n: i for i, n in enumerate(nodes)}
-    root, last = lifetimes(nodes)
-    key: dict = {}
-    barrier = None  # the latest write so far: nothing moves above it
-    moved = 0
-    for i, n in enumerate(nodes):
-        key[n] = (i,)
-        if n.op != "call_function":
-            continue
-        if n.target not in write_ops.IN_PLACE:
-            if _writes(n):
-                barrier = n
-            continue
-        anchor = max([*n.all_input_nodes, *([barrier] if barrier is not None else [])], key=key.__getitem__,
-                     default=None)
-        if anchor is None or key[anchor] >= (i - 1,) or not _frees(n, root, last, index):
-            continue
-        key[n] = (*key[anchor], i)
-        moved += 1
-    return _reorder(gm, nodes, key) and moved
-
-
-def _writes(n: torch.fx.Node) -> bool:
-    return write_ops.mutates(n.target)
-
-
-def _frees(n: torch.fx.Node, root: dict, last: dict, index: dict) -> bool:
-    """Whether `n` is the last reader of a buffer the program made that is at least its result's size."""
-    out = shape_dtype(n)
-    if out is None:
-        return False
-    need = math.prod(out[0]) * out[1].itemsize
-    for a in n.all_input_nodes:
-        r = root.get(a)
-        sd = shape_dtype(r) if r is not None else None
-        if (r is not None and r.op == "call_function" and last.get(r) == index[n] and sd is not None
-                and math.prod(sd[0]) * sd[1].itemsize >= need):
-            return True
-    return False
-
+from ndfunc._src.partition.passes.hoist import writes
 
 c10d = torch.ops._c10d_functional
 aten = torch.ops.aten
 REDUCTIONS = (c10d.reduce_scatter_tensor.default, c10d.all_reduce.default)  # the gradient collectives
+COLLECTIVES = (*REDUCTIONS, c10d.all_gather_into_tensor.default, c10d.all_to_all_single.default)
 # data movement
 _MOVES = view_ops.SAME_ELEMENTS | {operator.getitem, aten.split.Tensor, aten.cat.default, aten.slice.Tensor}
 
 
-def issue_reductions_early(gm: torch.fx.GraphModule) -> int:
-    """Move each reduce-scatter and all-reduce, and the data movement (views, splits, cats,
-    copies) that makes its input, to just after what they read; how many moved. Their waits stay
-    where they are; nothing moves above a write."""
-    nodes = list(gm.graph.nodes)
-    chain: set = set()
-    for n in nodes:
-        if n.op == "call_function" and n.target in REDUCTIONS:
-            chain.add(n)
-            todo = list(n.all_input_nodes)
-            while todo:
-                a = todo.pop()
-                if a not in chain and a.op == "call_function" and a.target in _MOVES:
-                    chain.add(a)
-                    todo += a.all_input_nodes
-    root, _ = lifetimes(nodes)
-    key: dict = {}
-    written: dict = {}  # buffer -> its latest write so far: what reads it does not move above that
-    moved = 0
-    for i, n in enumerate(nodes):
-        key[n] = (i,)
-        if n.op != "call_function":
-            continue
-        if n not in chain:
-            if _writes(n):
-                written[root[n]] = n
-            continue
-        anchor = max([*n.all_input_nodes, *(written[root[a]] for a in n.all_input_nodes if root[a] in written)],
-                     key=key.__getitem__, default=None)
-        if anchor is None or key[anchor] >= (i - 1,):
-            continue
-        key[n] = (*key[anchor], i)
-        moved += 1
-    return _reorder(gm, nodes, key) and moved
+class Start(enum.Enum):
+    LOWERED = "lowered"
+    EARLY = "early"
 
 
-def wait_in_turn(gm: torch.fx.GraphModule) -> int:
-    """Wait for each reduction no later than just before the next reduction over its group is
-    issued; how many waits moved. A collective reads its input until its wait, so a gradient
-    reduced early (`issue_reductions_early`) but waited for where the optimizer reads it, at the
-    end, would be held, full size, all through backward; this way at most one reduction per group
-    is in flight, overlapping the compute up to the next."""
-    nodes = list(gm.graph.nodes)
-    index = {n: i for i, n in enumerate(nodes)}
-    by_group: dict = {}
-    for n in nodes:
-        if n.op == "call_function" and n.target in REDUCTIONS and len(n.users) == 1:
-            by_group.setdefault(n.args[-1], []).append(n)
-    moved = 0
-    for issued in by_group.values():
-        for r, following in zip(issued, issued[1:]):
-            (wait,) = r.users
-            if wait.target is c10d.wait_tensor.default and index[wait] > index[following]:
-                following.prepend(wait)
-                moved += 1
+class Wait(enum.Enum):
+    AT_ONCE = "at once"
+    READ = "read"
+    TURN = "turn"
+    PEAK = "peak"
+
+
+@dataclasses.dataclass(frozen=True)
+class Window:
+    """Where a collective may start and be waited for (the module docstring)."""
+
+    start: Start = Start.LOWERED
+    wait: Wait = Wait.AT_ONCE
+    after: torch.fx.Node | None = None  # with Start.EARLY: no earlier than just before this node
+
+
+def window_of(collective: torch.fx.Node) -> Window:
+    """Its declared window, else its kind's."""
+    if (w := prog.window(collective)) is not None:
+        return w
+    return Window(Start.EARLY, Wait.TURN) if collective.target in REDUCTIONS else Window()
+
+
+def needs_peak(gm: torch.fx.GraphModule) -> bool:
+    """Whether a collective of `gm` waits where the peak allows (`schedule(..., peak=True)` places it)."""
+    return any(window_of(c).wait is Wait.PEAK for c, _ in _collectives(gm))
+
+
+def schedule(gm: torch.fx.GraphModule, peak: bool = False) -> int:
+    """Place every collective of `gm` and its wait by its window (the module docstring); `peak`:
+    the program's memory is final (its metadata filled), so `Wait.PEAK` waits go as late as it
+    allows. How many nodes moved."""
+    order = _Order(gm)
+    found = _collectives(gm)
+    was = {w: w.prev for _, w in found}
+    moved = sum(order.start(c, window_of(c)) for c, _ in found)
+    nexts = _next_in_group(found, order.index)
+    later: dict = {}  # Wait.PEAK, the peak known: collective -> (its wait, what the wait followed)
+    for c, w in found:
+        window = window_of(c)
+        read = min(w.users, key=order.index.__getitem__, default=None)
+        if window.wait is Wait.READ:
+            at = read
+        elif window.wait is Wait.TURN:
+            at = min((a for a in (read, nexts.get(c)) if a is not None), key=order.index.__getitem__, default=None)
+        else:  # AT_ONCE, and PEAK until the peak is known
+            at = c.next
+        if window.wait is Wait.PEAK and peak:  # the peak is that of every such wait at once
+            later[c] = (w, was[w])
+            order.wait_before(w, at)
+        elif at is not None:
+            moved += order.wait_before(w, at)
+    if later:
+        moved += _within_peak(gm, later, nexts, order)
     if moved:
         gm.recompile()
     return moved
 
 
-def keep_in_flight(gm: torch.fx.GraphModule) -> int:
-    """Wait for each reduction a transform let stay in flight (`program.let_stay_in_flight`; its
-    wait right after it) as late as the step's peak memory allows, as XLA's latency-hiding
-    scheduler overlaps collectives under a memory limit: where its results are first read (the
-    optimizer); else just before the next reduction over its group is issued (one in flight, over
-    the next layer's backward, as FSDP2's reduce-scatter stream on GPU); else at once (FSDP2 on
-    CPU). In flight, a reduction holds what it reduces. On CPU the overlap lets ranks that share
-    cores drift apart without blocking each other at every layer. How many waits moved."""
+def _collectives(gm: torch.fx.GraphModule) -> list[tuple[torch.fx.Node, torch.fx.Node]]:
+    """(collective, its wait) in program order: those waited for by one `wait_tensor`."""
+    return [(c, w) for c in gm.graph.nodes if c.op == "call_function" and c.target in COLLECTIVES
+            and len(c.users) == 1 and (w := next(iter(c.users))).target is c10d.wait_tensor.default]
+
+
+def _next_in_group(found: list, index: dict) -> dict:
+    """Each reduction -> the next reduction issued over its group (none for the last)."""
+    by_group: dict = {}
+    for c, _ in sorted(found, key=lambda cw: index[cw[0]]):
+        if c.target in REDUCTIONS:
+            by_group.setdefault(c.args[-1], []).append(c)
+    return {r: following for issued in by_group.values() for r, following in zip(issued, issued[1:])}
+
+
+def _within_peak(gm, later: dict, nexts: dict, order: "_Order") -> int:
+    """Move each of `later`'s waits (now right after its collective) to the later of where its
+    result is first read and where its turn ends at which the peak of live bytes stays as it is,
+    in program order, each move counted in the next one's room; how many are not where they were."""
     nodes = list(gm.graph.nodes)
-    found = [n for n in nodes if n.op == "call_function" and n.target in REDUCTIONS and prog.stays_in_flight(n)
-             and len(n.users) == 1]
-    if not found:
-        return 0
     index = {n: i for i, n in enumerate(nodes)}
     places = {}
-    for rs in found:
-        (wait,) = rs.users
-        read = min(wait.users, key=index.__getitem__) if wait.users else None
-        following = next((n for n in nodes[index[rs] + 1:] if n.op == "call_function" and n.target in REDUCTIONS
-                          and n.args[-1] == rs.args[-1]), None)
-        turn = following if following is not None and read is not None and index[following] < index[read] else read
-        places[rs] = [at for at in dict.fromkeys((read, turn)) if at is not None]
+    for c, (w, _) in later.items():
+        read = min(w.users, key=index.__getitem__, default=None)
+        turn = nexts[c] if read is not None and c in nexts and index[nexts[c]] < index[read] else read
+        places[c] = [at for at in dict.fromkeys((read, turn)) if at is not None]
     live, read_last = live_bytes(nodes)
     peak = max(live.values())
-    moved = 0
-    for rs in found:
-        (wait,) = rs.users
-        held = sum(read_last.get(wait, ()))  # what the wait frees: waited for later, it lives longer
-        for at in places[rs]:
-            span = _between(wait, at)
-            if max((live[x] for x in span), default=0) + held <= peak:
-                at.prepend(wait)
+    for c, (w, _) in later.items():
+        held = sum(read_last.get(w, ()))  # what the wait frees: waited for later, it lives longer
+        for at in places[c]:
+            span = _between(w, at)
+            if max((live[x] for x in span), default=0) + held <= peak and order.may_wait_before(w, at):
+                order.wait_before(w, at)
                 for x in span:
                     live[x] += held
-                moved += 1
                 break
-    if moved:
-        gm.recompile()
-    return moved
+    return sum(w.prev is not was for w, was in later.values())
 
 
 def _between(a: torch.fx.Node, b: torch.fx.Node) -> list:
@@ -193,12 +168,92 @@ def _between(a: torch.fx.Node, b: torch.fx.Node) -> list:
     return out
 
 
-def _reorder(gm: torch.fx.GraphModule, nodes: list, key: dict) -> bool:
-    order = sorted(nodes, key=key.__getitem__)
-    if order == nodes:
-        return False
-    for prev, n in zip(order, order[1:]):
-        if n.prev is not prev:
-            prev.append(n)
-    gm.recompile()
+class _Order:
+    """The program order as nodes move: an exact position per node (a move takes the midpoint of
+    its new neighbours'), the buffer each reads and where each buffer is written."""
+
+    def __init__(self, gm: torch.fx.GraphModule):
+        nodes = list(gm.graph.nodes)
+        self.index: dict = {n: Fraction(i) for i, n in enumerate(nodes)}
+        self.root, _ = lifetimes(nodes)
+        self.written: dict = {}  # buffer -> the ops that write into it, in program order (they never move)
+        self.of_inputs: set = set()  # nodes made of the program's inputs alone
+        for n in nodes:
+            if n.op in ("placeholder", "get_attr") or (n.op == "call_function" and all(
+                    a in self.of_inputs for a in n.all_input_nodes)):
+                self.of_inputs.add(n)
+            if n.op == "call_function" and writes(n):
+                for a in n.all_input_nodes:
+                    self.written.setdefault(self.root[a], []).append(n)
+
+    def start(self, c: torch.fx.Node, window: Window) -> int:
+        """Move `c`, with what makes its input that may move with it, as early as `window` allows."""
+        if window.start is Start.LOWERED:
+            return 0
+        prog.set_window(c, Window(Start.LOWERED, window.wait))  # placed once: passes after plan around it
+        moves = (lambda n: n in self.of_inputs) if window.after is not None else (lambda n: n.target in _MOVES)
+        cone, todo = {c}, list(c.all_input_nodes)
+        while todo:
+            a = todo.pop()
+            if a not in cone and a.op == "call_function" and moves(a):
+                cone.add(a)
+                todo += a.all_input_nodes
+        bounds = [a for n in cone for a in n.all_input_nodes if a not in cone]
+        bounds += [w for a in bounds if (w := self._last_write(a, c)) is not None]  # nothing moves above one
+        if window.after is not None:
+            bounds.append(window.after.prev)
+        if not bounds:
+            return 0
+        at = max(bounds, key=self.index.__getitem__)
+        late = sorted((n for n in cone if self.index[n] > self.index[at]), key=self.index.__getitem__)
+        if _runs_after(at, late):
+            return 0
+        for n in late:
+            self._move_after(n, at)
+            at = n
+        return len(late)
+
+    def _last_write(self, a: torch.fx.Node, before: torch.fx.Node) -> torch.fx.Node | None:
+        """The last op before `before` that writes into `a`'s buffer."""
+        writes_ = self.written.get(self.root.get(a), [])
+        i = bisect.bisect_left(writes_, self.index[before], key=self.index.__getitem__)
+        return writes_[i - 1] if i else None
+
+    def wait_before(self, w: torch.fx.Node, at: torch.fx.Node) -> int:
+        """Move the wait `w` to just before `at` (after its collective, before its readers) unless
+        it is there or that would pass a write into what its collective reads; 1 if it moved."""
+        x = w.next
+        while x is not at and x.target is c10d.wait_tensor.default:  # other waits for `at` come first
+            x = x.next
+        if x is at or at is w or not self.may_wait_before(w, at):
+            return 0
+        while at.prev.target is c10d.wait_tensor.default and self.index[at.prev.args[0]] > self.index[w.args[0]]:
+            at = at.prev  # the waits just before `at` in the order of their collectives
+        self._move_after(w, at.prev)
+        return 1
+
+    def may_wait_before(self, w: torch.fx.Node, at: torch.fx.Node) -> bool:
+        """Whether no write into what `w`'s collective reads comes between `w` and `at`."""
+        if self.index[at] <= self.index[w]:
+            return True
+        for a in w.args[0].all_input_nodes:
+            write = self._last_write(a, at)
+            if write is not None and self.index[write] > self.index[w]:
+                return False
+        return True
+
+    def _move_after(self, node: torch.fx.Node, at: torch.fx.Node) -> None:
+        if at.next is node:
+            return
+        nxt = at.next
+        self.index[node] = (self.index[at] + self.index[nxt]) / 2 if nxt.op != "root" else self.index[at] + 1
+        at.append(node)
+
+
+def _runs_after(at: torch.fx.Node, nodes: list) -> bool:
+    """Whether `nodes` follow `at`, in order, with nothing between."""
+    for n in nodes:
+        if at.next is not n:
+            return False
+        at = n
     return True
