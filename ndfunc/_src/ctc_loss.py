@@ -45,9 +45,8 @@ def _flops(node: torch.fx.Node) -> int:
     return 8 * steps * samples * (2 * targets.shape[1] + 1) * (2 if backward else 1)
 
 
-_lib = torch.library.Library("ndfunc", "FRAGMENT")
 _ops = opaque_op(
-    _lib, "ctc_losses", "(Tensor log_probs, Tensor targets, Tensor input_lengths, Tensor target_lengths, int blank, "
+    "ctc_losses", "(Tensor log_probs, Tensor targets, Tensor input_lengths, Tensor target_lengths, int blank, "
                         "bool zero_infinity) -> Tensor",
     "(Tensor grad, Tensor log_probs, Tensor targets, Tensor input_lengths, Tensor target_lengths, int blank, "
     "bool zero_infinity) -> Tensor",

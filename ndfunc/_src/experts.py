@@ -182,9 +182,8 @@ def flops(node: torch.fx.Node) -> int:
 
 
 # output; hidden, index, weights, *params
-_lib = torch.library.Library("ndfunc", "FRAGMENT")
 _ops = opaque_op(
-    _lib, "experts", "(str layer, Tensor hidden, Tensor index, Tensor weights, Tensor[] params) -> Tensor",
+    "experts", "(str layer, Tensor hidden, Tensor index, Tensor weights, Tensor[] params) -> Tensor",
     "(str layer, Tensor grad, Tensor hidden, Tensor index, Tensor weights, Tensor[] params, bool[] wanted) -> Tensor[]",
     run=_run, run_backward=_run_backward, fake=lambda layer, hidden, *_: torch.empty_like(hidden),
     fake_backward=lambda layer, grad, hidden, index, weights, params, wanted: [

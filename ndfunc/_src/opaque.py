@@ -41,8 +41,10 @@ class OpaqueOp:
 
 OPS: list[OpaqueOp] = []
 
+_LIB = torch.library.Library("ndfunc", "FRAGMENT")  # (kept alive: dropping it undefines the ops)
 
-def opaque_op(lib: torch.library.Library, name: str, schema: str, backward_schema: str, *,
+
+def opaque_op(name: str, schema: str, backward_schema: str, *,
               run: Callable, run_backward: Callable, fake: Callable, fake_backward: Callable,
               dims: Callable, flops: Callable) -> OpaqueOp:
     """Define `ndfunc::<name>` (`schema`: its arguments and results) and `ndfunc::<name>_backward`,
@@ -50,9 +52,9 @@ def opaque_op(lib: torch.library.Library, name: str, schema: str, backward_schem
     trace, split as `dims` says; listed in `OPS` for the partitioner."""
     for op_name, op_schema, kernel, shapes in ((name, schema, run, fake),
                                                (f"{name}_backward", backward_schema, run_backward, fake_backward)):
-        lib.define(op_name + op_schema)
-        lib.impl(op_name, kernel, "CompositeExplicitAutograd")
-        torch.library.register_fake(f"ndfunc::{op_name}", shapes, lib=lib)
+        _LIB.define(op_name + op_schema)
+        _LIB.impl(op_name, kernel, "CompositeExplicitAutograd")
+        torch.library.register_fake(f"ndfunc::{op_name}", shapes, lib=_LIB)
     made = OpaqueOp(getattr(torch.ops.ndfunc, name).default, getattr(torch.ops.ndfunc, f"{name}_backward").default,
                     dims, flops)
     OPS.append(made)

@@ -106,9 +106,8 @@ def flops(node: torch.fx.Node) -> int:
 
 
 # (output, *final states); input, *states, *weights
-_lib = torch.library.Library("ndfunc", "FRAGMENT")
 _ops = opaque_op(
-    _lib, "rnn", "(str mode, Tensor input, Tensor[] hx, Tensor[] params, bool has_biases, int num_layers, "
+    "rnn", "(str mode, Tensor input, Tensor[] hx, Tensor[] params, bool has_biases, int num_layers, "
                  "bool bidirectional, bool batch_first) -> Tensor[]",
     "(str mode, Tensor[] grads, Tensor input, Tensor[] hx, Tensor[] params, bool has_biases, int num_layers, "
     "bool bidirectional, bool batch_first) -> Tensor[]",
