@@ -16,9 +16,11 @@ from ndfunc._src.partition.planning.costs import EPS, _Choice, finished
 from ndfunc._src.partition.planning.layout import Layout
 from ndfunc._src.partition.planning.problem import HUB, Value
 
-# rounds of many-node moves in the search with late candidates admitted from the start: its wins
-# (a layer's tokens kept split over cp) come from its greedy start; more rounds found no more
-SECOND_ROUNDS = 1
+# rounds of many-node moves in the search with late candidates admitted from the start, as many as
+# the first search's: its wins (a layer's tokens kept split over cp) come from its greedy start, but
+# with every linear layer's token splits late (`ndfunc::dot`), one round left it above the first
+# search's plan where a rank holds one sequence
+SECOND_ROUNDS = 8
 
 # ... and its plan kept where its layout changes cost this much less, as well as its total: where
 # they cost about the same, the cost model's difference is below what it leaves out (Llama-3-70B on
