@@ -151,3 +151,28 @@ def test_a_linear_layers_bias_is_laid_out_as_its_products_features(x_spec, w_spe
     torch.testing.assert_close(got[0], expected[0], **TOL)
     for a, e in zip(got[1], expected[1]):
         torch.testing.assert_close(a, e, **TOL)
+
+
+def test_save_dots_keeps_a_dot_and_full_remat_makes_it_again():
+    # nf.remat's policy reads the op registry: a `dot` is a product, kept by 'save_dots'
+    g = torch.Generator().manual_seed(0)
+    ws, x = [torch.randn(32, 32, generator=g) / 6 for _ in range(2)], torch.randn(2, 64, 32, generator=g)
+
+    def loss(policy):
+        def layer(w, h):
+            return torch.tanh(torch.tanh(h @ w).sin() @ w)
+        block = nf.remat(layer, policy) if policy else layer
+
+        def f(ws, x):
+            for w in ws:
+                x = block(w, x)
+            return x.square().sum()
+        return f
+
+    flops = {}
+    for policy in (None, "full", "save_dots"):
+        lowered = nf.jit(nf.grad(loss(policy))).lower(ws, x)
+        assert dot_op in {n.target for n in lowered.program.traced.graph.nodes}
+        flops[policy] = lowered.cost_analysis()["flops"]
+    assert flops["full"] - flops[None] == 2 * 2 * (2 * 128 * 32 * 32)  # each layer's two products again
+    assert flops["save_dots"] == flops[None]
