@@ -138,7 +138,7 @@ def test_the_search_ends_within_one_percent_of_the_optimum_on_dp_fsdp_and_tp(siz
     assert searched.cost <= found.cost * 1.01
 
 
-def test_the_exact_planner_plans_the_cp_step_optimally_where_the_search_ends_far_above(monkeypatch):
+def test_the_exact_planner_plans_the_cp_step_optimally_and_no_dearer_than_the_search(monkeypatch):
     searched = llama_problem((1, 1, 8, 1)).solve()
     monkeypatch.setenv("NDFUNC_EXACT_VARIABLES", "100000")
     cfg = dataclasses.replace(llama.LlamaConfig.tiny(), n_layers=1)
@@ -146,4 +146,4 @@ def test_the_exact_planner_plans_the_cp_step_optimally_where_the_search_ends_far
     plan = train.lower_abstract(cfg, nf.ParallelConfig(1, 1, 8, 1), seq_len=64, batch_per_rank=2,
                                 opt=opt).program.plan
     assert plan.bound == pytest.approx(plan.cost, rel=1e-6)
-    assert plan.cost < 0.9 * searched.cost  # the search's plan is 37% dearer (docs/planning.md)
+    assert plan.cost <= searched.cost  # (the search's plan is a few percent dearer: docs/planning.md)

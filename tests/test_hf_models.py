@@ -189,8 +189,10 @@ def test_a_hugging_face_model_trains_equal_to_eager_with_torch_adamw(family, att
     # two steps where the second could lower again (the quick cases), else one: simulated steps cost
     steps = 2 if (family, attn, strategy) in QUICK else 1
     want_losses, want_params = eager_run(family, attn, steps)
-    with pytest.warns(nf.sharding.ShardingWarning, match="sequences a rank") if strategy == "cp_ring" else \
-            contextlib.nullcontext():  # (a batch of four sequences on each rank: gathered over cp to tokens)
+    # four sequences a rank: their tokens stay split over cp through each linear layer (`ndfunc::dot`),
+    # but GPT-2's Conv1D flattens them itself (a view, then addmm), gathered over cp to tokens
+    with pytest.warns(nf.sharding.ShardingWarning, match="sequences a rank") if (
+            strategy == "cp_ring" and family == "gpt2") else contextlib.nullcontext():
         losses, params, lowerings, cost = jitted_run(family, attn, strategy, steps=steps)
     torch.testing.assert_close(losses, want_losses, **LOSS_TOL)
     assert params.keys() == want_params.keys()

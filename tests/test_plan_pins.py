@@ -104,7 +104,9 @@ def test_identical_layers_are_searched_once_and_the_plan_is_a_full_searchs(monke
     args = (program.traced.graph, program.sizes, program.in_layouts, program.out_layouts)
     problem = solve.Problem(*args)
     classes = problem._value_classes()
-    assert len(set(classes)) < 0.5 * len(classes)  # the layers' values share classes
+    more = lowered(LAYOUTS["fsdp+tp"], n_layers=6)  # two layers more bring almost no class of their own
+    six = solve.Problem(more.traced.graph, more.sizes, more.in_layouts, more.out_layouts)._value_classes()
+    assert len(set(six)) - len(set(classes)) < 0.05 * (len(six) - len(classes))
     shared = problem.solve()
     monkeypatch.setattr(solve.Problem, "_value_classes", lambda self: list(range(len(self.values))))
     alone = solve.Problem(*args).solve()

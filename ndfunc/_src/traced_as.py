@@ -4,8 +4,9 @@ ATen's kernels for some functions read their arguments' values (`F.one_hot`'s ra
 `F.gaussian_nll_loss`'s check that no variance is negative), which a trace over fake tensors does
 not have; some have no sharding rule where the same math has one (`F.embedding_bag`, its bags
 rows of indices or runs from offsets); one gives its gradient through a shape made from values
-(`x[mask] = v` with a learned `v`); and attention is one op of every device
-(`attention.traced_sdpa`). Each is traced as the same math, `TRACED_AS`. A function mode, because
+(`x[mask] = v` with a learned `v`); attention is one op of every device
+(`attention.traced_sdpa`); and a linear layer's product is one contraction that keeps the batch and
+sequence dims apart (`dot`). Each is traced as the same math, `TRACED_AS`. A function mode, because
 ATen's composite kernels would run before any decomposition table is consulted inside `torch.func`
 transforms.
 """
@@ -17,7 +18,7 @@ import warnings
 
 import torch
 
-from ndfunc._src import custom_gradients, rnn, torch_compat
+from ndfunc._src import custom_gradients, dot, rnn, torch_compat
 from ndfunc._src.attention import traced_sdpa
 from ndfunc._src.ctc_loss import ctc_loss
 from ndfunc._src.torch_compat import lstm_cells
@@ -325,4 +326,5 @@ TRACED_AS = {torch.nn.functional.one_hot: _one_hot,
              torch.nn.functional.gaussian_nll_loss: _gaussian_nll_loss,
              torch.nn.functional.scaled_dot_product_attention: traced_sdpa,
              torch.Tensor.__format__: _format,
-             torch.nn.functional.linear_cross_entropy: _linear_cross_entropy}
+             torch.nn.functional.linear_cross_entropy: _linear_cross_entropy,
+             **dot.TRACED_AS}

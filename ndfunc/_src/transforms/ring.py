@@ -102,7 +102,7 @@ class ring_attention(Transform):  # noqa: N801 - a transform is named like the f
             names = ", ".join(n.name for n in gathered[:3]) + (", ..." if len(gathered) > 3 else "")
             warnings.warn(
                 f"nf.ring_attention({self.axis!r}): {program.name} takes {sequences} sequences a rank, and where "
-                f"it flattens (batch, sequence) to tokens (before each linear layer) a rank's tokens are "
+                f"it flattens (batch, sequence) to tokens (a loss's targets and scores) a rank's tokens are "
                 f"strided, which no layout holds: the plan gathers the sequence over {self.axis!r} before "
                 f"{len(gathered)} such flattens ({names}), moving (and often computing) what one sequence a rank "
                 f"keeps split. Pass one sequence a rank per step under context parallelism, and nf.accumulate "

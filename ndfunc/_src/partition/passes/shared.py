@@ -1,7 +1,8 @@
 """Layout changes made once for views that repeat one another.
 
-Each einsum or `F.linear` reading a value views it on its own: `q = einsum("bld,dhk", x, wq)`,
-`k = ...(x, wk)` and `v = ...(x, wv)` are three permutes of `x`, three values to the partitioner.
+Each op reading a value through a view views it on its own: `q = einsum("bdl,dhk->blhk", x, wq)`,
+`k = ...(x, wk)` and `v = ...(x, wv)` are three permutes of `x` (its contracted dim moved last for
+`ndfunc::dot`), three values to the partitioner.
 Where the plan moves `x` for them (sequence parallelism gathers it over tp), the lowering moves each
 view: three all-gathers of one tensor, where Megatron gathers it once. `share_repeated_moves`
 makes the local program move it once: views of one value with the same arguments, lowered from

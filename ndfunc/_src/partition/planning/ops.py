@@ -33,12 +33,12 @@ import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.nn import _reduction
 
-from ndfunc._src import attention, cast_ops, manual, opaque
+from ndfunc._src import attention, cast_ops, dot, manual, opaque
 from ndfunc._src import ctc_loss, experts, rnn  # noqa: F401 (importing them fills opaque.OPS)
 from ndfunc._src.constraints import sharding_constraint_op
 from ndfunc._src.copy_slices import copied_in_order, dense_order
 from ndfunc._src.partition import program as prog
-from ndfunc._src.partition.planning import redistribute
+from ndfunc._src.partition.planning import dots, redistribute
 from ndfunc._src.partition.planning.layout import (
     MANUAL,
     all_layouts,
@@ -816,3 +816,6 @@ for _trailing, _pool in ((2, aten.avg_pool2d_backward.default), (3, aten.avg_poo
 register(aten.cumsum.default, strategies=_cumsum_rule, lower=_cumsum)  # a scan along a split dim
 for _dot in (aten.mm.default, aten.bmm.default, aten.addmm.default, aten.baddbmm.default):
     register(_dot, saved_by_remat=True)
+# a product keeping its operands' other dims (`ndfunc::dot`: a linear layer), and a weight's gradient
+for _dot in (dot.dot_op, dot.dot_leading_op):
+    register(_dot, strategies=dots.rule, flops=dots.flops, lower=dots.lower, saved_by_remat=True)

@@ -1,8 +1,9 @@
 """The search: two greedy starts in program order (one pricing a layout change at its cost, one
 also at the cost of undoing it), single-node moves until none lowers the total, then moves of many
 nodes at once (`moves`); late candidates admitted after (`Strategy.late`), and a second search
-with them admitted from the start, kept where cheaper. A node's best answer is remembered by
-everything it reads (`best`), so identical layers are answered once."""
+with them admitted from the start, kept where cheaper; single-node moves again on the plan kept.
+A node's best answer is remembered by everything it reads (`best`), so identical layers are
+answered once."""
 
 from __future__ import annotations
 
@@ -15,9 +16,11 @@ from ndfunc._src.partition.planning.costs import EPS, _Choice, finished
 from ndfunc._src.partition.planning.layout import Layout
 from ndfunc._src.partition.planning.problem import HUB, Value
 
-# rounds of many-node moves in the search with late candidates admitted from the start: its wins
-# (a layer's tokens kept split over cp) come from its greedy start; more rounds found no more
-SECOND_ROUNDS = 1
+# rounds of many-node moves in the search with late candidates admitted from the start, as many as
+# the first search's: its wins (a layer's tokens kept split over cp) come from its greedy start, but
+# with every linear layer's token splits late (`ndfunc::dot`), one round left it above the first
+# search's plan where a rank holds one sequence
+SECOND_ROUNDS = 8
 
 # ... and its plan kept where its layout changes cost this much less, as well as its total: where
 # they cost about the same, the cost model's difference is below what it leaves out (Llama-3-70B on
@@ -69,8 +72,11 @@ class Search:
                 second = self._second()
             if second is not None and not self._cheaper(second, first):
                 second = None
-        # the last phase only lowers a total: on the plan kept
-        return self.plan(first if second is None else self._relax(second))
+        # the last phase only lowers a total: on the plan kept; then single-node moves again, which
+        # moves of many nodes can leave open (`solve`'s text)
+        kept = first if second is None else self._relax(second)
+        self._descend(kept)
+        return self.plan(kept)
 
     def plan(self, choice: list, bound: float | None = None) -> Plan:
         """`choice` (a candidate per node) as a `Plan`; `bound`: a proven lower bound on any
@@ -145,6 +151,13 @@ class Search:
         for n in range(N):  # greedy, in program order
             choice[n] = self.best(n, choice)
         self.wary = False
+        self._descend(choice, max_rounds)
+        return choice
+
+    def _descend(self, choice: list, max_rounds: int = 50) -> None:
+        """Single-node moves (`best`), each node's neighbours asked again after it moves, until none
+        lowers the total."""
+        N = len(self.nodes)
         work = deque(n for n in range(N) if len(self.c_ins[n]) > 1)
         queued = set(work)
         budget = max_rounds * N
@@ -159,7 +172,6 @@ class Search:
                     if m not in queued and len(self.c_ins[m]) > 1:
                         work.append(m)
                         queued.add(m)
-        return choice
 
     def best(self, n: int, choice: list, forward: bool = False) -> int:
         """The candidate of node `n` with the least `local_cost`, keeping the current one on ties.

@@ -19,11 +19,13 @@ same moves tried around them, so they change a plan only where it gets cheaper; 
 again where a producer's new layout is ranked as its consumers could take it (a sum over the dim a
 move splits leaves a sum pending: a cross-entropy's gradient split over the vocabulary like the
 scores, not made whole and sliced). Where a late candidate would spare a move the plan still
-makes, a second search runs with them admitted from the start (one round of many-node moves),
+makes, a second search runs with them admitted from the start (as many rounds of many-node moves),
 and its plan is kept where cheaper (the first's last phase spared where the second's is kept by
 far before it: `SECOND_FAR`): under FSDP and CP that one keeps every layer's tokens split
 over cp, where the first settles on gathering them for the MLP and splitting its weights over cp,
-and moving many nodes at once never undoes that.
+and moving many nodes at once never undoes that. On the plan kept, single-node moves once more:
+moves of many nodes can leave one open (a sum's two terms each gathered, where gathering the sum
+is one gather).
 Inputs and `with_sharding_constraint` nodes have one candidate; requested output layouts are extra
 consumers; an output left to the partitioner only has to end without a pending sum.
 
