@@ -18,7 +18,9 @@ class MoveKinds:
 
     def _layouts_for(self, v: int, choice: list) -> list[int]:
         """The layouts, other than those wanted now, that some consumer of `v` could take it in
-        and that are cheapest to reach (a few per mesh axis: dearer ones rarely pay)."""
+        and that are cheapest to reach (a few per mesh axis: dearer ones rarely pay; three times
+        as many once the search has settled, `widened`: a gradient reduce-scattered where every
+        reader takes it, not where the cheapest to reach puts it)."""
         lays = self._taken(v)
         if not lays.ids:
             return []
@@ -30,7 +32,7 @@ class MoveKinds:
         for k in order.tolist():
             if lays.ids[k] not in demands:
                 found.append(lays.ids[k])
-                if len(found) == len(self.sizes) + 2:
+                if len(found) == (3 if self.widened else 1) * (len(self.sizes) + 2):
                     break
         return found
 

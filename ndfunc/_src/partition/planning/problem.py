@@ -79,6 +79,7 @@ class Arrays:
         self._taken_by: dict = {}  # value id -> `_taken`
         self.wary = False
         self.relaxed = False  # `_producer_moves`' ranking (the search's last phase)
+        self.widened = False  # `_layouts_for`: more layouts per value (the search's very last moves)
         self._first_round = True  # of `_improve_together`
         self._classes = None  # `_value_classes`, found once
         self._held: dict = {}  # `_held_cost`

@@ -72,11 +72,20 @@ class Search:
                 second = self._second()
             if second is not None and not self._cheaper(second, first):
                 second = None
-        # the last phase only lowers a total: on the plan kept; then single-node moves again, which
-        # moves of many nodes can leave open (`solve`'s text)
+        # the last phase only lowers a total: on the plan kept; then moves of many nodes to more
+        # layouts each, and single-node moves again, which moves of many nodes can leave open
+        # (`solve`'s text)
         kept = first if second is None else self._relax(second)
+        self._widen(kept)
         self._descend(kept)
         return self.plan(kept)
+
+    def _widen(self, choice: list) -> None:
+        """Moves of many nodes at once, each value tried in more layouts (`widened`): on a
+        settled plan, where few values still move data, so the wider moves cost little."""
+        self.widened = True
+        self._improve_together(choice)
+        self.widened = False
 
     def plan(self, choice: list, bound: float | None = None) -> Plan:
         """`choice` (a candidate per node) as a `Plan`; `bound`: a proven lower bound on any

@@ -23,9 +23,10 @@ makes, a second search runs with them admitted from the start (as many rounds of
 and its plan is kept where cheaper (the first's last phase spared where the second's is kept by
 far before it: `SECOND_FAR`): under FSDP and CP that one keeps every layer's tokens split
 over cp, where the first settles on gathering them for the MLP and splitting its weights over cp,
-and moving many nodes at once never undoes that. On the plan kept, single-node moves once more:
-moves of many nodes can leave one open (a sum's two terms each gathered, where gathering the sum
-is one gather).
+and moving many nodes at once never undoes that. On the plan kept, moves of many nodes once more,
+each value tried in more layouts (HSDP's gradient reduce-scattered along the dim its parameter is
+split on, not along another and then exchanged), and single-node moves: moves of many nodes can
+leave one open (a sum's two terms each gathered, where gathering the sum is one gather).
 Inputs and `with_sharding_constraint` nodes have one candidate; requested output layouts are extra
 consumers; an output left to the partitioner only has to end without a pending sum.
 
