@@ -137,7 +137,8 @@ def llama_problem(sizes: tuple[int, ...], n_layers: int = 1, seq_len: int = 64, 
     ((8, 1, 1, 1), {}), ((1, 8, 1, 1), {}), pytest.param((2, 1, 1, 4), {}, marks=pytest.mark.slow),
     # the job's step as benchmarks/xla.py lowers it: each gradient, which the global norm reads too,
     # reduce-scattered along the dim its parameter is split on (the search's last, widened moves:
-    # `Search._widen`), not along another and then exchanged (1.6% above the optimum)
+    # `Search._widen`), not along another and then exchanged (1.6% above the optimum; the optimum
+    # with them)
     pytest.param((2, 4, 1, 1), {"n_layers": 2, "seq_len": 128, "batch_per_rank": 8, "clip": True},
                  marks=pytest.mark.slow)],
     ids=["dp", "fsdp", "tp", "hsdp"])

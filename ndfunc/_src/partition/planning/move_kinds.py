@@ -8,7 +8,7 @@ import heapq
 
 import numpy as np
 
-from ndfunc._src.partition.planning import redistribute
+from ndfunc._src.partition.planning import reachable, redistribute
 from ndfunc._src.partition.planning.columns import _Lays
 from ndfunc._src.partition.planning.problem import VECTOR_MIN
 
@@ -18,9 +18,10 @@ class MoveKinds:
 
     def _layouts_for(self, v: int, choice: list) -> list[int]:
         """The layouts, other than those wanted now, that some consumer of `v` could take it in
-        and that are cheapest to reach (a few per mesh axis: dearer ones rarely pay; three times
-        as many once the search has settled, `widened`: a gradient reduce-scattered where every
-        reader takes it, not where the cheapest to reach puts it)."""
+        and that are cheapest to reach (a few per mesh axis: dearer ones rarely pay). Once the
+        search has settled (`widened`), five times as many for a value made as a pending sum: a
+        gradient reduce-scattered where every reader takes it, not where the cheapest to reach
+        puts it."""
         lays = self._taken(v)
         if not lays.ids:
             return []
@@ -28,11 +29,12 @@ class MoveKinds:
         costs = self._tcosts(v, have, lays, outward=True)
         demands = self.demands(v, choice)
         order = np.argsort(costs, kind="stable")  # by cost, then layout: the ids are sorted
+        wide = self.widened and have is not None and reachable.bits(self.codes[have])
         found = []
         for k in order.tolist():
             if lays.ids[k] not in demands:
                 found.append(lays.ids[k])
-                if len(found) == (3 if self.widened else 1) * (len(self.sizes) + 2):
+                if len(found) == (5 if wide else 1) * (len(self.sizes) + 2):
                     break
         return found
 

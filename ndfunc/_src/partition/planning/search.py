@@ -81,8 +81,8 @@ class Search:
         return self.plan(kept)
 
     def _widen(self, choice: list) -> None:
-        """Moves of many nodes at once, each value tried in more layouts (`widened`): on a
-        settled plan, where few values still move data, so the wider moves cost little."""
+        """Moves of many nodes at once, each value made as a pending sum tried in more layouts
+        (`widened`): on a settled plan, where few values still move data, so they cost little."""
         self.widened = True
         self._improve_together(choice)
         self.widened = False
