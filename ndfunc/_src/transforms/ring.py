@@ -32,8 +32,9 @@ from torch.distributed.tensor import Shard
 
 from ndfunc._src import attention
 from ndfunc._src.partition import program as prog
+from ndfunc._src.partition.planning.attention_rule import attention_flops
 from ndfunc._src.partition.planning.layout import local_shape
-from ndfunc._src.partition.planning.ops import attention_flops, register
+from ndfunc._src.partition.planning.ops import register
 from ndfunc._src.partition.planning.strategies import tensor_inputs, value_of
 from ndfunc._src.point_to_point import across_ranks, permute_blocks
 from ndfunc._src.sharding.errors import ShardingWarning, user_stacklevel
