@@ -136,16 +136,11 @@ def _rows_times_matrix(x, w) -> bool:
             and x.shape[-1] == w.shape[0] and _takes(x, w))
 
 
-def _matmul(x, w, *, out=None):
-    return dot(x, w, 1) if out is None and _rows_times_matrix(x, w) else torch.matmul(x, w, out=out)
-
-
-def _tensor_matmul(x, w):
-    return dot(x, w, 1) if _rows_times_matrix(x, w) else torch.Tensor.matmul(x, w)
-
-
-def _tensor_at(x, w):
-    return dot(x, w, 1) if _rows_times_matrix(x, w) else torch.Tensor.__matmul__(x, w)
+def _rows_times_matrix_as_dot(own):
+    """`own` (a matmul of torch's) traced as a `dot` where it is a batch of rows times a matrix."""
+    def traced(x, w, **kwargs):
+        return dot(x, w, 1) if kwargs.get("out") is None and _rows_times_matrix(x, w) else own(x, w, **kwargs)
+    return traced
 
 
 def _linear(input, weight, bias=None):
@@ -173,8 +168,9 @@ def _einsum(*args):
 
 
 def _contraction(args) -> tuple | None:
-    """(x, w, x's letters, w's letters, the result's letters) of an einsum call `_einsum` takes as a
-    `dot`, ellipses spelled out; None for any other."""
+    """(x, w, x's letters, w's letters, the result's letters, x's kept letters, w's kept letters,
+    the contracted ones) of an einsum call `_einsum` takes as a `dot`, ellipses spelled out; None
+    for any other."""
     if len(args) == 2 and isinstance(args[1], (list, tuple)):
         args = (args[0], *args[1])
     if len(args) != 3 or not isinstance(args[0], str):
@@ -214,13 +210,10 @@ def _contraction(args) -> tuple | None:
         return None
     if any(x.shape[xs.index(c)] != w.shape[ws.index(c)] for c in contracted):
         return None
-    return x, w, xs, ws, out
+    return x, w, xs, ws, out, kept_x, kept_w, contracted
 
 
-def _contract(x, w, xs: str, ws: str, out: str) -> torch.Tensor:
-    kept_x = [c for c in xs if c in out]
-    kept_w = [c for c in ws if c in out]
-    contracted = [c for c in xs if c in ws]
+def _contract(x, w, xs: str, ws: str, out: str, kept_x: list, kept_w: list, contracted: list) -> torch.Tensor:
     x_order = [xs.index(c) for c in (*kept_x, *contracted)]
     w_order = [ws.index(c) for c in (*contracted, *kept_w)]
     x = x if x_order == sorted(x_order) else x.permute(x_order)
@@ -231,5 +224,6 @@ def _contract(x, w, xs: str, ws: str, out: str) -> torch.Tensor:
     return made if order == sorted(order) else made.permute(order)
 
 
-TRACED_AS = {torch.einsum: _einsum, torch.matmul: _matmul, torch.Tensor.matmul: _tensor_matmul,
-             torch.Tensor.__matmul__: _tensor_at, torch.nn.functional.linear: _linear}
+TRACED_AS = {torch.einsum: _einsum, torch.nn.functional.linear: _linear,
+             **{own: _rows_times_matrix_as_dot(own) for own in (torch.matmul, torch.Tensor.matmul,
+                                                                  torch.Tensor.__matmul__)}}
