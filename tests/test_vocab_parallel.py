@@ -108,7 +108,7 @@ def test_the_cross_entropy_gradient_stays_split_over_the_vocabulary(shape):
     # 8,192 tokens and Llama 3's 128,256 entries, more than the rest of the loss
     from models import llama, train
 
-    # (FSDP over 128 ranks by 8-way TP, bf16, every layer recomputed: the README's 70B plan)
+    # (FSDP over 128 ranks by 8-way TP, bf16, every layer recomputed: docs/planning.md's 70B plan)
     cfg, seq = getattr(llama.LlamaConfig, shape)(n_layers=4, remat="full"), 8192
     config = nf.ParallelConfig(dp_shard_size=128, tp_size=8)
     transforms = [nf.fsdp("dp_shard"), nf.mixed_precision(torch.bfloat16, torch.float32)]

@@ -7,11 +7,11 @@ and prefetch on and off. Micro-batches are not enumerated one by one: in this co
 micro-batch does the same compute with fewer collectives (FSDP runs once per micro-batch, TP and CP
 pay latency per call), so the largest one that fits memory dominates and is the one kept. Under
 CP it is one sequence a rank, the rest accumulated: that is what ndfunc's programs run at CP's cost
-(torchtitan's published CP rows run so too). With two or more a rank, each linear layer's flatten of (batch,
-sequence) to tokens makes a rank's tokens strided, and the partitioner gathers the sequence over
-`cp` instead (Llama-3-8B, 2 layers, 1x8x4x4, fsdp + bf16 + full remat + ring attention, two
-sequences a rank against one: 5.1x the peak memory, 3.7x the bytes sent, 3.3x the flops;
-`benchmarks/shape_only.py --batch-per-rank`).
+(torchtitan's published CP rows run so too). With two or more a rank, the loss's flatten of
+(batch, sequence) to tokens makes a rank's tokens strided, and the partitioner gathers the last
+hidden states over `cp` and computes the logits whole there (Llama-3-8B, 2 layers, 1x8x4x4, fsdp +
+bf16 + full remat + ring attention, two sequences a rank against one: 5.0x the peak memory, 1.9x
+the bytes sent and 2.0x the flops for twice the tokens; `benchmarks/shape_only.py --batch-per-rank`).
 """
 
 from __future__ import annotations

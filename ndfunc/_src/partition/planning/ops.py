@@ -16,8 +16,8 @@ op is refused. Before that, tracing decomposes every op with no rule that PyTorc
 decompositions cover (`decompositions()`: `mse_loss` into `sub`, `pow`, `mean`), so what runs
 whole is only what has neither; `runs_whole` tells the pipeline which nodes those are, and it warns.
 
-Adding a rule for an op is one `register(op, ...)` call at the end of this file; see the README's
-"Adding an op rule".
+Adding a rule for an op is one `register(op, ...)` call at the end of this file; see
+docs/models.md, "Adding an op rule".
 """
 
 from __future__ import annotations
