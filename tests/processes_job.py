@@ -12,7 +12,7 @@ from models import train
 
 def jobs(model: str) -> dict[str, list[str]]:
     """The main job's 4D llama step, and a Hugging Face Llama's step through `nf.nn`, on the 4D layout."""
-    return {"llama": ["--steps", "3", "--seq-len", "64", "--micro-batch", "2"],
+    return {"llama": ["--steps", "3"],
             "hf": ["--hf-model", model, "--steps", "2", "--seq-len", "32", "--micro-batch", "2"]}
 
 
