@@ -11,6 +11,7 @@ passes come after every transform, so what a transform adds reuses buffers too.
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import warnings
 from collections.abc import Callable
@@ -106,6 +107,7 @@ def process_groups(mesh, axes) -> tuple[list[str], Callable[[tuple[str, ...]], s
     that needs it, on every rank. An abstract mesh has no process group: the program names its
     axes, to be read, not run."""
     if isinstance(mesh, Mesh):
+        @functools.cache  # slicing a DeviceMesh builds its rank tensors again (per rank, simulated)
         def group_of(names: tuple[str, ...]) -> str:
             with unset_fake_temporarily():
                 return flattened(mesh.device_mesh[names]).get_group().group_name
