@@ -65,6 +65,25 @@ def test_a_plan_searched_in_one_process_is_lowered_in_another_without_a_search(t
         assert _program(lower_here()) == _program(searched.stdout)
 
 
+def test_a_plan_remembered_before_the_variable_was_set_is_kept_once_it_is(tmp_path, monkeypatch):
+    # a notebook plans in simulation, then sets the variable for the worker processes it starts:
+    # the plan this process holds is kept there, though it is not searched again
+    monkeypatch.delenv(plan_cache.ENV, raising=False)
+    monkeypatch.setattr(solve, "_PLANS", type(solve._PLANS)())
+    want = _program(lower_here())
+    monkeypatch.setenv(plan_cache.ENV, str(tmp_path))
+    with monkeypatch.context() as m:
+        m.setattr(solve.Problem, "solve", lambda self: pytest.fail("searched again"))
+        assert _program(lower_here()) == want
+    kept = sorted(tmp_path.glob("*.plan"))
+    assert kept
+    monkeypatch.setattr(solve, "_PLANS", type(solve._PLANS)())  # as another process: read back, not searched
+    with monkeypatch.context() as m:
+        m.setattr(solve.Problem, "solve", lambda self: pytest.fail("searched, where the kept plan should be read"))
+        assert _program(lower_here()) == want
+    assert sorted(tmp_path.glob("*.plan")) == kept
+
+
 def test_without_the_variable_no_plan_is_kept(tmp_path, monkeypatch):
     monkeypatch.delenv(plan_cache.ENV, raising=False)
     monkeypatch.chdir(tmp_path)

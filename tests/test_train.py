@@ -198,7 +198,7 @@ def test_train_under_torchrun_matches_the_simulated_run(tmp_path, monkeypatch):
 
 @pytest.mark.gloo
 @pytest.mark.parametrize("extra", [[], ["--mixed-precision", "bf16", "--fsdp-schedule"]], ids=["fp32", "bf16_fsdp"])
-def test_a_mixture_of_experts_under_torchrun_matches_the_simulated_run(tmp_path, extra):
+def test_a_mixture_of_experts_under_torchrun_matches_the_simulated_run(tmp_path, monkeypatch, extra):
     # transformers' Mixtral as it is (its experts' grouped matmuls): each rank runs its own tokens
     # through the experts (`ndfunc::experts`), made by transformers' implementation on the rank;
     # and in bf16 under nf.fsdp's schedule, whose weights gathered over tp, then dp_shard, are
@@ -210,6 +210,7 @@ def test_a_mixture_of_experts_under_torchrun_matches_the_simulated_run(tmp_path,
     transformers.MixtralForCausalLM(config).save_pretrained(tmp_path / "model")
     flags = ["--hf-model", str(tmp_path / "model"), "--steps", "2", "--dp-shard", "2", "--cp", "1", "--tp", "2",
              "--log-every", "1", *QUICK, *extra]
+    monkeypatch.setenv("NDFUNC_PLAN_CACHE_DIR", str(tmp_path / "plans"))  # as above: the ranks read its plans
     simulated = train.main(flags)
     proc = torchrun(pathlib.Path(train.__file__), *flags)
     real = [float(x) for x in re.findall(r"loss (\d\.\d+)  ", proc.stdout)]

@@ -97,7 +97,7 @@ class Compiled:
         self._rank_program = None
         self._donated = frozenset(program.donated)
         self._written = frozenset(written_inputs(program.runs)) - self._donated
-        self._forward = bind_ops(program.runs)  # each op called at its C++ entry point
+        self._bound = None  # `_forward`, written on first use (simulated ranks run `_on_ranks`')
         # torch.compile'd on its first call; simulated ranks run the program op by op
         self._compiled_forward = None if backend is None else compiled_program(program.runs, backend)
         self._runs_meta = False
@@ -163,6 +163,12 @@ class Compiled:
                                             dtype=torch.int64, device=device)
         return self._coords
 
+    def _forward(self) -> Any:
+        """The program's forward, each op called at its C++ entry point (`bind_ops`)."""
+        if self._bound is None:
+            self._bound = bind_ops(self.program.runs)
+        return self._bound
+
     def _on_ranks(self, mode) -> tuple[tuple[int, ...], Any]:
         """(the simulated ranks, the program over their blocks: `simulated_program`), written once
         per set of ranks; the program is None where only the mode can run it."""
@@ -195,7 +201,7 @@ class Compiled:
                 with simulation_paused():
                     outs = run_on_ranks(on_ranks, ranks, inputs, fresh=p.donation)
             else:
-                forward = self._forward if mode is not None or self._compiled_forward is None else \
+                forward = self._forward() if mode is not None or self._compiled_forward is None else \
                     self._compiled_forward
                 outs = list(forward(*inputs))
                 for j in p.donation:  # a new tensor on the donated memory: the old object is retired

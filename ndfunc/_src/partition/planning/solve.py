@@ -104,7 +104,11 @@ def partition(graph: torch.fx.Graph, sizes: tuple[int, ...], input_layouts: list
     `NDFUNC_PLAN_CACHE_DIR` set, once across processes too (`plan_cache`)."""
     prices = prices or redistribute.host_prices(tuple(sizes))
     nodes, key, signatures = _problem_key(graph, sizes, input_layouts, output_layouts, prices)
-    known = _PLANS.get(key)
+    known, kept_in = _PLANS.get(key, (None, None))
+    where = plan_cache.directory()
+    if known is not None and where is not None and where != kept_in:
+        plan_cache.store(plan_cache.entry(key), known)  # remembered here, and now kept there too
+        _PLANS[key] = known, where
     if known is None:
         kept = plan_cache.entry(key)
         known = plan_cache.load(kept, len(nodes))  # a plan another process made (NDFUNC_PLAN_CACHE_DIR)
@@ -116,7 +120,7 @@ def partition(graph: torch.fx.Graph, sizes: tuple[int, ...], input_layouts: list
             known = ([plan.strategy.get(n) for n in nodes], [(at[v[0]], v[1], lay) for v, lay in plan.outputs],
                      plan.cost, whole, plan.bound)
             plan_cache.store(kept, known)
-        _PLANS[key] = known
+        _PLANS[key] = known, where
         while len(_PLANS) > 64:
             _PLANS.popitem(last=False)
     _PLANS.move_to_end(key)
@@ -126,7 +130,9 @@ def partition(graph: torch.fx.Graph, sizes: tuple[int, ...], input_layouts: list
 
 
 
-_PLANS: collections.OrderedDict = collections.OrderedDict()  # problem key -> plan by node position
+# problem key -> (plan by node position, the plan cache directory it is kept in: a directory set
+# since, as a notebook may, gets it too, for the processes that read it)
+_PLANS: collections.OrderedDict = collections.OrderedDict()
 
 
 
