@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import pathlib
+import pickle
 import re
 import shutil
 
@@ -119,6 +120,38 @@ def test_bad_checkpoints_are_refused_naming_the_file_and_nothing_is_loaded(tmp_p
         nf.checkpoint.load(tmp_path / "ck", wrong)
     with pytest.raises(TypeError, match="leaf 'opt' is a object"):
         nf.checkpoint.save(tmp_path / "x", {"opt": object()})
+
+
+class _Payload:
+    """What a tampered index holds: unpickled, it calls `call(*args)`."""
+
+    def __init__(self, call, *args):
+        self.call, self.args = call, args
+
+    def __reduce__(self):
+        return self.call, self.args
+
+
+@pytest.mark.parametrize("call", [open, pathlib.Path.touch], ids=["open", "a method of an admitted class"])
+def test_an_index_that_would_run_code_is_refused_and_nothing_runs(tmp_path, call):
+    # DCP's index is a pickle: one made to call something when read is refused before the call,
+    # as torch.load(weights_only=True) refuses a tensor file that would
+    tree = saved_from_4d(tmp_path / "ck")
+    marker = tmp_path / "written_by_the_payload"
+    metadata = dcp.FileSystemReader(str(tmp_path / "ck")).read_metadata()
+    metadata.planner_data = _Payload(call, *((str(marker), "w") if call is open else (marker,)))
+    (tmp_path / "ck" / ".metadata").write_bytes(pickle.dumps(metadata))
+    name = "io.open" if call is open else "pathlib.Path.touch"
+    with pytest.raises(CheckpointError, match=re.escape(
+            f"ck/.metadata names {name}, which no checkpoint's index holds (DCP's is made of its metadata types, "
+            "sizes, dtypes and paths); reading it would run code, so it is refused and nothing was read. Load a "
+            "checkpoint written by nf.checkpoint.save or torch.distributed.checkpoint.save.")):
+        nf.checkpoint.load(tmp_path / "ck", tree)
+    assert not marker.exists()
+    # the index as DCP wrote it loads, through the same reader
+    metadata.planner_data = None
+    (tmp_path / "ck" / ".metadata").write_bytes(pickle.dumps(metadata))
+    assert same(nf.checkpoint.load(tmp_path / "ck", tree), tree)
 
 
 def _chunks(path: pathlib.Path) -> dict[str, list[tuple[tuple[int, ...], tuple[int, ...]]]]:

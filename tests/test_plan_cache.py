@@ -56,8 +56,8 @@ def test_a_plan_searched_in_one_process_is_lowered_in_another_without_a_search(t
     for entry in entries:
         entry.write_bytes(entry.read_bytes()[:100])
     monkeypatch.setattr(solve, "_PLANS", type(solve._PLANS)())
-    with pytest.warns(RuntimeWarning, match=r"the plan cache entry .*\.plan cannot be read \(.*\); planning "
-                                            r"again and rewriting it\."):
+    with pytest.warns(RuntimeWarning, match=r"the plan cache entry .*\.plan cannot be read as a plan \(.*\); "
+                                            r"planning again and rewriting it\."):
         assert _program(lower_here()) == _program(searched.stdout)
     with monkeypatch.context() as m:
         m.setattr(solve.Problem, "solve", no_search)
@@ -84,6 +84,38 @@ def test_a_plan_remembered_before_the_variable_was_set_is_kept_once_it_is(tmp_pa
     assert sorted(tmp_path.glob("*.plan")) == kept
 
 
+class _Payload:
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):  # unpickled, it writes a file
+        return open, (str(self.path), "w")
+
+
+def test_an_entry_that_would_run_code_when_unpickled_is_read_as_no_plan_and_runs_nothing(tmp_path, monkeypatch):
+    # a directory a cluster shares may be written by anyone who can write there: an entry is JSON,
+    # so one made to run code when read as a pickle is only an unreadable entry
+    import pickle
+
+    monkeypatch.setenv(plan_cache.ENV, str(tmp_path / "plans"))
+    monkeypatch.setattr(solve, "_PLANS", type(solve._PLANS)())
+    want = _program(lower_here())
+    marker = tmp_path / "written_by_the_payload"
+    entries = sorted((tmp_path / "plans").glob("*.plan"))
+    for entry in entries:
+        entry.write_bytes(pickle.dumps((entry.read_text(), _Payload(marker))))
+    monkeypatch.setattr(solve, "_PLANS", type(solve._PLANS)())
+    with pytest.warns(RuntimeWarning, match=r"the plan cache entry .*\.plan cannot be read as a plan "
+                                            r"\(UnicodeDecodeError: .*\); planning again and rewriting it\."):
+        assert _program(lower_here()) == want
+    assert not marker.exists()
+    assert sorted((tmp_path / "plans").glob("*.plan")) == entries  # rewritten as plans
+    monkeypatch.setattr(solve, "_PLANS", type(solve._PLANS)())
+    with monkeypatch.context() as m:
+        m.setattr(solve.Problem, "solve", lambda self: pytest.fail("searched, where the rewritten plan should be read"))
+        assert _program(lower_here()) == want
+
+
 def test_without_the_variable_no_plan_is_kept(tmp_path, monkeypatch):
     monkeypatch.delenv(plan_cache.ENV, raising=False)
     monkeypatch.chdir(tmp_path)
@@ -96,12 +128,17 @@ def test_without_the_variable_no_plan_is_kept(tmp_path, monkeypatch):
 def test_ranks_writing_the_same_entry_at_once_leave_one_whole_plan(tmp_path, monkeypatch):
     # every rank of a job searches the same problem and writes its entry at about the same time,
     # while another may already be reading it: a reader sees no entry or a whole one, never a part
-    import pickle
+    import json
     import threading
+
+    from torch.distributed.tensor import Partial, Replicate, Shard
+
+    from ndfunc._src.partition.planning.strategies import Strategy
 
     monkeypatch.setenv(plan_cache.ENV, str(tmp_path))
     at = plan_cache.entry(("a key",))
-    plan = ([None] * 1000, [(0, 0, "layout")] * 1000, 1.5, list(range(1000)))
+    layout = (Shard(1), Replicate(), Partial("sum"))
+    plan = ([None, Strategy((layout,), (layout, layout))] * 500, [(0, 0, layout)] * 1000, 1.5, list(range(1000)), None)
     start, done, seen = threading.Barrier(5), threading.Event(), []
 
     def write():
@@ -113,7 +150,7 @@ def test_ranks_writing_the_same_entry_at_once_leave_one_whole_plan(tmp_path, mon
         start.wait()
         while not done.is_set():
             try:
-                seen.append(pickle.loads(at[0].read_bytes()) == (at[1], plan))
+                seen.append(json.loads(at[0].read_text())["key"] == at[1])
             except FileNotFoundError:
                 pass
             except Exception:  # noqa: BLE001 - a part of an entry

@@ -47,13 +47,13 @@ from torch.distributed.checkpoint.planner import (
 )
 from torch.distributed.tensor import DTensor
 
+from ndfunc._src.checkpoint_index import METADATA, Reader, RefusedIndex
 from ndfunc._src.forward import constructed_on_workers, on_workers
 from ndfunc._src.runtime import is_simulated, simulation_paused
 from ndfunc._src.torch_compat import local_blocks
 from ndfunc._src.transfer import device_get, from_local, make_array_from_callback, sharding_of
 from ndfunc.tree import tree_flatten_with_path
 
-METADATA = ".metadata"  # DCP's index of a checkpoint: written last, so a complete checkpoint has it
 
 
 class CheckpointError(ValueError):
@@ -247,7 +247,7 @@ def load(path: str | os.PathLike, like: Any) -> Any:
             else:
                 target[key] = torch.empty_like(leaf)
         try:
-            dcp.load(target, checkpoint_id=str(path), no_dist=not distributed)
+            dcp.load(target, storage_reader=Reader(path), no_dist=not distributed)
         except (Exception, dcp.api.CheckpointException) as e:  # noqa: BLE001 - damage within a data file
             cause = next(iter(getattr(e, "failures", {}).values()), e)  # DCP's: (error, its frames) per rank
             cause = cause[0] if isinstance(cause, tuple) else cause
@@ -276,7 +276,12 @@ def _check(path: pathlib.Path, flat: dict[str, Any]) -> None:
         raise CheckpointError(f"nf.checkpoint.load: {path} {why}; a checkpoint is a directory written by "
                               f"nf.checkpoint.save. Point at a complete one (Manager.latest_step() finds the last).")
     try:
-        metadata = dcp.FileSystemReader(str(path)).read_metadata()
+        metadata = Reader(path).read_metadata()
+    except RefusedIndex as e:
+        raise CheckpointError(f"nf.checkpoint.load: {path / METADATA} names {e}, which no checkpoint's index holds "
+                              f"(DCP's is made of its metadata types, sizes, dtypes and paths); reading it would run "
+                              f"code, so it is refused and nothing was read. Load a checkpoint written by "
+                              f"nf.checkpoint.save or torch.distributed.checkpoint.save.") from None
     except Exception as e:  # noqa: BLE001 - any damage to the index is the same error to the user
         raise CheckpointError(f"nf.checkpoint.load: {path / METADATA} cannot be read ({type(e).__name__}: {e}); "
                               f"the checkpoint is damaged. Load an earlier one.") from None
