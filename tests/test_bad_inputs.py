@@ -138,8 +138,9 @@ def test_a_damaged_checkpoint_is_refused_before_anything_is_read(tmp_path, damag
 
 MISMATCHED = [
     ("another shape", {"w": torch.zeros(5), "step": 0}, "'w' was saved as float32[4], but `like` has float32[5]"),
-    ("another dtype", {"w": torch.zeros(4, dtype=torch.float64), "step": 0},
-     "'w' was saved as float32[4], but `like` has float64[4]"),
+    ("an integer dtype for a float", {"w": torch.zeros(4, dtype=torch.int64), "step": 0},
+     "'w' was saved as float32[4], but `like` has int64[4]; load into a tree of the saved shapes (a layout may "
+     "differ, a shape may not) and dtypes (a float may be another float)"),
     ("a tensor where a scalar was", {"w": torch.zeros(4), "step": torch.zeros(())},
      "'step' was saved as not a tensor, but `like` has float32[]"),
     ("a leaf it lacks", {"w": torch.zeros(4), "step": 0, "lr": 1.0}, "has no 'lr' (it holds 2 entries"),
@@ -152,6 +153,49 @@ def test_a_tree_that_does_not_match_the_checkpoint_is_refused(tmp_path, like, me
     nf.checkpoint.save(tmp_path / "ck", {"w": torch.arange(4.0), "step": 3})
     with pytest.raises(CheckpointError, match=re.escape(message)):
         nf.checkpoint.load(tmp_path / "ck", like)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16, torch.float16])
+def test_a_float_checkpoint_loads_into_another_float_dtype_as_to_rounds(tmp_path, dtype):
+    # as DCP's own load and orbax's restore cast: a fp32 run's checkpoint read for bf16 inference
+    saved = torch.randn(4, 6)
+    nf.checkpoint.save(tmp_path / "ck", {"w": saved, "step": 3})
+    got = nf.checkpoint.load(tmp_path / "ck", {"w": torch.zeros(4, 6, dtype=dtype), "step": 0})
+    assert got["w"].dtype == dtype and torch.equal(got["w"], saved.to(dtype)) and got["step"] == 3
+    with nf.simulate(4):  # each rank's block, cast as it is read
+        sharding = NamedSharding(nf.make_mesh(dp_shard=2, tp=2), P("dp_shard", "tp"))
+        got = nf.checkpoint.load(tmp_path / "ck", {"w": nf.device_put(torch.zeros(4, 6, dtype=dtype), sharding),
+                                                   "step": 0})
+        assert torch.equal(nf.device_get(got["w"]), saved.to(dtype))
+
+
+@pytest.mark.parametrize("save", ["save", "async_save", "Manager.save"])
+@pytest.mark.parametrize("there", ["a file", "a directory"])
+def test_a_save_where_something_else_is_refuses_and_keeps_it(tmp_path, save, there):
+    target = tmp_path / "run" / "step_1" if save == "Manager.save" else tmp_path / "out"
+    target.parent.mkdir(exist_ok=True)
+    if there == "a file":
+        target.write_text("precious")
+    else:
+        target.mkdir()
+        (target / "notes.txt").write_text("precious")
+    what = "a file" if there == "a file" else "a directory with no .metadata (not a checkpoint)"
+    calls = {"save": lambda: nf.checkpoint.save(target, {"w": torch.ones(2)}),
+             "async_save": lambda: nf.checkpoint.async_save(target, {"w": torch.ones(2)}),
+             "Manager.save": lambda: nf.checkpoint.Manager(tmp_path / "run").save(1, {"w": torch.ones(2)})}
+    with pytest.raises(CheckpointError, match=re.escape(
+            f"nf.checkpoint.{save}: {target} is {what}; a save replaces only a checkpoint, so nothing was written "
+            "and it is as it was. Save to another path, or move it away first.")):
+        calls[save]()
+    assert (target if there == "a file" else target / "notes.txt").read_text() == "precious"
+    assert sorted(p.name for p in target.parent.iterdir()) == [target.name]  # nothing written beside it
+
+
+def test_a_save_replaces_a_checkpoint_or_an_empty_directory(tmp_path):
+    (tmp_path / "empty").mkdir()
+    nf.checkpoint.save(tmp_path / "empty", {"w": torch.ones(2)})
+    nf.checkpoint.save(tmp_path / "empty", {"w": torch.zeros(2)})
+    assert torch.equal(nf.checkpoint.load(tmp_path / "empty", {"w": torch.ones(2)})["w"], torch.zeros(2))
 
 
 # --- the API ---------------------------------------------------------------------------------
@@ -178,6 +222,10 @@ API = [
      "nf.jit(<lambda>): transforms[0] is 3, a int; a transform is nf.fsdp(axis)"),
     ("accumulate's count", lambda: nf.accumulate(lambda p: p, 0), ValueError,
      "nf.accumulate: num_micro_batches must be an int >= 1, got 0"),
+    ("jit of what accumulate returns", lambda: nf.jit(nf.accumulate(lambda p, b: (p, p), 2)), TypeError,
+     "nf.jit: this function is what nf.accumulate returns, which runs jitted programs of its own (one per "
+     "micro-batch, its sums kept laid out as the parameters) and is compiled already; call it as it is, and give "
+     "nf.accumulate the transforms= and compile= you would give nf.jit."),
     ("init's timeout", lambda: nf.init(timeout=-1), ValueError, "nf.init: timeout is a positive number of seconds"),
     ("a config size of 0", lambda: nf.ParallelConfig(tp_size=0), ValueError, "ParallelConfig.tp_size must be >= 1, got 0"),
     ("a config for another world", lambda: nf.ParallelConfig(dp_shard_size=2, tp_size=2).resolve(6), ValueError,

@@ -4,6 +4,7 @@ against the unsharded step."""
 
 import dataclasses
 import gc
+import re
 
 import optree
 import pytest
@@ -103,7 +104,7 @@ def test_a_wrong_prefix_says_where_the_trees_part():
     with nf.simulate(2):
         mesh = nf.make_mesh(dp=2)
         f = nf.jit(lambda p: p["w"] * 2, mesh=mesh, in_shardings=({"v": P()},))
-        with pytest.raises(ValueError, match=r"in_shardings has keys \['v'\] where the arguments has \['w'\] at '0'"):
+        with pytest.raises(ValueError, match=re.escape("in_shardings has no entry for '0.w'; in_shardings has an entry for '0.v', which is not in the arguments (in_shardings has keys ['v']; the arguments: ['w']) at '0'")):
             f({"w": torch.ones(2)})
 
 

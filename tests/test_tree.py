@@ -31,9 +31,9 @@ def test_broadcast_prefix():
 
 def test_broadcast_prefix_names_where_trees_differ():
     values = {"embed": torch.zeros(2), "layers": [torch.zeros(2), torch.zeros(2)]}
-    with pytest.raises(ValueError, match=r"specs has keys \['embed', 'extra'\] where values has \['embed', 'layers'\] at the root"):
+    with pytest.raises(ValueError, match=r"specs has no entry for 'layers'; specs has an entry for 'extra', which is not in values \(specs has keys \['embed', 'extra'\]; values: \['embed', 'layers'\]\) at the root"):
         tree_broadcast_prefix({"embed": P(), "extra": P()}, values, prefix_name="specs", full_name="values")
-    with pytest.raises(ValueError, match=r"prefix tree has keys \[0, 1, 2\] where tree has \[0, 1\] at 'layers'"):
+    with pytest.raises(ValueError, match=r"prefix tree has an entry for 'layers.2', which is not in tree \(prefix tree has keys \[0, 1, 2\]; tree: \[0, 1\]\) at 'layers'"):
         tree_broadcast_prefix({"embed": P(), "layers": [P(), P(), P()]}, values)
     with pytest.raises(ValueError, match=r"prefix tree has a list where tree has a leaf \(Tensor of shape \(2,\)\) at 'embed'"):
         tree_broadcast_prefix({"embed": [P()], "layers": P()}, values)

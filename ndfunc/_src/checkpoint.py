@@ -161,8 +161,19 @@ def save(path: str | os.PathLike, tree: Any) -> None:
     """Write `tree` to the checkpoint directory `path`, atomically (see the module's text); an
     existing checkpoint at `path` is replaced only once the new one is complete."""
     path = pathlib.Path(path)
+    _check_replaceable(path, "save")
     flat, _ = _flat(tree)
     _write(path, _staged(flat), group=None, distributed=_distributed())
+
+
+def _check_replaceable(path: pathlib.Path, call: str) -> None:
+    """Refuse, before anything is written, a `path` whose replacement would lose what is there: a
+    file, or a directory that is neither empty nor a checkpoint."""
+    if not path.exists() or (path / METADATA).is_file() or (path.is_dir() and not any(path.iterdir())):
+        return
+    what = "a file" if not path.is_dir() else f"a directory with no {METADATA} (not a checkpoint)"
+    raise CheckpointError(f"nf.checkpoint.{call}: {path} is {what}; a save replaces only a checkpoint, so "
+                          f"nothing was written and it is as it was. Save to another path, or move it away first.")
 
 
 def _write(path: pathlib.Path, flat: dict[str, Any], group, distributed: bool, then=None,
@@ -207,6 +218,7 @@ def async_save(path: str | os.PathLike, tree: Any, *, group: Any = None) -> conc
     `Manager`, to reuse it across saves).
     """
     path = pathlib.Path(path)
+    _check_replaceable(path, "async_save")
     flat, _ = _flat(tree)
     distributed = _distributed()
     if group is None and distributed:
@@ -305,12 +317,15 @@ def _check(path: pathlib.Path, flat: dict[str, Any]) -> None:
         entry = saved[key]
         if isinstance(leaf, torch.Tensor):
             size, dtype = getattr(entry, "size", None), getattr(getattr(entry, "properties", None), "dtype", None)
-            if size is None or tuple(size) != tuple(leaf.shape) or dtype != leaf.dtype:
+            # a float saved in one precision loads into another, rounded as `Tensor.to` rounds (DCP's
+            # copy into the target casts, as orbax's restore does); any other change is refused
+            cast = dtype is not None and dtype.is_floating_point and leaf.dtype.is_floating_point
+            if size is None or tuple(size) != tuple(leaf.shape) or (dtype != leaf.dtype and not cast):
                 got = f"{str(dtype).removeprefix('torch.')}{list(size)}" if size is not None else "not a tensor"
                 raise CheckpointError(
                     f"nf.checkpoint.load: {key!r} was saved as {got}, but `like` has "
                     f"{str(leaf.dtype).removeprefix('torch.')}{list(leaf.shape)}; load into a tree of the saved "
-                    f"shapes and dtypes (a layout may differ, a shape may not).")
+                    f"shapes (a layout may differ, a shape may not) and dtypes (a float may be another float).")
 
 
 # --- a run's checkpoints ---------------------------------------------------------------------
@@ -362,6 +377,7 @@ class Manager:
     def save(self, step: int, tree: Any, blocking: bool = True) -> None:
         self.wait()
         path = self.path(step)
+        _check_replaceable(path, "Manager.save")
         flat, _ = _flat(tree)
         distributed = _distributed()
         if blocking:

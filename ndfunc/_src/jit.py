@@ -79,6 +79,9 @@ def jit(fn: Callable | None = None, *, mesh: Mesh | None = None, in_shardings: A
         return functools.partial(jit, mesh=mesh, in_shardings=in_shardings, out_shardings=out_shardings,
                                  static_argnums=static_argnums, donate_argnums=donate_argnums,
                                  transforms=transforms, compile=compile, cluster=cluster)
+    refused = getattr(fn, "ndfunc_not_jitted", None)  # a function that runs jitted programs of its own
+    if refused is not None:
+        raise TypeError(f"nf.jit: {refused}")
     transforms = check_transforms(transforms, getattr(fn, "__name__", "fn"))
     if isinstance(mesh, (Mesh, AbstractMesh)):
         for t in transforms:

@@ -85,15 +85,22 @@ def accumulate(value_and_grad_fn: Callable, num_micro_batches: int, transforms=(
         return programs[key]
 
     compiled.programs = programs
-    return Accumulated(compiled, k)
+    return Accumulated(compiled, k, f"accumulate({add.__name__})")
 
 
 class Accumulated:
     """What `nf.accumulate` returns: call it as the function it wraps; `.lower(params, batch)` is the
     program run once per micro-batch; `.trace_count` how many such programs were traced."""
 
-    def __init__(self, compiled, k: int):
+    # what `nf.jit` of it says: it runs a jitted program per micro-batch, so it is compiled already
+    ndfunc_not_jitted = ("this function is what nf.accumulate returns, which runs jitted programs of its own (one "
+                         "per micro-batch, its sums kept laid out as the parameters) and is compiled already; call "
+                         "it as it is, and give nf.accumulate the transforms= and compile= you would give nf.jit. "
+                         "To jit the whole step, jit a function that calls nf.value_and_grad once per micro-batch.")
+
+    def __init__(self, compiled, k: int, name: str = "accumulated"):
         self._compiled, self._k = compiled, k
+        self.__name__ = name
 
     def __call__(self, params, batch, *rest):
         make_zeros, add_one, take_mean = self._compiled(params, batch, rest)
