@@ -23,6 +23,7 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
+from ndfunc._src import varying
 from ndfunc._src.sharding.mesh import Mesh
 from ndfunc._src.torch_compat import (
     flattened,
@@ -177,19 +178,19 @@ def _leave_output(y: torch.Tensor, mesh: Mesh, spec) -> torch.Tensor:
 def psum(x: torch.Tensor, axis_name: AxisName) -> torch.Tensor:
     """The sum of `x` over the ranks of `axis_name`, on every one of them."""
     group, size = _group(axis_name, "psum")
-    return x if size == 1 else _Linear.apply(x, _scaled_sum, _scaled_sum, group, 1)
+    return _same_along(x, axis_name, x if size == 1 else _Linear.apply(x, _scaled_sum, _scaled_sum, group, 1))
 
 
 def pmean(x: torch.Tensor, axis_name: AxisName) -> torch.Tensor:
     """The mean of `x` over the ranks of `axis_name`, on every one of them."""
     group, size = _group(axis_name, "pmean")
-    return x if size == 1 else _Linear.apply(x, _scaled_sum, _scaled_sum, group, 1.0 / size)
+    return _same_along(x, axis_name, x if size == 1 else _Linear.apply(x, _scaled_sum, _scaled_sum, group, 1.0 / size))
 
 
 def pmax(x: torch.Tensor, axis_name: AxisName) -> torch.Tensor:
     """The elementwise max of `x` over the ranks of `axis_name`, on every one of them."""
     group, size = _group(axis_name, "pmax")
-    return x if size == 1 else _Pmax.apply(x, group)
+    return _same_along(x, axis_name, x if size == 1 else _Pmax.apply(x, group))
 
 
 def all_gather(x: torch.Tensor, axis_name: AxisName, dim: int = 0, tiled: bool = False) -> torch.Tensor:
@@ -199,7 +200,7 @@ def all_gather(x: torch.Tensor, axis_name: AxisName, dim: int = 0, tiled: bool =
     if not tiled:
         x = x.unsqueeze(dim)
     dim = dim % x.ndim
-    return x if size == 1 else _Linear.apply(x, _all_gather, _reduce_scatter, dim, group)
+    return _same_along(x, axis_name, x if size == 1 else _Linear.apply(x, _all_gather, _reduce_scatter, dim, group))
 
 
 def psum_scatter(x: torch.Tensor, axis_name: AxisName, dim: int = 0, tiled: bool = False) -> torch.Tensor:
@@ -217,7 +218,21 @@ def psum_scatter(x: torch.Tensor, axis_name: AxisName, dim: int = 0, tiled: bool
             f"nf.lax.psum_scatter: dim {dim} of shape {tuple(x.shape)} does not split into {size} equal blocks."
         )
     out = x if size == 1 else _Linear.apply(x, _reduce_scatter, _all_gather, dim, group)
-    return out if tiled else out.squeeze(dim)
+    return _varying_along(x, axis_name, out if tiled else out.squeeze(dim))
+
+
+def _names(axis_name: AxisName) -> set[str]:
+    return {axis_name} if isinstance(axis_name, str) else set(axis_name)
+
+
+def _same_along(x: torch.Tensor, axis_name: AxisName, out: torch.Tensor) -> torch.Tensor:
+    """`out`, made from `x` the same on every rank along `axis_name` (`varying`)."""
+    return varying.varies(out, varying.axes_of(x) - _names(axis_name))
+
+
+def _varying_along(x: torch.Tensor, axis_name: AxisName, out: torch.Tensor) -> torch.Tensor:
+    """`out`, made from `x` different on each rank along `axis_name` (`varying`)."""
+    return varying.varies(out, varying.axes_of(x) | _names(axis_name))
 
 
 def axis_size(axis_name: AxisName) -> int:
@@ -241,13 +256,13 @@ def axis_index(axis_name: AxisName) -> torch.Tensor:
 
     if is_tracing():  # in nf.jit's program: read from the rank's coordinates when it runs
         from ndfunc._src import manual
-        return manual.axis_index(names, mesh.device_mesh.device_type)
+        return varying.varies(manual.axis_index(names, mesh.device_mesh.device_type), names)
     mode = local_tensor_mode()
     if mode is not None:
-        return mode.rank_map(lambda r: torch.tensor(position(mesh.coordinate(r))))
+        return varying.varies(mode.rank_map(lambda r: torch.tensor(position(mesh.coordinate(r)))), names)
     import torch.distributed as dist
 
-    return torch.tensor(position(mesh.coordinate(dist.get_rank())))
+    return varying.varies(torch.tensor(position(mesh.coordinate(dist.get_rank()))), names)
 
 
 def ppermute(x: torch.Tensor, axis_name: AxisName, perm: Sequence[tuple[int, int]]) -> torch.Tensor:
@@ -266,7 +281,7 @@ def ppermute(x: torch.Tensor, axis_name: AxisName, perm: Sequence[tuple[int, int
     names = (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
     ranks = _global_pairs(mesh, names, pairs)
     back = tuple((d, s) for s, d in ranks)
-    return _Linear.apply(x, _permute, _unpermute, ranks, back, ",".join(names))
+    return _varying_along(x, axis_name, _Linear.apply(x, _permute, _unpermute, ranks, back, ",".join(names)))
 
 
 def _global_pairs(mesh: Mesh, names: tuple[str, ...], pairs: list) -> tuple:
@@ -323,7 +338,8 @@ def all_to_all(x: torch.Tensor, axis_name: AxisName, split_dim: int, concat_dim:
     if x.shape[split_dim] % size:
         raise ValueError(f"nf.lax.all_to_all: split_dim {split_dim} of shape {tuple(x.shape)} does not split into {size} blocks.")
     concat_dim = concat_dim % x.ndim
-    return x if size == 1 else _Linear.apply(x, _exchange, _unexchange, split_dim, concat_dim, group, size)
+    return _varying_along(x, axis_name, x if size == 1 else _Linear.apply(x, _exchange, _unexchange, split_dim,
+                                                                           concat_dim, group, size))
 
 
 def _exchange(x, split_dim, concat_dim, group, size):

@@ -17,7 +17,7 @@ LAYERS = [
      "_src.figures"],
     ["_src.host_memory", "_src.runtime", "_src.point_to_point", "_src.transfer", "_src.config", "_src.visualize", "sharding", "_src.repeated_layers",
      "_src.attention", "_src.opaque", "_src.ctc_loss", "_src.rnn", "_src.dot", "_src.experts", "_src.checkpoint_index", "_src.checkpoint", "checkpoint"],
-    ["_src.autodiff", "_src.constraints", "_src.module", "nn", "_src.manual", "_src.stamp", "_src.trace", "_src.traced_as", "_src.custom_gradients", "_src.writes", "_src.copy_slices", "_src.graph_edits", "lax", "_src.shard_map"],
+    ["_src.autodiff", "_src.constraints", "_src.module", "nn", "_src.manual", "_src.stamp", "_src.trace", "_src.traced_as", "_src.custom_gradients", "_src.writes", "_src.copy_slices", "_src.graph_edits", "_src.varying", "lax", "_src.shard_map"],
     ["_src.partition.planning", "_src.partition.program"],  # the record the planner's node marks live in
     ["_src.partition.lower", "_src.partition.passes", "_src.partition.backends", "_src.replay"],
     ["_src.transforms", "transforms"],

@@ -1,6 +1,8 @@
 """nf.shard_map and nf.lax in simulation, against the same math on whole tensors (and the
 gradients of that math through torch.autograd)."""
 
+import re
+
 import pytest
 import torch
 from helpers import arange
@@ -198,3 +200,54 @@ def test_a_reshard_trading_two_axes_dims_sends_one_block_per_rank(a, b):
         got = swap(x)
         assert torch.equal(nf.device_get(got), x)  # every element where DTensor's layout puts it
         assert tuple(got.placements) == nf.sharding.spec_to_placements(mesh, P("b", "a"))
+
+
+CHECKED = [  # (what the function does, it, where its result is declared the same, the axes it varies along)
+    ("its input as it came", lambda x: x * 2.0, P(), ["dp"]),
+    ("a sum over its rows", lambda x: x.sum(0), P(), ["dp"]),
+    ("its position", lambda x: x[:, 0] * 0 + lax.axis_index("tp"), P("dp"), ["tp"]),
+    ("a psum_scatter", lambda x: lax.psum_scatter(lax.psum(x, "dp"), "tp", dim=1, tiled=True), P(), ["tp"]),
+]
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize("fn,out_spec,along", [c[1:] for c in CHECKED], ids=[c[0] for c in CHECKED])
+def test_a_result_declared_the_same_where_it_varies_is_refused_as_jaxs_check_vma_does(fn, out_spec, along, jit):
+    x = torch.randn(4, 8)
+    with nf.simulate(4):
+        mesh = nf.make_mesh(dp=2, tp=2)
+
+        def mapped(check_vma):
+            g = nf.shard_map(fn, mesh, in_specs=(P("dp"),), out_specs=out_spec, check_vma=check_vma)
+            return (nf.jit(g, mesh=mesh) if jit else g)(x)
+
+        with pytest.raises(nf.sharding.ShardingError, match=re.escape(
+                f"nf.shard_map(<lambda>): out_specs {out_spec!r} at 'the root' says the result is the same on every "
+                f"rank along {along}, but it varies along them (it comes from an input split over them, or from "
+                "axis_index, psum_scatter, ppermute or all_to_all over them, and nothing reduced it there). Reduce "
+                "it over them (nf.lax.psum, pmean, pmax or all_gather), name them in out_specs, or pass "
+                "check_vma=False where it is the same on every rank by a route ndfunc does not follow.")):
+            mapped(True)
+        # and it does vary: unchecked, the ranks along those axes hold different blocks
+        blocks = per_rank(mapped(False))
+        coords = [mesh.coordinate(r) for r in range(4)]
+        axis = mesh.axis_names.index(along[0])
+        assert any(not torch.equal(blocks[a], blocks[b]) for a in range(4) for b in range(4)
+                   if coords[a][axis] != coords[b][axis] and all(coords[a][i] == coords[b][i] for i in range(2) if i != axis))
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_results_reduced_over_the_axes_their_specs_leave_out_pass_the_check_and_are_the_same_there(jit):
+    x, w = torch.randn(4, 8), torch.randn(8, 6)
+    with nf.simulate(4):
+        mesh = nf.make_mesh(dp=2, tp=2)
+
+        def fn(x, w):
+            y = x @ w  # varies along dp (x) and tp (w)
+            return lax.psum(y.sum(0), "dp"), lax.all_gather(lax.pmean(y, "dp"), "tp", dim=1, tiled=True), w * 3
+
+        g = nf.shard_map(fn, mesh, in_specs=(P("dp"), P(None, "tp")), out_specs=(P("tp"), P(), P(None, "tp")))
+        total, whole, scaled = (nf.jit(g, mesh=mesh) if jit else g)(x, w)
+        torch.testing.assert_close(nf.device_get(total), (x @ w).sum(0))
+        torch.testing.assert_close(nf.device_get(whole), (x @ w).reshape(2, 2, 6).mean(0))
+        torch.testing.assert_close(nf.device_get(scaled), w * 3)

@@ -3,8 +3,9 @@
 As `jax.shard_map(f, mesh=..., in_specs=..., out_specs=...)`: each input is laid out by its spec
 and `f` sees only this rank's block; `f`'s results are this rank's blocks of outputs laid out by
 `out_specs`. An output spec that leaves out a mesh axis says the result is the same on every rank
-of that axis (a psum or pmean made it so); that is the caller's promise, as with JAX's
-`check_vma=False`. Gradients flow through: the collectives are differentiable, an input whole
+of that axis (a psum or pmean made it so); as JAX's `check_vma`, a result that varies along such
+an axis (made from an input split over it, and not reduced over it) is refused (`varying`), and
+`check_vma=False` leaves it the caller's promise. Gradients flow through: the collectives are differentiable, an input whole
 along an axis gets the sum of its cotangents over that axis (data parallelism's gradient
 all-reduce), and an output whole along an axis shares its cotangent among its holders. Gradients
 reach arguments passed as DTensors; a plain tensor argument is taken as data.
@@ -12,6 +13,7 @@ reach arguments passed as DTensors; a plain tensor argument is taken as data.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable
 from typing import Any
@@ -19,18 +21,19 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from ndfunc._src import manual
+from ndfunc._src import manual, varying
 from ndfunc._src.sharding.errors import ShardingError
 from ndfunc._src.sharding.mesh import Mesh, get_mesh
 from ndfunc._src.sharding.named_sharding import NamedSharding
 from ndfunc._src.sharding.partition_spec import PartitionSpec
 from ndfunc._src.trace import is_tracing
 from ndfunc._src.transfer import device_put, from_local
-from ndfunc.lax import _enter_input, _leave_output, _manual_axes
+from ndfunc.lax import _enter_input, _leave_output, _manual_axes, _replicated_axes
 from ndfunc.tree import tree_broadcast_prefix, tree_map_with_path
 
 
-def shard_map(fn: Callable, mesh: Mesh | None = None, *, in_specs: Any, out_specs: Any) -> Callable:
+def shard_map(fn: Callable, mesh: Mesh | None = None, *, in_specs: Any, out_specs: Any,
+              check_vma: bool = True) -> Callable:
     """Map `fn` over the blocks of its arguments, one call per rank.
 
     Args:
@@ -38,6 +41,7 @@ def shard_map(fn: Callable, mesh: Mesh | None = None, *, in_specs: Any, out_spec
         mesh: the mesh; by default the one set by `with mesh:` / `nf.set_mesh`.
         in_specs: a prefix tree of `P` over the positional arguments (a tuple, one per argument).
         out_specs: a prefix tree of `P` over the result.
+        check_vma: refuse a result that varies along an axis its out_spec leaves out (JAX's check).
 
     Example:
         >>> with nf.simulate(4):
@@ -57,9 +61,11 @@ def shard_map(fn: Callable, mesh: Mesh | None = None, *, in_specs: Any, out_spec
         specs = tree_broadcast_prefix(tuple(in_specs) if isinstance(in_specs, list) else in_specs, args,
                                       prefix_name="in_specs", full_name="arguments")
         locals_ = tree_map_with_path(lambda path, x, spec: _to_local(mapped_mesh, path, x, spec), args, specs)
-        with _manual_axes(mapped_mesh):
+        with _manual_axes(mapped_mesh), varying.Tracked() if check_vma else contextlib.nullcontext():
             out = fn(*locals_)
         out_spec_tree = tree_broadcast_prefix(out_specs, out, prefix_name="out_specs", full_name="results")
+        if check_vma:
+            tree_map_with_path(lambda path, y, spec: _check_vma(mapped_mesh, path, y, spec, fn), out, out_spec_tree)
         return tree_map_with_path(lambda path, y, spec: _from_local(mapped_mesh, path, y, spec), out, out_spec_tree)
 
     return mapped
@@ -71,8 +77,25 @@ def _spec(path: str, spec: Any, what: str) -> PartitionSpec:
     return spec
 
 
+def _check_vma(mesh: Mesh, path: str, y: Any, spec: Any, fn: Callable) -> None:
+    spec = _spec(path, spec, "out_specs")
+    along = sorted(varying.axes_of(y) & set(_replicated_axes(mesh, spec)))
+    if along:
+        raise ShardingError(
+            f"nf.shard_map({getattr(fn, '__name__', 'fn')}): out_specs {spec!r} at {path or 'the root'!r} says the "
+            f"result is the same on every rank along {along}, but it varies along them (it comes from an input split "
+            f"over them, or from axis_index, psum_scatter, ppermute or all_to_all over them, and nothing reduced it "
+            f"there). Reduce it over them (nf.lax.psum, pmean, pmax or all_gather), name them in out_specs, or pass "
+            f"check_vma=False where it is the same on every rank by a route ndfunc does not follow.")
+
+
 def _to_local(mesh: Mesh, path: str, x: Any, spec: Any) -> torch.Tensor:
     sharding = NamedSharding(mesh, _spec(path, spec, "in_specs"))
+    split = [a for a in sharding.spec.axes if mesh.axis_size(a) > 1]
+    return varying.varies(_local(mesh, path, x, sharding), split)
+
+
+def _local(mesh: Mesh, path: str, x: Any, sharding: NamedSharding) -> torch.Tensor:
     if is_tracing():  # inside nf.jit: a global value becomes this rank's block in the program
         sharding.check(tuple(x.shape), path)
         return _enter_input(manual.enter(x, sharding.spec, sharding.shard_shape(tuple(x.shape))), mesh, sharding.spec)
