@@ -45,14 +45,15 @@ def held_out(max_bytes: int = 256 << 10) -> torch.Tensor:
 class Sequences:
     """The corpus as `num_sequences` samples of `seq_len` tokens and targets, in seeded order."""
 
-    def __init__(self, corpus: torch.Tensor, seq_len: int, seed: int = 0):
+    def __init__(self, corpus: torch.Tensor, seq_len: int, seed: int = 0, vocab_size: int = VOCAB_SIZE):
         if corpus.ndim != 1:
             raise ValueError(f"corpus must be 1-d tokens, got shape {tuple(corpus.shape)}.")
         self.seq_len = seq_len
         self.num_sequences = (corpus.numel() - 1) // seq_len
         if self.num_sequences < 1:
             raise ValueError(f"a corpus of {corpus.numel()} tokens holds no sequence of {seq_len + 1}.")
-        self.corpus = corpus.to(torch.int64)
+        self.corpus = corpus  # as it is (a memory-mapped store stays on disk): rows are read as int64
+        self.vocab_size = vocab_size
         self.seed = seed
         self.order = self.epoch_order(0)
 
@@ -66,8 +67,8 @@ class Sequences:
         positions `cols` only: two (n, cols) tensors."""
         starts = (self.order if order is None else order)[sample_ids] * self.seq_len
         offsets = torch.arange(cols.start, cols.stop)
-        tokens = self.corpus[starts[:, None] + offsets]
-        targets = self.corpus[starts[:, None] + offsets + 1]
+        tokens = self.corpus[starts[:, None] + offsets].to(torch.int64)
+        targets = self.corpus[starts[:, None] + offsets + 1].to(torch.int64)
         return tokens, targets
 
 

@@ -38,6 +38,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import pathlib
 import resource
 import sys
 import time
@@ -46,7 +47,7 @@ import optree
 import torch
 
 import ndfunc as nf
-from models import data, hf, llama
+from models import data, hf, llama, tokens
 from ndfunc import random
 from ndfunc.sharding import NamedSharding, P
 
@@ -121,11 +122,7 @@ def load_hf_model(path: str) -> torch.nn.Module:
     except ImportError:
         raise SystemExit("--hf-model needs Hugging Face transformers: pip install transformers") from None
     config = transformers.AutoConfig.from_pretrained(path)
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, **hf_implementations(config))
-    if model.config.vocab_size < data.VOCAB_SIZE:
-        raise SystemExit(f"the byte corpus needs a vocabulary of at least {data.VOCAB_SIZE}; {path} has "
-                         f"{model.config.vocab_size}.")
-    return model
+    return transformers.AutoModelForCausalLM.from_pretrained(path, **hf_implementations(config))
 
 
 def remat_hf_layers(model: torch.nn.Module, policy: str) -> int:
@@ -245,6 +242,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--config", choices=["tiny", "small"], default="tiny")
     parser.add_argument("--hf-checkpoint", help="a Hugging Face Llama directory to start from")
     parser.add_argument("--hf-model", help="a Hugging Face causal LM directory to train as it is (needs transformers)")
+    parser.add_argument("--data", metavar="PATH", help="train on this text, .jsonl or .parquet file, dataset saved "
+                        "with datasets.save_to_disk, or directory of them (default: the standard library's bytes)")
+    parser.add_argument("--tokenizer", metavar="DIR", help="the tokenizer for --data (default: --hf-model's own)")
+    parser.add_argument("--text-field", default="text", help="the field of a .jsonl record, or the column, holding the text")
+    parser.add_argument("--data-cache", metavar="DIR", default=str(pathlib.Path.home() / ".cache" / "ndfunc" / "tokens"),
+                        help="where tokenized data is kept (by content: a later run reads it back)")
     parser.add_argument("--steps", type=_at_least(1), default=60)
     parser.add_argument("--micro-batch", "--batch-size", dest="micro_batch", type=_at_least(1), default=8,
                         help="sequences per data-parallel rank per micro-batch")
@@ -288,6 +291,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         parser.error("--resume needs --checkpoint-dir (where the run was saved)")
     if args.processes and args.simulate:
         parser.error("--processes N runs real ranks and --simulate N simulated ones: give one of them")
+    if args.data and not (args.tokenizer or args.hf_model):
+        parser.error("--data needs a tokenizer: --tokenizer DIR, or --hf-model DIR to use the model's own")
+    if args.tokenizer and not args.data:
+        parser.error("--tokenizer tokenizes --data; give the data too")
     return args
 
 
@@ -312,10 +319,28 @@ def main(argv: list[str] | None = None) -> list[float]:
     # the data is host state every rank makes alike: made before the simulated world it is one
     # plain tensor, where inside it each would be a value per simulated rank that every read of a
     # batch runs over, rank by rank
-    sequences = data.Sequences(data.stdlib_corpus(), args.seq_len, seed=args.seed)
-    held = data.Sequences(data.held_out(), args.seq_len, seed=args.seed) if args.eval_every else None
+    if args.data:
+        sequences, held = _tokenized(args)
+    else:
+        sequences = data.Sequences(data.stdlib_corpus(), args.seq_len, seed=args.seed)
+        held = data.Sequences(data.held_out(), args.seq_len, seed=args.seed) if args.eval_every else None
+    if model is not None and model.config.vocab_size < sequences.vocab_size:
+        what = f"the tokenizer's {sequences.vocab_size} tokens" if args.data else f"{data.VOCAB_SIZE} bytes"
+        raise SystemExit(f"the data needs a vocabulary of at least {what}; {args.hf_model} has "
+                         f"{model.config.vocab_size}.")
     with ranks:
         return train(args, config, sequences, held, model)
+
+
+def _tokenized(args: argparse.Namespace) -> tuple[data.Sequences, data.Sequences | None]:
+    """`--data` as sequences (`tokens.store`: tokenized once, memory-mapped), and with --eval-every
+    its last hundredth (at least one sequence) held out for evaluation."""
+    corpus, vocab = tokens.store(args.data, args.tokenizer or args.hf_model, args.data_cache, args.text_field)
+    if not args.eval_every:
+        return data.Sequences(corpus, args.seq_len, seed=args.seed, vocab_size=vocab), None
+    cut = corpus.numel() - max(corpus.numel() // 100, args.seq_len + 1)
+    return (data.Sequences(corpus[:cut], args.seq_len, seed=args.seed, vocab_size=vocab),
+            data.Sequences(corpus[cut:], args.seq_len, seed=args.seed, vocab_size=vocab))
 
 
 def train(args: argparse.Namespace, config: nf.ParallelConfig, sequences: data.Sequences,
@@ -328,8 +353,11 @@ def train(args: argparse.Namespace, config: nf.ParallelConfig, sequences: data.S
         cfg = getattr(llama.LlamaConfig, args.config)()
         params = None
     cfg = dataclasses.replace(cfg, remat=None if args.remat == "none" else args.remat)
-    if cfg.vocab_size < data.VOCAB_SIZE and model is None:
-        raise SystemExit(f"the byte corpus needs a vocabulary of at least {data.VOCAB_SIZE}; this model has {cfg.vocab_size}.")
+    if params is None and sequences.vocab_size > cfg.vocab_size:  # the reference Llama, sized to the tokenizer
+        cfg = dataclasses.replace(cfg, vocab_size=-(-sequences.vocab_size // 64) * 64)
+    if cfg.vocab_size < sequences.vocab_size and model is None:
+        raise SystemExit(f"the data needs a vocabulary of at least {sequences.vocab_size}; this model has "
+                         f"{cfg.vocab_size}.")
     effective = config.effective_batch_size(args.micro_batch, args.grad_accum)
     lr = args.lr if args.lr_scaling == "none" else nf.ParallelConfig.scale_lr(
         args.lr, args.base_batch or effective, effective, args.lr_scaling)
