@@ -249,6 +249,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--data-cache", metavar="DIR", default=str(pathlib.Path.home() / ".cache" / "ndfunc" / "tokens"),
                         help="where tokenized data is kept (by content: a later run reads it back)")
     parser.add_argument("--steps", type=_at_least(1), default=60)
+    parser.add_argument("--epochs", type=_at_least(1), default=None,
+                        help="train this many passes over the data instead of --steps (whole batches only)")
     parser.add_argument("--micro-batch", "--batch-size", dest="micro_batch", type=_at_least(1), default=8,
                         help="sequences per data-parallel rank per micro-batch")
     parser.add_argument("--grad-accum", type=_at_least(1), default=1, help="micro-batches per optimizer step")
@@ -359,6 +361,12 @@ def train(args: argparse.Namespace, config: nf.ParallelConfig, sequences: data.S
         raise SystemExit(f"the data needs a vocabulary of at least {sequences.vocab_size}; this model has "
                          f"{cfg.vocab_size}.")
     effective = config.effective_batch_size(args.micro_batch, args.grad_accum)
+    if args.epochs:  # the steps of whole batches in that many passes: counted in sequences, whatever cp splits
+        per_epoch = sequences.num_sequences // effective
+        if per_epoch < 1:
+            raise SystemExit(f"an epoch of {sequences.num_sequences} sequences holds no whole batch of {effective}; "
+                             f"use a smaller batch, shorter sequences or more data.")
+        args = argparse.Namespace(**{**vars(args), "steps": args.epochs * per_epoch})
     lr = args.lr if args.lr_scaling == "none" else nf.ParallelConfig.scale_lr(
         args.lr, args.base_batch or effective, effective, args.lr_scaling)
     schedule = nf.optim.warmup_cosine_decay_schedule(0.0, lr, args.warmup, max(args.steps, args.warmup + 1), lr / 10)
@@ -464,6 +472,8 @@ def train(args: argparse.Namespace, config: nf.ParallelConfig, sequences: data.S
             rate = (i - first) * effective * args.seq_len / (now - compiled_at)
         mfu = None if peak_flops is None else costs["flops"] / step_time / peak_flops  # model flops utilization
         record = {"step": i + 1, "loss": losses[-1], "step_time_s": step_time, "tokens_per_s": rate,
+                  "tokens_seen": (i + 1) * batch_size * args.seq_len, "batch_tokens": batch_size * args.seq_len,
+                  "epoch": (i + 1) * batch_size / sequences.num_sequences,
                   **_memory(costs), "flops_per_rank": costs["flops"], "mfu": mfu}
         if evaluate is not None and ((i + 1) % args.eval_every == 0 or i + 1 == args.steps):
             record["eval_loss"] = evaluate()

@@ -141,3 +141,25 @@ def test_data_without_a_tokenizer_is_refused_when_parsed(capsys):
     with pytest.raises(SystemExit):
         train.parse(["--data", "corpus.jsonl"])
     assert "--data needs a tokenizer: --tokenizer DIR, or --hf-model DIR to use the model's own" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("layout", [["--dp-shard", "1", "--cp", "1", "--tp", "1"],
+                                    pytest.param(["--dp-shard", "2", "--cp", "2", "--tp", "1"], marks=pytest.mark.slow)],
+                         ids=["one rank", "dp_shard 2 x cp 2"])
+def test_epochs_stop_after_whole_passes_and_the_metrics_count_tokens_and_epochs(tmp_path, tokenizer_dir, layout):
+    # an epoch is counted in sequences of the global batch: cp splits each sequence, it does not
+    # make more of them (axolotl #3218 counted epochs off by cp)
+    path = write(tmp_path / "data", "jsonl", DOCUMENTS)
+    store, _ = tokens.store(path, tokenizer_dir, tmp_path / "cache")
+    sequences, batch = (store.numel() - 1) // 32, 4
+    metrics = tmp_path / "metrics.jsonl"
+    losses = train.main(["--data", str(path), "--tokenizer", str(tokenizer_dir), "--data-cache", str(tmp_path / "cache"),
+                         "--epochs", "2", "--seq-len", "32", "--micro-batch", str(batch // int(layout[1])),
+                         "--warmup", "1", "--metrics", str(metrics), *layout])
+    per_epoch = sequences // batch
+    assert len(losses) == 2 * per_epoch
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [r["tokens_seen"] for r in records] == [(i + 1) * batch * 32 for i in range(2 * per_epoch)]
+    assert records[0]["batch_tokens"] == batch * 32
+    assert records[per_epoch - 1]["epoch"] == pytest.approx(per_epoch * batch / sequences) and \
+        1 - batch / sequences < records[per_epoch - 1]["epoch"] <= 1
