@@ -59,7 +59,7 @@ def _group(axis_name: AxisName, op: str):
             f"nf.lax.{op} runs per rank over a named mesh axis, so it belongs inside a function mapped "
             f"by nf.shard_map(fn, mesh, in_specs, out_specs)."
         )
-    names = (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
+    names = _names(axis_name)
     unknown = [a for a in names if a not in mesh.axis_names]
     if unknown or not names:
         raise ValueError(
@@ -221,18 +221,24 @@ def psum_scatter(x: torch.Tensor, axis_name: AxisName, dim: int = 0, tiled: bool
     return _varying_along(x, axis_name, out if tiled else out.squeeze(dim))
 
 
-def _names(axis_name: AxisName) -> set[str]:
-    return {axis_name} if isinstance(axis_name, str) else set(axis_name)
+def _names(axis_name: AxisName) -> tuple[str, ...]:
+    return (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
+
+
+def _split_axes(axis_name: AxisName) -> frozenset:
+    """The axes of `axis_name` a value can differ along (those of size > 1)."""
+    mesh = _manual_mesh.get()
+    return frozenset(a for a in _names(axis_name) if mesh.axis_size(a) > 1)
 
 
 def _same_along(x: torch.Tensor, axis_name: AxisName, out: torch.Tensor) -> torch.Tensor:
     """`out`, made from `x` the same on every rank along `axis_name` (`varying`)."""
-    return varying.varies(out, varying.axes_of(x) - _names(axis_name))
+    return varying.varies(out, varying.axes_of(x) - _split_axes(axis_name))
 
 
 def _varying_along(x: torch.Tensor, axis_name: AxisName, out: torch.Tensor) -> torch.Tensor:
     """`out`, made from `x` different on each rank along `axis_name` (`varying`)."""
-    return varying.varies(out, varying.axes_of(x) | _names(axis_name))
+    return varying.varies(out, varying.axes_of(x) | _split_axes(axis_name))
 
 
 def axis_size(axis_name: AxisName) -> int:
@@ -244,7 +250,7 @@ def axis_index(axis_name: AxisName) -> torch.Tensor:
     """This rank's position along `axis_name` (0-d int64; in simulation, each rank's own)."""
     mesh = _manual_mesh.get()
     _group(axis_name, "axis_index")
-    names = (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
+    names = _names(axis_name)
 
     def position(coordinate: Sequence[int]) -> int:
         index = 0
@@ -256,13 +262,13 @@ def axis_index(axis_name: AxisName) -> torch.Tensor:
 
     if is_tracing():  # in nf.jit's program: read from the rank's coordinates when it runs
         from ndfunc._src import manual
-        return varying.varies(manual.axis_index(names, mesh.device_mesh.device_type), names)
+        return varying.varies(manual.axis_index(names, mesh.device_mesh.device_type), _split_axes(names))
     mode = local_tensor_mode()
     if mode is not None:
-        return varying.varies(mode.rank_map(lambda r: torch.tensor(position(mesh.coordinate(r)))), names)
+        return varying.varies(mode.rank_map(lambda r: torch.tensor(position(mesh.coordinate(r)))), _split_axes(names))
     import torch.distributed as dist
 
-    return varying.varies(torch.tensor(position(mesh.coordinate(dist.get_rank()))), names)
+    return varying.varies(torch.tensor(position(mesh.coordinate(dist.get_rank()))), _split_axes(names))
 
 
 def ppermute(x: torch.Tensor, axis_name: AxisName, perm: Sequence[tuple[int, int]]) -> torch.Tensor:
@@ -278,7 +284,7 @@ def ppermute(x: torch.Tensor, axis_name: AxisName, perm: Sequence[tuple[int, int
             f"nf.lax.ppermute: perm {perm} must pair distinct sources with distinct destinations, each in "
             f"0..{size - 1} (the positions along {axis_name!r})."
         )
-    names = (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
+    names = _names(axis_name)
     ranks = _global_pairs(mesh, names, pairs)
     back = tuple((d, s) for s, d in ranks)
     return _varying_along(x, axis_name, _Linear.apply(x, _permute, _unpermute, ranks, back, ",".join(names)))

@@ -72,11 +72,13 @@ def tree_broadcast_prefix(
         if tuple(p_entries) != tuple(f_entries):
             missing = [keystr(path + (e,)) for e in f_entries if e not in p_entries]
             extra = [keystr(path + (e,)) for e in p_entries if e not in f_entries]
-            named = "; ".join([*([f"{prefix_name} has no entry for {', '.join(map(repr, missing))}"] if missing else []),
-                               *([f"{prefix_name} has an entry for {', '.join(map(repr, extra))}, which is not in "
-                                  f"{full_name}"] if extra else [])])
+            named = []
+            if missing:
+                named.append(f"{prefix_name} has no entry for {', '.join(map(repr, missing))}")
+            if extra:
+                named.append(f"{prefix_name} has an entry for {', '.join(map(repr, extra))}, which is not in {full_name}")
             keys = f"{prefix_name} has keys {list(p_entries)}; {full_name}: {list(f_entries)}"
-            raise ValueError(_mismatch(path, f"{named} ({keys})" if named else keys))
+            raise ValueError(_mismatch(path, f"{'; '.join(named)} ({keys})" if named else keys))
         children = [broadcast(p, f, path + (e,)) for p, f, e in zip(p_children, f_children, f_entries)]
         return unflatten(f_meta, children)
 

@@ -55,7 +55,6 @@ from ndfunc._src.transfer import device_get, from_local, make_array_from_callbac
 from ndfunc.tree import tree_flatten_with_path
 
 
-
 class CheckpointError(ValueError):
     """A checkpoint that cannot be read as asked: missing, incomplete, damaged, or not this tree's."""
 

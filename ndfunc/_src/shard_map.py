@@ -64,9 +64,9 @@ def shard_map(fn: Callable, mesh: Mesh | None = None, *, in_specs: Any, out_spec
         with _manual_axes(mapped_mesh), varying.Tracked() if check_vma else contextlib.nullcontext():
             out = fn(*locals_)
         out_spec_tree = tree_broadcast_prefix(out_specs, out, prefix_name="out_specs", full_name="results")
-        if check_vma:
-            tree_map_with_path(lambda path, y, spec: _check_vma(mapped_mesh, path, y, spec, fn), out, out_spec_tree)
-        return tree_map_with_path(lambda path, y, spec: _from_local(mapped_mesh, path, y, spec), out, out_spec_tree)
+        checked = fn if check_vma else None
+        return tree_map_with_path(lambda path, y, spec: _from_local(mapped_mesh, path, y, spec, checked), out,
+                                  out_spec_tree)
 
     return mapped
 
@@ -77,8 +77,7 @@ def _spec(path: str, spec: Any, what: str) -> PartitionSpec:
     return spec
 
 
-def _check_vma(mesh: Mesh, path: str, y: Any, spec: Any, fn: Callable) -> None:
-    spec = _spec(path, spec, "out_specs")
+def _check_vma(mesh: Mesh, path: str, y: torch.Tensor, spec: PartitionSpec, fn: Callable) -> None:
     along = sorted(varying.axes_of(y) & set(_replicated_axes(mesh, spec)))
     if along:
         raise ShardingError(
@@ -108,10 +107,14 @@ def _local(mesh: Mesh, path: str, x: Any, sharding: NamedSharding) -> torch.Tens
     return _enter_input(x.to_local(), mesh, sharding.spec)
 
 
-def _from_local(mesh: Mesh, path: str, y: Any, spec: Any) -> DTensor:
+def _from_local(mesh: Mesh, path: str, y: Any, spec: Any, checked: Callable | None) -> DTensor:
+    """`y`, this rank's block of a result laid out by `spec`; `checked`: the mapped function, whose
+    results are held to their specs (`_check_vma`)."""
     sharding = NamedSharding(mesh, _spec(path, spec, "out_specs"))
     if not isinstance(y, torch.Tensor):
         raise TypeError(f"shard_map's function returned a {type(y).__name__} at {path or 'the root'!r}; it must return tensors.")
+    if checked is not None:
+        _check_vma(mesh, path, y, sharding.spec, checked)
     if len(sharding.spec) > y.ndim:
         raise ShardingError(f"out_specs {sharding.spec!r} at {path or 'the root'!r} has more entries than the result's {y.ndim} dims.")
     shape = torch.Size(n * sharding.num_blocks(d) for d, n in enumerate(y.shape))
