@@ -27,3 +27,14 @@ def pytest_collection_modifyitems(items):
     for item in items:
         if item.get_closest_marker("gloo") is not None:
             item.add_marker(pytest.mark.slow)
+
+
+def pytest_collection_finish(session):
+    """The suite makes many long-lived objects (fx graphs, plans, the modules collection imported);
+    at Python's default thresholds full collections walk them all again and again. What collection imported is frozen out of the collector's sight, and
+    the young generation collects every 10,000 allocations, not 700."""
+    import gc
+
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(10_000, 10, 10)
