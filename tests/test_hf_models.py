@@ -226,6 +226,10 @@ def test_partition_specs_follow_the_models_own_tp_plan_and_fsdp_takes_a_free_dim
     assert tp_only[layer + "input_layernorm.weight"] == P(None)  # not in the plan: whole
     assert specs[layer + "self_attn.q_proj.weight"] == P("tp", "dp_shard")  # FSDP on the dim TP leaves
     assert specs[layer + "input_layernorm.weight"] == P("dp_shard")
+    with nf.simulate(2):  # the job's axes on a mesh that has only some of them: those it lacks split nothing
+        fsdp_only = nf.nn.partition_specs(model, nf.make_mesh(dp_shard=2), tp="tp", fsdp=("dp_shard", "cp"))
+    assert fsdp_only[layer + "self_attn.q_proj.weight"] == P("dp_shard", None)
+    assert fsdp_only[layer + "input_layernorm.weight"] == P("dp_shard")
     gpt2 = make_model("gpt2", "sdpa")
     with nf.simulate(2):
         conv = nf.nn.partition_specs(gpt2, nf.make_mesh(tp=2), tp="tp", plan=GPT2_PLAN)

@@ -153,14 +153,20 @@ def partition_specs(module: torch.nn.Module, mesh: AbstractMesh, *, tp: str | No
     low-rank path's result is split as the layer's: colwise splits `lora_B`'s outputs, rowwise
     `lora_A`'s inputs; the other stays whole. `fsdp`: the axis (or axes, major to minor, as
     torchtitan's FSDP over `('dp_shard', 'cp')`) every parameter is also split over, along its
-    largest dim that `tp` leaves whole and the axes' ranks divide (none: whole).
+    largest dim that `tp` leaves whole and the axes' ranks divide (none: whole). An axis `mesh`
+    does not have splits nothing, so the same call serves every mesh.
     """
+    sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
+    tp = tp if tp in sizes else None
+    if isinstance(fsdp, (tuple, list)):
+        fsdp = tuple(axis for axis in fsdp if axis in sizes) or None
+    elif fsdp not in sizes:
+        fsdp = None
     if plan is None and tp is not None:
         plan = _carried_plan(module)
     rules = [(re.compile(re.escape(pattern).replace(r"\*", r"[^.]+") + r"\Z"), style)
              for pattern, style in (plan or {}).items()]
     kinds = {name: sub for name, sub in module.named_modules()}
-    sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
     if isinstance(fsdp, tuple) and len(fsdp) == 1:
         fsdp = fsdp[0]
     shards = math.prod(sizes.get(axis, 1) for axis in ((fsdp,) if isinstance(fsdp, str) else fsdp or ()))
