@@ -222,6 +222,9 @@ API = [
      "nf.jit(<lambda>): transforms[0] is 3, a int; a transform is nf.fsdp(axis)"),
     ("accumulate's count", lambda: nf.accumulate(lambda p: p, 0), ValueError,
      "nf.accumulate: num_micro_batches must be an int >= 1, got 0"),
+    ("accumulate's mean", lambda: nf.accumulate(lambda p: p, 2, mean="sum"), TypeError,
+     "nf.accumulate: mean is True (the mean of the micro-batches' losses and gradients) or False (their sums), "
+     "got 'sum'."),
     ("jit of what accumulate returns", lambda: nf.jit(nf.accumulate(lambda p, b: (p, p), 2)), TypeError,
      "nf.jit: this function is what nf.accumulate returns, which runs jitted programs of its own (one per "
      "micro-batch, its sums kept laid out as the parameters) and is compiled already; call it as it is, and give "

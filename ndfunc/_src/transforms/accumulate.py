@@ -3,7 +3,10 @@
 `nf.accumulate(nf.value_and_grad(loss), k)(params, batch)` splits the batch into `k`
 micro-batches along dim 0 and returns the mean loss and mean gradients, equal (up to the order of
 sums) to the big batch's when every micro-batch weighs the same (a mean loss over equally many
-targets). One program adds a micro-batch's loss and gradients into running sums, which it
+targets). Where they do not (a token mean, micro-batches holding different numbers of trained
+tokens), pass the whole batch's count to the loss as an argument after the batch, divide each
+micro-batch's sum by it, and take the sums with `mean=False`: the loss is then the mean over every
+trained token of the batch, as one device computes it. One program adds a micro-batch's loss and gradients into running sums, which it
 receives donated and updates where they lie; it is traced, partitioned and lowered once and run
 `k` times, so the program does not grow with `k` and only one micro-batch's activations are alive.
 With `reduce='each'` (the default) each run reduces its gradients to the parameters' layouts
@@ -34,17 +37,22 @@ from ndfunc.sharding import NamedSharding, P
 
 
 def accumulate(value_and_grad_fn: Callable, num_micro_batches: int, transforms=(), reduce: str = "each",
-               compile: bool | str = False) -> Callable:
+               compile: bool | str = False, mean: bool = True) -> Callable:
     """`fn(params, batch, *rest) -> (loss, grads)` over `num_micro_batches` micro-batches of `batch`,
     returning the means (see the module's text); `rest` is passed to each as it is. `value_and_grad_fn` is what `nf.value_and_grad`
     returns for a mean loss; `transforms` and `compile` go to the micro-batch program's `nf.jit`;
-    `reduce`: `'each'` micro-batch reduces its gradients, or they are reduced once at the `'end'`."""
+    `reduce`: `'each'` micro-batch reduces its gradients, or they are reduced once at the `'end'`;
+    `mean=False`: the sums, not the means (for a loss already divided by the whole batch's count)."""
     if isinstance(num_micro_batches, bool) or not isinstance(num_micro_batches, int) or num_micro_batches < 1:
         raise ValueError(f"nf.accumulate: num_micro_batches must be an int >= 1, got {num_micro_batches!r}.")
+    if not isinstance(mean, bool):
+        raise TypeError(f"nf.accumulate: mean is True (the mean of the micro-batches' losses and gradients) or "
+                        f"False (their sums), got {mean!r}.")
     if reduce not in ("each", "end"):
         raise ValueError(f"nf.accumulate: reduce must be 'each' (each micro-batch reduces its gradients) or "
                          f"'end' (reduce once, after the last), got {reduce!r}.")
     k = num_micro_batches
+    divisor = k if mean else 1
 
     def add(params, sums, batch, *rest):
         loss, grads = value_and_grad_fn(params, batch, *rest)
@@ -56,7 +64,7 @@ def accumulate(value_and_grad_fn: Callable, num_micro_batches: int, transforms=(
         return torch.zeros(()), optree.tree_map(torch.zeros_like, params)
 
     def mean(sums):
-        return sums[0] / k, optree.tree_map(lambda g: g / k, sums[1])
+        return sums[0] / divisor, optree.tree_map(lambda g: g / divisor, sums[1])
 
     programs: dict = {}
 
