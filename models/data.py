@@ -17,6 +17,7 @@ import torch
 import ndfunc as nf
 
 VOCAB_SIZE = 256
+IGNORE_INDEX = -100  # a target no loss is taken on (torch's cross_entropy default)
 
 
 def stdlib_corpus(max_bytes: int = 4 << 20, skip: int = 0) -> torch.Tensor:
@@ -43,39 +44,69 @@ def held_out(max_bytes: int = 256 << 10) -> torch.Tensor:
 
 
 class Sequences:
-    """The corpus as `num_sequences` samples of `seq_len` tokens and targets, in seeded order."""
+    """The corpus as `num_sequences` samples of `seq_len` tokens and targets, in seeded order.
 
-    def __init__(self, corpus: torch.Tensor, seq_len: int, seed: int = 0, vocab_size: int = VOCAB_SIZE):
+    With `starts` (the index of each document's first token, ascending, from 0) the corpus is
+    documents packed end to end: a sample also carries `positions`, each token's place in its own
+    document (counted from 0 where the document starts, in this sample or an earlier one), and
+    `documents`, which document it belongs to, so that attention keeps to it (`llama.apply`); a
+    target across a document boundary (the next document's first token) is -100. With `trained`
+    (a 0/1 flag per corpus token) only the tokens flagged are targets, the rest -100: a chat's
+    assistant turns.
+    """
+
+    def __init__(self, corpus: torch.Tensor, seq_len: int, seed: int = 0, vocab_size: int = VOCAB_SIZE,
+                 starts: torch.Tensor | None = None, trained: torch.Tensor | None = None):
         if corpus.ndim != 1:
             raise ValueError(f"corpus must be 1-d tokens, got shape {tuple(corpus.shape)}.")
+        if trained is not None and trained.shape != corpus.shape:
+            raise ValueError(f"trained flags one corpus token each: {tuple(trained.shape)} for a corpus of "
+                             f"{tuple(corpus.shape)}.")
+        if starts is not None and (starts.ndim != 1 or not len(starts) or int(starts[0]) != 0):
+            raise ValueError("starts is each document's first token, ascending, the first 0; got "
+                             f"{starts[:4].tolist()}{'...' if len(starts) > 4 else ''}.")
         self.seq_len = seq_len
         self.num_sequences = (corpus.numel() - 1) // seq_len
         if self.num_sequences < 1:
             raise ValueError(f"a corpus of {corpus.numel()} tokens holds no sequence of {seq_len + 1}.")
         self.corpus = corpus  # as it is (a memory-mapped store stays on disk): rows are read as int64
+        self.starts, self.trained = starts, trained
         self.vocab_size = vocab_size
         self.seed = seed
         self.order = self.epoch_order(0)
+
+    @property
+    def fields(self) -> tuple[str, ...]:
+        """What a sample holds: tokens and targets, and with documents their positions and ids."""
+        return ("tokens", "targets") + (("positions", "documents") if self.starts is not None else ())
 
     def epoch_order(self, epoch: int) -> torch.Tensor:
         """The permutation of sequences for one epoch: a function of (seed, epoch) only."""
         generator = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
         return torch.randperm(self.num_sequences, generator=generator)
 
-    def rows(self, sample_ids: torch.Tensor, cols: slice, order: torch.Tensor | None = None):
-        """Tokens and targets of the given samples (positions in `order`, by default epoch 0's),
-        positions `cols` only: two (n, cols) tensors."""
+    def rows(self, sample_ids: torch.Tensor, cols: slice, order: torch.Tensor | None = None) -> dict:
+        """`fields` of the given samples (positions in `order`, by default epoch 0's), positions
+        `cols` only: (n, cols) int64 tensors, read from the corpus at those places alone."""
         starts = (self.order if order is None else order)[sample_ids] * self.seq_len
-        offsets = torch.arange(cols.start, cols.stop)
-        tokens = self.corpus[starts[:, None] + offsets].to(torch.int64)
-        targets = self.corpus[starts[:, None] + offsets + 1].to(torch.int64)
-        return tokens, targets
+        at = starts[:, None] + torch.arange(cols.start, cols.stop)  # each token's index in the corpus
+        out = {"tokens": self.corpus[at].to(torch.int64), "targets": self.corpus[at + 1].to(torch.int64)}
+        if self.trained is not None:
+            out["targets"] = out["targets"].masked_fill(self.trained[at + 1] == 0, IGNORE_INDEX)
+        if self.starts is not None:
+            document = torch.searchsorted(self.starts, at, right=True) - 1
+            out["positions"] = at - self.starts[document]
+            out["documents"] = document
+            crosses = torch.searchsorted(self.starts, at + 1, right=True) - 1 != document
+            out["targets"] = out["targets"].masked_fill(crosses, IGNORE_INDEX)
+        return out
 
 
 def batches(
     sequences: Sequences, batch_size: int, sharding=None, *, steps: int | None = None, start: int = 0
 ) -> Iterator[dict[str, torch.Tensor]]:
-    """Global batches `{'tokens', 'targets'}` of shape (batch_size, seq_len), int64, in order.
+    """Global batches (`sequences.fields`: tokens, targets, ...) of shape (batch_size, seq_len),
+    int64, in order.
 
     With `sharding` (a NamedSharding for (batch, seq), e.g. `ParallelConfig.batch_spec` on a mesh)
     each rank builds only its block of every batch. Without `steps`, one epoch of full batches; with
@@ -96,15 +127,13 @@ def batches(
         first *= batch_size
         order = sequences.epoch_order(epoch) if epoch else sequences.order
 
-        def block(index, field: int, first=first, order=order):
+        def block(index, field: str, first=first, order=order):
             rows, cols = index
             return sequences.rows(torch.arange(first + rows.start, first + rows.stop), cols, order)[field]
 
         if sharding is None:
             whole = (slice(0, batch_size), slice(0, sequences.seq_len))
-            yield {"tokens": block(whole, 0), "targets": block(whole, 1)}
+            yield {field: block(whole, field) for field in sequences.fields}
         else:
-            yield {
-                "tokens": nf.make_array_from_callback(shape, sharding, lambda index: block(index, 0)),
-                "targets": nf.make_array_from_callback(shape, sharding, lambda index: block(index, 1)),
-            }
+            yield {field: nf.make_array_from_callback(shape, sharding, lambda index, f=field: block(index, f))
+                   for field in sequences.fields}

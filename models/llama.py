@@ -228,18 +228,25 @@ def _residual(x_BLD: torch.Tensor) -> torch.Tensor:
     return nf.with_logical_constraint(x_BLD, ("batch", "seq", None))
 
 
-def apply(params: dict, tokens_BL: torch.Tensor, cfg: LlamaConfig, positions_BL: torch.Tensor | None = None) -> torch.Tensor:
+def apply(params: dict, tokens_BL: torch.Tensor, cfg: LlamaConfig, positions_BL: torch.Tensor | None = None,
+          documents_BL: torch.Tensor | None = None) -> torch.Tensor:
     """Logits (B, L, V) for tokens (B, L).
 
     `positions` (B, L) default to 0..L-1 for every row. Given, they place each token: rotary
     embeddings and the causal mask (a token sees those at its position or before) both follow them,
-    so a permuted sequence gives the same logits, permuted.
+    so a permuted sequence gives the same logits, permuted. `documents` (B, L) packs several
+    documents in a row: a token sees only tokens of its own document (its id), at its position or
+    before; each document's positions restart at 0, so it reads as it would alone.
     """
     mask_BLL = None
     if positions_BL is None:
+        if documents_BL is not None:
+            raise ValueError("llama.apply: documents need positions (each document's tokens counted from 0).")
         positions_BL = torch.arange(tokens_BL.shape[1], device=tokens_BL.device).expand(tokens_BL.shape)
     else:
         mask_BLL = positions_BL[:, :, None] >= positions_BL[:, None, :]
+        if documents_BL is not None:
+            mask_BLL = mask_BLL & (documents_BL[:, :, None] == documents_BL[:, None, :])
     cos, sin = rope_tables(positions_BL, cfg.head_dim, cfg.rope_theta)
     x_BLD = _residual(F.embedding(tokens_BL, params["embed"]))
     block = nf.remat(decoder_layer, cfg.remat) if cfg.remat else decoder_layer
@@ -250,10 +257,19 @@ def apply(params: dict, tokens_BL: torch.Tensor, cfg: LlamaConfig, positions_BL:
     return x_BLD @ head_DV
 
 
+def token_losses(params: dict, batch: dict, cfg: LlamaConfig) -> torch.Tensor:
+    """Each token's next-token cross-entropy (B, L), 0 where its target is -100 (`batch` as `loss`'s)."""
+    logits_BLV = apply(params, batch["tokens"], cfg, batch.get("positions"), batch.get("documents"))
+    losses = F.cross_entropy(logits_BLV.flatten(0, 1).float(), batch["targets"].flatten(),
+                             ignore_index=IGNORE_INDEX, reduction="none")
+    return losses.view(batch["targets"].shape)
+
+
 def loss(params: dict, batch: dict, cfg: LlamaConfig) -> torch.Tensor:
     """Next-token cross-entropy, mean over targets that are not -100 (`batch`: tokens, targets (B, L)
-    int64, optional positions). A batch whose every target is -100 has no mean: NaN, as in torch."""
-    logits_BLV = apply(params, batch["tokens"], cfg, batch.get("positions"))
+    int64, optional positions and documents, as `apply` takes them). A batch whose every target is
+    -100 has no mean: NaN, as in torch."""
+    logits_BLV = apply(params, batch["tokens"], cfg, batch.get("positions"), batch.get("documents"))
     return F.cross_entropy(logits_BLV.flatten(0, 1).float(), batch["targets"].flatten(), ignore_index=IGNORE_INDEX)
 
 
