@@ -99,11 +99,12 @@ def main() -> None:
     tok = tokenizer(root / "tokenizer", big.read_text(encoding="utf-8")[:1 << 20])
 
     start = time.perf_counter()
-    store, vocab = tokens.store(big, tok, root / "cache")
+    corpus = tokens.store(big, tok, root / "cache")
+    store, vocab = corpus.tokens, corpus.vocab_size
     seconds = time.perf_counter() - start
     print(f"tokenization: {args.mb} MB in {seconds:.1f} s: {args.mb / seconds:.1f} MB/s, "
           f"{store.numel() / seconds:,.0f} tokens/s ({store.numel():,} tokens, vocabulary {vocab})")
-    small_store, _ = tokens.store(small, tok, root / "cache")
+    small_store = tokens.store(small, tok, root / "cache").tokens
 
     seq_len, micro = 128, 8
     loader_rate(small_store, vocab, seq_len, micro, 20)  # the simulation's own first allocations, not counted

@@ -7,6 +7,8 @@
     python -m models.train --processes 8                            # real processes driven from this one
     python -m models.train --hf-checkpoint DIR                      # start from a Hugging Face Llama
     python -m models.train --hf-model DIR                           # train a transformers causal LM as it is
+    python -m models.train --data DOCS --tokenizer DIR              # your documents, packed (docs/data.md)
+    python -m models.train --hf-model DIR --data chats.jsonl --chat   # fine-tune on the assistant's replies
     python -m models.train --checkpoint-dir DIR --save-every 20     # saved as it trains; again with --resume
 
 The flags mirror `nf.ParallelConfig`. Parameters are laid out by the config's logical rules (FSDP
@@ -45,6 +47,7 @@ import time
 
 import optree
 import torch
+import torch.nn.functional as F
 
 import ndfunc as nf
 from models import data, hf, llama, tokens
@@ -138,16 +141,33 @@ def remat_hf_layers(model: torch.nn.Module, policy: str) -> int:
 
 
 def hf_model(model: torch.nn.Module, mesh):
-    """(description, parameters, their specs, loss(params, batch), parameter count) of a
-    transformers causal LM."""
+    """(description, parameters, their specs, loss(params, batch), token_losses(params, batch),
+    parameter count) of a transformers causal LM: the mean loss over the batch's trained targets,
+    and each token's loss (B, L), 0 where its target is -100."""
     params, buffers, apply = nf.nn.functional(model)
     specs = nf.nn.partition_specs(model, mesh, tp="tp", fsdp=("dp_shard", "cp"))  # as the rules lay out the llama's
 
-    def loss(params, batch):
-        logits = apply(params, buffers, batch["tokens"], position_ids=batch["positions"]).logits
-        return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), batch["targets"].flatten())
+    def logits(params, batch):
+        masked = {} if "documents" not in batch else {"attention_mask": document_mask(batch)[:, None]}
+        return apply(params, buffers, batch["tokens"], position_ids=batch["positions"], **masked).logits
 
-    return type(model).__name__, params, specs, loss, sum(p.numel() for p in params.values())
+    def loss(params, batch):
+        return F.cross_entropy(logits(params, batch).flatten(0, 1).float(), batch["targets"].flatten(),
+                               ignore_index=data.IGNORE_INDEX)
+
+    def token_losses(params, batch):
+        losses = F.cross_entropy(logits(params, batch).flatten(0, 1).float(), batch["targets"].flatten(),
+                                 ignore_index=data.IGNORE_INDEX, reduction="none")
+        return losses.view(batch["targets"].shape)
+
+    return type(model).__name__, params, specs, loss, token_losses, sum(p.numel() for p in params.values())
+
+
+def document_mask(batch: dict) -> torch.Tensor:
+    """Which keys each query sees in a batch of packed documents, (B, L, L) boolean: those of its own
+    document at its position or before (as `llama.apply` makes it)."""
+    positions, documents = batch["positions"], batch["documents"]
+    return (positions[:, :, None] >= positions[:, None, :]) & (documents[:, :, None] == documents[:, None, :])
 
 
 def abstract_hf_model(hf_config, mesh, remat: str = "none") -> tuple[dict, object]:
@@ -169,7 +189,7 @@ def abstract_hf_model(hf_config, mesh, remat: str = "none") -> tuple[dict, objec
         model.get_submodule(owner).register_buffer(leaf, torch.empty(buffer.shape, dtype=buffer.dtype))
     if remat != "none":
         remat_hf_layers(model, remat)
-    _, params, specs, loss, _ = hf_model(model, mesh)
+    _, params, specs, loss, _, _ = hf_model(model, mesh)
     stand_ins = {k: nf.ShapeDtypeStruct(tuple(v.shape), v.dtype, sharding=NamedSharding(mesh, specs[k]))
                  for k, v in params.items()}
     return stand_ins, loss
@@ -189,6 +209,11 @@ def lower_abstract_hf(hf_config, config: nf.ParallelConfig, seq_len: int, transf
     step = nf.jit(make_loss_step(loss, opt, config.rules if ruled else None), mesh=mesh,
                   transforms=list(transforms), out_shardings=(*laid_out, P()))
     return step.lower(params, state, abstract_batch(config, mesh, batch_per_rank * config.dp_world_size, seq_len))
+
+
+def trained_count(batch: dict) -> torch.Tensor:
+    """How many of the batch's targets are trained (not -100), as a float."""
+    return (batch["targets"] != data.IGNORE_INDEX).sum().float()
 
 
 def make_update(opt: nf.optim.GradientTransformation):
@@ -245,7 +270,16 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--data", metavar="PATH", help="train on this text, .jsonl or .parquet file, dataset saved "
                         "with datasets.save_to_disk, or directory of them (default: the standard library's bytes)")
     parser.add_argument("--tokenizer", metavar="DIR", help="the tokenizer for --data (default: --hf-model's own)")
-    parser.add_argument("--text-field", default="text", help="the field of a .jsonl record, or the column, holding the text")
+    parser.add_argument("--text-field", default=None,
+                        help="the field of a .jsonl record, or the column, holding the text (default: text; with "
+                             "--chat, messages)")
+    parser.add_argument("--chat", action="store_true",
+                        help="--data holds conversations (a list of role/content messages a record), rendered by "
+                             "the tokenizer's chat template; the loss is taken on the assistant's turns only")
+    parser.add_argument("--eval-data", metavar="PATH", help="evaluate on this data (as --data reads it; default: "
+                        "the last hundredth of --data, or held-out standard library bytes)")
+    parser.add_argument("--eval-steps", type=_at_least(0), default=0,
+                        help="batches per evaluation (0: every whole batch of the evaluation data)")
     parser.add_argument("--data-cache", metavar="DIR", default=str(pathlib.Path.home() / ".cache" / "ndfunc" / "tokens"),
                         help="where tokenized data is kept (by content: a later run reads it back)")
     parser.add_argument("--steps", type=_at_least(1), default=60)
@@ -297,6 +331,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         parser.error("--data needs a tokenizer: --tokenizer DIR, or --hf-model DIR to use the model's own")
     if args.tokenizer and not args.data:
         parser.error("--tokenizer tokenizes --data; give the data too")
+    if (args.chat or args.eval_data) and not args.data:
+        parser.error(f"{'--chat' if args.chat else '--eval-data'} is about --data; give the data too")
+    if args.eval_data and not args.eval_every:
+        parser.error("--eval-data is evaluated every --eval-every steps; give --eval-every N too")
+    if args.text_field is None:
+        args.text_field = "messages" if args.chat else "text"
     return args
 
 
@@ -335,14 +375,28 @@ def main(argv: list[str] | None = None) -> list[float]:
 
 
 def _tokenized(args: argparse.Namespace) -> tuple[data.Sequences, data.Sequences | None]:
-    """`--data` as sequences (`tokens.store`: tokenized once, memory-mapped), and with --eval-every
-    its last hundredth (at least one sequence) held out for evaluation."""
-    corpus, vocab = tokens.store(args.data, args.tokenizer or args.hf_model, args.data_cache, args.text_field)
+    """`--data` as sequences (`tokens.store`: tokenized once, memory-mapped), and the evaluation's:
+    `--eval-data`'s, or with --eval-every alone the last hundredth of `--data` (at least a sequence)."""
+    store = lambda path: tokens.store(path, args.tokenizer or args.hf_model, args.data_cache,  # noqa: E731
+                                      args.text_field, args.chat)
+    corpus = store(args.data)
+    if args.eval_data:
+        return _sequences(corpus, args), _sequences(store(args.eval_data), args)
     if not args.eval_every:
-        return data.Sequences(corpus, args.seq_len, seed=args.seed, vocab_size=vocab), None
-    cut = corpus.numel() - max(corpus.numel() // 100, args.seq_len + 1)
-    return (data.Sequences(corpus[:cut], args.seq_len, seed=args.seed, vocab_size=vocab),
-            data.Sequences(corpus[cut:], args.seq_len, seed=args.seed, vocab_size=vocab))
+        return _sequences(corpus, args), None
+    cut = corpus.tokens.numel() - max(corpus.tokens.numel() // 100, args.seq_len + 1)
+    return _sequences(corpus, args, stop=cut), _sequences(corpus, args, start=cut)
+
+
+def _sequences(corpus: tokens.Corpus, args: argparse.Namespace, start: int = 0, stop: int | None = None):
+    """The store's tokens `start:stop` as packed sequences, with their documents (one cut at `start`
+    counted from there) and trained flags."""
+    stop = corpus.tokens.numel() if stop is None else stop
+    inside = corpus.starts[(corpus.starts > start) & (corpus.starts < stop)] - start
+    starts = torch.cat([torch.zeros(1, dtype=torch.int64), inside])
+    trained = None if corpus.trained is None else corpus.trained[start:stop]
+    return data.Sequences(corpus.tokens[start:stop], args.seq_len, seed=args.seed, vocab_size=corpus.vocab_size,
+                          starts=starts, trained=trained)
 
 
 def train(args: argparse.Namespace, config: nf.ParallelConfig, sequences: data.Sequences,
@@ -378,10 +432,11 @@ def train(args: argparse.Namespace, config: nf.ParallelConfig, sequences: data.S
     if model is not None:
         if args.remat != "none":
             remat_hf_layers(model, args.remat)
-        name, params, pspec, loss_of, n_params = hf_model(model, mesh)
+        name, params, pspec, loss_of, token_losses, n_params = hf_model(model, mesh)
         params = put(params, pspec)
     else:
-        name, loss_of, n_params = str(cfg), (lambda p, b: llama.loss(p, b, cfg)), cfg.num_params()
+        name, n_params = str(cfg), cfg.num_params()
+        loss_of, token_losses = (lambda p, b: llama.loss(p, b, cfg)), (lambda p, b: llama.token_losses(p, b, cfg))
         pspec = nf.sharding.logical_to_mesh(llama.param_axes(cfg), config.rules)
         if params is None:  # each rank makes only its own blocks
             params = nf.jit(lambda key: llama.init(cfg, key), mesh=mesh, out_shardings=pspec)(random.key(args.seed))
@@ -392,9 +447,12 @@ def train(args: argparse.Namespace, config: nf.ParallelConfig, sequences: data.S
 
     batch_size = args.micro_batch * args.grad_accum * config.dp_world_size  # one optimizer step's sequences
     bsharding = NamedSharding(mesh, config.batch_spec)
-    # explicit positions: the causal mask then follows them, so attention can split the sequence (cp)
-    positions = nf.device_put(torch.arange(args.seq_len).expand(batch_size, args.seq_len).contiguous(), bsharding)
-    bspec = {"tokens": config.batch_spec, "targets": config.batch_spec, "positions": config.batch_spec}
+    # explicit positions: the causal mask then follows them, so attention can split the sequence (cp);
+    # packed documents bring their own (each document's from 0) and their ids
+    positions = None if "positions" in sequences.fields else nf.device_put(
+        torch.arange(args.seq_len).expand(batch_size, args.seq_len).contiguous(), bsharding)
+    bspec = {field: config.batch_spec for field in (*sequences.fields, "positions")}
+    with_positions = lambda batch: batch if positions is None else dict(batch, positions=positions)  # noqa: E731
     transforms = []
     if args.mixed_precision == "bf16":
         transforms.append(nf.mixed_precision(torch.bfloat16, torch.float32))
@@ -403,13 +461,19 @@ def train(args: argparse.Namespace, config: nf.ParallelConfig, sequences: data.S
     if args.fsdp_schedule:
         transforms.append(nf.fsdp(("dp_shard", "cp")))
     kw = dict(mesh=mesh, donate_argnums=(0, 1), transforms=transforms, compile=args.compile)
+    ruled = nf.sharding.axis_rules(config.rules)
+    # the loss of a batch's tokens and how many there are (targets not -100), over the whole batch
+    loss_sum = ruled(lambda params, batch: (token_losses(params, batch).sum(), trained_count(batch)))
     if args.grad_accum == 1:
         step = nf.jit(make_loss_step(loss_of, opt, config.rules), in_shardings=(pspec, sspec, bspec),
                       out_shardings=(pspec, sspec, P()), **kw)
     else:  # one program per micro-batch, run grad_accum times; then the update
-        loss_fn = nf.sharding.axis_rules(config.rules)(loss_of)
-        grads_fn = nf.accumulate(nf.value_and_grad(loss_fn), args.grad_accum, reduce=args.reduce_grads,
-                                 transforms=transforms, compile=args.compile)
+        # each micro-batch's loss sum over the whole batch's count: the sums are the mean over every
+        # trained token of the batch, however the micro-batches share them
+        count = nf.jit(trained_count, mesh=mesh, in_shardings=(bspec,), out_shardings=P())
+        per_token = ruled(lambda params, batch, n: token_losses(params, batch).sum() / n)
+        grads_fn = nf.accumulate(nf.value_and_grad(per_token), args.grad_accum, reduce=args.reduce_grads,
+                                 transforms=transforms, compile=args.compile, mean=False)
         no_ring = [t for t in transforms if not isinstance(t, nf.ring_attention)]  # (the update has no attention)
         update = nf.jit(make_update(opt), in_shardings=(pspec, sspec, pspec), out_shardings=(pspec, sspec),
                         **{**kw, "transforms": no_ring})
@@ -437,12 +501,16 @@ def train(args: argparse.Namespace, config: nf.ParallelConfig, sequences: data.S
 
     evaluate = None
     if args.eval_every:
-        eval_batches = [dict(b, positions=positions) for b in data.batches(held, batch_size, bsharding, steps=2)]
-        eval_loss = nf.jit(nf.sharding.axis_rules(config.rules)(loss_of), mesh=mesh, in_shardings=(pspec, bspec),
-                           out_shardings=P())
+        whole = held.num_sequences // batch_size  # (none: `batches` says what to do)
+        steps = min(args.eval_steps, whole) if args.eval_steps and whole else None
+        eval_batches = [with_positions(b) for b in data.batches(held, batch_size, bsharding, steps=steps)]
+        eval_sum = nf.jit(loss_sum, mesh=mesh, in_shardings=(pspec, bspec), out_shardings=(P(), P()),
+                          transforms=[t for t in transforms if isinstance(t, nf.ring_attention)])
 
         def evaluate():
-            return sum(float(nf.device_get(eval_loss(params, b))) for b in eval_batches) / len(eval_batches)
+            """The mean loss over every trained token of the evaluation batches."""
+            sums = [tuple(map(nf.device_get, eval_sum(params, b))) for b in eval_batches]
+            return float(sum(s for s, _ in sums) / sum(n for _, n in sums))
     metrics = open(args.metrics, "a") if args.metrics and nf.rank() == 0 else None
 
     losses, costs, start = [], None, time.perf_counter()
@@ -452,16 +520,17 @@ def train(args: argparse.Namespace, config: nf.ParallelConfig, sequences: data.S
     peak_flops = _peak_flops()
     for i in range(first, args.steps):
         step_start = time.perf_counter()
-        batch = dict(next(stream), positions=positions)
+        batch = with_positions(next(stream))
         if args.grad_accum == 1:
             if costs is None:
                 costs = step.lower(params, opt_state, batch).cost_analysis()
             params, opt_state, loss = step(params, opt_state, batch)
         else:
+            n = count(batch)
             if costs is None:
-                costs = _add_costs(grads_fn.lower(params, batch).cost_analysis(), args.grad_accum,
+                costs = _add_costs(grads_fn.lower(params, batch, n).cost_analysis(), args.grad_accum,
                                    update.lower(params, opt_state, params).cost_analysis())
-            loss, grads = grads_fn(params, batch)
+            loss, grads = grads_fn(params, batch, n)
             params, opt_state = update(params, opt_state, grads)
         losses.append(float(nf.device_get(loss)))
         now = time.perf_counter()

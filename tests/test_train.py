@@ -294,7 +294,7 @@ def test_the_metrics_file_has_a_line_per_step_and_the_eval_loss_of_the_held_out_
     from models import data
 
     flags = ["--dp-shard", "2", "--cp", "1", "--tp", "1", "--micro-batch", "2", "--steps", "4", "--eval-every", "2",
-             *SHORT]
+             "--eval-steps", "2", *SHORT]
     train.main([*flags, "--metrics", str(tmp_path / "m.jsonl"), "--checkpoint-dir", str(tmp_path / "ck")])
     lines = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
     assert [r["step"] for r in lines] == [1, 2, 3, 4]
