@@ -298,3 +298,36 @@ def test_the_eval_loss_on_eval_data_is_one_devices_on_every_layout(tmp_path, tok
         total += float(llama.token_losses(params, batch, cfg).sum())
         count += int((batch["targets"] != data.IGNORE_INDEX).sum())
     assert record["eval_loss"] == pytest.approx(total / count, rel=1e-5)
+
+
+@pytest.mark.slow
+def test_a_hugging_face_model_fine_tunes_on_chat_data_with_its_own_tokenizer(tmp_path, chat_tokenizer_dir):
+    # as a user runs it: the model's directory holds its tokenizer; 4 ranks (dp_shard 2 x cp 2, ring
+    # attention), accumulation; the first loss is the eager model's on each packed piece alone
+    from models import data
+
+    model_dir = tmp_path / "model"
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, vocab_size=320, max_position_embeddings=256)
+    transformers.LlamaForCausalLM(config).save_pretrained(model_dir)
+    transformers.AutoTokenizer.from_pretrained(chat_tokenizer_dir).save_pretrained(model_dir)
+    path = write_chats(tmp_path / "chat.jsonl", conversations(40))
+    flags = ["--hf-model", str(model_dir), "--data", str(path), "--chat", "--data-cache", str(tmp_path / "cache"),
+             "--steps", "2", "--seq-len", "32", "--warmup", "1", "--tp", "1"]
+    losses = train.main([*flags, "--dp-shard", "2", "--cp", "2", "--ring-attention", "--micro-batch", "1",
+                         "--grad-accum", "2"])
+    sequences = train._sequences(tokens.store(path, model_dir, tmp_path / "cache", "messages", chat=True),
+                                 train.parse(flags))
+    batch = next(data.batches(sequences, 4, steps=1))
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="sdpa")
+    total, count = 0.0, 0
+    for row in range(4):
+        for document in batch["documents"][row].unique():
+            piece = batch["documents"][row] == document
+            with torch.no_grad():
+                logits = model(batch["tokens"][row][piece][None], position_ids=batch["positions"][row][piece][None]).logits
+            targets = batch["targets"][row][piece]
+            total += float(torch.nn.functional.cross_entropy(logits[0], targets, reduction="sum"))
+            count += int((targets != data.IGNORE_INDEX).sum())
+    assert losses[0] == pytest.approx(total / count, rel=1e-5)
