@@ -67,10 +67,11 @@ def tokenizer(directory: pathlib.Path, sample: str) -> pathlib.Path:
     return directory
 
 
-def loader_rate(store: torch.Tensor, vocab: int, seq_len: int, micro: int, batches: int) -> tuple[float, float]:
-    """(tokens per second one rank's blocks are read at, RSS growth in MB) over `batches` batches."""
+def loader_rate(corpus: tokens.Corpus, seq_len: int, micro: int, batches: int) -> tuple[float, float]:
+    """(tokens per second one rank's blocks are read at, RSS growth in MB) over `batches` batches,
+    packed as the job packs them (tokens, targets, positions and document ids)."""
     config = nf.ParallelConfig(1, 2, 2, 2)
-    sequences = data.Sequences(store, seq_len, vocab_size=vocab)
+    sequences = data.Sequences(corpus.tokens, seq_len, vocab_size=corpus.vocab_size, starts=corpus.starts)
     before = rss_mb()
     with nf.simulate(8):
         mesh = config.build_mesh()
@@ -104,12 +105,12 @@ def main() -> None:
     seconds = time.perf_counter() - start
     print(f"tokenization: {args.mb} MB in {seconds:.1f} s: {args.mb / seconds:.1f} MB/s, "
           f"{store.numel() / seconds:,.0f} tokens/s ({store.numel():,} tokens, vocabulary {vocab})")
-    small_store = tokens.store(small, tok, root / "cache").tokens
+    small_corpus = tokens.store(small, tok, root / "cache")
 
     seq_len, micro = 128, 8
-    loader_rate(small_store, vocab, seq_len, micro, 20)  # the simulation's own first allocations, not counted
-    _, grown_small = loader_rate(small_store, vocab, seq_len, micro, 200)
-    read, grown_big = loader_rate(store, vocab, seq_len, micro, 200)
+    loader_rate(small_corpus, seq_len, micro, 20)  # the simulation's own first allocations, not counted
+    _, grown_small = loader_rate(small_corpus, seq_len, micro, 200)
+    read, grown_big = loader_rate(corpus, seq_len, micro, 200)
 
     metrics = root / "metrics.jsonl"
     train.main(["--data", str(big), "--tokenizer", str(tok), "--data-cache", str(root / "cache"),

@@ -93,12 +93,12 @@ class Sequences:
         out = {"tokens": self.corpus[at].to(torch.int64), "targets": self.corpus[at + 1].to(torch.int64)}
         if self.trained is not None:
             out["targets"] = out["targets"].masked_fill(self.trained[at + 1] == 0, IGNORE_INDEX)
-        if self.starts is not None:
-            document = torch.searchsorted(self.starts, at, right=True) - 1
+        if self.starts is not None:  # each token's document, and its target's (one column further)
+            documents = torch.searchsorted(self.starts, torch.cat([at, at[:, -1:] + 1], 1), right=True) - 1
+            document = documents[:, :-1]
             out["positions"] = at - self.starts[document]
             out["documents"] = document
-            crosses = torch.searchsorted(self.starts, at + 1, right=True) - 1 != document
-            out["targets"] = out["targets"].masked_fill(crosses, IGNORE_INDEX)
+            out["targets"] = out["targets"].masked_fill(documents[:, 1:] != document, IGNORE_INDEX)
         return out
 
 
@@ -127,9 +127,14 @@ def batches(
         first *= batch_size
         order = sequences.epoch_order(epoch) if epoch else sequences.order
 
-        def block(index, field: str, first=first, order=order):
+        read: dict = {}  # a block's fields, read once for all of them
+
+        def block(index, field: str, first=first, order=order, read=read):
             rows, cols = index
-            return sequences.rows(torch.arange(first + rows.start, first + rows.stop), cols, order)[field]
+            key = (rows.start, rows.stop, cols.start, cols.stop)
+            if key not in read:
+                read[key] = sequences.rows(torch.arange(first + rows.start, first + rows.stop), cols, order)
+            return read[key][field]
 
         if sharding is None:
             whole = (slice(0, batch_size), slice(0, sequences.seq_len))
