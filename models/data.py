@@ -48,9 +48,11 @@ class Sequences:
 
     With `starts` (the index of each document's first token, ascending, from 0) the corpus is
     documents packed end to end: a sample also carries `positions`, each token's place in its own
-    document (counted from 0 where the document starts, in this sample or an earlier one), and
-    `documents`, which document it belongs to, so that attention keeps to it (`llama.apply`); a
-    target across a document boundary (the next document's first token) is -100. With `trained`
+    document (counted from 0 where the document starts, or where the sample does for a document
+    an earlier sample began: attention keeps to the sample, so only the offset within it counts,
+    and positions stay under `seq_len`), and `documents`, which document it belongs to, so that
+    attention keeps to it (`llama.apply`); a target across a document boundary (the next
+    document's first token) is -100. With `trained`
     (a 0/1 flag per corpus token) only the tokens flagged are targets, the rest -100: a chat's
     assistant turns.
     """
@@ -88,15 +90,16 @@ class Sequences:
     def rows(self, sample_ids: torch.Tensor, cols: slice, order: torch.Tensor | None = None) -> dict:
         """`fields` of the given samples (positions in `order`, by default epoch 0's), positions
         `cols` only: (n, cols) int64 tensors, read from the corpus at those places alone."""
-        starts = (self.order if order is None else order)[sample_ids] * self.seq_len
-        at = starts[:, None] + torch.arange(cols.start, cols.stop)  # each token's index in the corpus
+        first = (self.order if order is None else order)[sample_ids] * self.seq_len  # each sample's first token
+        at = first[:, None] + torch.arange(cols.start, cols.stop)  # each token's index in the corpus
         out = {"tokens": self.corpus[at].to(torch.int64), "targets": self.corpus[at + 1].to(torch.int64)}
         if self.trained is not None:
             out["targets"] = out["targets"].masked_fill(self.trained[at + 1] == 0, IGNORE_INDEX)
         if self.starts is not None:  # each token's document, and its target's (one column further)
             documents = torch.searchsorted(self.starts, torch.cat([at, at[:, -1:] + 1], 1), right=True) - 1
             document = documents[:, :-1]
-            out["positions"] = at - self.starts[document]
+            # from the document's start, or the sample's where the document began in an earlier one
+            out["positions"] = at - torch.maximum(self.starts[document], first[:, None])
             out["documents"] = document
             out["targets"] = out["targets"].masked_fill(documents[:, 1:] != document, IGNORE_INDEX)
         return out

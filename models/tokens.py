@@ -203,26 +203,37 @@ def _tokenizer(directory: str | os.PathLike, chat: bool):
 def conversation(tokenizer, messages: list[dict]) -> tuple[list[int], list[int]]:
     """(ids, trained) of one conversation rendered by the tokenizer's chat template, 1 in `trained`
     for each token of an assistant's reply (what follows the template's generation prompt, up to and
-    with its end of turn), 0 for the rest. The template renders each prefix of the conversation;
-    each must extend the one before (a template that rewrites earlier turns, as some drop past
-    reasoning, is refused), and each new piece of text is tokenized alone."""
+    with its end of turn), 0 for the rest. The ids are the whole rendering tokenized at once, as
+    `apply_chat_template(tokenize=True)` gives them; a token is trained where it starts inside a
+    reply's text. The replies' places come from the template's rendering of each prefix of the
+    conversation, each of which must extend the one before (a template that rewrites earlier turns,
+    as some drop past reasoning, is refused)."""
     def render(upto: int, prompt: bool = False) -> str:
         return tokenizer.apply_chat_template(messages[:upto], tokenize=False, add_generation_prompt=prompt)
 
-    ids, trained, done = [], [], ""
+    replies, done = [], ""  # (start, end) of each reply in the rendering
     for i, message in enumerate(messages):
-        cuts = [(render(i, prompt=True), 0), (render(i + 1), 1)] if message["role"] == "assistant" else \
-            [(render(i + 1), 0)]
-        for text, flag in cuts:
-            if not text.startswith(done):
-                raise ValueError(f"the chat template renders the first {i + 1} messages as text that does not "
-                                 f"extend its rendering of the first {i}, so which tokens are the assistant's "
-                                 f"cannot be told; use a template that only appends (most do).")
-            piece = tokenizer(text[len(done):], add_special_tokens=False)["input_ids"]
-            ids += piece
-            trained += [flag] * len(piece)
-            done = text
-    return ids, trained
+        if message["role"] == "assistant":
+            prompt = render(i, prompt=True)
+            if not prompt.startswith(done):
+                raise ValueError(f"the chat template's generation prompt after the first {i} messages does not "
+                                 f"extend its rendering of them, so which tokens are the assistant's cannot be told; "
+                                 f"use a template that only appends (most do).")
+            done = prompt
+        text = render(i + 1)
+        if not text.startswith(done):
+            prompt = " and the generation prompt" if message["role"] == "assistant" else ""
+            raise ValueError(f"the chat template renders the first {i + 1} messages as text that does not extend "
+                             f"its rendering of the first {i}{prompt}, so which tokens are the assistant's cannot be told (a template "
+                             f"that renders a past turn unlike the last one does this, as Qwen3's drops past "
+                             f"reasoning); use a template that only appends (most do).")
+        if message["role"] == "assistant":
+            replies.append((len(done), len(text)))
+        done = text
+    encoded = tokenizer(done, add_special_tokens=False, return_offsets_mapping=True)
+    starts = [begin for begin, _ in encoded["offset_mapping"]]
+    trained = [int(any(a <= at < b for a, b in replies)) for at in starts]
+    return encoded["input_ids"], trained
 
 
 def _ids(files: list[pathlib.Path], tokenizer, text_field: str, chat: bool,

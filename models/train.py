@@ -147,8 +147,13 @@ def hf_model(model: torch.nn.Module, mesh):
     params, buffers, apply = nf.nn.functional(model)
     specs = nf.nn.partition_specs(model, mesh, tp="tp", fsdp=("dp_shard", "cp"))  # as the rules lay out the llama's
 
+    additive = model.config._attn_implementation == "eager"  # (eager attention adds its mask to the scores)
+
     def logits(params, batch):
-        masked = {} if "documents" not in batch else {"attention_mask": document_mask(batch)[:, None]}
+        masked = {}
+        if "documents" in batch:
+            mask = document_mask(batch)[:, None]
+            masked["attention_mask"] = torch.where(mask, 0.0, torch.finfo(torch.float32).min) if additive else mask
         return apply(params, buffers, batch["tokens"], position_ids=batch["positions"], **masked).logits
 
     def loss(params, batch):
@@ -214,6 +219,13 @@ def lower_abstract_hf(hf_config, config: nf.ParallelConfig, seq_len: int, transf
 def trained_count(batch: dict) -> torch.Tensor:
     """How many of the batch's targets are trained (not -100), as a float."""
     return (batch["targets"] != data.IGNORE_INDEX).sum().float()
+
+
+def token_mean(token_losses):
+    """loss(params, batch): the mean of `token_losses` over the batch's trained targets, 0 (and no
+    gradient) for a batch with none (chat data whose batch holds no reply), where a plain mean is
+    0 / 0."""
+    return lambda params, batch: token_losses(params, batch).sum() / trained_count(batch).clamp(min=1)
 
 
 def make_update(opt: nf.optim.GradientTransformation):
@@ -313,7 +325,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--metrics", metavar="FILE", help="append a JSON line per step: loss, step time, tokens/s "
                         "after compilation, measured and estimated peak memory, flops, MFU, eval loss")
     parser.add_argument("--eval-every", type=_at_least(0), default=0,
-                        help="steps between evaluations on held-out bytes (0: none)")
+                        help="steps between evaluations (0: none) on --eval-data, the last hundredth of --data, or "
+                             "held-out standard library bytes")
     ckpt = parser.add_argument_group("checkpoints (nf.checkpoint)")
     ckpt.add_argument("--checkpoint-dir", help="save the run here: parameters, optimizer state, step, data position, key")
     ckpt.add_argument("--save-every", type=_at_least(0), default=0, help="steps between checkpoints (0: at the end only)")
@@ -390,10 +403,13 @@ def _tokenized(args: argparse.Namespace) -> tuple[data.Sequences, data.Sequences
 
 def _sequences(corpus: tokens.Corpus, args: argparse.Namespace, start: int = 0, stop: int | None = None):
     """The store's tokens `start:stop` as packed sequences, with their documents (one cut at `start`
-    counted from there) and trained flags."""
+    counted from there) and trained flags: views of the memory-mapped store, nothing read whole."""
     stop = corpus.tokens.numel() if stop is None else stop
-    inside = corpus.starts[(corpus.starts > start) & (corpus.starts < stop)] - start
-    starts = torch.cat([torch.zeros(1, dtype=torch.int64), inside])
+    first, last = (int(torch.searchsorted(corpus.starts, torch.tensor(at), right=True)) for at in (start, stop - 1))
+    if start == 0:
+        starts = corpus.starts[:last]
+    else:  # (a held-out tail: its documents' starts are copied, shifted)
+        starts = torch.cat([torch.zeros(1, dtype=torch.int64), corpus.starts[first:last] - start])
     trained = None if corpus.trained is None else corpus.trained[start:stop]
     return data.Sequences(corpus.tokens[start:stop], args.seq_len, seed=args.seed, vocab_size=corpus.vocab_size,
                           starts=starts, trained=trained)
@@ -442,6 +458,8 @@ def train(args: argparse.Namespace, config: nf.ParallelConfig, sequences: data.S
             params = nf.jit(lambda key: llama.init(cfg, key), mesh=mesh, out_shardings=pspec)(random.key(args.seed))
         else:
             params = put(params, pspec)
+    if sequences.trained is not None:  # chat data: a batch may hold no reply
+        loss_of = token_mean(token_losses)
     opt_state = opt.init(params)  # moments laid out as their parameters, on each rank's blocks
     sspec = nf.optim.state_shardings(opt_state, pspec)
 
@@ -470,7 +488,8 @@ def train(args: argparse.Namespace, config: nf.ParallelConfig, sequences: data.S
     else:  # one program per micro-batch, run grad_accum times; then the update
         # each micro-batch's loss sum over the whole batch's count: the sums are the mean over every
         # trained token of the batch, however the micro-batches share them
-        count = nf.jit(trained_count, mesh=mesh, in_shardings=(bspec,), out_shardings=P())
+        count = nf.jit(lambda batch: trained_count(batch).clamp(min=1), mesh=mesh, in_shardings=(bspec,),
+                       out_shardings=P())
         per_token = ruled(lambda params, batch, n: token_losses(params, batch).sum() / n)
         grads_fn = nf.accumulate(nf.value_and_grad(per_token), args.grad_accum, reduce=args.reduce_grads,
                                  transforms=transforms, compile=args.compile, mean=False)
@@ -503,14 +522,17 @@ def train(args: argparse.Namespace, config: nf.ParallelConfig, sequences: data.S
     if args.eval_every:
         whole = held.num_sequences // batch_size  # (none: `batches` says what to do)
         steps = min(args.eval_steps, whole) if args.eval_steps and whole else None
-        eval_batches = [with_positions(b) for b in data.batches(held, batch_size, bsharding, steps=steps)]
         eval_sum = nf.jit(loss_sum, mesh=mesh, in_shardings=(pspec, bspec), out_shardings=(P(), P()),
                           transforms=[t for t in transforms if isinstance(t, nf.ring_attention)])
 
         def evaluate():
-            """The mean loss over every trained token of the evaluation batches."""
-            sums = [tuple(map(nf.device_get, eval_sum(params, b))) for b in eval_batches]
-            return float(sum(s for s, _ in sums) / sum(n for _, n in sums))
+            """The mean loss over every trained token of the evaluation batches (read again each
+            time, a batch at a time), or None where they hold none."""
+            total, count = 0.0, 0.0
+            for b in data.batches(held, batch_size, bsharding, steps=steps):
+                s, n = map(nf.device_get, eval_sum(params, with_positions(b)))
+                total, count = total + float(s), count + float(n)
+            return total / count if count else None
     metrics = open(args.metrics, "a") if args.metrics and nf.rank() == 0 else None
 
     losses, costs, start = [], None, time.perf_counter()

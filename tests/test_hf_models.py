@@ -230,6 +230,9 @@ def test_partition_specs_follow_the_models_own_tp_plan_and_fsdp_takes_a_free_dim
         fsdp_only = nf.nn.partition_specs(model, nf.make_mesh(dp_shard=2), tp="tp", fsdp=("dp_shard", "cp"))
     assert fsdp_only[layer + "self_attn.q_proj.weight"] == P("dp_shard", None)
     assert fsdp_only[layer + "input_layernorm.weight"] == P("dp_shard")
+    with nf.simulate(2), pytest.raises(ValueError, match=r"partition_specs: mesh axis 'model' is neither one of this "
+                                                          r"mesh's \['dp_shard'\] nor one of ParallelConfig's"):
+        nf.nn.partition_specs(model, nf.make_mesh(dp_shard=2), tp="model")  # a typo is not "no TP"
     gpt2 = make_model("gpt2", "sdpa")
     with nf.simulate(2):
         conv = nf.nn.partition_specs(gpt2, nf.make_mesh(tp=2), tp="tp", plan=GPT2_PLAN)

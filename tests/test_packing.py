@@ -4,6 +4,7 @@ device; and the loader packs a corpus of documents into the fields the model rea
 
 from __future__ import annotations
 
+import optree
 import pytest
 import torch
 
@@ -80,11 +81,14 @@ def test_without_document_ids_packed_documents_leak_into_each_other():
     assert not torch.allclose(second, alone(params, docs[1]), rtol=1e-3, atol=1e-3)
 
 
-def test_a_document_cut_by_a_row_end_goes_on_at_its_position_in_the_next_row():
+def test_a_document_cut_by_a_row_end_goes_on_in_the_next_row_counted_from_its_start():
+    # (attention keeps to a row, so only offsets within it matter to rotary embeddings; positions
+    # stay under the row's length, as a learned position table needs)
     docs = documents([20, 30, 40])
     batch = packed(docs, rows=2)
     second = batch["positions"][1]
-    assert second[:18].tolist() == list(range(12, 30))  # document 1 (tokens 20..49) goes on from 12
+    assert second[:18].tolist() == list(range(18))  # document 1 (tokens 20..49) goes on from 0
+    assert second[18:].tolist() == list(range(14))
     assert batch["documents"][1, :18].eq(1).all() and batch["documents"][1, 18:].eq(2).all()
     assert batch["targets"][0, 19] == data.IGNORE_INDEX  # document 0's EOS: its target starts document 1
     assert (batch["targets"] == data.IGNORE_INDEX).sum() == 2
@@ -108,13 +112,14 @@ def test_documents_without_positions_are_refused():
         llama.apply(params, tokens, CFG, documents_BL=tokens)
 
 
-@pytest.mark.parametrize("family,load_balance", [("llama", "zigzag"), ("qwen2", None)])
-def test_a_hugging_face_models_packed_documents_on_dp_shard_x_cp_with_ring_equal_each_alone_in_eager(
-        family, load_balance):
+@pytest.mark.parametrize("family,attn,load_balance", [("llama", "sdpa", "zigzag"), ("qwen2", "sdpa", None),
+                                                     ("llama", "eager", "zigzag")])
+def test_a_hugging_face_models_packed_documents_on_dp_shard_x_cp_equal_each_alone_in_eager(family, attn, load_balance):
     """The job's `--hf-model` loss (`train.hf_model`) on a packed batch: transformers is given the
     document mask (zigzag's order hides where documents start from transformers' own detection of
     packing, which reads restarts of positions in order), and each document's losses equal the
-    eager model's on it alone."""
+    eager model's on it alone. SDPA attention runs as a ring; eager attention (matmuls and a
+    softmax, no ring) adds its mask to the scores, so it is given the mask as 0 and -inf's stand-in."""
     transformers = pytest.importorskip("transformers")
     from models import train
 
@@ -123,14 +128,15 @@ def test_a_hugging_face_models_packed_documents_on_dp_shard_x_cp_with_ring_equal
     torch.manual_seed(0)
     model = cls(config_cls(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                            num_key_value_heads=2, vocab_size=256, max_position_embeddings=64,
-                           attn_implementation="sdpa")).eval()
+                           attn_implementation=attn)).eval()
     docs = documents(LENGTHS + [2])
     batch = packed(docs, rows=2)
     with nf.simulate(4):
         mesh = nf.make_mesh(dp_shard=2, cp=2)
         _, params, _, _, token_losses, _ = train.hf_model(model, mesh)
         step = nf.jit(token_losses, mesh=mesh, in_shardings=(P(), P("dp_shard", "cp")),
-                      out_shardings=P("dp_shard", "cp"), transforms=[nf.ring_attention("cp", load_balance=load_balance)])
+                      out_shardings=P("dp_shard", "cp"),
+                      transforms=[nf.ring_attention("cp", load_balance=load_balance)] if attn == "sdpa" else [])
         losses = nf.device_get(step(params, nf.zigzag(batch, 2) if load_balance else batch))
     losses = (nf.unzigzag(losses, 2) if load_balance else losses).flatten()
     at = 0
@@ -140,3 +146,16 @@ def test_a_hugging_face_models_packed_documents_on_dp_shard_x_cp_with_ring_equal
         expected = torch.nn.functional.cross_entropy(logits, doc[1:], reduction="none")
         torch.testing.assert_close(losses[at:at + len(doc) - 1], expected, rtol=1e-5, atol=1e-5, msg=f"document {i}")
         at += len(doc)
+
+
+def test_the_jobs_token_mean_of_a_batch_with_no_trained_target_is_zero_with_no_gradient():
+    # (chat data: a batch may hold only prompts; a plain mean is 0 / 0 and would poison the parameters)
+    from models import train
+
+    params = llama.init(CFG, nf.random.key(0))
+    batch = packed(documents(LENGTHS + [2]), rows=2)
+    untrained = dict(batch, targets=torch.full_like(batch["targets"], data.IGNORE_INDEX))
+    loss = train.token_mean(lambda p, b: llama.token_losses(p, b, CFG))
+    value, grads = nf.value_and_grad(loss)(params, untrained)
+    assert value == 0 and all(g.abs().max() == 0 for g in optree.tree_leaves(grads))
+    torch.testing.assert_close(loss(params, batch), llama.loss(params, batch, CFG))  # else the mean

@@ -230,6 +230,30 @@ def test_a_conversation_is_its_template_rendering_trained_on_the_assistants_repl
         assert tokenizer.decode(ids[flags]) == replies  # each reply and its end of turn, no role header
 
 
+MISTRAL = ("{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}[INST] {{ m['content'] }} [/INST]"
+           "{% elif m['role'] == 'assistant' %}{{ m['content'] }}{{ eos_token }}{% endif %}{% endfor %}")
+
+
+def test_a_sentencepiece_style_tokenizers_conversation_is_tokenized_as_its_template_tokenizes_it(tmp_path):
+    # a Metaspace tokenizer (Llama 2's, Mistral's) marks the start of each text it tokenizes: the
+    # rendering is tokenized whole, as apply_chat_template(tokenize=True) does, never piece by piece
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="always")
+    bpe.decoder = decoders.Metaspace(prepend_scheme="always")
+    bpe.train_from_iterator(DOCUMENTS, trainers.BpeTrainer(vocab_size=300, special_tokens=["<s>", "</s>", "[INST]",
+                                                                                          "[/INST]"]))
+    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token="<s>", eos_token="</s>")
+    tokenizer.chat_template = MISTRAL
+    for chat in conversations(6):
+        ids, trained = tokens.conversation(tokenizer, chat)
+        assert ids == tokenizer(tokenizer.apply_chat_template(chat, tokenize=False), add_special_tokens=False)["input_ids"]
+        replies = [m["content"] for m in chat if m["role"] == "assistant"]
+        got = tokenizer.decode([i for i, t in zip(ids, trained) if t])
+        assert got.replace(" ", "") == "".join(r + "</s>" for r in replies).replace(" ", "")
+
+
 def test_chat_data_needs_a_template_and_conversations(tmp_path, tokenizer_dir, chat_tokenizer_dir):
     path = write_chats(tmp_path / "chat.jsonl", conversations(2))
     with pytest.raises(ValueError, match="has no chat template to render conversations with; use the tokenizer "

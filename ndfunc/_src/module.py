@@ -28,6 +28,7 @@ import optree
 import torch
 
 from ndfunc._src import repeated_layers
+from ndfunc._src.config import AXES as PARALLEL_AXES
 from ndfunc._src.constraints import with_logical_constraint
 from ndfunc._src.sharding.mesh import AbstractMesh
 from ndfunc._src.sharding.partition_spec import PartitionSpec
@@ -153,10 +154,17 @@ def partition_specs(module: torch.nn.Module, mesh: AbstractMesh, *, tp: str | No
     low-rank path's result is split as the layer's: colwise splits `lora_B`'s outputs, rowwise
     `lora_A`'s inputs; the other stays whole. `fsdp`: the axis (or axes, major to minor, as
     torchtitan's FSDP over `('dp_shard', 'cp')`) every parameter is also split over, along its
-    largest dim that `tp` leaves whole and the axes' ranks divide (none: whole). An axis `mesh`
-    does not have splits nothing, so the same call serves every mesh.
+    largest dim that `tp` leaves whole and the axes' ranks divide (none: whole). One of
+    `ParallelConfig`'s axes that `mesh` does not have splits nothing, so the same call serves every
+    layout; any other name the mesh lacks is an error.
     """
     sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
+    named = [tp] + (list(fsdp) if isinstance(fsdp, (tuple, list)) else [fsdp])
+    unknown = [a for a in named if a is not None and a not in sizes and a not in PARALLEL_AXES]
+    if unknown:
+        raise ValueError(f"partition_specs: mesh axis {unknown[0]!r} is neither one of this mesh's "
+                         f"{list(mesh.axis_names)} nor one of ParallelConfig's {list(PARALLEL_AXES)} (which a mesh "
+                         f"without them leaves unsplit); name an axis of the mesh.")
     tp = tp if tp in sizes else None
     if isinstance(fsdp, (tuple, list)):
         fsdp = tuple(axis for axis in fsdp if axis in sizes) or None

@@ -63,7 +63,7 @@ def accumulate(value_and_grad_fn: Callable, num_micro_batches: int, transforms=(
     def zeros(params):
         return torch.zeros(()), optree.tree_map(torch.zeros_like, params)
 
-    def mean(sums):
+    def means(sums):
         return sums[0] / divisor, optree.tree_map(lambda g: g / divisor, sums[1])
 
     programs: dict = {}
@@ -89,7 +89,7 @@ def accumulate(value_and_grad_fn: Callable, num_micro_batches: int, transforms=(
             programs[key] = (make_zeros,
                              jit(add, mesh=mesh, out_shardings=sums_sharding, donate_argnums=(1,),
                                  transforms=list(transforms), compile=compile),
-                             jit(mean, mesh=mesh, out_shardings=(spec, shardings), donate_argnums=(0,)))
+                             jit(means, mesh=mesh, out_shardings=(spec, shardings), donate_argnums=(0,)))
         return programs[key]
 
     compiled.programs = programs
