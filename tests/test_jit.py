@@ -362,3 +362,25 @@ def test_a_program_is_built_with_young_collections_only_and_the_thresholds_come_
     finally:
         gc.set_threshold(*before)
     assert seen == [("traced", (500, 7, 2**30)), ("partitioned", (500, 7, 2**30))]
+
+
+def test_a_jitted_functions_programs_are_freed_with_it():
+    # (a table keyed weakly by fx node kept every traced graph alive: a notebook that jits again and
+    # again grew by a program each time, and so did the test suite)
+    import gc
+
+    def graphs() -> int:
+        gc.collect()
+        return sum(isinstance(o, torch.fx.Graph) for o in gc.get_objects())
+
+    def run(scale: float) -> None:
+        with nf.simulate(2):
+            f = nf.jit(lambda x, w: torch.tanh(x @ w).sum() * scale, mesh=nf.make_mesh(dp=2),
+                       in_shardings=(P("dp"), P()), out_shardings=P())
+            f(torch.randn(4, 8), torch.randn(8, 4))
+
+    run(1.0)
+    before = graphs()
+    for scale in (2.0, 3.0, 4.0):
+        run(scale)
+    assert graphs() <= before

@@ -16,7 +16,6 @@ import dataclasses
 import functools
 import operator
 import threading
-import weakref
 from collections.abc import Sequence
 
 import numpy as np
@@ -82,7 +81,7 @@ def tensor_inputs(node: torch.fx.Node) -> list[torch.fx.Node]:
 def inputs_and_signature(node: torch.fx.Node) -> tuple[tuple, tuple]:
     """(`tensor_inputs` as a tuple, `signature`) of `node`, remembered while its arguments and their
     values are the objects they were (the partitioner and the lowering ask each node's many times)."""
-    known = _READ.get(node)
+    known = getattr(node, _READ, None)
     if known is not None and known[0] is node.args and known[1] is node.kwargs and all(
             a.meta.get("val") is v for a, v in known[2]):
         return known[3]
@@ -99,7 +98,7 @@ def inputs_and_signature(node: torch.fx.Node) -> tuple[tuple, tuple]:
         else:
             key.append(a if isinstance(a, (int, float, bool, str, type(None))) else repr(a))
     read = (tuple(ins), (node.target, spec, tuple(key)))
-    _READ[node] = (node.args, node.kwargs, [(a, a.meta.get("val")) for a in node.all_input_nodes], read)
+    setattr(node, _READ, (node.args, node.kwargs, [(a, a.meta.get("val")) for a in node.all_input_nodes], read))
     return read
 
 
@@ -135,7 +134,10 @@ _PLAIN_LEAVES = frozenset({torch.fx.Node, int, float, bool, str, type(None), tor
                            torch.layout, torch.memory_format})
 
 
-_READ: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# where a node keeps what `inputs_and_signature` read of it: on the node, so that it goes with its
+# graph (a table keyed weakly by node would keep every graph alive, each entry holding the node's
+# inputs, and through their users the node)
+_READ = "_ndfunc_inputs_and_signature"
 
 
 def value_of(arg: torch.fx.Node) -> tuple:
