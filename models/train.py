@@ -505,6 +505,8 @@ def train(args: argparse.Namespace, config: nf.ParallelConfig, sequences: data.S
     key = random.key(args.seed)
     manager = nf.checkpoint.Manager(args.checkpoint_dir, keep=args.keep) if args.checkpoint_dir else None
     first = 0
+    if manager is not None:
+        _same_data(pathlib.Path(args.checkpoint_dir), sequences, resuming=args.resume)
     if args.resume and manager.latest_step() is not None:
         # into this run's layout, whatever the saved one was; the data resumes where it stopped
         saved = manager.restore({"params": params, "opt": opt_state, "step": 0, "sequences": 0, "key": key})
@@ -595,6 +597,28 @@ def train(args: argparse.Namespace, config: nf.ParallelConfig, sequences: data.S
         f"sent in {sum(costs['collectives'].values())} collectives, peak memory {costs['peak_memory_bytes'] / 2**20:.1f} MiB "
         f"(program estimate)")
     return losses
+
+
+def _same_data(directory: pathlib.Path, sequences: data.Sequences, resuming: bool) -> None:
+    """The data a run in `directory` trains on, kept there (`data.json`); a run resumed on other data
+    is refused: the position it resumes at is a count of sequences, which other data (another
+    file, --seq-len, --seed, or evaluation split) would fill with other batches."""
+    now = {"tokens": sequences.corpus.numel(), "sequences": sequences.num_sequences, "seq_len": sequences.seq_len,
+           "seed": sequences.seed, "documents": None if sequences.starts is None else len(sequences.starts)}
+    kept = directory / "data.json"
+    if resuming and kept.is_file():
+        then = json.loads(kept.read_text())
+        if then != now:
+            changed = ", ".join(f"{k} {then.get(k)} -> {now[k]}" for k in now if then.get(k) != now[k])
+            raise SystemExit(f"--resume: the run in {directory} trained on other data than this run's ({changed}), so "
+                             f"its position in the data would point at other batches. Resume with the run's --data, "
+                             f"--seq-len, --seed and --eval-data/--eval-every, or give a new --checkpoint-dir.")
+    text = json.dumps(now) + "\n"
+    if nf.rank() == 0 and not (kept.is_file() and kept.read_text() == text):  # (written aside: others may read it)
+        directory.mkdir(parents=True, exist_ok=True)
+        aside = kept.with_suffix(".partial")
+        aside.write_text(text)
+        os.replace(aside, kept)
 
 
 @contextlib.contextmanager

@@ -355,3 +355,17 @@ def test_a_hugging_face_model_fine_tunes_on_chat_data_with_its_own_tokenizer(tmp
             total += float(torch.nn.functional.cross_entropy(logits[0], targets, reduction="sum"))
             count += int((targets != data.IGNORE_INDEX).sum())
     assert losses[0] == pytest.approx(total / count, rel=1e-5)
+
+
+def test_a_run_resumed_on_other_data_is_refused(tmp_path, tokenizer_dir):
+    # the resumed position is a count of sequences: with the evaluation split changed, the same
+    # count would point at other batches
+    path = write(tmp_path / "data", "jsonl", DOCUMENTS * 2)
+    flags = ["--data", str(path), "--tokenizer", str(tokenizer_dir), "--data-cache", str(tmp_path / "cache"),
+             "--seq-len", "32", "--micro-batch", "2", "--warmup", "1", "--dp-shard", "1", "--cp", "1", "--tp", "1",
+             "--checkpoint-dir", str(tmp_path / "run")]
+    train.main([*flags, "--steps", "1"])
+    with pytest.raises(SystemExit, match=r"--resume: the run in .* trained on other data than this run's \(tokens "
+                                         r"\d+ -> \d+, sequences \d+ -> \d+"):
+        train.main([*flags, "--steps", "2", "--resume", "--eval-every", "1"])
+    assert len(train.main([*flags, "--steps", "2", "--resume"])) == 1  # the same data resumes
