@@ -149,6 +149,17 @@ def test_data_without_a_tokenizer_is_refused_when_parsed(capsys):
     assert "--data needs a tokenizer: --tokenizer DIR, or --hf-model DIR to use the model's own" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("flags,message", [
+    (["--chat"], "--chat is about --data; give the data too"),
+    (["--eval-data", "held.jsonl", "--data", "d.jsonl", "--tokenizer", "t"],
+     "--eval-data is evaluated every --eval-every steps; give --eval-every N too"),
+])
+def test_chat_and_eval_flags_without_what_they_need_are_refused_when_parsed(capsys, flags, message):
+    with pytest.raises(SystemExit):
+        train.parse(flags)
+    assert message in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("layout", [["--dp-shard", "1", "--cp", "1", "--tp", "1"],
                                     pytest.param(["--dp-shard", "2", "--cp", "2", "--tp", "1"], marks=pytest.mark.slow)],
                          ids=["one rank", "dp_shard 2 x cp 2"])
