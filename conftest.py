@@ -30,9 +30,10 @@ def pytest_collection_modifyitems(items):
 
 
 def pytest_collection_finish(session):
-    """The suite makes many long-lived objects (fx graphs, plans, the modules collection imported);
-    at Python's default thresholds full collections walk them all again and again. What collection imported is frozen out of the collector's sight, and
-    the young generation collects every 10,000 allocations, not 700."""
+    """The suite makes many long-lived objects (plans, the modules collection imported); at
+    Python's default thresholds full collections walk them all again and again. What collection
+    imported is frozen out of the collector's sight, and the young generation collects every
+    10,000 allocations, not 700."""
     import gc
 
     gc.collect()

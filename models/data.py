@@ -52,9 +52,8 @@ class Sequences:
     an earlier sample began: attention keeps to the sample, so only the offset within it counts,
     and positions stay under `seq_len`), and `documents`, which document it belongs to, so that
     attention keeps to it (`llama.apply`); a target across a document boundary (the next
-    document's first token) is -100. With `trained`
-    (a 0/1 flag per corpus token) only the tokens flagged are targets, the rest -100: a chat's
-    assistant turns.
+    document's first token) is -100. With `trained` (a 0/1 flag per corpus token) only the tokens
+    flagged are targets, the rest -100: a chat's assistant turns.
     """
 
     def __init__(self, corpus: torch.Tensor, seq_len: int, seed: int = 0, vocab_size: int = VOCAB_SIZE,

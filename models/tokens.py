@@ -127,7 +127,6 @@ def _documents(file: pathlib.Path, text_field: str, chat: bool) -> Iterator:
             start = end
         yield pieces
         return
-    want = "a list of messages" if chat else "a string"
     for where, value in _records(file, kind, text_field):
         if chat:
             yield _messages(value, where)
@@ -135,7 +134,7 @@ def _documents(file: pathlib.Path, text_field: str, chat: bool) -> Iterator:
             if value:
                 yield [value]
         elif value is not None:  # (a missing value, parquet's null: no document)
-            raise ValueError(f"{where}: {text_field!r} is {type(value).__name__}, expected {want}"
+            raise ValueError(f"{where}: {text_field!r} is {type(value).__name__}, expected a string"
                              + ("; for conversations pass --chat." if isinstance(value, list) else "."))
 
 

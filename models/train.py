@@ -156,14 +156,15 @@ def hf_model(model: torch.nn.Module, mesh):
             masked["attention_mask"] = torch.where(mask, 0.0, torch.finfo(torch.float32).min) if additive else mask
         return apply(params, buffers, batch["tokens"], position_ids=batch["positions"], **masked).logits
 
-    def loss(params, batch):
+    def cross_entropy(params, batch, reduction: str):
         return F.cross_entropy(logits(params, batch).flatten(0, 1).float(), batch["targets"].flatten(),
-                               ignore_index=data.IGNORE_INDEX)
+                               ignore_index=data.IGNORE_INDEX, reduction=reduction)
+
+    def loss(params, batch):
+        return cross_entropy(params, batch, "mean")
 
     def token_losses(params, batch):
-        losses = F.cross_entropy(logits(params, batch).flatten(0, 1).float(), batch["targets"].flatten(),
-                                 ignore_index=data.IGNORE_INDEX, reduction="none")
-        return losses.view(batch["targets"].shape)
+        return cross_entropy(params, batch, "none").view(batch["targets"].shape)
 
     return type(model).__name__, params, specs, loss, token_losses, sum(p.numel() for p in params.values())
 
@@ -480,16 +481,19 @@ def train(args: argparse.Namespace, config: nf.ParallelConfig, sequences: data.S
         transforms.append(nf.fsdp(("dp_shard", "cp")))
     kw = dict(mesh=mesh, donate_argnums=(0, 1), transforms=transforms, compile=args.compile)
     ruled = nf.sharding.axis_rules(config.rules)
-    # the loss of a batch's tokens and how many there are (targets not -100), over the whole batch
-    loss_sum = ruled(lambda params, batch: (token_losses(params, batch).sum(), trained_count(batch)))
     if args.grad_accum == 1:
         step = nf.jit(make_loss_step(loss_of, opt, config.rules), in_shardings=(pspec, sspec, bspec),
                       out_shardings=(pspec, sspec, P()), **kw)
     else:  # one program per micro-batch, run grad_accum times; then the update
         # each micro-batch's loss sum over the whole batch's count: the sums are the mean over every
-        # trained token of the batch, however the micro-batches share them
-        count = nf.jit(lambda batch: trained_count(batch).clamp(min=1), mesh=mesh, in_shardings=(bspec,),
-                       out_shardings=P())
+        # trained token of the batch, however the micro-batches share them. Only packed or chat data
+        # has untrained targets; else the count is the batch's tokens, with no program to run a step
+        if sequences.starts is None and sequences.trained is None:
+            every = nf.device_put(torch.tensor(float(batch_size * args.seq_len)), NamedSharding(mesh, P()))
+            count = lambda batch: every  # noqa: E731
+        else:
+            count = nf.jit(lambda batch: trained_count(batch).clamp(min=1), mesh=mesh, in_shardings=(bspec,),
+                           out_shardings=P())
         per_token = ruled(lambda params, batch, n: token_losses(params, batch).sum() / n)
         grads_fn = nf.accumulate(nf.value_and_grad(per_token), args.grad_accum, reduce=args.reduce_grads,
                                  transforms=transforms, compile=args.compile, mean=False)
@@ -524,6 +528,8 @@ def train(args: argparse.Namespace, config: nf.ParallelConfig, sequences: data.S
     if args.eval_every:
         whole = held.num_sequences // batch_size  # (none: `batches` says what to do)
         steps = min(args.eval_steps, whole) if args.eval_steps and whole else None
+        # the loss of a batch's tokens and how many there are (targets not -100), over the whole batch
+        loss_sum = ruled(lambda params, batch: (token_losses(params, batch).sum(), trained_count(batch)))
         eval_sum = nf.jit(loss_sum, mesh=mesh, in_shardings=(pspec, bspec), out_shardings=(P(), P()),
                           transforms=[t for t in transforms if isinstance(t, nf.ring_attention)])
 

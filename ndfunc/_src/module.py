@@ -166,18 +166,14 @@ def partition_specs(module: torch.nn.Module, mesh: AbstractMesh, *, tp: str | No
                          f"{list(mesh.axis_names)} nor one of ParallelConfig's {list(PARALLEL_AXES)} (which a mesh "
                          f"without them leaves unsplit); name an axis of the mesh.")
     tp = tp if tp in sizes else None
-    if isinstance(fsdp, (tuple, list)):
-        fsdp = tuple(axis for axis in fsdp if axis in sizes) or None
-    elif fsdp not in sizes:
-        fsdp = None
+    fsdp_axes = tuple(axis for axis in named[1:] if axis in sizes)  # (major to minor)
+    fsdp = fsdp_axes[0] if len(fsdp_axes) == 1 else fsdp_axes or None
     if plan is None and tp is not None:
         plan = _carried_plan(module)
     rules = [(re.compile(re.escape(pattern).replace(r"\*", r"[^.]+") + r"\Z"), style)
              for pattern, style in (plan or {}).items()]
     kinds = {name: sub for name, sub in module.named_modules()}
-    if isinstance(fsdp, tuple) and len(fsdp) == 1:
-        fsdp = fsdp[0]
-    shards = math.prod(sizes.get(axis, 1) for axis in ((fsdp,) if isinstance(fsdp, str) else fsdp or ()))
+    shards = math.prod(sizes[axis] for axis in fsdp_axes)
     names = [name for name, p in module.named_parameters() if p.requires_grad] if of is None else list(of)
     specs = {name: PartitionSpec() for name in names}  # (a buffer: whole)
     for name, p in module.named_parameters():

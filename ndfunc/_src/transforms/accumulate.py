@@ -6,9 +6,10 @@ sums) to the big batch's when every micro-batch weighs the same (a mean loss ove
 targets). Where they do not (a token mean, micro-batches holding different numbers of trained
 tokens), pass the whole batch's count to the loss as an argument after the batch, divide each
 micro-batch's sum by it, and take the sums with `mean=False`: the loss is then the mean over every
-trained token of the batch, as one device computes it. One program adds a micro-batch's loss and gradients into running sums, which it
-receives donated and updates where they lie; it is traced, partitioned and lowered once and run
-`k` times, so the program does not grow with `k` and only one micro-batch's activations are alive.
+trained token of the batch, as one device computes it.
+
+One program adds a micro-batch's loss and gradients into running sums, which it receives donated
+and updates where they lie; it is traced, partitioned and lowered once and run `k` times, so the program does not grow with `k` and only one micro-batch's activations are alive.
 With `reduce='each'` (the default) each run reduces its gradients to the parameters' layouts
 (an FSDP gradient is reduce-scattered per micro-batch, as FSDP does by default). With
 `reduce='end'` the running sums stay unreduced over the batch's mesh axes (`P(..., unreduced=...)`:
@@ -69,7 +70,7 @@ def accumulate(value_and_grad_fn: Callable, num_micro_batches: int, transforms=(
     programs: dict = {}
 
     def compiled(params, batch, rest=()):
-        """(zeros, add, mean): the programs for arguments laid out as these, made once. The sums
+        """(zeros, add, means or None): the programs for arguments laid out as these, made once. The sums
         are laid out as the parameters (a plain parameter: replicated), so each run hands the
         next sums in the layout it takes."""
         key = tuple((tuple(x.shape), x.dtype, getattr(x, "placements", None))
@@ -86,10 +87,13 @@ def accumulate(value_and_grad_fn: Callable, num_micro_batches: int, transforms=(
                         if mesh.axis_size(a) > 1}
                 sums_sharding = (spec, optree.tree_map(lambda p: NamedSharding(mesh, _unreduced(p, axes)), params))
                 make_zeros = functools.partial(_zeros, mesh, sums_sharding)
+            # (the sums themselves, where they are wanted as they lie: no program to run)
+            finish = None if divisor == 1 and sums_sharding[1] is shardings else \
+                jit(means, mesh=mesh, out_shardings=(spec, shardings), donate_argnums=(0,))
             programs[key] = (make_zeros,
                              jit(add, mesh=mesh, out_shardings=sums_sharding, donate_argnums=(1,),
                                  transforms=list(transforms), compile=compile),
-                             jit(means, mesh=mesh, out_shardings=(spec, shardings), donate_argnums=(0,)))
+                             finish)
         return programs[key]
 
     compiled.programs = programs
@@ -115,7 +119,7 @@ class Accumulated:
         sums = make_zeros(params)
         for i in range(self._k):
             sums = add_one(params, sums, optree.tree_map(lambda x, i=i: _micro(x, i, self._k), batch), *rest)
-        return take_mean(sums)
+        return sums if take_mean is None else take_mean(sums)
 
     def lower(self, params, batch, *rest):
         """The program run once per micro-batch, lowered (read its text and costs)."""
