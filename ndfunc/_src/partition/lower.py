@@ -345,12 +345,13 @@ def _check_write_in_place(node: torch.fx.Node, args: list, strategy, plan) -> No
     later = [u for v in chain for u in v.users if u is not node and u not in chain and _after(u, node)]
     if at is not node:  # a view of a moved copy: what reads that copy (the value moved once) sees the write
         later = [u for u in later if not (w[0] in u.args and _reads_as(plan, u, w, want))]
-    if later:
+    reader = "the caller" if chain[-1].op == "placeholder" else later[0].name if later else None  # (an argument)
+    if reader is not None:
         raise NotImplementedError(
             f"{node.target} writes in place into {written[0].name}"
             + ("" if at is node else f", a view of {w[0].name}")
             + f", which the partitioner lays out otherwise for the {'write' if at is node else 'view'} "
-            f"({plan.strategy[w[0]].outs[w[1]]} there, {want} here), and {later[0].name} reads it (or what it views) "
+            f"({plan.strategy[w[0]].outs[w[1]]} there, {want} here), and {reader} reads it (or what it views) "
             f"afterwards: it would not see the write. "
             f"Write it without the in-place op (x = x.index_put(...), torch.slice_scatter) or run it inside "
             f"nf.shard_map.")
