@@ -28,7 +28,9 @@ import time
 
 import highspy
 import numpy as np
+import torch
 
+from ndfunc._src import graph_edits
 from ndfunc._src.partition.planning.costs import _Choice
 
 
@@ -85,27 +87,41 @@ class _Rows:
         self.upper.append(upper)
 
 
-def _model(problem):
+def _model(problem, open_: list | None = None):
     """Variables and rows for `problem` (late candidates admitted: every candidate at its work).
-    Returns (columns, rows, x: node -> candidate -> column or None where the node has one
-    candidate, constant: cost that no choice changes)."""
+    `open_`: per node, the candidates it may take (None: all but those `keeping_arguments` leaves
+    out); a node with one is held there, and a value no open node makes or reads is left out (its
+    cost is then not in `constant`).
+    Returns (columns, rows, x: node -> open candidate -> column, or None where the node is held,
+    constant: cost that no choice changes)."""
     cols, rows = _Columns(), _Rows()
     x: list[list[int] | None] = []
     constant = 0.0
+    opens = open_ or keeping_arguments(problem)
     for n, work in enumerate(problem.c_work):
-        if len(work) == 1:
+        some = range(len(work)) if opens[n] is None else opens[n]
+        if len(some) == 1:
             x.append(None)
-            constant += work[0]
+            constant += work[some[0]]
             continue
-        x.append([cols.add(w, True) for w in work])
+        x.append([cols.add(work[i], True) for i in some])
         rows.add([(col, 1.0) for col in x[n]], 1.0, 1.0)
-    for v, (n, j) in enumerate(problem.values):
-        made = _by_layout([outs[j] for outs in problem.c_outs[n]], x[n])
+
+    def lays(m: int, table: list, slot: int) -> list:
+        return [c[slot] for c in table[m]] if opens[m] is None else [table[m][i][slot] for i in opens[m]]
+
+    values = range(len(problem.values))
+    if open_ is not None:
+        values = sorted({v for n, cs in enumerate(x) if cs is not None
+                         for v in (*problem.inputs[n], *problem.out_values(n))})
+    for v in values:
+        n, j = problem.values[v]
+        made = _by_layout(lays(n, problem.c_outs, j), x[n])
         if v in problem.final:  # what its requested outputs cost, by the layout it is made in
             for a, terms in made.items():
                 price = problem.output_cost(v, a)
                 constant += _linear(cols, rows, terms, price)
-        readers = [(_by_layout([ins[slot] for ins in problem.c_ins[m]], x[m])) for m, slot in problem.consumers[v]]
+        readers = [_by_layout(lays(m, problem.c_ins, slot), x[m]) for m, slot in problem.consumers[v]]
         if not readers:
             continue
         if len(readers) == 1:
@@ -219,13 +235,32 @@ def _transport(cols, rows, made: dict, taken: dict, price) -> dict:
     return z
 
 
-def size(problem) -> int:
-    """About how many variables `_model` makes of `problem`, found without making them (the
-    pairs of layouts a value is made and taken in dominate): whether an exact solve is worth it."""
-    total = sum(len(w) for w in problem.c_work if len(w) > 1)
+def keeping_arguments(problem) -> list[list[int] | None]:
+    """Per node, the candidates a plan may take (None: all): an op writing into an argument (a
+    BatchNorm's running statistics) reads it as the argument is laid out, so the write is the
+    caller's (the search's greedy start takes it so; a write into a moved copy is lost, and
+    lowering refuses it)."""
+    opens: list = [None] * len(problem.nodes)
+    for n, node in enumerate(problem.nodes):
+        base = node.args[0] if node.op == "call_function" and node.args else None
+        if (isinstance(base, torch.fx.Node) and base.op == "placeholder" and graph_edits.writes_into(node, base)
+                and len(problem.c_ins[n]) > 1):
+            held = problem.c_outs[problem.values[problem.inputs[n][0]][0]][0][0]  # the argument's one layout
+            opens[n] = [i for i, ins in enumerate(problem.c_ins[n]) if ins[0] == held] or None
+    return opens
+
+
+def size(problem, open_: list | None = None) -> int:
+    """About how many variables `_model` makes of `problem` (`open_` as there), found without making
+    them (the pairs of layouts a value is made and taken in dominate): whether a solve is worth it."""
+    opens = open_ or keeping_arguments(problem)
+    total = sum(len(w) if o is None else len(o) for w, o in zip(problem.c_work, opens)
+                if len(w) > 1 and (o is None or len(o) > 1))
     layouts: dict = {}  # (id(candidate layouts), slot, side) -> the distinct layouts there
 
-    def distinct(lists, slot: int) -> int:
+    def distinct(m: int, lists, slot: int) -> int:
+        if opens[m] is not None:
+            return len({lists[i][slot] for i in opens[m]})
         key = (id(lists), slot)
         known = layouts.get(key)
         if known is None or known[0] is not lists:
@@ -233,41 +268,49 @@ def size(problem) -> int:
         return known[1]
 
     for v, (n, j) in enumerate(problem.values):
-        made = distinct(problem.c_outs[n], j)
-        if made == 1:
+        made = distinct(n, problem.c_outs[n], j)
+        if made == 1 and open_ is None:
             continue
-        total += sum(made * distinct(problem.c_ins[m], slot) for m, slot in problem.consumers[v])
+        taken = [distinct(m, problem.c_ins[m], slot) for m, slot in problem.consumers[v]]
+        if made * max(taken, default=1) > 1:
+            total += sum(made * t for t in taken)
     return total
 
 
-def solve(problem, time_limit: float = 60.0, gap: float = 1e-6, start: list[int] | None = None) -> Exact:
+def solve(problem, time_limit: float = 60.0, gap: float = 1e-6, start: list[int] | None = None,
+          open_: list | None = None) -> Exact:
     """The least-cost choice of `problem` (a `solve.Problem`; its late candidates are admitted),
     proven within `gap` of optimal, or HiGHS's best and its bound after `time_limit` seconds.
-    `start`: a choice to begin from (the search's), so HiGHS prunes against it from the first node."""
+    `start`: a choice to begin from (the search's), so HiGHS prunes against it from the first node.
+    `open_`: per node, the candidates it may take (None: all), `start`'s among them; no bound is
+    then sought (-inf)."""
     began = time.perf_counter()
     if problem._late:
         problem._admit(problem._late)
         problem._late = []
-    cols, rows, x, constant = _model(problem)
+    cols, rows, x, constant = _model(problem, open_)
     n = len(cols.c)
+    opens = open_ or keeping_arguments(problem)
+    candidate = lambda node, i: i if opens[node] is None else opens[node][i]  # noqa: E731 - position -> candidate
     if not n:
-        choice = _chosen(problem, [0] * len(problem.nodes))
+        choice = _chosen(problem, [candidate(node, 0) for node in range(len(problem.nodes))])
         cost = problem.total(choice)
-        return Exact(choice, cost, cost, True, 0, time.perf_counter() - began)
+        return Exact(choice, cost, cost if open_ is None else -np.inf, True, 0, time.perf_counter() - began)
     highs = _highs(cols, rows, time_limit, gap)
     if start is not None:
-        picked = [(col, float(i == start[node])) for node, cs in enumerate(x) if cs is not None
+        picked = [(col, float(candidate(node, i) == start[node])) for node, cs in enumerate(x) if cs is not None
                   for i, col in enumerate(cs)]
         highs.setSolution(len(picked), np.array([c for c, _ in picked], dtype=np.int32),
                           np.array([v for _, v in picked]))
     highs.run()
     info = highs.getInfo()
-    bound = constant + info.mip_dual_bound if np.isfinite(info.mip_dual_bound) else -np.inf
+    bound = constant + info.mip_dual_bound if np.isfinite(info.mip_dual_bound) and open_ is None else -np.inf
     seconds = time.perf_counter() - began
     if info.primal_solution_status != 2:  # (kSolutionStatusFeasible) no plan found in the time given
         return Exact(None, np.inf, bound, False, n, seconds)
     values = np.array(highs.getSolution().col_value)
-    choice = _chosen(problem, [0 if cs is None else int(np.argmax(values[cs])) for cs in x])
+    choice = _chosen(problem, [candidate(node, 0 if cs is None else int(np.argmax(values[cs])))
+                               for node, cs in enumerate(x)])
     cost = problem.total(choice)
     optimal = highs.getModelStatus() == highspy.HighsModelStatus.kOptimal
     return Exact(choice, cost, min(bound, cost), optimal, n, seconds)

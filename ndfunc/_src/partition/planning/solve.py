@@ -61,7 +61,7 @@ import os
 
 import torch
 
-from ndfunc._src.partition.planning import exact, plan_cache, redistribute
+from ndfunc._src.partition.planning import exact, plan_cache, redistribute, refine
 from ndfunc._src.partition.planning.columns import Columns
 from ndfunc._src.partition.planning.costs import Costs
 from ndfunc._src.partition.planning.layout import Layout
@@ -158,7 +158,7 @@ def _problem_key(graph: torch.fx.Graph, sizes, input_layouts, output_layouts,
         else:
             entries.append((node.op, (tuple(val.shape), val.dtype) if isinstance(val, torch.Tensor) else None))
     return nodes, _Key((tuple(sizes), tuple(input_layouts), tuple(output_layouts), tuple(entries),
-                        exact_settings(), prices)), signatures
+                        exact_settings(), refine.variables(), prices)), signatures
 
 
 
@@ -189,9 +189,14 @@ def exact_settings() -> tuple[int, float]:
 
 
 def _planned(problem: Problem) -> Plan:
-    """The search's plan; where the problem is small enough (`EXACT_VARIABLES`), HiGHS's from it,
-    proven optimal or with the bound it reached in `EXACT_SECONDS`, kept where cheaper."""
+    """The search's plan, improved one mesh axis at a time where an axis is small enough
+    (`refine`); where the problem is small enough (`EXACT_VARIABLES`), HiGHS's from it, proven
+    optimal or with the bound it reached in `EXACT_SECONDS`, kept where cheaper."""
     plan = problem.solve()
+    if limit := refine.variables():
+        choice = refine.refine(problem, plan.choice, limit, refine.SECONDS)
+        if choice is not plan.choice:
+            plan = problem.plan(choice)
     limit, seconds = exact_settings()
     if not limit or exact.size(problem) > limit:
         return plan
