@@ -95,22 +95,29 @@ RUN = {
 }
 
 
-@pytest.mark.parametrize("name", list(RUN))
-def test_an_exact_plan_is_cheapest_and_runs_to_the_unsharded_result(name, monkeypatch):
+def planned_and_run(name: str, setting: str, monkeypatch):
+    """`RUN[name]` planned with `setting` (an environment variable) set: its plan, and the
+    search's alone, after checking that it runs to the unsharded result."""
     fn, axes, ins, outs, shapes = RUN[name]
     g = torch.Generator().manual_seed(0)
     args = [torch.randn(*s, generator=g) for s in shapes]
     expected = fn(*args)
     searched = problem_of(fn, axes, ins, outs, *args).solve()
-    monkeypatch.setenv("NDFUNC_EXACT_VARIABLES", "100000")
+    monkeypatch.setenv(setting, "100000")
     with nf.simulate(math.prod(axes.values())):
         jitted = nf.jit(fn, mesh=nf.make_mesh(**axes), in_shardings=ins, out_shardings=outs)
         plan = jitted.lower(*args).program.plan
         got = nf.device_get(jitted(*args))
-    assert plan.bound == pytest.approx(plan.cost, rel=1e-6)  # proven optimal
-    assert plan.cost <= searched.cost * (1 + 1e-9)
     for a, b in zip(optree.tree_leaves(got), optree.tree_leaves(expected)):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)  # float32 sums in another order
+    return plan, searched
+
+
+@pytest.mark.parametrize("name", list(RUN))
+def test_an_exact_plan_is_cheapest_and_runs_to_the_unsharded_result(name, monkeypatch):
+    plan, searched = planned_and_run(name, "NDFUNC_EXACT_VARIABLES", monkeypatch)
+    assert plan.bound == pytest.approx(plan.cost, rel=1e-6)  # proven optimal
+    assert plan.cost <= searched.cost * (1 + 1e-9)
 
 
 def test_the_exact_settings_are_checked(monkeypatch):
