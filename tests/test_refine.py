@@ -13,12 +13,11 @@ import ndfunc as nf
 from ndfunc._src.partition.planning import exact, refine, solve
 
 
-@pytest.mark.parametrize("sizes,far", [
-    ((1, 1, 8, 1), True),  # the search gathers a layer's input over cp for q, k and v: 5.96% above
-    pytest.param((1, 4, 1, 2), True, marks=pytest.mark.slow),  # tp as a second data axis in the MLP: 9.86%
-    pytest.param((1, 4, 2, 1), False, marks=pytest.mark.slow)],  # (0.36%)
-    ids=["cp", "fsdp+tp", "fsdp+cp"])
-def test_refined_by_axis_the_plan_ends_within_one_percent_of_the_optimum(sizes, far):
+@pytest.mark.parametrize("sizes", [
+    (1, 1, 8, 1),  # the search gathers a layer's input over cp for q, k and v: 5.96% above
+    pytest.param((1, 4, 1, 2), marks=pytest.mark.slow)],  # tp as a second data axis in the MLP: 9.86%
+    ids=["cp", "fsdp+tp"])
+def test_refined_by_axis_the_plan_ends_within_one_percent_of_the_optimum(sizes):
     problem = llama_problem(sizes)
     searched = problem.solve()
     refined = refine.refine(problem, searched.choice, max_variables=100_000, seconds=60)
@@ -26,7 +25,7 @@ def test_refined_by_axis_the_plan_ends_within_one_percent_of_the_optimum(sizes, 
     optimum = exact.solve(llama_problem(sizes), start=refined, time_limit=120)
     assert optimum.optimal
     assert cost <= optimum.cost * 1.01 and cost <= searched.cost
-    assert (searched.cost > optimum.cost * 1.01) == far  # where the search alone is not
+    assert searched.cost > optimum.cost * 1.01  # where the search alone is not
     # no node does more work than the search had it do: a split of work is never given up
     work = problem.c_work
     assert all(work[n][i] <= work[n][searched.choice[n]] * (1 + 1e-9) for n, i in enumerate(refined))
