@@ -28,9 +28,7 @@ import time
 
 import highspy
 import numpy as np
-import torch
 
-from ndfunc._src import graph_edits
 from ndfunc._src.partition.planning.costs import _Choice
 
 
@@ -89,15 +87,14 @@ class _Rows:
 
 def _model(problem, open_: list | None = None):
     """Variables and rows for `problem` (late candidates admitted: every candidate at its work).
-    `open_`: per node, the candidates it may take (None: all but those `keeping_arguments` leaves
-    out); a node with one is held there, and a value no open node makes or reads is left out (its
-    cost is then not in `constant`).
+    `open_`: per node, the candidates it may take (None: all); a node with one is held there, and
+    a value no open node makes or reads is left out (its cost is then not in `constant`).
     Returns (columns, rows, x: node -> open candidate -> column, or None where the node is held,
     constant: cost that no choice changes)."""
     cols, rows = _Columns(), _Rows()
     x: list[list[int] | None] = []
     constant = 0.0
-    opens = open_ or keeping_arguments(problem)
+    opens = open_ or [None] * len(problem.nodes)
     for n, work in enumerate(problem.c_work):
         some = range(len(work)) if opens[n] is None else opens[n]
         if len(some) == 1:
@@ -235,25 +232,10 @@ def _transport(cols, rows, made: dict, taken: dict, price) -> dict:
     return z
 
 
-def keeping_arguments(problem) -> list[list[int] | None]:
-    """Per node, the candidates a plan may take (None: all): an op writing into an argument (a
-    BatchNorm's running statistics) reads it as the argument is laid out, so the write is the
-    caller's (the search's greedy start takes it so; a write into a moved copy is lost, and
-    lowering refuses it)."""
-    opens: list = [None] * len(problem.nodes)
-    for n, node in enumerate(problem.nodes):
-        base = node.args[0] if node.op == "call_function" and node.args else None
-        if (isinstance(base, torch.fx.Node) and base.op == "placeholder" and graph_edits.writes_into(node, base)
-                and len(problem.c_ins[n]) > 1):
-            held = problem.c_outs[problem.values[problem.inputs[n][0]][0]][0][0]  # the argument's one layout
-            opens[n] = [i for i, ins in enumerate(problem.c_ins[n]) if ins[0] == held] or None
-    return opens
-
-
 def size(problem, open_: list | None = None) -> int:
     """About how many variables `_model` makes of `problem` (`open_` as there), found without making
     them (the pairs of layouts a value is made and taken in dominate): whether a solve is worth it."""
-    opens = open_ or keeping_arguments(problem)
+    opens = open_ or [None] * len(problem.nodes)
     total = sum(len(w) if o is None else len(o) for w, o in zip(problem.c_work, opens)
                 if len(w) > 1 and (o is None or len(o) > 1))
     layouts: dict = {}  # (id(candidate layouts), slot, side) -> the distinct layouts there
@@ -269,11 +251,9 @@ def size(problem, open_: list | None = None) -> int:
 
     for v, (n, j) in enumerate(problem.values):
         made = distinct(n, problem.c_outs[n], j)
-        if made == 1 and open_ is None:
+        if made == 1:
             continue
-        taken = [distinct(m, problem.c_ins[m], slot) for m, slot in problem.consumers[v]]
-        if made * max(taken, default=1) > 1:
-            total += sum(made * t for t in taken)
+        total += sum(made * distinct(m, problem.c_ins[m], slot) for m, slot in problem.consumers[v])
     return total
 
 
@@ -290,7 +270,7 @@ def solve(problem, time_limit: float = 60.0, gap: float = 1e-6, start: list[int]
         problem._late = []
     cols, rows, x, constant = _model(problem, open_)
     n = len(cols.c)
-    opens = open_ or keeping_arguments(problem)
+    opens = open_ or [None] * len(problem.nodes)
     candidate = lambda node, i: i if opens[node] is None else opens[node][i]  # noqa: E731 - position -> candidate
     if not n:
         choice = _chosen(problem, [candidate(node, 0) for node in range(len(problem.nodes))])

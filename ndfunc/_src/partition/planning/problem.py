@@ -11,6 +11,7 @@ import numpy as np
 import torch
 from torch.distributed.tensor import Replicate
 
+from ndfunc._src import graph_edits
 from ndfunc._src.partition.planning import reachable, redistribute
 from ndfunc._src.partition.planning.flops import node_flops
 from ndfunc._src.partition.planning.layout import MANUAL, Layout, placement_is, replicated
@@ -102,8 +103,10 @@ class Arrays:
                 if node.target is operator.getitem and isinstance(node.args[0].meta.get("val"), (tuple, list)):
                     continue
                 ins = [self._value(value_of(a), node_ids) for a in tensor_inputs(node)]
-                self._add_node(node, node_ids, self._reachable(candidates(node, sizes, signatures.get(node)), ins),
-                               ins, tensor_outputs(node), node_flops(node))
+                found = self._reachable(candidates(node, sizes, signatures.get(node)), ins)
+                if (held := self._written_argument(node, node_ids)) is not None:
+                    found = [st for st in found if st.ins[0] == held] or found
+                self._add_node(node, node_ids, found, ins, tensor_outputs(node), node_flops(node))
             elif node.op == "output":
                 self.output_values = [self._value(value_of(a), node_ids) for a in node.args[0]]
                 self.requested = list(output_layouts)
@@ -151,6 +154,15 @@ class Arrays:
                             sum(1 << m for m, p in enumerate(lay) if not placement_is(p, Replicate)))
         self._layout_by_id[id(lay)] = (lay, i)
         return i
+
+    def _written_argument(self, node: torch.fx.Node, node_ids: dict) -> Layout | None:
+        """The layout of the argument `node` writes into in place (a BatchNorm's running
+        statistics), where it writes into one: it reads it as it is laid out, so the write is the
+        caller's (a write into a moved copy would be lost: lowering refuses it)."""
+        base = node.args[0] if node.args else None
+        if isinstance(base, torch.fx.Node) and base.op == "placeholder" and graph_edits.writes_into(node, base):
+            return self.strategies[node_ids[base]][0].outs[0]
+        return None
 
     def _reachable(self, strategies, ins: list[int]):
         """`strategies` less those reading a pending reduction no producer of theirs makes

@@ -25,8 +25,8 @@ ROUNDS = 3  # over every axis; the plans measured stop improving after one or tw
 
 # `NDFUNC_REFINE_VARIABLES=N`: an axis is solved where its integer program has at most N variables
 # (a one-layer tiny Llama's 4D step has about 10,000 an axis, a 32-layer one 25 times that). 0, the
-# default, leaves the search's plan: a refined plan may take layouts no test lowers yet (a BatchNorm
-# whose running statistics are computed split by features, docs/planning.md)
+# default, leaves the search's plan: the time goes to every layer until a layer is planned once, and
+# the suite's toy plans would change (docs/planning.md)
 VARIABLES = 0
 
 # ... in at most this many seconds in all
@@ -79,7 +79,6 @@ def _open_along(problem, choice: list, axis: int) -> list[list[int]]:
     key = lambda lays: tuple(None if lay is None else apart[lay] for lay in lays)  # noqa: E731
     seen: dict = {}  # (id(candidate list), chosen) -> the open candidates: identical layers ask once
     out = []
-    kept = exact.keeping_arguments(problem)
     for n, i in enumerate(choice):
         ins, outs, work = problem.c_ins[n], problem.c_outs[n], problem.c_work[n]
         memo = (id(ins), id(work), i)
@@ -88,8 +87,7 @@ def _open_along(problem, choice: list, axis: int) -> list[list[int]]:
             want, most = (key(ins[i]), key(outs[i])), work[i] * (1 + 1e-9)
             some = seen[memo] = (ins, [i, *(k for k in range(len(ins)) if k != i and work[k] <= most
                                            and (key(ins[k]), key(outs[k])) == want)])
-        # a write into an argument reads it as the argument is laid out (`exact.keeping_arguments`)
-        out.append(some[1] if kept[n] is None else [k for k in some[1] if k == i or k in kept[n]])
+        out.append(some[1])
     return out
 
 
