@@ -526,8 +526,12 @@ def train(args: argparse.Namespace, config: nf.ParallelConfig, sequences: data.S
 
     evaluate = None
     if args.eval_every:
-        whole = held.num_sequences // batch_size  # (none: `batches` says what to do)
-        steps = min(args.eval_steps, whole) if args.eval_steps and whole else None
+        whole = held.num_sequences // batch_size
+        if not whole:  # said now, not after --eval-every steps of training
+            raise SystemExit(f"the evaluation data holds {held.num_sequences} sequences of {args.seq_len} tokens, "
+                             f"fewer than a batch of {batch_size}; pass more with --eval-data, use a smaller batch "
+                             f"or shorter sequences, or --eval-every 0 for no evaluation.")
+        steps = min(args.eval_steps, whole) if args.eval_steps else None
         # the loss of a batch's tokens and how many there are (targets not -100), over the whole batch
         loss_sum = ruled(lambda params, batch: (token_losses(params, batch).sum(), trained_count(batch)))
         eval_sum = nf.jit(loss_sum, mesh=mesh, in_shardings=(pspec, bspec), out_shardings=(P(), P()),

@@ -307,6 +307,19 @@ def test_the_sft_loss_is_the_mean_over_the_global_batchs_trained_tokens_as_on_on
     assert one[0] == pytest.approx(float(expected), rel=1e-5)
 
 
+def test_eval_data_short_of_a_batch_is_refused_before_any_step(tmp_path, tokenizer_dir):
+    # the evaluation batches are read lazily: the shortfall used to surface after --eval-every steps
+    held = write(tmp_path / "eval", "jsonl", DOCUMENTS[:4])
+    metrics = tmp_path / "m.jsonl"
+    with pytest.raises(SystemExit, match=r"the evaluation data holds \d+ sequences of 32 tokens, fewer than a batch "
+                                         r"of 8; pass more with --eval-data, use a smaller batch or shorter sequences, "
+                                         r"or --eval-every 0 for no evaluation\."):
+        train.main(["--data", str(write(tmp_path / "train", "jsonl", DOCUMENTS)), "--eval-data", str(held),
+                    "--tokenizer", str(tokenizer_dir), "--data-cache", str(tmp_path / "cache"), "--steps", "3",
+                    "--eval-every", "2", "--seq-len", "32", "--micro-batch", "4", "--metrics", str(metrics)])
+    assert not metrics.exists()  # no step ran
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", [["--dp-shard", "2", "--cp", "2", "--tp", "1", "--ring-attention", "--micro-batch", "1"],
                                     ["--dp-shard", "1", "--cp", "2", "--tp", "2", "--micro-batch", "2"]],
