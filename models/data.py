@@ -15,9 +15,9 @@ from collections.abc import Iterator
 import torch
 
 import ndfunc as nf
+from models.llama import IGNORE_INDEX  # a target no loss is taken on (torch's cross_entropy default)
 
 VOCAB_SIZE = 256
-IGNORE_INDEX = -100  # a target no loss is taken on (torch's cross_entropy default)
 
 
 def stdlib_corpus(max_bytes: int = 4 << 20, skip: int = 0) -> torch.Tensor:
@@ -91,11 +91,13 @@ class Sequences:
         `cols` only: (n, cols) int64 tensors, read from the corpus at those places alone."""
         first = (self.order if order is None else order)[sample_ids] * self.seq_len  # each sample's first token
         at = first[:, None] + torch.arange(cols.start, cols.stop)  # each token's index in the corpus
-        out = {"tokens": self.corpus[at].to(torch.int64), "targets": self.corpus[at + 1].to(torch.int64)}
+        spans = torch.cat([at, at[:, -1:] + 1], 1)  # and its target's, one column further
+        ids = self.corpus[spans].to(torch.int64)  # (read once: targets are the tokens shifted by one)
+        out = {"tokens": ids[:, :-1], "targets": ids[:, 1:]}
         if self.trained is not None:
             out["targets"] = out["targets"].masked_fill(self.trained[at + 1] == 0, IGNORE_INDEX)
-        if self.starts is not None:  # each token's document, and its target's (one column further)
-            documents = torch.searchsorted(self.starts, torch.cat([at, at[:, -1:] + 1], 1), right=True) - 1
+        if self.starts is not None:  # each token's document, and its target's
+            documents = torch.searchsorted(self.starts, spans, right=True) - 1
             document = documents[:, :-1]
             # from the document's start, or the sample's where the document began in an earlier one
             out["positions"] = at - torch.maximum(self.starts[document], first[:, None])

@@ -244,9 +244,7 @@ def apply(params: dict, tokens_BL: torch.Tensor, cfg: LlamaConfig, positions_BL:
             raise ValueError("llama.apply: documents need positions (each document's tokens counted from 0).")
         positions_BL = torch.arange(tokens_BL.shape[1], device=tokens_BL.device).expand(tokens_BL.shape)
     else:
-        mask_BLL = positions_BL[:, :, None] >= positions_BL[:, None, :]
-        if documents_BL is not None:
-            mask_BLL = mask_BLL & (documents_BL[:, :, None] == documents_BL[:, None, :])
+        mask_BLL = attention_mask(positions_BL, documents_BL)
     cos, sin = rope_tables(positions_BL, cfg.head_dim, cfg.rope_theta)
     x_BLD = _residual(F.embedding(tokens_BL, params["embed"]))
     block = nf.remat(decoder_layer, cfg.remat) if cfg.remat else decoder_layer
@@ -257,20 +255,31 @@ def apply(params: dict, tokens_BL: torch.Tensor, cfg: LlamaConfig, positions_BL:
     return x_BLD @ head_DV
 
 
+def attention_mask(positions_BL: torch.Tensor, documents_BL: torch.Tensor | None = None) -> torch.Tensor:
+    """Which keys each query sees, (B, L, L) boolean: those at its position or before, and with
+    `documents_BL` (packed documents' ids) only those of its own document."""
+    mask_BLL = positions_BL[:, :, None] >= positions_BL[:, None, :]
+    if documents_BL is not None:
+        mask_BLL = mask_BLL & (documents_BL[:, :, None] == documents_BL[:, None, :])
+    return mask_BLL
+
+
 def token_losses(params: dict, batch: dict, cfg: LlamaConfig) -> torch.Tensor:
     """Each token's next-token cross-entropy (B, L), 0 where its target is -100 (`batch` as `loss`'s)."""
-    logits_BLV = apply(params, batch["tokens"], cfg, batch.get("positions"), batch.get("documents"))
-    losses = F.cross_entropy(logits_BLV.flatten(0, 1).float(), batch["targets"].flatten(),
-                             ignore_index=IGNORE_INDEX, reduction="none")
-    return losses.view(batch["targets"].shape)
+    return _cross_entropy(params, batch, cfg, "none").view(batch["targets"].shape)
 
 
 def loss(params: dict, batch: dict, cfg: LlamaConfig) -> torch.Tensor:
     """Next-token cross-entropy, mean over targets that are not -100 (`batch`: tokens, targets (B, L)
     int64, optional positions and documents, as `apply` takes them). A batch whose every target is
     -100 has no mean: NaN, as in torch."""
+    return _cross_entropy(params, batch, cfg, "mean")
+
+
+def _cross_entropy(params: dict, batch: dict, cfg: LlamaConfig, reduction: str) -> torch.Tensor:
     logits_BLV = apply(params, batch["tokens"], cfg, batch.get("positions"), batch.get("documents"))
-    return F.cross_entropy(logits_BLV.flatten(0, 1).float(), batch["targets"].flatten(), ignore_index=IGNORE_INDEX)
+    return F.cross_entropy(logits_BLV.flatten(0, 1).float(), batch["targets"].flatten(), ignore_index=IGNORE_INDEX,
+                           reduction=reduction)
 
 
 def _path_id(path: str) -> int:

@@ -152,7 +152,7 @@ def hf_model(model: torch.nn.Module, mesh):
     def logits(params, batch):
         masked = {}
         if "documents" in batch:
-            mask = document_mask(batch)[:, None]
+            mask = llama.attention_mask(batch["positions"], batch["documents"])[:, None]
             masked["attention_mask"] = torch.where(mask, 0.0, torch.finfo(torch.float32).min) if additive else mask
         return apply(params, buffers, batch["tokens"], position_ids=batch["positions"], **masked).logits
 
@@ -167,13 +167,6 @@ def hf_model(model: torch.nn.Module, mesh):
         return cross_entropy(params, batch, "none").view(batch["targets"].shape)
 
     return type(model).__name__, params, specs, loss, token_losses, sum(p.numel() for p in params.values())
-
-
-def document_mask(batch: dict) -> torch.Tensor:
-    """Which keys each query sees in a batch of packed documents, (B, L, L) boolean: those of its own
-    document at its position or before (as `llama.apply` makes it)."""
-    positions, documents = batch["positions"], batch["documents"]
-    return (positions[:, :, None] >= positions[:, None, :]) & (documents[:, :, None] == documents[:, None, :])
 
 
 def abstract_hf_model(hf_config, mesh, remat: str = "none") -> tuple[dict, object]:
