@@ -223,16 +223,21 @@ def conversation(tokenizer, messages: list[dict]) -> tuple[list[int], list[int]]
         if not text.startswith(done):
             prompt = " and the generation prompt" if message["role"] == "assistant" else ""
             raise ValueError(f"the chat template renders the first {i + 1} messages as text that does not extend "
-                             f"its rendering of the first {i}{prompt}, so which tokens are the assistant's cannot be told (a template "
-                             f"that renders a past turn unlike the last one does this, as Qwen3's drops past "
-                             f"reasoning); use a template that only appends (most do).")
+                             f"its rendering of the first {i}{prompt}, so which tokens are the assistant's cannot "
+                             f"be told (a template that renders a past turn unlike the last one does this, as "
+                             f"Qwen3's drops past reasoning); use a template that only appends (most do).")
         if message["role"] == "assistant":
             replies.append((len(done), len(text)))
         done = text
     encoded = tokenizer(done, add_special_tokens=False, return_offsets_mapping=True)
-    starts = [begin for begin, _ in encoded["offset_mapping"]]
-    trained = [int(any(a <= at < b for a, b in replies)) for at in starts]
-    return encoded["input_ids"], trained
+    starts = np.array([begin for begin, _ in encoded["offset_mapping"]], dtype=np.int64)
+    if not replies:
+        return encoded["input_ids"], [0] * len(starts)
+    # the replies come in order, apart: a token is trained where the first reply ending after its
+    # start also begins at or before it
+    begins, ends = np.array(replies, dtype=np.int64).T
+    k = np.minimum(np.searchsorted(ends, starts, side="right"), len(ends) - 1)
+    return encoded["input_ids"], ((begins[k] <= starts) & (starts < ends[k])).astype(int).tolist()
 
 
 def _ids(files: list[pathlib.Path], tokenizer, text_field: str, chat: bool,
