@@ -67,7 +67,7 @@ def tokenizer(directory: pathlib.Path, sample: str) -> pathlib.Path:
     return directory
 
 
-def loader_rate(corpus: tokens.Corpus, seq_len: int, micro: int, batches: int) -> tuple[float, float]:
+def loader_rate(corpus: tokens.Corpus, seq_len: int, micro: int, batches: int) -> tuple[float, tuple[float, float]]:
     """(tokens per second one rank's blocks are read at, RSS growth in MB) over `batches` batches,
     packed as the job packs them (tokens, targets, positions and document ids)."""
     config = nf.ParallelConfig(1, 2, 2, 2)
@@ -93,8 +93,15 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--out", default=None, help="where the files go (default: a temporary directory)")
     args = parser.parse_args()
-    root = pathlib.Path(args.out or tempfile.mkdtemp(prefix="ndfunc-loader-"))
-    root.mkdir(parents=True, exist_ok=True)
+    if args.out is None:
+        with tempfile.TemporaryDirectory(prefix="ndfunc-loader-") as root:  # (its text, stores and metrics, gone after)
+            run(args, pathlib.Path(root))
+    else:
+        pathlib.Path(args.out).mkdir(parents=True, exist_ok=True)
+        run(args, pathlib.Path(args.out))
+
+
+def run(args: argparse.Namespace, root: pathlib.Path) -> None:
     big = text_file(root / "big.txt", args.mb)
     small = text_file(root / "small.txt", max(1, args.mb // 10))
     tok = tokenizer(root / "tokenizer", big.read_text(encoding="utf-8")[:1 << 20])
@@ -113,6 +120,7 @@ def main() -> None:
     read, grown_big = loader_rate(corpus, seq_len, micro, 200)
 
     metrics = root / "metrics.jsonl"
+    metrics.unlink(missing_ok=True)  # (the job appends: this run's lines alone)
     train.main(["--data", str(big), "--tokenizer", str(tok), "--data-cache", str(root / "cache"),
                 "--steps", str(args.steps), "--seq-len", str(seq_len), "--micro-batch", str(micro),
                 "--metrics", str(metrics), "--log-every", str(args.steps)])
