@@ -9,7 +9,8 @@ micro-batch's sum by it, and take the sums with `mean=False`: the loss is then t
 trained token of the batch, as one device computes it.
 
 One program adds a micro-batch's loss and gradients into running sums, which it receives donated
-and updates where they lie; it is traced, partitioned and lowered once and run `k` times, so the program does not grow with `k` and only one micro-batch's activations are alive.
+and updates where they lie; it is traced, partitioned and lowered once and run `k` times, so the
+program does not grow with `k` and only one micro-batch's activations are alive.
 With `reduce='each'` (the default) each run reduces its gradients to the parameters' layouts
 (an FSDP gradient is reduce-scattered per micro-batch, as FSDP does by default). With
 `reduce='end'` the running sums stay unreduced over the batch's mesh axes (`P(..., unreduced=...)`:
@@ -82,13 +83,14 @@ def accumulate(value_and_grad_fn: Callable, num_micro_batches: int, transforms=(
             shardings = optree.tree_map(lambda p: sharding_of(p) or spec, params)
             sums_sharding = (spec, shardings)
             make_zeros = jit(zeros, mesh=mesh, out_shardings=sums_sharding)
-            if reduce == "end" and mesh is not None:
+            unreduced = reduce == "end" and mesh is not None  # the sums, until `means` reduces them
+            if unreduced:
                 axes = {a for s in map(sharding_of, optree.tree_leaves(batch)) if s is not None for a in s.spec.axes
                         if mesh.axis_size(a) > 1}
                 sums_sharding = (spec, optree.tree_map(lambda p: NamedSharding(mesh, _unreduced(p, axes)), params))
                 make_zeros = functools.partial(_zeros, mesh, sums_sharding)
-            # (the sums themselves, where they are wanted as they lie: no program to run)
-            finish = None if divisor == 1 and sums_sharding[1] is shardings else \
+            # (sums already in the parameters' layouts are returned as they lie: no program to run)
+            finish = None if divisor == 1 and not unreduced else \
                 jit(means, mesh=mesh, out_shardings=(spec, shardings), donate_argnums=(0,))
             programs[key] = (make_zeros,
                              jit(add, mesh=mesh, out_shardings=sums_sharding, donate_argnums=(1,),
