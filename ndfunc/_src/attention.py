@@ -397,6 +397,10 @@ def traced_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=Fals
 _TRACING: contextvars.ContextVar[bool] = contextvars.ContextVar("ndfunc_attention_traced", default=False)
 
 
+# how the tracer records torch's attention (`traced_as.TRACED_AS` takes it in)
+TRACED_AS = {torch.nn.functional.scaled_dot_product_attention: traced_sdpa}
+
+
 def traced() -> contextlib.AbstractContextManager:
     """Inside (in this thread and context, with `swaps.swapped()`, as the tracer enters both),
     transformers' SDPA attention passes grouped key/value heads to `F.scaled_dot_product_attention`

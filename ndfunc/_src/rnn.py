@@ -7,7 +7,8 @@ direction), made by torch's own kernel for the device at run time (cuDNN, oneDNN
 `ndfunc::rnn_backward` is its gradient, the forward made again inside under autograd (nothing
 is kept between the two but the inputs: the activations live only inside the backward, at the
 price of a second forward). Both split by the batch, the weights whole; the weights' gradients are
-then each rank's sum over its own samples, pending.
+then each rank's sum over its own samples, pending. `TRACED_AS`: how the tracer records torch's
+recurrent calls (one op where it can be, else cells that split by the batch, or torch's own).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from ndfunc._src.opaque import opaque_op, recomputed_gradients
+from ndfunc._src.torch_compat import func_transforms, lstm_cells
 
 _KERNELS = {"lstm": torch.lstm, "gru": torch.gru, "rnn_tanh": torch.rnn_tanh, "rnn_relu": torch.rnn_relu}
 
@@ -115,3 +117,42 @@ _ops = opaque_op(
     fake_backward=lambda mode, grads, input, hx, params, *_: [torch.empty_like(t) for t in (input, *hx, *params)],
     dims=batch_dims, flops=flops)
 rnn_op, rnn_backward_op = _ops.forward, _ops.backward
+
+
+def _lstm(input, hx, *rest, **kwargs):
+    """`torch.lstm` (`nn.LSTM`'s) over a batch as one `ndfunc::rnn`, as `_recurrent` the others;
+    where that cannot be (dropout between layers in training, a transform other than a gradient), as its
+    decomposition's cells (matmuls and pointwise ops, which split by the batch), not oneDNN's
+    layer kernel, which the decomposition picks on CPU where nothing outside `torch.func` needs a
+    gradient: it has no sharding rule, and its backward reads an opaque workspace. A packed
+    sequence is torch's own (its decomposition takes no kernel)."""
+    if not isinstance(hx, (list, tuple)) or kwargs:
+        return torch.lstm(input, hx, *rest, **kwargs)
+    if _one_op(input, *rest[3:5]):
+        return rnn("lstm", input, hx, *rest[:3], *rest[5:])
+    return lstm_cells(input, hx, *rest)
+
+
+def _recurrent(mode: str, kernel):
+    """`torch.gru` / `torch.rnn_tanh` / `torch.rnn_relu` over a batch as one `ndfunc::rnn`: the
+    call, not its cells unrolled step by step, split by the batch; where that cannot be (a packed
+    sequence, dropout in training, a transform other than a gradient), torch's own."""
+    def traced(input, hx, params, *rest, **kwargs):
+        if isinstance(params, (list, tuple)) and not kwargs and _one_op(input, *rest[2:4]):
+            return rnn(mode, input, hx, params, *rest[:2], *rest[4:])
+        return kernel(input, hx, params, *rest, **kwargs)
+    return traced
+
+
+def _one_op(input, dropout: float, train: bool) -> bool:
+    """Whether a recurrent call can be one `ndfunc::rnn`: a batch (`nn`'s layers make one of an
+    unbatched input), no dropout at work (its masks are drawn between layers, inside), and no
+    transform but a gradient (the op has no batching rule, and its backward no gradient)."""
+    return input.dim() == 3 and (not train or dropout == 0) and func_transforms() in ([], ["Grad"])
+
+
+# how the tracer records torch's recurrent calls (`traced_as.TRACED_AS` takes them in)
+TRACED_AS = {torch.lstm: _lstm,
+             torch.gru: _recurrent("gru", torch.gru),
+             torch.rnn_tanh: _recurrent("rnn_tanh", torch.rnn_tanh),
+             torch.rnn_relu: _recurrent("rnn_relu", torch.rnn_relu)}

@@ -4,11 +4,12 @@ ATen's kernels for some functions read their arguments' values (`F.one_hot`'s ra
 `F.gaussian_nll_loss`'s check that no variance is negative), which a trace over fake tensors does
 not have; some have no sharding rule where the same math has one (`F.embedding_bag`, its bags
 rows of indices or runs from offsets); one gives its gradient through a shape made from values
-(`x[mask] = v` with a learned `v`); attention is one op of every device
-(`attention.traced_sdpa`); and a linear layer's product is one contraction that keeps the batch and
-sequence dims apart (`dot`). Each is traced as the same math, `TRACED_AS`. A function mode, because
-ATen's composite kernels would run before any decomposition table is consulted inside `torch.func`
-transforms.
+(`x[mask] = v` with a learned `v`). Each is traced as the same math, `TRACED_AS`. An op family
+with a module of its own says there how the tracer records it, in its own `TRACED_AS`, taken in
+here: attention as one op of every device (`attention`), a linear layer's product as one
+contraction that keeps the batch and sequence dims apart (`dot`), a recurrent call and a CTC loss
+each as one opaque op (`rnn`, `ctc_loss`). A function mode, because ATen's composite kernels would
+run before any decomposition table is consulted inside `torch.func` transforms.
 """
 
 from __future__ import annotations
@@ -18,10 +19,7 @@ import warnings
 
 import torch
 
-from ndfunc._src import custom_gradients, dot, rnn, torch_compat
-from ndfunc._src.attention import traced_sdpa
-from ndfunc._src.ctc_loss import ctc_loss
-from ndfunc._src.torch_compat import lstm_cells
+from ndfunc._src import attention, ctc_loss, custom_gradients, dot, rnn, torch_compat
 from ndfunc._src.writes import fills_rows
 
 
@@ -274,44 +272,7 @@ def _bags_by_offsets(input, rows, kept, starts, mode):
     return total / zeros[:, 0].index_add(0, bag, ones).clamp(min=1).unsqueeze(-1)
 
 
-def _lstm(input, hx, *rest, **kwargs):
-    """`torch.lstm` (`nn.LSTM`'s) over a batch as one `ndfunc::rnn`, as `_recurrent` the others;
-    where that cannot be (dropout between layers in training, a transform other than a gradient), as its
-    decomposition's cells (matmuls and pointwise ops, which split by the batch), not oneDNN's
-    layer kernel, which the decomposition picks on CPU where nothing outside `torch.func` needs a
-    gradient: it has no sharding rule, and its backward reads an opaque workspace. A packed
-    sequence is torch's own (its decomposition takes no kernel)."""
-    if not isinstance(hx, (list, tuple)) or kwargs:
-        return torch.lstm(input, hx, *rest, **kwargs)
-    if _one_op(input, *rest[3:5]):
-        return rnn.rnn("lstm", input, hx, *rest[:3], *rest[5:])
-    return lstm_cells(input, hx, *rest)
-
-
-def _recurrent(mode: str, kernel):
-    """`torch.gru` / `torch.rnn_tanh` / `torch.rnn_relu` over a batch as one `ndfunc::rnn`: the
-    call, not its cells unrolled step by step, split by the batch; where that cannot be (a packed
-    sequence, dropout in training, a transform other than a gradient), torch's own."""
-    def traced(input, hx, params, *rest, **kwargs):
-        if isinstance(params, (list, tuple)) and not kwargs and _one_op(input, *rest[2:4]):
-            return rnn.rnn(mode, input, hx, params, *rest[:2], *rest[4:])
-        return kernel(input, hx, params, *rest, **kwargs)
-    return traced
-
-
-def _one_op(input, dropout: float, train: bool) -> bool:
-    """Whether a recurrent call can be one `ndfunc::rnn`: a batch (`nn`'s layers make one of an
-    unbatched input), no dropout at work (its masks are drawn between layers, inside), and no
-    transform but a gradient (the op has no batching rule, and its backward no gradient)."""
-    return input.dim() == 3 and (not train or dropout == 0) and torch_compat.func_transforms() in ([], ["Grad"])
-
-
 TRACED_AS = {torch.nn.functional.one_hot: _one_hot,
-             torch.lstm: _lstm,
-             torch.gru: _recurrent("gru", torch.gru),
-             torch.rnn_tanh: _recurrent("rnn_tanh", torch.rnn_tanh),
-             torch.rnn_relu: _recurrent("rnn_relu", torch.rnn_relu),
-             torch.nn.functional.ctc_loss: ctc_loss,
              torch.nn.functional.embedding_bag: _embedding_bag,
              torch.Tensor.masked_scatter: _masked_scatter,
              torch.masked_scatter: _masked_scatter,
@@ -324,7 +285,6 @@ TRACED_AS = {torch.nn.functional.one_hot: _one_hot,
              torch.nn.functional.multilabel_margin_loss: _multilabel_margin_loss,
              torch.Tensor.__setitem__: _setitem,
              torch.nn.functional.gaussian_nll_loss: _gaussian_nll_loss,
-             torch.nn.functional.scaled_dot_product_attention: traced_sdpa,
              torch.Tensor.__format__: _format,
              torch.nn.functional.linear_cross_entropy: _linear_cross_entropy,
-             **dot.TRACED_AS}
+             **attention.TRACED_AS, **ctc_loss.TRACED_AS, **dot.TRACED_AS, **rnn.TRACED_AS}
