@@ -258,12 +258,13 @@ def size(problem, open_: list | None = None) -> int:
 
 
 def solve(problem, time_limit: float = 60.0, gap: float = 1e-6, start: list[int] | None = None,
-          open_: list | None = None) -> Exact:
+          open_: list | None = None, presolve: bool = True) -> Exact:
     """The least-cost choice of `problem` (a `solve.Problem`; its late candidates are admitted),
     proven within `gap` of optimal, or HiGHS's best and its bound after `time_limit` seconds.
     `start`: a choice to begin from (the search's), so HiGHS prunes against it from the first node.
     `open_`: per node, the candidates it may take (None: all), `start`'s among them; no bound is
-    then sought (-inf)."""
+    then sought (-inf). `presolve`: HiGHS's, which pays on a whole program, not on one axis's few
+    candidates a node (`refine`)."""
     began = time.perf_counter()
     if problem._late:
         problem._admit(problem._late)
@@ -277,6 +278,8 @@ def solve(problem, time_limit: float = 60.0, gap: float = 1e-6, start: list[int]
         cost = problem.total(choice)
         return Exact(choice, cost, cost if open_ is None else -np.inf, True, 0, time.perf_counter() - began)
     highs = _highs(cols, rows, time_limit, gap)
+    if not presolve:
+        highs.setOptionValue("presolve", "off")
     if start is not None:
         picked = [(col, float(candidate(node, i) == start[node])) for node, cs in enumerate(x) if cs is not None
                   for i, col in enumerate(cs)]
