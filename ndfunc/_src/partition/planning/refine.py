@@ -63,7 +63,8 @@ def refine(problem, choice: list, max_variables: int, seconds: float) -> list:
             open_ = _open_along(problem, choice, axis)
             if all(len(o) == 1 for o in open_) or exact.size(problem, open_) > max_variables:
                 continue
-            found = exact.solve(problem, time_limit=left, gap=GAP, start=choice, open_=open_, presolve=False)
+            found = exact.solve(problem, time_limit=left, gap=GAP, start=choice, open_=open_, presolve=False,
+                                relaxation_first=True)
             if found.choice is not None and found.cost < cost * (1 - 1e-9):
                 choice, cost, improved = found.choice, found.cost, True
         if not improved:
