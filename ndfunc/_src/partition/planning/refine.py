@@ -9,15 +9,21 @@ candidates that agrees with its current one along every other axis and does no m
 HiGHS (`exact`) finds the cheapest such plan of the whole program at once (block coordinate
 descent); rounds over the axes until none lowers the cost.
 
-No more work per node: the cost model leaves memory out, and at a toy's dims its optimum runs the
-step whole on every rank (a gathered batch costs less than reduced gradients). A plan refined
-keeps every split of work the search found.
+No more work per node, and no input or output split less along the axis: the cost model leaves
+memory out, and at a toy's dims its optimum runs the step whole on every rank (a gathered batch
+costs less than reduced gradients), and at any dims it would gather what the search kept split to
+save memory (sequence parallelism's layer inputs, a vocabulary-parallel loss's logits, FSDP's
+weights between their uses). A plan refined keeps every split of work and of data the search
+found. (So Megatron's split of an MLP under FSDP and TP, which holds its input whole on every tp
+rank where the search splits it by the batch, is left to the search.)
 """
 
 from __future__ import annotations
 
 import os
 import time
+
+from torch.distributed.tensor import Shard
 
 from ndfunc._src.partition.planning import exact
 
@@ -73,11 +79,14 @@ def refine(problem, choice: list, max_variables: int, seconds: float) -> list:
 
 
 def _open_along(problem, choice: list, axis: int) -> list[list[int]]:
-    """Per node, the candidates that agree with its chosen one along every mesh axis but `axis`
-    and do no more work (its chosen one first among them)."""
+    """Per node, the candidates that agree with its chosen one along every mesh axis but `axis`,
+    do no more work and split along `axis` every input and output it splits there (its chosen one
+    first among them)."""
     ids: dict = {}  # a layout along the other axes -> an id of it
     apart = [ids.setdefault(_without(lay, axis), len(ids)) for lay in problem.layouts]
+    split = [isinstance(lay[axis], Shard) for lay in problem.layouts]  # (the other axes split alike)
     key = lambda lays: tuple(None if lay is None else apart[lay] for lay in lays)  # noqa: E731
+    splits = lambda lays: [lay is not None and split[lay] for lay in lays]  # noqa: E731
     seen: dict = {}  # (id(candidate list), chosen) -> the open candidates: identical layers ask once
     out = []
     for n, i in enumerate(choice):
@@ -85,9 +94,10 @@ def _open_along(problem, choice: list, axis: int) -> list[list[int]]:
         memo = (id(ins), id(work), i)
         some = seen.get(memo)
         if some is None or some[0] is not ins:
-            want, most = (key(ins[i]), key(outs[i])), work[i] * (1 + 1e-9)
+            want, most, kept = (key(ins[i]), key(outs[i])), work[i] * (1 + 1e-9), splits((*ins[i], *outs[i]))
             some = seen[memo] = (ins, [i, *(k for k in range(len(ins)) if k != i and work[k] <= most
-                                           and (key(ins[k]), key(outs[k])) == want)])
+                                           and (key(ins[k]), key(outs[k])) == want
+                                           and all(b or not a for a, b in zip(kept, splits((*ins[k], *outs[k])))))])
         out.append(some[1])
     return out
 
