@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 from collections.abc import Callable
 from typing import Any
 
@@ -54,6 +55,13 @@ from ndfunc._src import regions, torch_compat, write_ops
 # its own, `PER_CALL[key](mark)`, as the call would have.
 PER_CALL: dict[str, Callable[[Any], Any]] = {}
 TENSOR = object()  # a template's tensor output among its output leaves (a layer may return None: Falcon's)
+
+# Each copied node's meta[CALL]: (the template or backward variant it copies, 0 in its forward or
+# 1 in its backward, the call, its place among the nodes copied), so a call's nodes, forward and backward, are known as one repeat of the
+# others of its template (the partitioner plans alike calls once: `planning/repeats.py`).
+CALL = "ndfunc_call"
+_UIDS = itertools.count()
+_CALLS = itertools.count()
 
 
 @dataclasses.dataclass(eq=False)
@@ -75,7 +83,8 @@ class Template:
     differentiable: list = dataclasses.field(default_factory=list)  # per tensor output: made from a differentiated input
     saved: tuple = ((), ())  # which inputs and outputs its backward reads (as autograd saves them)
     variants: dict = dataclasses.field(default_factory=dict)  # gradient strides -> the backward traced for them
-    pending: dict | None = None  # the forward being copied: its nodes, for `_Stamped.setup_context`
+    pending: tuple | None = None  # the forward being copied: (its nodes, the call), for `_Stamped.setup_context`
+    uid: int = dataclasses.field(default_factory=lambda: next(_UIDS))
 
 
 class Stamps:
@@ -281,11 +290,12 @@ def _writes_input(node: torch.fx.Node) -> bool:
     return False
 
 
-def _copy(nodes: list, env: dict, graph: torch.fx.Graph, now: dict, then: dict) -> None:
+def _copy(nodes: list, env: dict, graph: torch.fx.Graph, now: dict, then: dict, call: tuple) -> None:
     """Copy `nodes` into `graph` after what is there, their arguments read through `env`; each copy's
-    annotations are those in force `now` with those the region made itself (beyond `then`'s)."""
+    annotations are those in force `now` with those the region made itself (beyond `then`'s), and
+    its `CALL` mark `call` (template, part, call) with its place."""
     fresh: dict = {}
-    for n in nodes:
+    for place, n in enumerate(nodes):
         new = torch_compat.new_node(graph, n.op, n.target, map_arg(n.args, env.__getitem__), map_arg(n.kwargs, env.__getitem__),
                        name=_name(graph, n.target))
         new.meta.update(n.meta)  # (into its own fresh dict: assigning `meta` costs fx a table update)
@@ -295,6 +305,7 @@ def _copy(nodes: list, env: dict, graph: torch.fx.Graph, now: dict, then: dict) 
             new.meta["custom"] = {**now, **own}
         else:
             new.meta.pop("custom", None)
+        new.meta[CALL] = (*call, place)
         env[n] = new
 
 
@@ -318,10 +329,10 @@ def _renumbered(key: str, mark: Any, fresh: dict) -> Any:
     return fresh[key, mark]
 
 
-def _forward(template: Template, now: dict, nodes: list, tracer) -> tuple[list, dict]:
-    env = dict(zip(template.primals, nodes))
-    _copy(template.forward, env, tracer.graph, now, template.context)
-    return [torch_compat.tracked(_like_node(o), env[o], tracer) for o in template.outs], env
+def _forward(template: Template, now: dict, nodes: list, tracer) -> tuple[list, dict, int]:
+    env, call = dict(zip(template.primals, nodes)), next(_CALLS)
+    _copy(template.forward, env, tracer.graph, now, template.context, (template.uid, 0, call))
+    return [torch_compat.tracked(_like_node(o), env[o], tracer) for o in template.outs], env, call
 
 
 def _like_node(node: torch.fx.Node) -> torch.Tensor:
@@ -333,15 +344,15 @@ class _Stamped(torch.autograd.Function):
 
     @staticmethod
     def forward(template: Template, now: dict, nodes: list, *tensors):
-        outs, env = _forward(template, now, nodes, torch_compat.current_tracer())
-        template.pending = env
+        outs, env, call = _forward(template, now, nodes, torch_compat.current_tracer())
+        template.pending = env, call
         return tuple(outs)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
         # (under torch.func, the transform's own Function and the one it applies both call this)
         template = inputs[0]
-        ctx.template, ctx.env = template, template.pending
+        ctx.template, (ctx.env, ctx.call) = template, template.pending
         ctx.mark_non_differentiable(*[o for o, d in zip(output, template.differentiable) if not d])
         ctx.set_materialize_grads(False)
         # saved as op-by-op tracing's autograd saves them: written in place after, backward refuses
@@ -361,7 +372,7 @@ class _Stamped(torch.autograd.Function):
         for t, g in zip(variant.tangents, [g for g in cotangents if g is not None]):
             env[t] = torch_compat.node_of(g, tracer)
             incoming[t] = g
-        _copy(variant.backward, env, tracer.graph, _annotations(), variant.context)
+        _copy(variant.backward, env, tracer.graph, _annotations(), variant.context, (variant.uid, 1, ctx.call))
         made = set(variant.backward)
         grads = []
         for g in variant.grads:

@@ -61,7 +61,7 @@ import os
 
 import torch
 
-from ndfunc._src.partition.planning import exact, plan_cache, redistribute, refine
+from ndfunc._src.partition.planning import exact, plan_cache, redistribute, refine, repeats
 from ndfunc._src.partition.planning.columns import Columns
 from ndfunc._src.partition.planning.costs import Costs
 from ndfunc._src.partition.planning.layout import Layout
@@ -113,7 +113,7 @@ def partition(graph: torch.fx.Graph, sizes: tuple[int, ...], input_layouts: list
         kept = plan_cache.entry(key)
         known = plan_cache.load(kept, len(nodes))  # a plan another process made (NDFUNC_PLAN_CACHE_DIR)
         if known is None:
-            plan = _planned(Problem(graph, sizes, input_layouts, output_layouts, signatures, prices))
+            plan = _repeats_planned(graph, sizes, input_layouts, output_layouts, signatures, prices)
             at = {n: i for i, n in enumerate(nodes)}
             # which nodes run whole is kept with the plan: a plan read back asks for no candidates
             whole = [i for i, n in enumerate(nodes) if runs_whole(n, sizes, signatures.get(n))]
@@ -186,6 +186,18 @@ def exact_settings() -> tuple[int, float]:
                          "integer and a number of seconds, as NDFUNC_EXACT_VARIABLES=200000 NDFUNC_EXACT_SECONDS=60; "
                          "unset them for the search alone") from None
 
+
+
+def _repeats_planned(graph: torch.fx.Graph, sizes, input_layouts, output_layouts, signatures: dict,
+                     prices) -> Plan:
+    """`_planned` of the graph, or of it with its alike calls but three left out where it has many
+    (`repeats`), expanded to every node."""
+    contraction = repeats.contracted(graph, input_layouts)
+    if contraction is None:
+        return _planned(Problem(graph, sizes, input_layouts, output_layouts, signatures, prices))
+    kept = {contraction.plan_of[n]: key for n, key in signatures.items()}
+    plan = _planned(Problem(contraction.graph, sizes, input_layouts, output_layouts, kept, prices))
+    return repeats.expanded(contraction, plan, graph)
 
 
 def _planned(problem: Problem) -> Plan:

@@ -1,0 +1,247 @@
+"""A repeated layer planned once: the program planned with three of its calls.
+
+The tracer copies a repeated region's template at every call (`stamp`) and marks each copied
+node with its call and its place in the template (`stamp.CALL`). Calls of one template that read
+alike things from outside (inputs laid out alike, the same places of other calls, the same ops
+between) and that follow one another (each reads what the one before made: a decoder layer's
+calls) are a chain. Where a chain has `MIN_CALLS` calls or more, the program is planned with only
+its first, second and last (`contracted`):
+- what read a call left out reads the same place of the latest call kept before it (the last
+  layer reads the second's output; in backward, the second reads the last's gradient);
+- the ops and other calls that then compute what a kept one does, up to which input of the same
+  layout they read (AdamW's update of each left-out layer's weight, the cast of its gradient),
+  are that one.
+The plan is then given to every node (`expanded`): a call left out takes its second call's, and an
+op between calls takes that of the op that computes what it does with every call left out read as
+the second (the update of the fifth layer's weight takes the second layer's update's plan). The
+layers between the first and the last are planned as one, as `jax.lax.scan` compiles one body,
+and the search grows with a program's distinct layers, not with its depth.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch.fx.node import map_arg
+
+from ndfunc._src.partition.planning.search import Plan
+from ndfunc._src.partition.planning.strategies import value_of
+from ndfunc._src.stamp import CALL
+
+# from this many calls in a chain on, the program is planned with three of them; below, a call or
+# two saved is not worth a plan that can differ from the whole program's search
+MIN_CALLS = 6
+
+
+@dataclasses.dataclass
+class Contraction:
+    """A program with a chain's calls but three left out (`contracted`), and where each of the
+    full program's nodes finds its plan in it (`expanded`)."""
+
+    graph: torch.fx.Graph
+    plan_of: dict  # a node of the full program -> the node of `graph` whose strategy it takes
+    left_out: int  # how many of the full program's nodes `graph` does not have
+
+
+def contracted(graph: torch.fx.Graph, input_layouts: list) -> Contraction | None:
+    """`graph` with each chain of `MIN_CALLS` or more alike calls planned through three of them
+    (the module's text); None where it has no such chain."""
+    nodes = list(graph.nodes)
+    at = {n: i for i, n in enumerate(nodes)}
+    calls = _calls(nodes)
+    layout_of = dict(zip([n for n in nodes if n.op == "placeholder"], input_layouts))
+    described = _described(nodes, layout_of)
+    groups: dict = {}
+    for call, places in calls.items():
+        groups.setdefault(_signature(places, described), []).append(call)
+    stand_in: dict = {}  # a node left out -> the same place in the chain's second call
+    kept_at: dict = {}  # (chain, place) -> its kept nodes there, in program order
+    place_of: dict = {}  # a node of a chain -> (chain, place)
+    for chain, members in groups.items():
+        members.sort(key=lambda c: min(at[n] for n in calls[c].values()))
+        if len(members) < MIN_CALLS or not _follows(calls[members[2]], calls[members[1]]):
+            continue
+        second = calls[members[1]]
+        for i, call in enumerate(members):
+            for place, node in calls[call].items():
+                place_of[node] = chain, place
+                if 2 <= i < len(members) - 1:
+                    stand_in[node] = second[place]
+                else:
+                    kept_at.setdefault((chain, place), []).append(node)
+    if not stand_in:
+        return None
+    graph_, env = _built(nodes, at, stand_in, place_of, kept_at, layout_of)
+    plan_of = None if graph_ is None else _plans_of(nodes, env, stand_in, place_of, layout_of, graph_)
+    if plan_of is None:
+        return None
+    return Contraction(graph_, plan_of, len(nodes) - len(graph_.nodes))
+
+
+def expanded(contraction: Contraction, plan: Plan, graph: torch.fx.Graph) -> Plan:
+    """`plan` (of `contraction.graph`) as a plan of the full `graph`: every node the strategy of
+    where it finds its plan, every output leaf its final layout."""
+    strategy = {node: plan.strategy[kept] for node, kept in contraction.plan_of.items() if kept in plan.strategy}
+    output = next(iter(graph.find_nodes(op="output")))
+    outputs = [(value_of(a), lay) for a, (_, lay) in zip(output.args[0], plan.outputs)]
+    return Plan(plan.sizes, strategy, outputs, plan.cost)
+
+
+def _calls(nodes: list) -> dict:
+    """call -> {(template, part, place, occurrence): node}: the nodes the tracer copied for each call
+    (a place met again is a copy made after tracing: `nf.remat`'s recomputation)."""
+    calls: dict = {}
+    for n in nodes:
+        mark = n.meta.get(CALL)
+        if mark is None or n.op != "call_function":
+            continue
+        template, part, call, place = mark
+        places = calls.setdefault(call, {})
+        occurrence = 0
+        while (template, part, place, occurrence) in places:
+            occurrence += 1
+        places[template, part, place, occurrence] = n
+    return calls
+
+
+def _described(nodes: list, layout_of: dict) -> dict:
+    """node -> what it is, as an id equal for nodes alike in every call: an input, by its layout; a
+    call's node, by its place; an op between calls, by its op, shape and what it reads, so that
+    the cast of one layer's gradient of a weight and of another layer's of the same weight are
+    alike, and not the cast of another weight's."""
+    ids: dict = {}
+    described: dict = {}
+    for node in nodes:
+        if node.op == "placeholder":
+            what = ("input", layout_of.get(node), _shape(node))
+        elif (mark := node.meta.get(CALL)) is not None and node.op == "call_function":
+            what = ("call", mark[0], mark[1], mark[3])
+        else:
+            what = (node.op, node.target, _shape(node), tuple(described[a] for a in node.all_input_nodes))
+        described[node] = ids.setdefault(what, len(ids))
+    return described
+
+
+def _signature(places: dict, described: dict) -> tuple:
+    """What makes two calls alike: their places, and what each place reads from outside the call
+    (`_described`)."""
+    inside = set(places.values())
+    outside = tuple((place, slot, described[a]) for place, node in sorted(places.items())
+                    for slot, a in enumerate(node.all_input_nodes) if a not in inside)
+    return tuple(sorted(places)), outside
+
+
+def _follows(call: dict, before: dict, depth: int = 4) -> bool:
+    """Whether `call` reads what `before` made, directly or through a few ops between them."""
+    made, inside = set(before.values()), set(call.values())
+    frontier = {a for n in call.values() for a in n.all_input_nodes if a not in inside}
+    for _ in range(depth):
+        if frontier & made:
+            return True
+        frontier = {a for n in frontier if CALL not in n.meta for a in n.all_input_nodes}
+    return bool(frontier & made)
+
+
+def _built(nodes: list, at: dict, stand_in: dict, place_of: dict, kept_at: dict,
+           layout_of: dict) -> tuple[torch.fx.Graph | None, dict]:
+    """The contracted graph, and each full program's node's node in it: the nodes left out skipped,
+    what read them reading the latest kept node of their place before the reader, and an op that
+    so reads what a node made before computes (an input of the same layout for another) that one.
+    Ops left with no reader are dropped (the update of a left-out layer's weight, made one with
+    another's, leaves the scaling of its state read by none)."""
+    graph = torch.fx.Graph()
+    env: dict = {}
+    ids: dict = {}  # what a node of `graph` computes -> an id
+    id_of: dict = {}  # a node of `graph` -> the id of what it computes
+    same: dict = {}  # an id -> the first node of `graph` that computes it
+    moved: set = set()  # nodes reading a node left out, at any remove
+
+    def read(a, reader):
+        if a not in stand_in:
+            return env[a]
+        before = [k for k in kept_at[place_of[a]] if at[k] < at[reader]]
+        if not before:
+            raise _NotAlike
+        return env[before[-1]]
+
+    for node in nodes:
+        if node in stand_in:
+            continue
+        try:
+            args = map_arg(node.args, lambda a, reader=node: read(a, reader))
+            kwargs = map_arg(node.kwargs, lambda a, reader=node: read(a, reader))
+        except _NotAlike:
+            return None, env
+        if node.op == "placeholder":
+            what = ("input", layout_of[node], _shape(node))
+        elif node.op == "call_function" and node not in place_of:
+            shown = lambda a: id_of[a]  # noqa: E731
+            what = (node.target, _shape(node), repr(map_arg(args, shown)), repr(map_arg(kwargs, shown)))
+        else:
+            what = ("node", node.name)
+        if node.op == "call_function" and node not in place_of and \
+                any(a in stand_in or a in moved for a in node.all_input_nodes):
+            moved.add(node)
+            known = same.get(ids.get(what))
+            if known is not None:
+                env[node] = known
+                continue
+        new = env[node] = graph.create_node(node.op, node.target, args, kwargs, name=node.name)
+        new.meta = dict(node.meta)
+        id_of[new] = ids.setdefault(what, len(ids))
+        same.setdefault(id_of[new], new)
+    made = {new: node for node, new in env.items()}
+    for new in reversed(list(graph.nodes)):  # (an op the full program reads nothing of stays: a write)
+        if new.op == "call_function" and not new.users and made[new].users:
+            graph.erase_node(new)
+    return graph, env
+
+
+def _plans_of(nodes: list, env: dict, stand_in: dict, place_of: dict, layout_of: dict, graph) -> dict | None:
+    """Where each node of the full program takes its plan in the contracted one (`expanded`): a
+    chain's node left out, its stand-in's; a node that reads one left out (at any remove) or that
+    the contracted program dropped, that of the first node reading none that computes what it
+    does with every node left out read as its stand-in; any other node, its own. None where some
+    node finds none."""
+    alive = set(graph.nodes)
+    ids: dict = {}
+    id_of: dict = {}
+    moved: set = set()
+    first: dict = {}  # an id -> the first node that computes it, reads no node left out and is kept
+    for node in nodes:
+        if node.op == "output":
+            continue
+        if node in place_of:
+            what = ("node", stand_in.get(node, node).name)
+        elif node.op == "placeholder":
+            what = ("input", layout_of[node], _shape(node))
+        else:
+            shown = lambda a: ("value", id_of[a])  # noqa: E731
+            what = (node.target, _shape(node), repr(map_arg(node.args, shown)), repr(map_arg(node.kwargs, shown)))
+        id_of[node] = ids.setdefault(what, len(ids))
+        if node not in place_of and any(a in stand_in or a in moved for a in node.all_input_nodes):
+            moved.add(node)
+        elif node not in stand_in and env[node] in alive:
+            first.setdefault(id_of[node], node)
+    plan_of = {}
+    for node in nodes:
+        if node.op == "output":
+            continue
+        own = env[stand_in.get(node, node)]
+        if node in moved or own not in alive:
+            twin = first.get(id_of[node])
+            own = None if twin is None else env[twin]
+        if own is None or own not in alive:
+            return None
+        plan_of[node] = own
+    return plan_of
+
+
+def _shape(node: torch.fx.Node) -> tuple | None:
+    val = node.meta.get("val")
+    return (tuple(val.shape), val.dtype) if isinstance(val, torch.Tensor) else None
+
+
+class _NotAlike(Exception):
+    """A call left out is read before any kept call of its chain: not a repeat of the others."""

@@ -1,0 +1,88 @@
+"""A repeated layer planned once (`planning/repeats.py`): a deep step is planned with three of its
+layers, lowers to the program its whole graph's search plans, and runs to the one-device result."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import optree
+import pytest
+import torch
+from test_fsdp import llama_case
+
+import ndfunc as nf
+from models import llama, train
+from ndfunc._src.partition.planning import repeats, solve
+from ndfunc.sharding import NamedSharding, P
+
+FSDP_BF16 = lambda: [nf.fsdp("dp_shard"), nf.mixed_precision(torch.bfloat16, torch.float32)]  # noqa: E731
+CASES = {  # mesh, remat, transforms, model, tokens a sequence
+    "fsdp+tp, fsdp, bf16, remat": ((1, 2, 1, 2), "full", FSDP_BF16, llama.LlamaConfig.tiny, 32),
+    "4d": ((1, 2, 2, 2), None, list, llama.LlamaConfig.tiny, 32),
+    "cp": ((1, 1, 8, 1), None, list, llama.LlamaConfig.tiny, 32),
+    # Llama 3 70B's layers on 1,024 ranks, as benchmarks/shape_only.py lowers them: where each
+    # layer's gradients are cast to fp32 between its backward and AdamW's update
+    "70b dims, 4d, fsdp, bf16, remat": ((2, 32, 4, 4), "full", FSDP_BF16, llama.LlamaConfig.llama3_70b, 8192),
+}
+
+
+def contractions(monkeypatch) -> list:
+    """What `repeats.contracted` returns, call by call, from here on."""
+    seen = []
+    real = repeats.contracted
+
+    def spy(*args):
+        seen.append(real(*args))
+        return seen[-1]
+    monkeypatch.setattr(repeats, "contracted", spy)
+    return seen
+
+
+def lowered(name: str, n_layers: int = 8):
+    sizes, remat, transforms, model, seq_len = CASES[name]
+    cfg = dataclasses.replace(model(), n_layers=n_layers, remat=remat)
+    solve._PLANS.clear()  # planned afresh, not remembered from the other lowering
+    return train.lower_abstract(cfg, nf.ParallelConfig(*sizes), seq_len, transforms(), batch_per_rank=2,
+                                opt=nf.optim.adamw(1e-3, weight_decay=0.1))
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_a_deep_step_planned_with_three_of_its_layers_is_the_program_planned_whole(name, monkeypatch):
+    seen = contractions(monkeypatch)
+    planned_once = lowered(name)
+    assert seen[-1] is not None and seen[-1].left_out > 0
+    monkeypatch.setattr(repeats, "MIN_CALLS", 10**9)
+    whole = lowered(name)
+    assert seen[-1] is None
+    assert planned_once.as_text() == whole.as_text()
+    assert planned_once.memory_analysis() == whole.memory_analysis()
+
+
+def test_the_program_planned_does_not_grow_with_depth(monkeypatch):
+    seen = contractions(monkeypatch)
+    sizes = {}
+    for n_layers in (8, 12):
+        lowered("4d", n_layers)
+        graph = seen[-1].graph
+        sizes[n_layers] = sum(n.op != "placeholder" for n in graph.nodes)
+    assert sizes[8] == sizes[12]  # (only the weights and their optimizer state, inputs, grow)
+
+
+def test_a_deep_step_planned_with_three_of_its_layers_runs_to_the_one_device_result(monkeypatch):
+    seen = contractions(monkeypatch)
+    cfg, params, batch, opt, _ = llama_case((4, 16), vocab_size=64, dim=32, n_layers=8, ffn_dim=64)
+    expected = train.make_step(cfg, opt)(params, opt.init(params), batch)
+    config = nf.ParallelConfig(dp_shard_size=2, tp_size=2)
+    with nf.simulate(4):
+        mesh = config.build_mesh()
+        pspec = nf.sharding.logical_to_mesh(llama.param_axes(cfg), config.rules)
+        state = opt.init(params)
+        sspec = nf.optim.state_shardings(state, pspec)
+        put = lambda t, s: nf.device_put(t, optree.tree_map(  # noqa: E731
+            lambda q: NamedSharding(mesh, q), s, is_leaf=lambda q: isinstance(q, P)))
+        f = nf.jit(train.make_step(cfg, opt, config.rules), mesh=mesh, in_shardings=(pspec, sspec, None),
+                   out_shardings=(pspec, sspec, P()))
+        got = nf.device_get(f(put(params, pspec), put(state, sspec), batch))
+    assert seen[-1] is not None and seen[-1].left_out > 0
+    for a, b in zip(optree.tree_leaves(got), optree.tree_leaves(expected)):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=2e-5)
