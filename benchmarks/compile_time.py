@@ -6,8 +6,11 @@
 
 Each row lowers the step of `models.train` (AdamW, the ParallelConfig's rules on activations) over
 `nf.ShapeDtypeStruct` stand-ins on an `AbstractMesh` (the program simulated or real ranks get, with
-nothing laid out or allocated: placing data is not compiling), and prints the seconds of `Jitted.lower` and of its parts: tracing, the
-partitioner's candidate strategies (DTensor's rules asked), its search, and the passes after it.
+nothing laid out or allocated: placing data is not compiling), and prints the program's nodes, the
+nodes the partitioner plans (a chain of alike layers planned through three of them:
+`planning/repeats.py`), and the seconds of `Jitted.lower` and of its parts: the partitioner's
+candidate strategies (DTensor's rules asked, with the contraction), its search, and the rest
+(tracing and the passes after the search).
 Every row starts from cold caches (no candidate, layout change or plan remembered from a row
 before), as a fresh process would. Depth rows use `--depth-mesh`; mesh rows use `--mesh-layers`.
 `--slope`: each of these meshes lowered at the two depths of `--slope-layers`, and the lower time
@@ -32,7 +35,7 @@ import torch
 import ndfunc as nf
 from models import hf, llama, train
 from ndfunc._src import pipeline
-from ndfunc._src.partition.planning import costs, ops, solve, strategies
+from ndfunc._src.partition.planning import costs, ops, repeats, solve, strategies
 from ndfunc.sharding import NamedSharding, P
 
 MESHES = ["1,2,1,2", "1,2,2,2", "2,2,2,2", "2,4,2,4", "2,8,4,4"]  # dp_replicate, dp_shard, cp, tp: 4 to 256
@@ -89,12 +92,14 @@ def timed(config: nf.ParallelConfig, mesh, params, make_step, layers: int, seq: 
     graph = program.traced.graph
     with pipeline.young_collections_only():  # as `lower` runs it: without full collections
         t0 = time.perf_counter()
-        problem = solve.Problem(graph, program.sizes, program.in_layouts, program.out_layouts)
+        contraction = repeats.contracted(graph, program.in_layouts)  # what the search is given
+        planned = graph if contraction is None else contraction.graph
+        problem = solve.Problem(planned, program.sizes, program.in_layouts, program.out_layouts)
         t1 = time.perf_counter()
         problem.solve()
         t2 = time.perf_counter()
     return {"layers": layers, "mesh": list(mesh.axis_sizes), "ranks": config.total_size, "nodes": len(graph.nodes),
-            "lower_s": total, "candidates_s": t1 - t0, "search_s": t2 - t1,
+            "planned_nodes": len(planned.nodes), "lower_s": total, "candidates_s": t1 - t0, "search_s": t2 - t1,
             "rest_s": total - (t2 - t0)}
 
 
@@ -123,14 +128,14 @@ def main() -> None:
         lower_row(dataclasses.replace(base, n_layers=2), slopes[0][1])
     jobs += slopes
     rows = []
-    print(f"{'layers':>6} {'mesh':>12} {'ranks':>5} {'nodes':>6} {'lower s':>8} {'cands s':>8} {'search s':>8} "
-          f"{'rest s':>7}")
+    print(f"{'layers':>6} {'mesh':>12} {'ranks':>5} {'nodes':>6} {'planned':>7} {'lower s':>8} {'cands s':>8} "
+          f"{'search s':>8} {'rest s':>7}")
     for layers, sizes in jobs:
         r = min((lower_row(dataclasses.replace(base, n_layers=layers), sizes)
                  for _ in range(args.repeat)), key=lambda r: r["lower_s"])
         rows.append(r)
-        print(f"{layers:6d} {'x'.join(map(str, sizes)):>12} {r['ranks']:5d} {r['nodes']:6d} {r['lower_s']:8.2f} "
-              f"{r['candidates_s']:8.2f} {r['search_s']:8.2f} {r['rest_s']:7.2f}", flush=True)
+        print(f"{layers:6d} {'x'.join(map(str, sizes)):>12} {r['ranks']:5d} {r['nodes']:6d} {r['planned_nodes']:7d} "
+              f"{r['lower_s']:8.2f} {r['candidates_s']:8.2f} {r['search_s']:8.2f} {r['rest_s']:7.2f}", flush=True)
     if args.slope:
         print_slopes(rows[len(rows) - 2 * len(args.slope):], args.slope_layers)
     if args.json:

@@ -86,3 +86,26 @@ def test_a_deep_step_planned_with_three_of_its_layers_runs_to_the_one_device_res
     assert seen[-1] is not None and seen[-1].left_out > 0
     for a, b in zip(optree.tree_leaves(got), optree.tree_leaves(expected)):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=2e-5)
+
+
+def test_transformers_layers_found_alike_are_planned_with_three_of_them(monkeypatch):
+    # transformers' LlamaForCausalLM called as it is (`models.train --hf-model`): its decoder
+    # layers are found alike and copied (`repeated_layers`), then planned as the job's are
+    import transformers
+
+    from models import hf
+
+    seen = contractions(monkeypatch)
+    cfg = dataclasses.replace(llama.LlamaConfig.tiny(), n_layers=8)
+    hf_config = transformers.LlamaConfig(**hf.config_to_hf(cfg, torch.float32))
+
+    def lowered_hf():
+        solve._PLANS.clear()
+        return train.lower_abstract_hf(hf_config, nf.ParallelConfig(1, 2, 1, 2), 32, batch_per_rank=2)
+
+    planned_once = lowered_hf()
+    assert seen[-1] is not None and seen[-1].left_out > 0
+    monkeypatch.setattr(repeats, "MIN_CALLS", 10**9)
+    whole = lowered_hf()
+    assert planned_once.as_text() == whole.as_text()
+    assert planned_once.memory_analysis() == whole.memory_analysis()
