@@ -1,7 +1,7 @@
 """How long nf.jit takes to lower the llama train step, by depth and by mesh size.
 
     python benchmarks/compile_time.py [--layers 2 8 32 80] [--meshes 1,2,2,2 2,2,2,2 ...]
-                                      [--config tiny] [--hf] [--repeat N] [--json OUT]
+                                      [--config tiny] [--hf] [--repeat N] [--json OUT] [--whole]
                                       [--slope 1,16,1,1 2,2,2,2 ... [--slope-layers 8 32]]
 
 Each row lowers the step of `models.train` (AdamW, the ParallelConfig's rules on activations) over
@@ -115,9 +115,13 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=1,
                         help="lower each row this many times, from cold caches, and keep the fastest (a noisy machine)")
     parser.add_argument("--json", help="also write the rows to this file")
+    parser.add_argument("--whole", action="store_true",
+                        help="plan every layer, not a chain of alike layers through three of them (to compare)")
     parser.add_argument("--slope", nargs="*", default=[], help="meshes whose per-layer and fixed lower time to print")
     parser.add_argument("--slope-layers", type=int, nargs=2, default=[8, 32], metavar=("FEW", "MANY"))
     args = parser.parse_args()
+    if args.whole:
+        repeats.MIN_CALLS = 2**62
     base = getattr(llama.LlamaConfig, args.config)()
     sizes_of = lambda text: tuple(int(x) for x in text.split(","))  # noqa: E731
     jobs = [(layers, sizes_of(args.depth_mesh)) for layers in args.layers]

@@ -2,7 +2,7 @@
 
     python benchmarks/shape_only.py [--model 70b] [--layers N] [--mesh 1,128,1,8] [--seq-len 8192]
                                     [--batch-per-rank 1] [--fsdp] [--remat full] [--bf16]
-                                    [--ring-attention]
+                                    [--ring-attention] [--whole]
 
 The step (loss, gradients, AdamW) is lowered over `nf.ShapeDtypeStruct` stand-ins on an
 `AbstractMesh` of dp_replicate x dp_shard x cp x tp ranks: no process group, no simulated ranks,
@@ -21,6 +21,7 @@ import torch
 
 import ndfunc as nf
 from models import llama, train
+from ndfunc._src.partition.planning import repeats
 
 
 def main(argv=None) -> None:
@@ -36,7 +37,11 @@ def main(argv=None) -> None:
     parser.add_argument("--ring-attention", action="store_true",
                         help="attention over the cp-split sequence as a ring (nf.ring_attention), as torchtitan's CP; "
                              "without it the sequence is gathered over cp where attention needs it")
+    parser.add_argument("--whole", action="store_true",
+                        help="plan every layer, not the layers between the first and last as one (to compare)")
     args = parser.parse_args(argv)
+    if args.whole:
+        repeats.MIN_CALLS = 2**62
 
     base = llama.LlamaConfig.llama3_70b if args.model == "70b" else llama.LlamaConfig.llama3_8b
     cfg = base(remat=args.remat, **({} if args.layers is None else {"n_layers": args.layers}))
