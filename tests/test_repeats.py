@@ -46,7 +46,8 @@ def lowered(name: str, n_layers: int = 8):
                                 opt=nf.optim.adamw(1e-3, weight_decay=0.1))
 
 
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name", [pytest.param(name, marks=pytest.mark.slow) if "70b" in name else name
+                                  for name in CASES])
 def test_a_deep_step_planned_with_three_of_its_layers_is_the_program_planned_whole(name, monkeypatch):
     seen = contractions(monkeypatch)
     planned_once = lowered(name)
@@ -63,9 +64,8 @@ def test_the_program_planned_does_not_grow_with_depth(monkeypatch):
     sizes = {}
     for n_layers in (8, 12):
         lowered("4d", n_layers)
-        graph = seen[-1].graph
-        sizes[n_layers] = sum(n.op != "placeholder" for n in graph.nodes)
-    assert sizes[8] == sizes[12]  # (only the weights and their optimizer state, inputs, grow)
+        sizes[n_layers] = len(seen[-1].graph.nodes)
+    assert sizes[8] == sizes[12]
 
 
 def test_a_deep_step_planned_with_three_of_its_layers_runs_to_the_one_device_result(monkeypatch):

@@ -42,9 +42,12 @@ class Contraction:
     graph: torch.fx.Graph
     plan_of: dict  # a node of the full program -> the node of `graph` whose strategy it takes
     left_out: int  # how many of the full program's nodes `graph` does not have
+    input_layouts: list  # of `graph`'s inputs (those the full program's read only where left out are not)
+    output_layouts: list  # of `graph`'s outputs (each value and layout requested once)
+    output_at: list  # per output of the full program, its place among `graph`'s
 
 
-def contracted(graph: torch.fx.Graph, input_layouts: list) -> Contraction | None:
+def contracted(graph: torch.fx.Graph, input_layouts: list, output_layouts: list) -> Contraction | None:
     """`graph` with each chain of `MIN_CALLS` or more alike calls planned through three of them
     (the module's text); None where it has no such chain."""
     nodes = list(graph.nodes)
@@ -76,7 +79,9 @@ def contracted(graph: torch.fx.Graph, input_layouts: list) -> Contraction | None
     plan_of = None if graph_ is None else _plans_of(nodes, env, stand_in, place_of, layout_of, graph_)
     if plan_of is None:
         return None
-    return Contraction(graph_, plan_of, len(nodes) - len(graph_.nodes))
+    inputs = [layout_of[n] for n in nodes if n.op == "placeholder" and env[n] in graph_.nodes]
+    outputs, output_at = _outputs_once(graph_, output_layouts)
+    return Contraction(graph_, plan_of, len(nodes) - len(graph_.nodes), inputs, outputs, output_at)
 
 
 def expanded(contraction: Contraction, plan: Plan, graph: torch.fx.Graph) -> Plan:
@@ -84,7 +89,7 @@ def expanded(contraction: Contraction, plan: Plan, graph: torch.fx.Graph) -> Pla
     where it finds its plan, every output leaf its final layout."""
     strategy = {node: plan.strategy[kept] for node, kept in contraction.plan_of.items() if kept in plan.strategy}
     output = next(iter(graph.find_nodes(op="output")))
-    outputs = [(value_of(a), lay) for a, (_, lay) in zip(output.args[0], plan.outputs)]
+    outputs = [(value_of(a), plan.outputs[i][1]) for a, i in zip(output.args[0], contraction.output_at)]
     return Plan(plan.sizes, strategy, outputs, plan.cost)
 
 
@@ -193,9 +198,27 @@ def _built(nodes: list, at: dict, stand_in: dict, place_of: dict, kept_at: dict,
         same.setdefault(id_of[new], new)
     made = {new: node for node, new in env.items()}
     for new in reversed(list(graph.nodes)):  # (an op the full program reads nothing of stays: a write)
-        if new.op == "call_function" and not new.users and made[new].users:
+        if new.op in ("call_function", "placeholder") and not new.users and made[new].users:
             graph.erase_node(new)
     return graph, env
+
+
+def _outputs_once(graph: torch.fx.Graph, layouts: list) -> tuple[list, list]:
+    """`graph`'s outputs each made once per layout requested (the updates of the left-out layers'
+    weights are the second's, as its update is theirs): their layouts, and where each of the full
+    program's outputs is among them."""
+    output = next(iter(graph.find_nodes(op="output")))
+    place: dict = {}
+    values, kept, at = [], [], []
+    for a, lay in zip(output.args[0], layouts):
+        key = (a, lay)
+        if key not in place:
+            place[key] = len(values)
+            values.append(a)
+            kept.append(lay)
+        at.append(place[key])
+    output.args = (type(output.args[0])(values), *output.args[1:])
+    return kept, at
 
 
 def _plans_of(nodes: list, env: dict, stand_in: dict, place_of: dict, layout_of: dict, graph) -> dict | None:

@@ -192,11 +192,12 @@ def _repeats_planned(graph: torch.fx.Graph, sizes, input_layouts, output_layouts
                      prices) -> Plan:
     """`_planned` of the graph, or of it with its alike calls but three left out where it has many
     (`repeats`), expanded to every node."""
-    contraction = repeats.contracted(graph, input_layouts)
+    contraction = repeats.contracted(graph, input_layouts, output_layouts)
     if contraction is None:
         return _planned(Problem(graph, sizes, input_layouts, output_layouts, signatures, prices))
     kept = {contraction.plan_of[n]: key for n, key in signatures.items()}
-    plan = _planned(Problem(contraction.graph, sizes, input_layouts, output_layouts, kept, prices))
+    plan = _planned(Problem(contraction.graph, sizes, contraction.input_layouts, contraction.output_layouts, kept,
+                            prices))
     return repeats.expanded(contraction, plan, graph)
 
 
