@@ -246,12 +246,12 @@ def llama_case(batch_shape, **config):
     return cfg, params, batch, nf.optim.adamw(1e-3, eps=1e-5), sum(p.numel() * 4 for p in optree.tree_leaves(params))
 
 
-def llama_fsdp_step(cfg, params, opt, n, transforms):
-    """The llama AdamW step under FSDP rules on `n` ranks (call inside nf.simulate(n)), and its
-    arguments laid out (the batch split by the step)."""
+def llama_fsdp_step(cfg, params, opt, n, transforms, config=None):
+    """The llama AdamW step under FSDP rules on `n` ranks (call inside nf.simulate(n); `config`'s
+    rules and mesh where given), and its arguments laid out (the batch split by the step)."""
     from models import llama, train
 
-    config = nf.ParallelConfig(dp_shard_size=n)
+    config = config or nf.ParallelConfig(dp_shard_size=n)
     mesh = config.build_mesh()
     pspec = nf.sharding.logical_to_mesh(llama.param_axes(cfg), config.rules)
     state = opt.init(params)

@@ -8,12 +8,11 @@ import dataclasses
 import optree
 import pytest
 import torch
-from test_fsdp import llama_case
+from test_fsdp import llama_case, llama_fsdp_step
 
 import ndfunc as nf
 from models import llama, train
 from ndfunc._src.partition.planning import repeats, solve
-from ndfunc.sharding import NamedSharding, P
 
 FSDP_BF16 = lambda: [nf.fsdp("dp_shard"), nf.mixed_precision(torch.bfloat16, torch.float32)]  # noqa: E731
 CASES = {  # mesh, remat, transforms, model, tokens a sequence
@@ -72,17 +71,9 @@ def test_a_deep_step_planned_with_three_of_its_layers_runs_to_the_one_device_res
     seen = contractions(monkeypatch)
     cfg, params, batch, opt, _ = llama_case((4, 16), vocab_size=64, dim=32, n_layers=8, ffn_dim=64)
     expected = train.make_step(cfg, opt)(params, opt.init(params), batch)
-    config = nf.ParallelConfig(dp_shard_size=2, tp_size=2)
     with nf.simulate(4):
-        mesh = config.build_mesh()
-        pspec = nf.sharding.logical_to_mesh(llama.param_axes(cfg), config.rules)
-        state = opt.init(params)
-        sspec = nf.optim.state_shardings(state, pspec)
-        put = lambda t, s: nf.device_put(t, optree.tree_map(  # noqa: E731
-            lambda q: NamedSharding(mesh, q), s, is_leaf=lambda q: isinstance(q, P)))
-        f = nf.jit(train.make_step(cfg, opt, config.rules), mesh=mesh, in_shardings=(pspec, sspec, None),
-                   out_shardings=(pspec, sspec, P()))
-        got = nf.device_get(f(put(params, pspec), put(state, sspec), batch))
+        f, args = llama_fsdp_step(cfg, params, opt, 4, [], nf.ParallelConfig(dp_shard_size=2, tp_size=2))
+        got = nf.device_get(f(*args, batch))
     assert seen[-1] is not None and seen[-1].left_out > 0
     for a, b in zip(optree.tree_leaves(got), optree.tree_leaves(expected)):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=2e-5)
