@@ -79,7 +79,8 @@ def contracted(graph: torch.fx.Graph, input_layouts: list, output_layouts: list)
     plan_of = None if graph_ is None else _plans_of(nodes, env, stand_in, place_of, layout_of, graph_)
     if plan_of is None:
         return None
-    inputs = [layout_of[n] for n in nodes if n.op == "placeholder" and env[n] in graph_.nodes]
+    alive = set(graph_.nodes)
+    inputs = [layout_of[n] for n in nodes if n.op == "placeholder" and env[n] in alive]
     outputs, output_at = _outputs_once(graph_, output_layouts)
     return Contraction(graph_, plan_of, len(nodes) - len(graph_.nodes), inputs, outputs, output_at)
 
