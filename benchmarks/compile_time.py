@@ -92,12 +92,9 @@ def timed(config: nf.ParallelConfig, mesh, params, make_step, layers: int, seq: 
     graph = program.traced.graph
     with pipeline.young_collections_only():  # as `lower` runs it: without full collections
         t0 = time.perf_counter()
-        contraction = repeats.contracted(graph, program.in_layouts, program.out_layouts)  # what the search is given
-        if contraction is None:
-            planned, ins, outs = graph, program.in_layouts, program.out_layouts
-        else:
-            planned, ins, outs = contraction.graph, contraction.input_layouts, contraction.output_layouts
-        problem = solve.Problem(planned, program.sizes, ins, outs)
+        # the problem the search is given, as lowering makes it
+        problem, contraction = solve.problem_of(graph, program.sizes, program.in_layouts, program.out_layouts)
+        planned = graph if contraction is None else contraction.graph
         t1 = time.perf_counter()
         problem.solve()
         t2 = time.perf_counter()

@@ -58,12 +58,16 @@ def test_a_deep_step_planned_with_three_of_its_layers_is_the_program_planned_who
     assert planned_once.memory_analysis() == whole.memory_analysis()
 
 
-def test_the_program_planned_does_not_grow_with_depth(monkeypatch):
+def test_the_program_planned_does_not_grow_with_depth_and_each_of_its_nodes_is_planned_for(monkeypatch):
     seen = contractions(monkeypatch)
     sizes = {}
     for n_layers in (8, 12):
         lowered("4d", n_layers)
-        sizes[n_layers] = len(seen[-1].graph.nodes)
+        contraction = seen[-1]
+        sizes[n_layers] = len(contraction.graph.nodes)
+        # every node planned is some node's plan: none priced for a reader the program does not have
+        taken = set(contraction.plan_of.values())
+        assert [n for n in contraction.graph.nodes if n.op == "call_function" and n not in taken] == []
     assert sizes[8] == sizes[12]
 
 

@@ -57,8 +57,9 @@ PER_CALL: dict[str, Callable[[Any], Any]] = {}
 TENSOR = object()  # a template's tensor output among its output leaves (a layer may return None: Falcon's)
 
 # Each copied node's meta[CALL]: (the template or backward variant it copies, 0 in its forward or
-# 1 in its backward, the call, its place among the nodes copied), so a call's nodes, forward and backward, are known as one repeat of the
-# others of its template (the partitioner plans alike calls once: `planning/repeats.py`).
+# 1 in its backward, the call, its place among the nodes copied), so that a call's nodes, forward
+# and backward, are known as one repeat of its template's other calls (the partitioner plans a
+# chain of alike calls once: `planning/repeats.py`).
 CALL = "ndfunc_call"
 _UIDS = itertools.count()
 _CALLS = itertools.count()

@@ -284,7 +284,7 @@ def solve(problem, time_limit: float = 60.0, gap: float = 1e-6, start: list[int]
         if settled is not None:
             choice, cost, bound = settled
             return Exact(choice, cost, bound if open_ is None else -np.inf, True, n, time.perf_counter() - began)
-    highs = _highs(cols, rows, time_limit, gap)
+    highs = _highs(cols, rows, max(time_limit - (time.perf_counter() - began), 0.0), gap)
     if not presolve:
         highs.setOptionValue("presolve", "off")
     if start is not None:

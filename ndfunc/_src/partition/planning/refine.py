@@ -84,7 +84,7 @@ def _open_along(problem, choice: list, axis: int) -> list[list[int]]:
     first among them)."""
     ids: dict = {}  # a layout along the other axes -> an id of it
     apart = [ids.setdefault(_without(lay, axis), len(ids)) for lay in problem.layouts]
-    split = [isinstance(lay[axis], Shard) for lay in problem.layouts]  # (the other axes split alike)
+    split = [isinstance(lay[axis], Shard) for lay in problem.layouts]  # split along `axis`, per layout id
     key = lambda lays: tuple(None if lay is None else apart[lay] for lay in lays)  # noqa: E731
     splits = lambda lays: [lay is not None and split[lay] for lay in lays]  # noqa: E731
     seen: dict = {}  # (id(candidate list), chosen) -> the open candidates: identical layers ask once

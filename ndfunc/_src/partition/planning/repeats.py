@@ -1,21 +1,23 @@
-"""A repeated layer planned once: the program planned with three of its calls.
+"""A repeated layer planned once: the program planned with three calls of a chain.
 
 The tracer copies a repeated region's template at every call (`stamp`) and marks each copied
 node with its call and its place in the template (`stamp.CALL`). Calls of one template that read
 alike things from outside (inputs laid out alike, the same places of other calls, the same ops
-between) and that follow one another (each reads what the one before made: a decoder layer's
-calls) are a chain. Where a chain has `MIN_CALLS` calls or more, the program is planned with only
-its first, second and last (`contracted`):
-- what read a call left out reads the same place of the latest call kept before it (the last
-  layer reads the second's output; in backward, the second reads the last's gradient);
-- the ops and other calls that then compute what a kept one does, up to which input of the same
-  layout they read (AdamW's update of each left-out layer's weight, the cast of its gradient),
-  are that one.
-The plan is then given to every node (`expanded`): a call left out takes its second call's, and an
-op between calls takes that of the op that computes what it does with every call left out read as
-the second (the update of the fifth layer's weight takes the second layer's update's plan). The
-layers between the first and the last are planned as one, as `jax.lax.scan` compiles one body,
-and the search grows with a program's distinct layers, not with its depth.
+between) and that each read what the one before made are a chain: a decoder's layers but its
+first and last, which read the embedding and the head's gradient. Where a chain has `MIN_CALLS`
+calls or more, the program is planned with only its first, second and last (`contracted`), so a
+decoder with 8 layers or more with five of them:
+- what read a call left out reads the same place of its chain's second call where that comes
+  before the reader, else of the latest kept call before it (the chain's last call reads the
+  second's output; in backward, the second reads the last's gradient);
+- an op, or another region's call, that then computes what one made before it does, up to which
+  input of the same layout it reads (AdamW's update of each left-out layer's weight, the cast of
+  its gradient), is that one.
+The plan is then given to every node (`expanded`): a call left out takes its second call's, an op
+made one with another that one's, and an op the contracted program no longer needs that of the
+first op computing what it does. The layers between the first and the last of the chain are
+planned as one, as `jax.lax.scan` compiles one body, and the search grows with a program's
+distinct layers, not with its depth.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ class Contraction:
 
     graph: torch.fx.Graph
     plan_of: dict  # a node of the full program -> the node of `graph` whose strategy it takes
+    source: dict  # a node of `graph` -> the node of the full program it was made from
     left_out: int  # how many of the full program's nodes `graph` does not have
     input_layouts: list  # of `graph`'s inputs (those the full program's read only where left out are not)
     output_layouts: list  # of `graph`'s outputs (each value and layout requested once)
@@ -54,7 +57,7 @@ def contracted(graph: torch.fx.Graph, input_layouts: list, output_layouts: list)
     at = {n: i for i, n in enumerate(nodes)}
     calls = _calls(nodes)
     layout_of = dict(zip([n for n in nodes if n.op == "placeholder"], input_layouts))
-    described = _described(nodes, layout_of)
+    described = _described(nodes, layout_of, {n: key for places in calls.values() for key, n in places.items()})
     groups: dict = {}
     for call, places in calls.items():
         groups.setdefault(_signature(places, described), []).append(call)
@@ -63,7 +66,7 @@ def contracted(graph: torch.fx.Graph, input_layouts: list, output_layouts: list)
     place_of: dict = {}  # a node of a chain -> (chain, place)
     for chain, members in groups.items():
         members.sort(key=lambda c: min(at[n] for n in calls[c].values()))
-        if len(members) < MIN_CALLS or not _follows(calls[members[2]], calls[members[1]]):
+        if len(members) < MIN_CALLS or not all(_follows(calls[b], calls[a]) for a, b in zip(members, members[1:])):
             continue
         second = calls[members[1]]
         for i, call in enumerate(members):
@@ -75,20 +78,23 @@ def contracted(graph: torch.fx.Graph, input_layouts: list, output_layouts: list)
                     kept_at.setdefault((chain, place), []).append(node)
     if not stand_in:
         return None
-    graph_, env = _built(nodes, at, stand_in, place_of, kept_at, layout_of)
+    for kept in kept_at.values():
+        kept.sort(key=at.__getitem__)
+    graph_, env, source = _built(nodes, at, stand_in, place_of, kept_at, layout_of)
     plan_of = None if graph_ is None else _plans_of(nodes, env, stand_in, place_of, layout_of, graph_)
     if plan_of is None:
         return None
     alive = set(graph_.nodes)
     inputs = [layout_of[n] for n in nodes if n.op == "placeholder" and env[n] in alive]
     outputs, output_at = _outputs_once(graph_, output_layouts)
-    return Contraction(graph_, plan_of, len(nodes) - len(graph_.nodes), inputs, outputs, output_at)
+    return Contraction(graph_, plan_of, source, len(nodes) - len(graph_.nodes), inputs, outputs, output_at)
 
 
 def expanded(contraction: Contraction, plan: Plan, graph: torch.fx.Graph) -> Plan:
     """`plan` (of `contraction.graph`) as a plan of the full `graph`: every node the strategy of
     where it finds its plan, every output leaf its final layout."""
-    strategy = {node: plan.strategy[kept] for node, kept in contraction.plan_of.items() if kept in plan.strategy}
+    strategy = {node: plan.strategy[kept] for node, kept in contraction.plan_of.items()
+                if kept in plan.strategy}  # (a tuple's `getitem` has none: its producer's says)
     output = next(iter(graph.find_nodes(op="output")))
     outputs = [(value_of(a), plan.outputs[i][1]) for a, i in zip(output.args[0], contraction.output_at)]
     return Plan(plan.sizes, strategy, outputs, plan.cost)
@@ -111,18 +117,18 @@ def _calls(nodes: list) -> dict:
     return calls
 
 
-def _described(nodes: list, layout_of: dict) -> dict:
+def _described(nodes: list, layout_of: dict, place: dict) -> dict:
     """node -> what it is, as an id equal for nodes alike in every call: an input, by its layout; a
-    call's node, by its place; an op between calls, by its op, shape and what it reads, so that
-    the cast of one layer's gradient of a weight and of another layer's of the same weight are
-    alike, and not the cast of another weight's."""
+    call's node, by its place (`place`: `_calls`' key, less the call); an op between calls, by its
+    op, shape and what it reads, so that the cast of one layer's gradient of a weight and of
+    another layer's of the same weight are alike, and not the cast of another weight's."""
     ids: dict = {}
     described: dict = {}
     for node in nodes:
         if node.op == "placeholder":
             what = ("input", layout_of.get(node), _shape(node))
-        elif (mark := node.meta.get(CALL)) is not None and node.op == "call_function":
-            what = ("call", mark[0], mark[1], mark[3])
+        elif node in place:
+            what = ("call", place[node])
         else:
             what = (node.op, node.target, _shape(node), tuple(described[a] for a in node.all_input_nodes))
         described[node] = ids.setdefault(what, len(ids))
@@ -150,14 +156,17 @@ def _follows(call: dict, before: dict, depth: int = 4) -> bool:
 
 
 def _built(nodes: list, at: dict, stand_in: dict, place_of: dict, kept_at: dict,
-           layout_of: dict) -> tuple[torch.fx.Graph | None, dict]:
-    """The contracted graph, and each full program's node's node in it: the nodes left out skipped,
-    what read them reading the latest kept node of their place before the reader, and an op that
-    so reads what a node made before computes (an input of the same layout for another) that one.
+           layout_of: dict) -> tuple[torch.fx.Graph | None, dict, dict]:
+    """The contracted graph, each full program's node's node in it, and what each of its nodes was
+    made from: the nodes left out skipped,
+    what read them reading their stand-in where it comes before the reader, else the latest kept
+    node of their place before it, and an op that so reads what a node made before computes (an
+    input of the same layout for another) that one.
     Ops left with no reader are dropped (the update of a left-out layer's weight, made one with
     another's, leaves the scaling of its state read by none)."""
     graph = torch.fx.Graph()
     env: dict = {}
+    source: dict = {}  # a node of `graph` -> the node it was made from
     ids: dict = {}  # what a node of `graph` computes -> an id
     id_of: dict = {}  # a node of `graph` -> the id of what it computes
     same: dict = {}  # an id -> the first node of `graph` that computes it
@@ -166,6 +175,8 @@ def _built(nodes: list, at: dict, stand_in: dict, place_of: dict, kept_at: dict,
     def read(a, reader):
         if a not in stand_in:
             return env[a]
+        if at[stand_in[a]] < at[reader]:
+            return env[stand_in[a]]
         before = [k for k in kept_at[place_of[a]] if at[k] < at[reader]]
         if not before:
             raise _NotAlike
@@ -178,7 +189,7 @@ def _built(nodes: list, at: dict, stand_in: dict, place_of: dict, kept_at: dict,
             args = map_arg(node.args, lambda a, reader=node: read(a, reader))
             kwargs = map_arg(node.kwargs, lambda a, reader=node: read(a, reader))
         except _NotAlike:
-            return None, env
+            return None, env, {}
         if node.op == "placeholder":
             what = ("input", layout_of[node], _shape(node))
         elif node.op == "call_function" and node not in place_of:
@@ -195,13 +206,14 @@ def _built(nodes: list, at: dict, stand_in: dict, place_of: dict, kept_at: dict,
                 continue
         new = env[node] = graph.create_node(node.op, node.target, args, kwargs, name=node.name)
         new.meta = dict(node.meta)
+        source[new] = node
         id_of[new] = ids.setdefault(what, len(ids))
         same.setdefault(id_of[new], new)
-    made = {new: node for node, new in env.items()}
     for new in reversed(list(graph.nodes)):  # (an op the full program reads nothing of stays: a write)
-        if new.op in ("call_function", "placeholder") and not new.users and made[new].users:
+        if new.op in ("call_function", "placeholder") and not new.users and source[new].users:
             graph.erase_node(new)
-    return graph, env
+            del source[new]
+    return graph, env, source
 
 
 def _outputs_once(graph: torch.fx.Graph, layouts: list) -> tuple[list, list]:
@@ -224,15 +236,13 @@ def _outputs_once(graph: torch.fx.Graph, layouts: list) -> tuple[list, list]:
 
 def _plans_of(nodes: list, env: dict, stand_in: dict, place_of: dict, layout_of: dict, graph) -> dict | None:
     """Where each node of the full program takes its plan in the contracted one (`expanded`): a
-    chain's node left out, its stand-in's; a node that reads one left out (at any remove) or that
-    the contracted program dropped, that of the first node reading none that computes what it
-    does with every node left out read as its stand-in; any other node, its own. None where some
-    node finds none."""
+    chain's node left out, its stand-in's; a node there, or made one with a node there, that
+    node's; a node the contracted program no longer reads, that of the first node there computing
+    what it does with every node left out read as its stand-in. None where some node finds none."""
     alive = set(graph.nodes)
     ids: dict = {}
     id_of: dict = {}
-    moved: set = set()
-    first: dict = {}  # an id -> the first node that computes it, reads no node left out and is kept
+    first: dict = {}  # an id -> the first node there that computes it
     for node in nodes:
         if node.op == "output":
             continue
@@ -244,20 +254,18 @@ def _plans_of(nodes: list, env: dict, stand_in: dict, place_of: dict, layout_of:
             shown = lambda a: ("value", id_of[a])  # noqa: E731
             what = (node.target, _shape(node), repr(map_arg(node.args, shown)), repr(map_arg(node.kwargs, shown)))
         id_of[node] = ids.setdefault(what, len(ids))
-        if node not in place_of and any(a in stand_in or a in moved for a in node.all_input_nodes):
-            moved.add(node)
-        elif node not in stand_in and env[node] in alive:
+        if node not in stand_in and env[node] in alive:
             first.setdefault(id_of[node], node)
     plan_of = {}
     for node in nodes:
         if node.op == "output":
             continue
         own = env[stand_in.get(node, node)]
-        if node in moved or own not in alive:
+        if own not in alive:
             twin = first.get(id_of[node])
-            own = None if twin is None else env[twin]
-        if own is None or own not in alive:
-            return None
+            if twin is None:
+                return None
+            own = env[twin]
         plan_of[node] = own
     return plan_of
 

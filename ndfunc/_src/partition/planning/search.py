@@ -40,7 +40,7 @@ class Plan:
     sizes: tuple[int, ...]
     strategy: dict  # node -> Strategy
     outputs: list  # per graph output leaf: (Value, final layout)
-    cost: float
+    cost: float  # by the cost model, of the program planned (a chain's left-out calls not in it: `repeats`)
     whole: list = dataclasses.field(default_factory=list)  # nodes that run whole for want of a rule (`ops.runs_whole`)
     bound: float | None = None  # a proven lower bound on any plan's cost (`exact`); None: none sought
     choice: list | None = None  # the candidate taken per node, by the problem's numbering

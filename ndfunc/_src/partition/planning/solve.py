@@ -190,15 +190,30 @@ def exact_settings() -> tuple[int, float]:
 
 def _repeats_planned(graph: torch.fx.Graph, sizes, input_layouts, output_layouts, signatures: dict,
                      prices) -> Plan:
-    """`_planned` of the graph, or of it with its alike calls but three left out where it has many
-    (`repeats`), expanded to every node."""
+    """`_planned` of the problem `graph` is planned as (`problem_of`), expanded to every node."""
+    problem, contraction = problem_of(graph, sizes, input_layouts, output_layouts, signatures, prices)
+    plan = _planned(problem)
+    return plan if contraction is None else repeats.expanded(contraction, plan, graph)
+
+
+def problem_of(graph: torch.fx.Graph, sizes, input_layouts, output_layouts, signatures: dict | None = None,
+               prices=None) -> tuple[Problem, repeats.Contraction | None]:
+    """The problem the search is given for `graph`: of the graph, or of it with a chain of alike
+    calls planned through three of them (`repeats`), and that contraction (None: none). A
+    contraction that would give a node the plan of one whose candidates are another's (another
+    op signature: a mark some layers' nodes have) is not made."""
+    signatures = signatures or {}
     contraction = repeats.contracted(graph, input_layouts, output_layouts)
+    if contraction is not None:
+        key = lambda n: signatures[n] if n in signatures else strategy_key(n)[0]  # noqa: E731
+        if any(n.op == "call_function" and key(n) != key(contraction.source[kept])
+               for n, kept in contraction.plan_of.items()):
+            contraction = None
     if contraction is None:
-        return _planned(Problem(graph, sizes, input_layouts, output_layouts, signatures, prices))
-    kept = {contraction.plan_of[n]: key for n, key in signatures.items()}
-    plan = _planned(Problem(contraction.graph, sizes, contraction.input_layouts, contraction.output_layouts, kept,
-                            prices))
-    return repeats.expanded(contraction, plan, graph)
+        return Problem(graph, sizes, input_layouts, output_layouts, signatures, prices), None
+    own = {new: signatures[n] for new, n in contraction.source.items() if n in signatures}
+    return Problem(contraction.graph, sizes, contraction.input_layouts, contraction.output_layouts, own,
+                   prices), contraction
 
 
 def _planned(problem: Problem) -> Plan:
