@@ -235,17 +235,18 @@ def _frees_something(gm, cuts: list, index: dict, module: dict, gathers: list, k
     layer = {id(g): g.layer(module) for g in gathers}
     # first reads in program order: each gather's, and each second use's (a gather again)
     entries = [(min(g.value.users, key=index.__getitem__), layer[id(g)]) for g in gathers if g.value.users]
-    entries += [(cut, g.layer(module)) for g, cut in cuts]
+    cut_layers = [g.layer(module) for g, _ in cuts]  # (asked once: each walks the parameter's views)
+    entries += [(cut, mine) for (_, cut), mine in zip(cuts, cut_layers)]
     anchors = {}  # second use -> the first read where its layer's gathers would be issued
     for i, run in enumerate(runs := _runs(entries, index)):
         for read, _ in run:
             anchors[read] = runs[max(i - k, 0)][0][0]
-    firsts = _all_first_reads(gm, index, module) + [(index[cut], g.layer(module)) for g, cut in cuts]
+    firsts = _all_first_reads(gm, index, module) + [(index[cut], mine) for (_, cut), mine in zip(cuts, cut_layers)]
     worth = []
-    for g, cut in cuts:
+    for (g, cut), mine in zip(cuts, cut_layers):
         issued = anchors[cut] if index[anchors[cut]] < index[cut] else cut
         freed = max(index[u] for u in g.value.users if index[u] < index[cut])
-        worth.append(any(other != g.layer(module) and freed < i < index[issued] for i, other in firsts))
+        worth.append(any(other != mine and freed < i < index[issued] for i, other in firsts))
     return worth
 
 
