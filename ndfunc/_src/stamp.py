@@ -84,7 +84,7 @@ class Template:
     differentiable: list = dataclasses.field(default_factory=list)  # per tensor output: made from a differentiated input
     saved: tuple = ((), ())  # which inputs and outputs its backward reads (as autograd saves them)
     variants: dict = dataclasses.field(default_factory=dict)  # gradient strides -> the backward traced for them
-    pending: tuple | None = None  # the forward being copied: (its nodes, the call), for `_Stamped.setup_context`
+    pending: tuple | None = None  # the forward being copied: (its nodes, its call), for `setup_context`
     uid: int = dataclasses.field(default_factory=lambda: next(_UIDS))
 
 
