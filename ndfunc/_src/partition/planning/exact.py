@@ -284,9 +284,7 @@ def solve(problem, time_limit: float = 60.0, gap: float = 1e-6, start: list[int]
         if settled is not None:
             choice, cost, bound = settled
             return Exact(choice, cost, bound if open_ is None else -np.inf, True, n, time.perf_counter() - began)
-    highs = _highs(cols, rows, max(time_limit - (time.perf_counter() - began), 0.0), gap)
-    if not presolve:
-        highs.setOptionValue("presolve", "off")
+    highs = _highs(cols, rows, max(time_limit - (time.perf_counter() - began), 0.0), gap, presolve)
     if start is not None:
         picked = [(col, float(candidate(node, i) == start[node])) for node, cs in enumerate(x) if cs is not None
                   for i, col in enumerate(cs)]
@@ -310,10 +308,8 @@ def _relaxed(problem, cols, rows, x, constant, candidate, time_limit, gap, start
     """The linear relaxation's answer where it settles the integer program (`solve`'s
     `relaxation_first`): (choice, cost, bound), `start` itself where no choice is `gap` cheaper;
     None where the integer program must be solved."""
-    highs = _highs(cols, rows, time_limit, gap)
+    highs = _highs(cols, rows, time_limit, gap, presolve)
     highs.setOptionValue("solve_relaxation", True)
-    if not presolve:
-        highs.setOptionValue("presolve", "off")
     highs.run()
     if highs.getModelStatus() != highspy.HighsModelStatus.kOptimal:
         return None
@@ -361,8 +357,9 @@ _MAKING = threading.Lock()
 _BANNER_SHOWN = False
 
 
-def _highs(cols: _Columns, rows: _Rows, time_limit: float, gap: float):
-    """A HiGHS instance holding the model, quiet, stopping at `time_limit` or `gap`."""
+def _highs(cols: _Columns, rows: _Rows, time_limit: float, gap: float, presolve: bool = True):
+    """A HiGHS instance holding the model, quiet, stopping at `time_limit` or `gap`, its presolve
+    on or off."""
     col_of = np.array(rows.cols, dtype=np.int64)
     by_column = np.lexsort((np.array(rows.rows), col_of))  # column-wise, as HiGHS reads it
     start = np.concatenate([[0], np.cumsum(np.bincount(col_of, minlength=len(cols.c)))])
@@ -384,6 +381,8 @@ def _highs(cols: _Columns, rows: _Rows, time_limit: float, gap: float):
     highs.setOptionValue("time_limit", float(time_limit))
     highs.setOptionValue("mip_rel_gap", float(gap))
     highs.setOptionValue("threads", 1)
+    if not presolve:
+        highs.setOptionValue("presolve", "off")
     highs.passModel(lp)
     return highs
 

@@ -30,9 +30,9 @@ from ndfunc._src.partition.planning import exact
 ROUNDS = 3  # over every axis; the plans measured stop improving after one or two
 
 # `NDFUNC_REFINE_VARIABLES=N`: an axis is solved where its integer program has at most N variables
-# (a one-layer tiny Llama's 4D step has about 10,000 an axis, a 32-layer one 25 times that). 0, the
-# default, leaves the search's plan: the time goes to every layer until a layer is planned once, and
-# the suite's toy plans would change (docs/planning.md)
+# (a one-layer tiny Llama's 4D step has about 10,000 an axis; a deep step is refined as the program
+# its search is given, a few layers: `repeats`). 0, the default, leaves the search's plan: every
+# lowering would pay for it, and it does not yet reach the optimum everywhere (docs/planning.md)
 VARIABLES = 0
 
 # ... in at most this many seconds in all

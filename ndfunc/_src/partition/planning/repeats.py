@@ -126,7 +126,7 @@ def _described(nodes: list, layout_of: dict, place: dict) -> dict:
     described: dict = {}
     for node in nodes:
         if node.op == "placeholder":
-            what = ("input", layout_of.get(node), _shape(node))
+            what = _input(node, layout_of.get(node))
         elif node in place:
             what = ("call", place[node])
         else:
@@ -191,10 +191,10 @@ def _built(nodes: list, at: dict, stand_in: dict, place_of: dict, kept_at: dict,
         except _NotAlike:
             return None, env, {}
         if node.op == "placeholder":
-            what = ("input", layout_of[node], _shape(node))
+            what = _input(node, layout_of[node])
         elif node.op == "call_function" and node not in place_of:
             shown = lambda a: id_of[a]  # noqa: E731
-            what = (node.target, _shape(node), repr(map_arg(args, shown)), repr(map_arg(kwargs, shown)))
+            what = _computes(node, args, kwargs, shown)
         else:
             what = ("node", node.name)
         if node.op == "call_function" and node not in place_of and \
@@ -249,10 +249,10 @@ def _plans_of(nodes: list, env: dict, stand_in: dict, place_of: dict, layout_of:
         if node in place_of:
             what = ("node", stand_in.get(node, node).name)
         elif node.op == "placeholder":
-            what = ("input", layout_of[node], _shape(node))
+            what = _input(node, layout_of[node])
         else:
             shown = lambda a: ("value", id_of[a])  # noqa: E731
-            what = (node.target, _shape(node), repr(map_arg(node.args, shown)), repr(map_arg(node.kwargs, shown)))
+            what = _computes(node, node.args, node.kwargs, shown)
         id_of[node] = ids.setdefault(what, len(ids))
         if node not in stand_in and env[node] in alive:
             first.setdefault(id_of[node], node)
@@ -268,6 +268,17 @@ def _plans_of(nodes: list, env: dict, stand_in: dict, place_of: dict, layout_of:
             own = env[twin]
         plan_of[node] = own
     return plan_of
+
+
+def _input(node: torch.fx.Node, layout) -> tuple:
+    """What an input is, to tell alike ones: its layout and shape (not which it is)."""
+    return "input", layout, _shape(node)
+
+
+def _computes(node: torch.fx.Node, args, kwargs, shown) -> tuple:
+    """What `node` computes with `args` and `kwargs` for its arguments, each node among them as
+    `shown` tells it: its op, its shape and them."""
+    return node.target, _shape(node), repr(map_arg(args, shown)), repr(map_arg(kwargs, shown))
 
 
 def _shape(node: torch.fx.Node) -> tuple | None:
