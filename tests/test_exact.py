@@ -8,13 +8,14 @@ import dataclasses
 import itertools
 import math
 
+import numpy as np
 import optree
 import pytest
 import torch
 
 import ndfunc as nf
 from models import llama, train
-from ndfunc._src.partition.planning import exact, solve
+from ndfunc._src.partition.planning import exact, memory, solve
 from ndfunc.sharding import P
 
 
@@ -69,6 +70,30 @@ def test_the_exact_optimum_is_the_least_cost_of_every_plan(name):
     assert found.optimal
     assert found.cost == pytest.approx(expected, rel=1e-9)
     assert found.bound <= expected * (1 + 1e-9)
+
+
+@pytest.mark.parametrize("name", ["two axes", "shared value on tp"])
+def test_the_exact_optimum_within_a_memory_bound_is_the_least_cost_of_every_plan_within_it(name):
+    # bounded where some plan holds less than the unbounded optimum does: HiGHS bounds memory at
+    # the points its answers hold too much (`exact.solve`), and must end at the least-cost plan
+    # of those that hold within everywhere
+    fn, axes, ins, outs, shapes = CASES[name]
+    args = [torch.randn(*s) for s in shapes]
+    problem = problem_of(fn, axes, ins, outs, *args)
+    if problem._late:
+        problem._admit(problem._late)
+        problem._late = []
+    plans = list(every_plan(problem))
+    held = np.array([memory.profile(problem, c) for c in plans])
+    costs = np.array([problem.total(c) for c in plans])
+    unbounded = held[np.argmin(costs)]
+    point = next(r for r in range(len(unbounded)) if held[:, r].min() < unbounded[r])
+    budget = np.full(len(unbounded), np.inf)
+    budget[point] = unbounded[point] - 1
+    within = np.all(held <= budget, axis=1)
+    found = exact.solve(problem_of(fn, axes, ins, outs, *args), memory=budget)
+    assert found.optimal and not np.any(memory.profile(problem, found.choice) > budget)
+    assert found.cost == pytest.approx(costs[within].min(), rel=1e-9)
 
 
 def test_a_start_is_kept_where_no_plan_is_cheaper():

@@ -13,6 +13,9 @@ cost), written as a mixed-integer linear program:
   their choices: the tight "transportation" form); for a value read by many, `z >= made(a) +
   d(b) - 1`.
 
+- where memory is bounded (`solve`'s `memory`), a row per point of the program keeping the bytes
+  held there within its bound (`memory.rows`), added only at the points an answer overflowed.
+
 HiGHS proves its answer optimal, or, stopped at a time limit, returns its best plan and a lower
 bound on every plan's cost (`Exact.bound`): a plan's gap to that bound is a certificate of how far
 from optimal it can be.
@@ -29,6 +32,7 @@ import time
 import highspy
 import numpy as np
 
+from ndfunc._src.partition.planning import memory as held
 from ndfunc._src.partition.planning.costs import _Choice
 
 
@@ -85,11 +89,13 @@ class _Rows:
         self.upper.append(upper)
 
 
-def _model(problem, open_: list | None = None):
+def _model(problem, open_: list | None = None, memory: dict | None = None, price: float = 0.0):
     """Variables and rows for `problem` (late candidates admitted: every candidate at its work).
     `open_`: per node, the candidates it may take (None: all); a node with one is held there, and
     a value no open node makes or reads is left out (its cost is then not in `constant`).
-    Returns (columns, rows, x: node -> open candidate -> column, or None where the node is held,
+    `memory`: per point of the program, the most bytes per rank it may hold (`memory.rows`; or,
+    at a `price` per byte, those bytes priced). Returns
+    (columns, rows, x: node -> open candidate -> column, or None where the node is held,
     constant: cost that no choice changes)."""
     cols, rows = _Columns(), _Rows()
     x: list[list[int] | None] = []
@@ -111,6 +117,11 @@ def _model(problem, open_: list | None = None):
     if open_ is not None:
         values = sorted({v for n, cs in enumerate(x) if cs is not None
                          for v in (*problem.inputs[n], *problem.out_values(n))})
+    if memory:  # every value's layouts, those of values no open node touches held
+        made_by = {v: _by_layout(lays(n, problem.c_outs, j), x[n]) for v, (n, j) in enumerate(problem.values)}
+        read_by = {v: [_by_layout(lays(m, problem.c_ins, slot), x[m]) for m, slot in problem.consumers[v]]
+                   for v in range(len(problem.values))}
+        held.rows(problem, cols, rows, made_by, read_by, memory, price)
     for v in values:
         n, j = problem.values[v]
         made = _by_layout(lays(n, problem.c_outs, j), x[n])
@@ -258,7 +269,8 @@ def size(problem, open_: list | None = None) -> int:
 
 
 def solve(problem, time_limit: float = 60.0, gap: float = 1e-6, start: list[int] | None = None,
-          open_: list | None = None, presolve: bool = True, relaxation_first: bool = False) -> Exact:
+          open_: list | None = None, presolve: bool = True, relaxation_first: bool = False,
+          memory: np.ndarray | None = None) -> Exact:
     """The least-cost choice of `problem` (a `solve.Problem`; its late candidates are admitted),
     proven within `gap` of optimal, or HiGHS's best and its bound after `time_limit` seconds.
     `start`: a choice to begin from (the search's), so HiGHS prunes against it from the first node.
@@ -266,12 +278,44 @@ def solve(problem, time_limit: float = 60.0, gap: float = 1e-6, start: list[int]
     then sought (-inf). `presolve`: HiGHS's, which pays on a whole program, not on one axis's few
     candidates a node (`refine`). `relaxation_first`: the linear relaxation solved first, which is
     all where it proves `start` within `gap` of optimal or where its optimum is integral (so, on
-    one axis's candidates, nearly always: a quarter of the integer program's time)."""
+    one axis's candidates, nearly always: a quarter of the integer program's time).
+
+    `memory`: per point of the program (`memory.spans(problem).points`), the most bytes per rank
+    it may hold (None: no bound; `start` must hold within). Solved without it, then bounded at the
+    points where the answer holds more, and solved again, until an answer holds within: each
+    answer's cost, of a program bounded at fewer points, is a lower bound, so the last is optimal
+    (a row at every point makes a knapsack of what is nearly a network problem)."""
+    began = time.perf_counter()
+    limits: dict = {}
+    while True:
+        left = time_limit - (time.perf_counter() - began)
+        found = _solve(problem, limits, max(left, 0.0), gap, start, open_, presolve, relaxation_first)
+        if memory is None or found.choice is None:
+            return found
+        over = np.flatnonzero(held.profile(problem, found.choice) > memory)
+        if not len(over):
+            return dataclasses.replace(found, seconds=time.perf_counter() - began)
+        if time.perf_counter() - began >= time_limit:
+            return Exact(None, np.inf, found.bound, False, found.variables, time.perf_counter() - began)
+        limits.update((int(r), float(memory[r])) for r in over)
+
+
+def priced(problem, points, price: float, time_limit: float, gap: float, start: list[int], open_: list) -> Exact:
+    """`solve` (one axis's: `open_`, the relaxation first, no presolve) with the bytes held at
+    `points` (indices of `memory.spans(problem).points`) priced at `price` each: a Lagrangian
+    relaxation of bounding them (`refine`). Its cost is `Problem.total`'s, the price left out."""
+    return _solve(problem, dict.fromkeys(points, 0.0), time_limit, gap, start, open_, False, True, price)
+
+
+def _solve(problem, limits: dict, time_limit: float, gap: float, start: list[int] | None, open_: list | None,
+           presolve: bool, relaxation_first: bool, price: float = 0.0) -> Exact:
+    """`solve` with the points in `limits` (an index of `memory.spans(problem).points` -> the
+    most bytes per rank it may hold) bounded, or priced at `price` a byte (`priced`)."""
     began = time.perf_counter()
     if problem._late:
         problem._admit(problem._late)
         problem._late = []
-    cols, rows, x, constant = _model(problem, open_)
+    cols, rows, x, constant = _model(problem, open_, limits, price)
     n = len(cols.c)
     opens = open_ or [None] * len(problem.nodes)
     candidate = lambda node, i: i if opens[node] is None else opens[node][i]  # noqa: E731 - position -> candidate
@@ -280,7 +324,9 @@ def solve(problem, time_limit: float = 60.0, gap: float = 1e-6, start: list[int]
         cost = problem.total(choice)
         return Exact(choice, cost, cost if open_ is None else -np.inf, True, 0, time.perf_counter() - began)
     if relaxation_first:
-        settled = _relaxed(problem, cols, rows, x, constant, candidate, time_limit, gap, start, presolve)
+        # (`start`'s cost is its objective only where nothing is priced beyond `Problem.total`)
+        settled = _relaxed(problem, cols, rows, x, constant, candidate, time_limit, gap,
+                           None if price else start, presolve)
         if settled is not None:
             choice, cost, bound = settled
             return Exact(choice, cost, bound if open_ is None else -np.inf, True, n, time.perf_counter() - began)
