@@ -6,10 +6,12 @@
 For the llama train step of `models.train` (the tiny config, or `small`'s dims with an 8,192-token
 vocabulary; `--layers` layers, 8 simulated ranks, shape-only as `models.train.lower_abstract` lowers it) on each layout: the search's plan cost (`Problem.solve`, no exact step), HiGHS's plan and
 the lower bound it proved (`planning/exact.py`, started from the search's plan, stopped after
-`--seconds`), the search's gap to that bound, the integer program's size, and both times. A gap
-of 0.0% with "optimal" is a certificate: no plan is cheaper by the cost model. Then the search's
-plan refined one mesh axis at a time (`planning/refine.py`, what `NDFUNC_REFINE_VARIABLES` turns
-on): its gap to the same bound and its time.
+`--seconds`), the search's gap to that bound, the integer program's size, and both times. The
+exact plans are those that at no point of the program hold more bytes per rank than the search's
+plan (`planning/memory.py`): a gap of 0.0% with "proven" is a certificate that no such plan is
+cheaper by the cost model. Then the search's plan refined one mesh axis at a time
+(`planning/refine.py`, what `NDFUNC_REFINE_VARIABLES` turns on): its gap to the same bound and
+its time.
 """
 
 from __future__ import annotations
@@ -77,7 +79,9 @@ def main() -> None:
         refined = problem.total(exact._chosen(problem, refine.refine(problem, searched.choice, 1_000_000,
                                                                       args.seconds)))
         refine_s = time.perf_counter() - began
-        found = exact.solve(problem, time_limit=args.seconds, start=searched.choice)
+        # the least-cost plan that nowhere holds more than the search's (`planning/memory.py`)
+        found = exact.solve(problem, time_limit=args.seconds, start=searched.choice,
+                            memory=refine.bound(problem, searched.choice))
         print(f"{name:<9} {searched.cost:>12.1f} {found.cost:>12.1f} {found.bound:>12.1f} "
               f"{100 * found.gap(searched.cost):>7.2f}% {'yes' if found.optimal else 'no':>7} "
               f"{found.variables:>10} {search_s:>9.2f} {found.seconds:>8.1f} {100 * found.gap(refined):>7.2f}% "

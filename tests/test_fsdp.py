@@ -17,7 +17,7 @@ from ndfunc._src.partition.program import comm
 from ndfunc._src.view_ops import SAME_ELEMENTS
 from ndfunc.sharding import NamedSharding, P
 
-N_LAYERS, D, B = 4, 32, 16
+N_LAYERS, D, B = 4, 32, 128
 c10d = torch.ops._c10d_functional
 
 

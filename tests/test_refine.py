@@ -1,52 +1,68 @@
 """The search's plan refined one mesh axis at a time (`planning/refine.py`): within 1% of the
-optimum HiGHS proves where the search alone ends several percent above it, no node doing more
-work or holding a value in a larger block, and the refined plans run to the one-device results."""
+least-cost plan that nowhere holds more than the search's (HiGHS's proven optimum), where the
+search alone ends several percent above it; the programs lowered from refined plans send less and
+hold no more at their peak; and they run to the one-device results."""
 
 from __future__ import annotations
 
-import math
+import dataclasses
 
+import numpy as np
 import pytest
 import torch
-from torch.distributed.tensor import Shard
 from test_exact import RUN, llama_problem, planned_and_run
 from test_simulation import batchnorm_case, run_batchnorm
 
 import ndfunc as nf
-from ndfunc._src.partition.planning import exact, refine, solve
+from models import llama, train
+from ndfunc._src.partition.planning import exact, memory, refine, solve
 
 
-def test_refined_by_axis_the_plan_ends_within_one_percent_of_the_optimum():
-    # cp: the search gathers a layer's input over cp for q, k and v, 5.96% above the optimum
-    problem = llama_problem((1, 1, 8, 1))
+LAYOUTS = {"dp": (8, 1, 1, 1), "fsdp": (1, 8, 1, 1), "cp": (1, 1, 8, 1), "tp": (2, 1, 1, 4),
+           "fsdp+cp": (1, 4, 2, 1), "fsdp+tp": (1, 4, 1, 2)}
+SLOW = {"tp", "fsdp+cp", "fsdp+tp"}  # HiGHS proves their optima in 10 to 80 s
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW else n for n in LAYOUTS])
+def test_refined_the_plan_is_within_one_percent_of_the_least_cost_plan_that_holds_no_more(name):
+    # the search alone ends 5.96% above it under cp and 7.59% under fsdp+tp
+    problem = llama_problem(LAYOUTS[name])
     searched = problem.solve()
-    refined = refine.refine(problem, searched.choice, max_variables=100_000, seconds=60)
-    cost = problem.total(exact._chosen(problem, refined))
-    optimum = exact.solve(llama_problem((1, 1, 8, 1)), start=refined, time_limit=120)
+    budget = refine.bound(problem, searched.choice)
+    refined = exact._chosen(problem, refine.refine(problem, searched.choice, max_variables=100_000, seconds=60))
+    optimum = exact.solve(llama_problem(LAYOUTS[name]), start=refined, time_limit=240, memory=budget)
     assert optimum.optimal
-    assert cost <= optimum.cost * 1.01 and cost <= searched.cost
-    assert searched.cost > optimum.cost * 1.01  # where the search alone is not
+    assert problem.total(refined) <= optimum.bound * 1.01 and problem.total(refined) <= searched.cost
+    assert not np.any(memory.profile(problem, refined) > budget)
 
 
-@pytest.mark.parametrize("sizes", [(1, 1, 8, 1), (1, 4, 1, 2), (1, 2, 2, 2)], ids=["cp", "fsdp+tp", "4d"])
-def test_a_refined_plan_does_no_more_work_and_holds_nothing_in_a_larger_block(sizes):
-    # the cost model leaves memory out: unrefined by these rules, fsdp+tp's plan ran its MLP
-    # Megatron's way, its input whole on every tp rank, 9.86% cheaper by the model
-    problem = llama_problem(sizes)
+@pytest.mark.parametrize("sizes", [(1, 1, 8, 1), (1, 4, 1, 2), pytest.param((2, 2, 1, 2), marks=pytest.mark.slow)],
+                         ids=["cp", "fsdp+tp", "hsdp+tp"])
+def test_a_refined_program_sends_less_and_holds_no_more_at_its_peak(sizes, monkeypatch):
+    # the lowered programs' own measures, not the partitioner's: what the collectives send and
+    # the peak that liveness over the local program finds
+    searched = lowered(sizes)
+    monkeypatch.setenv("NDFUNC_REFINE_VARIABLES", "100000")
+    refined = lowered(sizes)
+    assert refined.program.plan.cost < searched.program.plan.cost
+    sent = [p.cost_analysis()["comm_bytes"]["total"] for p in (searched, refined)]
+    peak = [p.memory_analysis().peak_memory_in_bytes for p in (searched, refined)]
+    assert sent[1] < sent[0] and peak[1] <= peak[0]
+
+
+def test_a_refined_plan_does_no_more_work_at_any_node():
+    problem = llama_problem((1, 4, 1, 2))
     searched = problem.solve()
     refined = refine.refine(problem, searched.choice, max_variables=100_000, seconds=60)
-    assert problem.total(exact._chosen(problem, refined)) <= searched.cost
-    work, ins, outs = problem.c_work, problem.c_ins, problem.c_outs
+    assert refined is not searched.choice
     for n, (i, was) in enumerate(zip(refined, searched.choice)):
-        assert work[n][i] <= work[n][was] * (1 + 1e-9)
-        for now, then in zip((*ins[n][i], *outs[n][i]), (*ins[n][was], *outs[n][was])):
-            if then is not None:
-                assert blocks(problem, now) >= blocks(problem, then), problem.nodes[n]
+        assert problem.c_work[n][i] <= problem.c_work[n][was] * (1 + 1e-9), problem.nodes[n]
 
 
-def blocks(problem, layout: int) -> int:
-    """How many blocks a value laid out so is split into."""
-    return math.prod(size for p, size in zip(problem.layouts[layout], problem.sizes) if isinstance(p, Shard))
+def lowered(sizes: tuple[int, ...]):
+    cfg = dataclasses.replace(llama.LlamaConfig.tiny(), n_layers=1)
+    return train.lower_abstract(cfg, nf.ParallelConfig(*sizes), seq_len=64, batch_per_rank=2,
+                                opt=nf.optim.adamw(1e-3, weight_decay=0.1))
 
 
 @pytest.mark.parametrize("name", list(RUN))

@@ -9,13 +9,13 @@ candidates that agrees with its current one along every other axis and does no m
 HiGHS (`exact`) finds the cheapest such plan of the whole program at once (block coordinate
 descent); rounds over the axes until none lowers the cost.
 
-No more work per node, and no input or output split less along the axis: the cost model leaves
-memory out, and at a toy's dims its optimum runs the step whole on every rank (a gathered batch
-costs less than reduced gradients), and at any dims it would gather what the search kept split to
-save memory (sequence parallelism's layer inputs, a vocabulary-parallel loss's logits, FSDP's
-weights between their uses). A plan refined keeps every split of work and of data the search
-found. (So Megatron's split of an MLP under FSDP and TP, which holds its input whole on every tp
-rank where the search splits it by the batch, is left to the search.)
+No node does more work, and no point of the program holds more bytes per rank than the search's
+plan holds there (`memory.profile`): the cost model prices time alone, and its optimum runs a
+toy's step whole on every rank (a gathered batch costs less than reduced gradients) and gathers,
+at any dims, what the search kept split to save memory (sequence parallelism's layer inputs, a
+vocabulary-parallel loss's logits, FSDP's weights between their uses). A refined plan is as fast
+or faster than the search's and nowhere holds more; `exact.solve` with the same bound finds the
+cheapest plan that holds no more, the reference a refined plan is measured against.
 """
 
 from __future__ import annotations
@@ -23,16 +23,19 @@ from __future__ import annotations
 import os
 import time
 
-from torch.distributed.tensor import Shard
+import numpy as np
 
-from ndfunc._src.partition.planning import exact
+from ndfunc._src.partition.planning import exact, memory
 
 ROUNDS = 3  # over every axis; the plans measured stop improving after one or two
+
+PRICES = 6  # solves of an axis with memory priced (`_priced`)
+
 
 # `NDFUNC_REFINE_VARIABLES=N`: an axis is solved where its integer program has at most N variables
 # (a one-layer tiny Llama's 4D step has about 10,000 an axis; a deep step is refined as the program
 # its search is given, a few layers: `repeats`). 0, the default, leaves the search's plan: every
-# lowering would pay for it, and it does not yet reach the optimum everywhere (docs/planning.md)
+# lowering would pay for it, a tenth to a second and a half (docs/planning.md)
 VARIABLES = 0
 
 # ... in at most this many seconds in all
@@ -60,6 +63,7 @@ def refine(problem, choice: list, max_variables: int, seconds: float) -> list:
     given, began = choice, time.perf_counter()
     choice = exact._chosen(problem, list(choice))  # (a plan's is a plain list)
     cost = first = problem.total(choice)
+    budget = bound(problem, choice)
     for _ in range(ROUNDS):
         improved = False
         for axis in range(len(problem.sizes)):
@@ -69,24 +73,80 @@ def refine(problem, choice: list, max_variables: int, seconds: float) -> list:
             open_ = _open_along(problem, choice, axis)
             if all(len(o) == 1 for o in open_) or exact.size(problem, open_) > max_variables:
                 continue
-            found = exact.solve(problem, time_limit=left, gap=GAP, start=choice, open_=open_, presolve=False,
-                                relaxation_first=True)
-            if found.choice is not None and found.cost < cost * (1 - 1e-9):
+            found = _within(problem, choice, open_, budget, began + seconds)
+            if found is not None and found.cost < cost * (1 - 1e-9):
                 choice, cost, improved = found.choice, found.cost, True
         if not improved:
             break
     return choice if cost < first else given
 
 
+def _within(problem, choice: list, open_: list, budget, deadline: float) -> exact.Exact | None:
+    """HiGHS's answer of `open_` (from `choice`) that is cheaper than `choice` and holds within
+    `budget` at every point, or None. Solved first without a bound on memory (one axis's program,
+    whose relaxation is nearly always integral). Where that answer holds too much somewhere:
+    the bytes held at those points priced, from the price at which its excess costs what it saves,
+    doubled until an answer holds within and halved back towards the last that did not
+    (`_priced`); then, each node keeping that answer's choice or taking the unbounded one's, the
+    cheapest plan that holds within, with memory bounded (a knapsack: over the nodes the two
+    differ at, a fraction of a second; over the axis's whole program, many seconds)."""
+    cost = problem.total(choice)
+    free = exact.solve(problem, time_limit=max(deadline - time.perf_counter(), 0.0), gap=GAP, start=choice,
+                       open_=open_, presolve=False, relaxation_first=True)
+    if free.choice is None or free.cost >= cost * (1 - 1e-9):
+        return None
+    at = memory.profile(problem, free.choice)
+    if not np.any(at > budget):
+        return free
+    found = _priced(problem, choice, open_, budget, deadline, free, at)
+    start = choice if found is None else found.choice
+    between = [[c] if c == f else [c, f] for c, f in zip(start, free.choice)]
+    crossed = exact.solve(problem, time_limit=max(deadline - time.perf_counter(), 0.0), gap=GAP, start=start,
+                          open_=between, memory=budget)
+    if crossed.choice is not None and crossed.cost < (cost if found is None else found.cost) * (1 - 1e-9):
+        return crossed
+    return found
+
+
+def _priced(problem, choice: list, open_: list, budget, deadline: float, free: exact.Exact, at) -> exact.Exact | None:
+    """The cheapest answer found, cheaper than `choice` and within `budget`, with the bytes held
+    where answers held too much priced (`_within`); `free`: the unpriced answer, holding `at`."""
+    cost, best = problem.total(choice), None
+    over = np.flatnonzero(at > budget)
+    points = set(over.tolist())
+    price = (cost - free.cost) / float(np.sum(at[over] - budget[over]))
+    low, high = 0.0, None  # a price whose answer held too much; one whose answer held within
+    for _ in range(PRICES):
+        if time.perf_counter() >= deadline:
+            break
+        found = exact.priced(problem, sorted(points), price, deadline - time.perf_counter(), GAP, choice, open_)
+        if found.choice is None or found.cost >= cost * (1 - 1e-9):
+            break
+        at = memory.profile(problem, found.choice)
+        over = np.flatnonzero(at > budget)
+        if len(over):
+            points.update(over.tolist())
+            low, price = price, 2 * price if high is None else (price + high) / 2
+            continue
+        if best is not None and found.cost >= best.cost:  # (a lower price found nothing cheaper)
+            break
+        best = found
+        high, price = price, (low + price) / 2
+    return best
+
+
+def bound(problem, choice: list):
+    """What each point of the program may hold, refining `choice`: as much as it holds there
+    (`memory.profile`), and a part in a billion, so that it is itself within."""
+    return memory.profile(problem, choice) * (1 + 1e-9) + 1.0
+
+
 def _open_along(problem, choice: list, axis: int) -> list[list[int]]:
-    """Per node, the candidates that agree with its chosen one along every mesh axis but `axis`,
-    do no more work and split along `axis` every input and output it splits there (its chosen one
-    first among them)."""
+    """Per node, the candidates that agree with its chosen one along every mesh axis but `axis`
+    and do no more work (its chosen one first among them)."""
     ids: dict = {}  # a layout along the other axes -> an id of it
     apart = [ids.setdefault(_without(lay, axis), len(ids)) for lay in problem.layouts]
-    split = [isinstance(lay[axis], Shard) for lay in problem.layouts]  # split along `axis`, per layout id
     key = lambda lays: tuple(None if lay is None else apart[lay] for lay in lays)  # noqa: E731
-    splits = lambda lays: [lay is not None and split[lay] for lay in lays]  # noqa: E731
     seen: dict = {}  # (id(candidate list), chosen) -> the open candidates: identical layers ask once
     out = []
     for n, i in enumerate(choice):
@@ -94,10 +154,9 @@ def _open_along(problem, choice: list, axis: int) -> list[list[int]]:
         memo = (id(ins), id(work), i)
         some = seen.get(memo)
         if some is None or some[0] is not ins:
-            want, most, kept = (key(ins[i]), key(outs[i])), work[i] * (1 + 1e-9), splits((*ins[i], *outs[i]))
+            want, most = (key(ins[i]), key(outs[i])), work[i] * (1 + 1e-9)
             some = seen[memo] = (ins, [i, *(k for k in range(len(ins)) if k != i and work[k] <= most
-                                           and (key(ins[k]), key(outs[k])) == want
-                                           and all(b or not a for a, b in zip(kept, splits((*ins[k], *outs[k])))))])
+                                           and (key(ins[k]), key(outs[k])) == want)])
         out.append(some[1])
     return out
 
