@@ -41,6 +41,7 @@ def test_refined_the_plan_is_within_one_percent_of_the_least_cost_plan_that_hold
 def test_a_refined_program_sends_less_and_holds_no_more_at_its_peak(sizes, monkeypatch):
     # the lowered programs' own measures, not the partitioner's: what the collectives send and
     # the peak that liveness over the local program finds
+    monkeypatch.setenv("NDFUNC_REFINE_VARIABLES", "0")
     searched = lowered(sizes)
     monkeypatch.setenv("NDFUNC_REFINE_VARIABLES", "100000")
     refined = lowered(sizes)

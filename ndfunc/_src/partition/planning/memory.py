@@ -3,7 +3,8 @@
 The cost model prices time only, and its optimum gathers whatever saves a collective: at a toy's
 dims a batch held whole, at any dims a sequence-parallel layer's input or a vocabulary-parallel
 loss's logits. So the exact solver and the refinement (`exact`, `refine`) bound memory as XLA's
-auto-sharding does, by a per-rank budget on the bytes live at each point of the program:
+auto-sharding does, by a per-rank budget on the bytes live at each point of the program (here,
+what the search's plan holds there: `refine.bound`):
 
 - a value is held in the layout its producer makes from its producer to its last reader (a step's
   output, to the end);
@@ -66,13 +67,8 @@ def _points(intervals: list[tuple[int, int]]) -> np.ndarray:
 
 def held(problem, v: int, lay: int) -> float:
     """Bytes per rank of value `v` in layout `lay`."""
-    numel, itemsize = _numel(problem, v)
-    return numel * itemsize / _blocks(problem, lay)
-
-
-def _numel(problem, v: int) -> tuple[int, int]:
     shape, itemsize = problem.value_meta[v]
-    return math.prod(shape), itemsize
+    return math.prod(shape) * itemsize / _blocks(problem, lay)
 
 
 def _blocks(problem, lay: int) -> int:
@@ -106,12 +102,6 @@ def profile(problem, choice: list) -> np.ndarray:
             delta[first] += size
             delta[last + 1] -= size
     return np.cumsum(delta)[s.points]
-
-
-def peak(problem, choice: list) -> float:
-    """The most bytes per rank `choice` holds at any point (`profile`'s largest)."""
-    at = profile(problem, choice)
-    return float(at.max()) if len(at) else 0.0
 
 
 def rows(problem, cols, rows_, made: dict, readers: dict, limits: dict[int, float], price: float = 0.0) -> None:
