@@ -89,12 +89,12 @@ class _Rows:
         self.upper.append(upper)
 
 
-def _model(problem, open_: list | None = None, memory: dict | None = None, price: float = 0.0):
+def _model(problem, open_: list | None = None, memory: dict | None = None, byte_price: float = 0.0):
     """Variables and rows for `problem` (late candidates admitted: every candidate at its work).
     `open_`: per node, the candidates it may take (None: all); a node with one is held there, and
     a value no open node makes or reads is left out (its cost is then not in `constant`).
     `memory`: per point of the program, the most bytes per rank it may hold (`memory.rows`; or,
-    at a `price` per byte, those bytes priced). Returns
+    at `byte_price` a byte, those bytes priced). Returns
     (columns, rows, x: node -> open candidate -> column, or None where the node is held,
     constant: cost that no choice changes)."""
     cols, rows = _Columns(), _Rows()
@@ -121,7 +121,7 @@ def _model(problem, open_: list | None = None, memory: dict | None = None, price
         made_by = {v: _by_layout(lays(n, problem.c_outs, j), x[n]) for v, (n, j) in enumerate(problem.values)}
         read_by = {v: [_by_layout(lays(m, problem.c_ins, slot), x[m]) for m, slot in problem.consumers[v]]
                    for v in range(len(problem.values))}
-        held.rows(problem, cols, rows, made_by, read_by, memory, price)
+        held.rows(problem, cols, rows, made_by, read_by, memory, byte_price)
     for v in values:
         n, j = problem.values[v]
         made = _by_layout(lays(n, problem.c_outs, j), x[n])
@@ -284,7 +284,9 @@ def solve(problem, time_limit: float = 60.0, gap: float = 1e-6, start: list[int]
     it may hold (None: no bound; `start` must hold within). Solved without it, then bounded at the
     points where the answer holds more, and solved again, until an answer holds within: each
     answer's cost, of a program bounded at fewer points, is a lower bound, so the last is optimal
-    (a row at every point makes a knapsack of what is nearly a network problem)."""
+    where each solve was (a row at every point makes a knapsack of what is nearly a network
+    problem). An answer over only at points already bounded is over by HiGHS's tolerance, and
+    kept."""
     began = time.perf_counter()
     limits: dict = {}
     while True:
@@ -292,12 +294,12 @@ def solve(problem, time_limit: float = 60.0, gap: float = 1e-6, start: list[int]
         found = _solve(problem, limits, max(left, 0.0), gap, start, open_, presolve, relaxation_first)
         if memory is None or found.choice is None:
             return found
-        over = np.flatnonzero(held.profile(problem, found.choice) > memory)
-        if not len(over):
+        over = [r for r in np.flatnonzero(held.profile(problem, found.choice) > memory).tolist() if r not in limits]
+        if not over:
             return dataclasses.replace(found, seconds=time.perf_counter() - began)
         if time.perf_counter() - began >= time_limit:
             return Exact(None, np.inf, found.bound, False, found.variables, time.perf_counter() - began)
-        limits.update((int(r), float(memory[r])) for r in over)
+        limits.update((r, float(memory[r])) for r in over)
 
 
 def priced(problem, points, price: float, time_limit: float, gap: float, start: list[int], open_: list) -> Exact:
@@ -325,8 +327,8 @@ def _solve(problem, limits: dict, time_limit: float, gap: float, start: list[int
         return Exact(choice, cost, cost if open_ is None else -np.inf, True, 0, time.perf_counter() - began)
     if relaxation_first:
         # (`start`'s cost is its objective only where nothing is priced beyond `Problem.total`)
-        settled = _relaxed(problem, cols, rows, x, constant, candidate, time_limit, gap,
-                           None if price else start, presolve)
+        settled = _relaxed(problem, cols, rows, x, constant, candidate, time_limit - (time.perf_counter() - began),
+                           gap, None if price else start, presolve)
         if settled is not None:
             choice, cost, bound = settled
             return Exact(choice, cost, bound if open_ is None else -np.inf, True, n, time.perf_counter() - began)
@@ -424,7 +426,7 @@ def _highs(cols: _Columns, rows: _Rows, time_limit: float, gap: float, presolve:
                        for i in cols.integral]
     highs = _new_highs()
     highs.setOptionValue("output_flag", False)
-    highs.setOptionValue("time_limit", float(time_limit))
+    highs.setOptionValue("time_limit", max(float(time_limit), 0.0))  # (HiGHS refuses a negative one: no limit)
     highs.setOptionValue("mip_rel_gap", float(gap))
     highs.setOptionValue("threads", 1)
     if not presolve:

@@ -9,11 +9,13 @@ what the search's plan holds there: `refine.bound`):
 - a value is held in the layout its producer makes from its producer to its last reader (a step's
   output, to the end);
 - a copy of it in another layout is held from its first reader to its last, where any reader takes
-  it so (the lowering makes one copy per layout and every reader reads it: `lower._Emitter.local`).
+  it so (the lowering makes one copy per layout and every reader that takes it reads it,
+  `lower._Emitter.local`; made at the first such reader, so this is an upper bound).
 
 Points are the nodes in program order. Most points are below another: what is live at a point
 where only values end is within what was live before it, so the bound is kept only at a point
-where something ends after something began (`Spans.points`), a few hundred a layer.
+where something ends after something began (`Spans.points`), a few hundred a layer: a plan within
+the bound there peaks no higher than the bound's largest.
 """
 
 from __future__ import annotations
@@ -131,12 +133,13 @@ def rows(problem, cols, rows_, made: dict, readers: dict, limits: dict[int, floa
             size = held(problem, v, a)
             for col in chosen:
                 hold(s.made[v], size, col)
-        if s.read[v] is None:
-            continue
+        read = s.read[v]
+        if read is None or not lays or np.searchsorted(at, read[0]) == np.searchsorted(at, read[1], side="right"):
+            continue  # (no copy, or none held at a point bounded here)
         for b in {b for taken in readers[v] for b in taken}:
             copy = _copy(cols, rows_, lays.get(b, []), [taken.get(b, []) for taken in readers[v]])
             if copy is not False:
-                hold(s.read[v], held(problem, v, b), copy)
+                hold(read, held(problem, v, b), copy)
     if price:
         for r in kept:
             for col, size in terms[r].items():

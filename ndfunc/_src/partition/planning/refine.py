@@ -9,12 +9,12 @@ candidates that agrees with its current one along every other axis and does no m
 HiGHS (`exact`) finds the cheapest such plan of the whole program at once (block coordinate
 descent); rounds over the axes until none lowers the cost.
 
-No node does more work, and no point of the program holds more bytes per rank than the search's
-plan holds there (`memory.profile`): the cost model prices time alone, and its optimum runs a
+No node does more work, and no point where memory can peak holds more bytes per rank than the
+search's plan holds there (`memory.profile`): the cost model prices time alone, and its optimum runs a
 toy's step whole on every rank (a gathered batch costs less than reduced gradients) and gathers,
 at any dims, what the search kept split to save memory (sequence parallelism's layer inputs, a
 vocabulary-parallel loss's logits, FSDP's weights between their uses). A refined plan is as fast
-or faster than the search's and nowhere holds more; `exact.solve` with the same bound finds the
+or faster than the search's and peaks no higher, point by point; `exact.solve` with the same bound finds the
 cheapest plan that holds no more, the reference a refined plan is measured against.
 """
 
@@ -120,18 +120,19 @@ def _priced(problem, choice: list, open_: list, budget, deadline: float, free: e
         if time.perf_counter() >= deadline:
             break
         found = exact.priced(problem, sorted(points), price, deadline - time.perf_counter(), GAP, choice, open_)
-        if found.choice is None or found.cost >= cost * (1 - 1e-9):
+        if found.choice is None:
             break
         at = memory.profile(problem, found.choice)
         over = np.flatnonzero(at > budget)
-        if len(over):
+        if len(over):  # too little a price
             points.update(over.tolist())
             low, price = price, 2 * price if high is None else (price + high) / 2
             continue
-        if best is not None and found.cost >= best.cost:  # (a lower price found nothing cheaper)
-            break
-        best = found
-        high, price = price, (low + price) / 2
+        if found.cost < cost * (1 - 1e-9) and best is not None and found.cost >= best.cost:
+            break  # (a lower price found nothing cheaper)
+        if found.cost < cost * (1 - 1e-9):
+            best = found
+        high, price = price, (low + price) / 2  # within: try less
     return best
 
 

@@ -220,8 +220,8 @@ def _planned(problem: Problem) -> Plan:
     """The search's plan, improved one mesh axis at a time where an axis is small enough
     (`refine`); where the problem is small enough (`EXACT_VARIABLES`), HiGHS's from it, proven
     optimal or with the bound it reached in `EXACT_SECONDS`, kept where cheaper. Neither holds
-    more than the search's plan at any point of the program (`memory`)."""
-    plan = problem.solve()
+    more than the search's plan at any point where memory can peak (`memory`)."""
+    plan = searched = problem.solve()
     if limit := refine.variables():
         choice = refine.refine(problem, plan.choice, limit, refine.SECONDS)
         if choice is not plan.choice:
@@ -229,7 +229,7 @@ def _planned(problem: Problem) -> Plan:
     limit, seconds = exact_settings()
     if not limit or exact.size(problem) > limit:
         return plan
-    found = exact.solve(problem, time_limit=seconds, start=plan.choice, memory=refine.bound(problem, plan.choice))
+    found = exact.solve(problem, time_limit=seconds, start=plan.choice, memory=refine.bound(problem, searched.choice))
     if found.choice is not None and found.cost < (1 - EXACT_GAIN) * plan.cost:
         return problem.plan(found.choice, bound=found.bound)
     return dataclasses.replace(plan, bound=found.bound)
