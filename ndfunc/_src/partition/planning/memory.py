@@ -156,19 +156,15 @@ def rows(problem, cols, rows_, made: dict, readers: dict, limits: dict[int, floa
 
 def _copy(cols, rows_, made: list, taken: list[list]):
     """A column at least 1 where some reader takes the layout and the producer does not make it
-    (a copy held), None where one is always held, False where none ever is."""
-    made_always = made == [None]
-    if made_always:
+    (a copy held), None where one is always held, False where none ever is. (`made` is [None] or
+    columns only: a node held at one candidate makes one layout.)"""
+    if made == [None]:
         return False
-    if any(t == [None] for t in taken) and not made:
+    if not made and any(t == [None] for t in taken):
         return None
     col = None
-    for t in taken:
-        if not t:
-            continue
-        if col is None:
-            col = cols.add(0.0, False)
-        fixed = t.count(None) - made.count(None)
-        rows_.add([(col, 1.0), *[(c, -1.0) for c in t if c is not None], *[(c, 1.0) for c in made if c is not None]],
-                  float(fixed), np.inf)
+    for t in filter(None, taken):
+        col = cols.add(0.0, False) if col is None else col
+        rows_.add([(col, 1.0), *[(c, -1.0) for c in t if c is not None], *[(c, 1.0) for c in made]],
+                  float(t == [None]), np.inf)
     return False if col is None else col
